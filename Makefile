@@ -1,0 +1,27 @@
+# Everything runs in a local virtualenv with the CPU build of torch.
+# (A loose `pip install torch` can pull a multi-GB CUDA build; pyproject.toml states the
+# range the code supports, this pin picks the CPU wheel for CI and laptops.)
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+TORCH ?= torch==2.13.0
+
+.PHONY: install test demo clean
+
+$(BIN)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q $(TORCH)
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $@
+
+install: $(BIN)/.installed
+
+test: install
+	$(BIN)/python -m pytest
+
+demo: install
+	$(BIN)/attnres demo
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,194 @@
+"""ModelConfig: every knob of the decoder and its residual scheme, validated on creation."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+ATTNRES_WEIGHTS = ("pseudo_query", "input_query", "scalar")
+ATTNRES_KERNELS = ("softmax", "sigmoid")
+IMPLS = ("fused", "reference")
+DEFAULT_TARGET_BLOCKS = 8  # the paper's N ≈ 8
+
+
+def _bad(field: str, value, allowed: str) -> ValueError:
+    return ValueError(f"ModelConfig.{field}={value!r} is invalid: {allowed}")
+
+
+@dataclass
+class ModelConfig:
+    """A LLaMA-style decoder with a pluggable residual stream.
+
+    Sizes count Transformer blocks (``n_layers`` = L_b); the residual schemes
+    count sublayers (L = 2 * n_layers: one attention and one MLP each).
+
+    Residual options (SPEC §3-5):
+    - ``residual``: a name from ``attnres.residual.RESIDUALS``
+      ("prenorm", "full", "block").
+    - ``attnres_blocks`` (N) or ``attnres_block_size`` (S, in sublayers) for
+      "block". Give at most one. With neither, S is the smallest even size
+      that yields at most 8 depth blocks (boundaries before attention, the
+      paper's default). With N, S = ceil(L / N) and the last block is shorter
+      when L is not divisible; an N that no such S can produce is an error.
+    - ``attnres_weights``: "pseudo_query" (the method), "input_query"
+      (q_l = W_l h from the most recent source, W zero-init), or "scalar"
+      (input-independent mixing: a learned logit per (sublayer, source)).
+    - ``attnres_kernel``: "softmax" or "sigmoid".
+    - ``attnres_key_norm``: RMSNorm on the keys (on by default).
+    - ``attnres_heads``: per-head channel groups with their own weights.
+    - ``attnres_window``: Full AttnRes over the embedding plus the last W
+      sources only ("full" alone).
+    - ``attnres_impl``: "fused" (memory-lean custom autograd, the default) or
+      "reference" (plain autograd over a stacked source list).
+    """
+
+    vocab_size: int = 4096
+    d_model: int = 128
+    n_layers: int = 8
+    n_heads: int = 4
+    n_kv_heads: Optional[int] = None
+    d_ff: Optional[int] = None
+    max_seq_len: int = 256
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+
+    residual: str = "block"
+    attnres_blocks: Optional[int] = None
+    attnres_block_size: Optional[int] = None
+    attnres_weights: str = "pseudo_query"
+    attnres_kernel: str = "softmax"
+    attnres_key_norm: bool = True
+    attnres_heads: int = 1
+    attnres_window: Optional[int] = None
+    attnres_impl: str = "fused"
+
+    def __post_init__(self):
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if self.d_ff is None:
+            # SwiGLU with ~8/3 * d hidden units, rounded up to a multiple of 32
+            self.d_ff = 32 * math.ceil(8 * self.d_model / 3 / 32)
+        self.validate()
+
+    # ------------------------------------------------------------------ derived sizes
+    @property
+    def n_sublayers(self) -> int:
+        return 2 * self.n_layers
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def block_size(self) -> int:
+        """S: sublayers per depth block ("full" is S = 1; "prenorm" has no blocks, returns L)."""
+        L = self.n_sublayers
+        if self.residual == "full":
+            return 1
+        if self.residual != "block":
+            return L
+        if self.attnres_block_size is not None:
+            return self.attnres_block_size
+        if self.attnres_blocks is not None:
+            return math.ceil(L / self.attnres_blocks)
+        s = 2
+        while math.ceil(L / s) > DEFAULT_TARGET_BLOCKS:
+            s += 2
+        return min(s, L)
+
+    @property
+    def num_blocks(self) -> int:
+        """N: depth blocks, the last one possibly shorter."""
+        return math.ceil(self.n_sublayers / self.block_size)
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> None:
+        from attnres.residual import RESIDUALS  # late import: the registry imports this module
+
+        positive = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
+                    "max_seq_len", "attnres_heads")
+        for name in positive:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise _bad(name, value, "must be a positive integer")
+        for name in ("rope_theta", "norm_eps", "init_std"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise _bad(name, value, "must be a positive number")
+        if self.d_model % self.n_heads:
+            raise _bad("n_heads", self.n_heads,
+                       f"must divide d_model={self.d_model}; pick a divisor of {self.d_model}")
+        if self.head_dim % 2:
+            raise _bad("n_heads", self.n_heads,
+                       f"gives odd head_dim={self.head_dim}; RoPE needs an even head dimension")
+        if self.n_heads % self.n_kv_heads:
+            raise _bad("n_kv_heads", self.n_kv_heads,
+                       f"must divide n_heads={self.n_heads} (grouped-query attention)")
+        if self.residual not in RESIDUALS:
+            raise _bad("residual", self.residual, f"choose one of {sorted(RESIDUALS)}")
+        if self.attnres_weights not in ATTNRES_WEIGHTS:
+            raise _bad("attnres_weights", self.attnres_weights, f"choose one of {ATTNRES_WEIGHTS}")
+        if self.attnres_kernel not in ATTNRES_KERNELS:
+            raise _bad("attnres_kernel", self.attnres_kernel, f"choose one of {ATTNRES_KERNELS}")
+        if self.attnres_impl not in IMPLS:
+            raise _bad("attnres_impl", self.attnres_impl, f"choose one of {IMPLS}")
+        if not isinstance(self.attnres_key_norm, bool):
+            raise _bad("attnres_key_norm", self.attnres_key_norm, "must be True or False")
+        if not isinstance(self.tie_embeddings, bool):
+            raise _bad("tie_embeddings", self.tie_embeddings, "must be True or False")
+        if self.d_model % self.attnres_heads:
+            raise _bad("attnres_heads", self.attnres_heads,
+                       f"must divide d_model={self.d_model}")
+        if self.attnres_heads > 1 and self.attnres_weights == "scalar":
+            raise _bad("attnres_heads", self.attnres_heads,
+                       "scalar mixing has no query to split into heads; use attnres_heads=1")
+        L = self.n_sublayers
+        if self.attnres_blocks is not None and self.attnres_block_size is not None:
+            raise _bad("attnres_blocks", self.attnres_blocks,
+                       "give either attnres_blocks (N) or attnres_block_size (S), not both")
+        if self.attnres_blocks is not None:
+            n = self.attnres_blocks
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise _bad("attnres_blocks", n, "must be a positive integer")
+            if n > L:
+                raise _bad("attnres_blocks", n,
+                           f"exceeds the number of sublayers L={L} (2 * n_layers); use at most {L}")
+            s = math.ceil(L / n)
+            if math.ceil(L / s) != n:
+                raise _bad("attnres_blocks", n,
+                           f"cannot split L={L} sublayers into {n} blocks of {s} with only the last "
+                           f"one shorter; set attnres_block_size instead (S={s} gives "
+                           f"{math.ceil(L / s)} blocks)")
+        if self.attnres_block_size is not None:
+            s = self.attnres_block_size
+            if isinstance(s, bool) or not isinstance(s, int) or s < 1:
+                raise _bad("attnres_block_size", s, "must be an integer >= 1 (sublayers per block)")
+            if s > L:
+                raise _bad("attnres_block_size", s,
+                           f"exceeds the number of sublayers L={L}; use at most {L}")
+        if (self.attnres_blocks is not None or self.attnres_block_size is not None) \
+                and self.residual != "block":
+            raise _bad("residual", self.residual,
+                       "attnres_blocks / attnres_block_size only apply to residual='block'")
+        if self.attnres_window is not None:
+            w = self.attnres_window
+            if isinstance(w, bool) or not isinstance(w, int) or w < 1:
+                raise _bad("attnres_window", w, "must be a positive integer (sources kept)")
+            if self.residual != "full":
+                raise _bad("attnres_window", w,
+                           "the sliding window applies to residual='full' only")
+
+    # ------------------------------------------------------------------ (de)serialisation
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ModelConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown ModelConfig fields {unknown}; known fields: {sorted(known)}")
+        return cls(**data)

@@ -1,0 +1,182 @@
+"""A LLaMA-style decoder whose residual connections are a pluggable scheme.
+
+Read top to bottom: rotary embeddings, attention, SwiGLU MLP, the Transformer
+block (which holds its sublayers but no residual arithmetic), and the model,
+which drives the residual stream. Submodule names are part of the API:
+analysis tools and tests hook ``attn_norm`` (its input is the sublayer input
+h_l) and ``attn`` (its output is f_l), and likewise ``mlp_norm`` / ``mlp``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Dict, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from attnres.model.config import ModelConfig
+from attnres.residual import DepthRecord, build_residual
+
+
+# ----------------------------------------------------------------------------- rotary
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[Tensor, Tensor]:
+    """cos/sin tables [max_seq_len, head_dim] in the rotate-half convention (as HF LLaMA)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x: [B, H, T, hd]; cos/sin: [T, hd]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
+
+
+# ----------------------------------------------------------------------------- sublayers
+
+
+class Attention(nn.Module):
+    """Causal self-attention with grouped-query heads and RoPE."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
+        d, kv = config.d_model, config.n_kv_heads * config.head_dim
+        self.q_proj = nn.Linear(d, d, bias=False)
+        self.k_proj = nn.Linear(d, kv, bias=False)
+        self.v_proj = nn.Linear(d, kv, bias=False)
+        self.o_proj = nn.Linear(d, d, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.n_kv_heads != self.n_heads:
+            repeat = self.n_heads // self.n_kv_heads
+            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.d_model, config.d_ff, bias=False)
+        self.up_proj = nn.Linear(config.d_model, config.d_ff, bias=False)
+        self.down_proj = nn.Linear(config.d_ff, config.d_model, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class TransformerBlock(nn.Module):
+    """Two sublayers with their pre-norms; the residual arithmetic lives in the stream."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
+        self.attn = Attention(config)
+        self.mlp_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
+        self.mlp = SwiGLU(config)
+
+
+# ----------------------------------------------------------------------------- model
+
+
+@dataclass
+class LMOutput:
+    logits: Tensor
+    record: Optional[DepthRecord] = None
+
+
+class AttnResLM(nn.Module):
+    """Decoder-only LM: embedding, n_layers blocks driven through a residual stream, norm, head."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        config.validate()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.d_model)
+        self.blocks = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layers))
+        self.residual = build_residual(config)
+        self.norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        cos, sin = rope_tables(config.head_dim, config.max_seq_len, config.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Normal(0, init_std) weights; the two projections that write into the residual
+        stream are scaled by 1/sqrt(2 n_layers) (GPT-2). Residual-scheme parameters keep
+        their own initialisation (zero queries, unit key norms)."""
+        std = self.config.init_std
+        for name, module in self.named_modules():
+            if name.startswith("residual"):
+                continue
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                scale = 1.0
+                if name.endswith(("o_proj", "down_proj")):
+                    scale = 1.0 / math.sqrt(2 * self.config.n_layers)
+                nn.init.normal_(module.weight, mean=0.0, std=std * scale)
+            elif isinstance(module, nn.RMSNorm):
+                nn.init.ones_(module.weight)
+
+    def forward(self, input_ids: Tensor, *, return_record: bool = False):
+        """input_ids [B, T] -> logits [B, T, V] (at least float32, under autocast too).
+
+        With ``return_record=True`` returns ``LMOutput(logits, record)`` where the
+        DepthRecord holds, per sublayer, the depth weights (per token), the
+        source names and the RMS of the sublayer inputs and outputs.
+        """
+        b, t = input_ids.shape
+        if t > self.config.max_seq_len:
+            raise ValueError(
+                f"sequence length {t} exceeds ModelConfig.max_seq_len={self.config.max_seq_len}; "
+                "use shorter inputs or a model built with a larger max_seq_len"
+            )
+        record = DepthRecord() if return_record else None
+        cos, sin = self.rope_cos[:t], self.rope_sin[:t]
+        stream = self.residual.begin(self.embed(input_ids), record=record)
+        for i, block in enumerate(self.blocks):
+            h = stream.read(2 * i)
+            stream.write(2 * i, block.attn(block.attn_norm(h), cos, sin))
+            h = stream.read(2 * i + 1)
+            stream.write(2 * i + 1, block.mlp(block.mlp_norm(h)))
+        logits = self.lm_head(self.norm(stream.end()))
+        if logits.dtype in (torch.float16, torch.bfloat16):
+            logits = logits.float()  # the loss wants full-precision logits
+        return LMOutput(logits, record) if return_record else logits
+
+    # ------------------------------------------------------------------ bookkeeping
+    def param_kinds(self) -> Dict[str, str]:
+        """Every parameter name -> "matrix" (hidden 2-D weights: Muon, decayed), "embedding",
+        "head", or "no_decay" (norms, every residual-scheme parameter)."""
+        kinds = {}
+        residual = {f"residual.{n}" for n in self.residual.no_weight_decay()}
+        for name, p in self.named_parameters():
+            if name == "embed.weight":
+                kinds[name] = "embedding"
+            elif name == "lm_head.weight":
+                kinds[name] = "head"
+            elif name in residual or p.dim() < 2:
+                kinds[name] = "no_decay"
+            else:
+                kinds[name] = "matrix"
+        return kinds
+
+    def num_params(self, exclude_embeddings: bool = False) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        if exclude_embeddings:
+            n -= self.embed.weight.numel()
+        return n

@@ -1,0 +1,397 @@
+"""Depth attention: a softmax (or sigmoid) attention over a stack of sources.
+
+This is SPEC §3 as pure functions. For sources v_0 … v_{K-1}, a query q and a
+key-norm weight g:
+
+    logit_i = q · RMSNorm_g(v_i)        (no 1/sqrt(d) temperature)
+    alpha   = softmax_i(logit)          (per token, and per head)
+    h       = sum_i alpha_i v_i
+
+Keys equal values, so the normalised keys never need to exist in memory:
+``q · (v_i * r_i * g) = r_i * (v_i · (q * g))`` with ``r_i = rsqrt(mean(v_i^2) + eps)``.
+
+Layouts. The public functions take the SPEC's ``[K, B, T, D]``. Internally we
+work on ``[B, T, K, D]`` ("depth next to channels") because then the weighted
+sum is one batched ``[1, K] @ [K, D]`` product per token, and the residual
+stream's preallocated buffer can hand out views of its first ``k`` sources
+without copying.
+
+Heads. A query of shape ``[H, D/H]`` splits the channels into H groups with
+their own weights (Table 4, "multi-head"). The key RMSNorm still runs over the
+whole ``D``-vector (the same φ as single-head), so with zero queries every head
+is uniform and the zero-query equivalence holds for any H.
+
+Precision. Logits, softmax statistics and weights are float32 for float32,
+bfloat16 and float16 inputs (float64 stays float64, for gradcheck).
+
+Two implementations compute the same thing:
+- ``impl="reference"``: plain autograd, easy to read, saves large intermediates.
+- ``impl="fused"``: a custom autograd Function that saves only ``[B, T, K]``
+  sized tensors and recomputes the rest from the sources in backward. It can
+  also read sources in place from a buffer (see ``fused_depth_attention``).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+KERNELS = ("softmax", "sigmoid")
+IMPLS = ("fused", "reference")
+
+
+class DepthStats(NamedTuple):
+    """Unnormalised online-softmax statistics of one depth attention (SPEC §6).
+
+    ``o`` is ``sum_i exp(logit_i - m) v_i`` ([B, T, D], float32), ``m`` the
+    running max and ``l`` the normaliser ``sum_i exp(logit_i - m)`` ([B, T] or
+    [B, T, H]). ``finalize_stats`` turns them into h = o / l.
+    """
+
+    o: Tensor
+    m: Tensor
+    l: Tensor
+
+
+class DepthAttentionOutput(NamedTuple):
+    h: Tensor
+    weights: Optional[Tensor]  # [K, B, T] or [K, B, T, H]
+    stats: Optional[DepthStats]
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _query_heads(query: Tensor, d: int) -> int:
+    """Number of depth-attention heads implied by the query's shape."""
+    if query.dim() in (1, 3):  # [D] or [B, T, D]
+        if query.shape[-1] != d:
+            raise ValueError(f"query has {query.shape[-1]} channels, sources have {d}")
+        return 1
+    if query.dim() in (2, 4):  # [H, D/H] or [B, T, H, D/H]
+        h, dh = query.shape[-2:]
+        if h * dh != d:
+            raise ValueError(f"query heads {h} x {dh} do not cover the {d} source channels")
+        return h
+    raise ValueError(
+        f"query must be [D], [H, D/H], [B, T, D] or [B, T, H, D/H]; got shape {tuple(query.shape)}"
+    )
+
+
+def _head_view(x: Tensor, heads: int) -> Tensor:
+    """[..., D] -> [..., H, D/H]."""
+    return x.unflatten(-1, (heads, x.shape[-1] // heads))
+
+
+def _per_token(query: Tensor) -> bool:
+    return query.dim() >= 3
+
+
+def _check_kernel(kernel: str) -> None:
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel={kernel!r} is not supported; use one of {KERNELS}")
+
+
+def _expand_heads(x: Tensor, d: int) -> Tensor:
+    """Per-head quantity [..., H] -> per-channel [..., D]."""
+    return x.repeat_interleave(d // x.shape[-1], dim=-1)
+
+
+# ----------------------------------------------------------------------------- reference
+
+
+def _reference_logits(v: Tensor, query: Tensor, key_weight: Optional[Tensor], eps: float,
+                      normalize_keys: bool) -> Tensor:
+    """v: [B, T, K, D] (compute dtype). Returns logits [B, T, K, H]."""
+    d = v.shape[-1]
+    heads = _query_heads(query, d)
+    keys = v
+    if normalize_keys:
+        keys = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
+        if key_weight is not None:
+            keys = keys * key_weight.to(v.dtype)
+    q = query.to(v.dtype)
+    q = q.reshape(*q.shape[:-2], d) if heads > 1 else q  # [D] or [B, T, D]
+    q = q.unsqueeze(-2) if _per_token(query) else q  # broadcast over K
+    return _head_view(keys * q, heads).sum(-1)
+
+
+def depth_attention_reference(
+    sources: Tensor,
+    query: Tensor,
+    key_weight: Optional[Tensor] = None,
+    *,
+    eps: float = 1e-6,
+    kernel: str = "softmax",
+    normalize_keys: bool = True,
+) -> DepthAttentionOutput:
+    """Plain-autograd depth attention over sources [K, B, T, D]; returns h, weights and stats."""
+    _check_kernel(kernel)
+    cd = _compute_dtype(sources.dtype)
+    v = sources.movedim(0, 2).to(cd)  # [B, T, K, D]
+    d = v.shape[-1]
+    z = _reference_logits(v, query, key_weight, eps, normalize_keys)  # [B, T, K, H]
+    stats = None
+    if kernel == "softmax":
+        m = z.amax(dim=2)
+        p = torch.exp(z - m.unsqueeze(2))
+        l = p.sum(dim=2)
+        o = (_expand_heads(p, d) * v).sum(2)  # [B, T, D]
+        stats = DepthStats(o, m, l)
+        alpha = p / l.unsqueeze(2)
+    else:
+        alpha = torch.sigmoid(z)
+    h = (_expand_heads(alpha, d) * v).sum(2).to(sources.dtype)
+    weights = alpha.movedim(2, 0)  # [K, B, T, H]
+    if weights.shape[-1] == 1 and query.dim() in (1, 3):
+        weights = weights.squeeze(-1)
+        if stats is not None:
+            stats = DepthStats(stats.o, stats.m.squeeze(-1), stats.l.squeeze(-1))
+    return DepthAttentionOutput(h, weights, stats)
+
+
+# ----------------------------------------------------------------------------- fused
+
+
+class _FusedDepthAttention(torch.autograd.Function):
+    """Depth attention that keeps only [B, T, K]-sized tensors for backward.
+
+    ``segments`` are value tensors [B, T, k_j, D] that together form the K
+    sources (typically views into the residual stream's buffer: they are
+    stored on ctx directly, not through save_for_backward, because later
+    sublayers write *other* rows of that buffer in place and the rows read
+    here never change). ``producers`` are the autograd tensors whose values
+    the segments hold, one [B, T, D] tensor per source, in order; their
+    gradients are what backward returns.
+    """
+
+    @staticmethod
+    def forward(ctx, query, key_weight, segments, opts, *producers):
+        # precision is chosen here (float32 statistics), not by an enclosing autocast
+        with torch.autocast(segments[0].device.type, enabled=False):
+            return _FusedDepthAttention._forward(ctx, query, key_weight, segments, opts, producers)
+
+    @staticmethod
+    def _forward(ctx, query, key_weight, segments, opts, producers):
+        eps, kernel, normalize_keys = opts
+        d = segments[0].shape[-1]
+        heads = _query_heads(query, d)
+        cd = _compute_dtype(segments[0].dtype)
+        per_token = _per_token(query)
+        q = query.to(cd).reshape(*query.shape[:-2], d) if heads > 1 else query.to(cd)
+        u = q * key_weight.to(cd) if (normalize_keys and key_weight is not None) else q
+
+        s_parts, r_parts = [], []
+        for seg in segments:
+            v = seg.to(cd)
+            s_parts.append(_dot_sources(v, u, heads, per_token))  # [B, T, k, H]
+            if normalize_keys:
+                ms = torch.linalg.vector_norm(v, dim=-1).pow(2) / d
+                r_parts.append(torch.rsqrt(ms + eps))  # [B, T, k]
+        s = torch.cat(s_parts, dim=2)
+        r = torch.cat(r_parts, dim=2) if normalize_keys else None
+        z = s * r.unsqueeze(-1) if normalize_keys else s
+        if kernel == "softmax":
+            alpha = torch.softmax(z, dim=2)
+        else:
+            alpha = torch.sigmoid(z)
+
+        h = None
+        start = 0
+        for seg in segments:
+            k = seg.shape[2]
+            part = _weighted_sum(seg.to(cd), alpha[:, :, start:start + k], heads)
+            h = part if h is None else h + part
+            start += k
+
+        ctx.segments = segments
+        ctx.opts = (eps, kernel, normalize_keys, heads, per_token, cd,
+                    [(p.shape, p.dtype) for p in producers])
+        ctx.save_for_backward(query, key_weight, alpha, s, r)
+        return h.to(segments[0].dtype)
+
+    @staticmethod
+    def backward(ctx, gh):
+        query, key_weight, alpha, s, r = ctx.saved_tensors
+        eps, kernel, normalize_keys, heads, per_token, cd, producer_shapes = ctx.opts
+        segments = ctx.segments
+        d = segments[0].shape[-1]
+        gh = gh.to(cd)
+        q = query.to(cd).reshape(*query.shape[:-2], d) if heads > 1 else query.to(cd)
+        use_g = normalize_keys and key_weight is not None
+        g = key_weight.to(cd) if use_g else None
+        u = q * g if use_g else q
+
+        # dL/dalpha_i = gh . v_i (per head)
+        galpha = torch.cat([_dot_sources(seg.to(cd), gh, heads, True) for seg in segments], dim=2)
+        if kernel == "softmax":
+            gz = alpha * (galpha - (alpha * galpha).sum(dim=2, keepdim=True))
+        else:
+            gz = galpha * alpha * (1 - alpha)
+        if normalize_keys:
+            gs = gz * r.unsqueeze(-1)  # through z = s * r
+            gr = (gz * s).sum(-1)  # r is shared by the heads
+            cv = -gr * r.pow(3) / d  # d r / d v = -r^3 v / D
+        else:
+            gs, cv = gz, None
+
+        grads, gu = [], None
+        start = 0
+        u_b = u.unsqueeze(-2) if per_token else u  # broadcast over k
+        for seg in segments:
+            k = seg.shape[2]
+            v = seg.to(cd)
+            a_k, gs_k = alpha[:, :, start:start + k], gs[:, :, start:start + k]
+            gv = _expand_heads(a_k, d) * gh.unsqueeze(2)
+            gv = gv + _expand_heads(gs_k, d) * u_b
+            if cv is not None:
+                gv = gv + cv[:, :, start:start + k].unsqueeze(-1) * v
+            grads.append(gv)
+            part = _weighted_sum(v, gs_k, heads)  # [B, T, D] = sum_k gs_k v_k
+            gu = part if gu is None else gu + part
+            start += k
+
+        gq = gg = None
+        if not per_token:
+            gu = gu.sum(dim=(0, 1))
+        if ctx.needs_input_grad[0]:
+            gq = gu * g if use_g else gu
+            if heads > 1:
+                gq = gq.reshape(query.shape)
+            gq = gq.to(query.dtype)
+        if use_g and ctx.needs_input_grad[1]:
+            gg = gu * q
+            if per_token:
+                gg = gg.sum(dim=(0, 1))
+            gg = gg.to(key_weight.dtype)
+
+        producer_grads = []
+        for gv in grads:
+            for i in range(gv.shape[2]):
+                producer_grads.append(gv[:, :, i])
+        producer_grads = [
+            gp.reshape(shape).to(dtype) for gp, (shape, dtype) in zip(producer_grads, producer_shapes)
+        ]
+        return (gq, gg, None, None, *producer_grads)
+
+
+def _dot_sources(v: Tensor, u: Tensor, heads: int, per_token: bool) -> Tensor:
+    """Per-head dot products of sources v [B, T, k, D] with u: -> [B, T, k, H].
+
+    u is [D] (shared by every token) or [B, T, D] (one vector per token).
+    """
+    if heads == 1:
+        if per_token:
+            return torch.matmul(v, u.unsqueeze(-1))  # [B, T, k, 1]
+        return torch.matmul(v, u).unsqueeze(-1)
+    vh = _head_view(v, heads)
+    uh = _head_view(u, heads)
+    if per_token:
+        return torch.einsum("btkhe,bthe->btkh", vh, uh)
+    return torch.einsum("btkhe,he->btkh", vh, uh)
+
+
+def _weighted_sum(v: Tensor, w: Tensor, heads: int) -> Tensor:
+    """sum_k w[b, t, k, h] v[b, t, k, h-channels]: v [B, T, k, D], w [B, T, k, H] -> [B, T, D]."""
+    if heads == 1:
+        return torch.matmul(w.squeeze(-1).unsqueeze(-2).to(v.dtype), v).squeeze(-2)
+    out = torch.einsum("btkh,btkhe->bthe", w.to(v.dtype), _head_view(v, heads))
+    return out.flatten(-2)
+
+
+def fused_depth_attention(
+    segments: Sequence[Tensor],
+    producers: Sequence[Tensor],
+    query: Tensor,
+    key_weight: Optional[Tensor] = None,
+    *,
+    eps: float = 1e-6,
+    kernel: str = "softmax",
+    normalize_keys: bool = True,
+) -> Tensor:
+    """Depth attention over sources given as value segments plus their producers.
+
+    ``segments``: tensors [B, T, k_j, D] whose concatenation along dim 2 is the
+    K sources (views into a buffer are fine and are never copied).
+    ``producers``: the K autograd tensors [B, T, D] those values came from;
+    gradients flow to them. Returns h [B, T, D].
+    """
+    _check_kernel(kernel)
+    n = sum(seg.shape[2] for seg in segments)
+    if n != len(producers):
+        raise ValueError(f"segments hold {n} sources but {len(producers)} producers were given")
+    return _FusedDepthAttention.apply(
+        query, key_weight, tuple(segments), (eps, kernel, normalize_keys), *producers
+    )
+
+
+# ----------------------------------------------------------------------------- public
+
+
+def depth_attention(
+    sources: Tensor,
+    query: Tensor,
+    key_weight: Optional[Tensor] = None,
+    *,
+    eps: float = 1e-6,
+    kernel: str = "softmax",
+    normalize_keys: bool = True,
+    return_weights: bool = False,
+    return_stats: bool = False,
+    impl: str = "fused",
+):
+    """Attend over depth: sources [K, B, T, D] -> h [B, T, D].
+
+    query: [D] (one pseudo-query), [H, D/H] (multi-head), or per token
+    [B, T, D] / [B, T, H, D/H] (input-dependent queries).
+    key_weight: the key RMSNorm weight [D]; ignored when ``normalize_keys`` is off.
+    kernel: "softmax" or "sigmoid" (unnormalised weights, Table 4).
+    return_weights: also return alpha [K, B, T] (or [K, B, T, H]).
+    return_stats: also return the float32 online-softmax statistics
+    ``DepthStats(o, m, l)`` for the two-phase computation (softmax only).
+
+    Returns h, or ``DepthAttentionOutput(h, weights, stats)`` when any
+    ``return_*`` flag is set.
+    """
+    _check_kernel(kernel)
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r} is not supported; use one of {IMPLS}")
+    if sources.dim() != 4:
+        raise ValueError(f"sources must be [K, B, T, D]; got shape {tuple(sources.shape)}")
+    if return_stats and kernel != "softmax":
+        raise ValueError("return_stats needs kernel='softmax': sigmoid weights have no normaliser")
+    if return_weights or return_stats or impl == "reference":
+        out = depth_attention_reference(
+            sources, query, key_weight, eps=eps, kernel=kernel, normalize_keys=normalize_keys
+        )
+        if not (return_weights or return_stats):
+            return out.h
+        return DepthAttentionOutput(
+            out.h, out.weights if return_weights else None, out.stats if return_stats else None
+        )
+    return fused_depth_attention(
+        (sources.movedim(0, 2),), sources.unbind(0), query, key_weight,
+        eps=eps, kernel=kernel, normalize_keys=normalize_keys,
+    )
+
+
+def merge_stats(a: DepthStats, b: DepthStats) -> DepthStats:
+    """Exactly combine the statistics of two disjoint source sets (online softmax, SPEC §6)."""
+    m = torch.maximum(a.m, b.m)
+    ea, eb = torch.exp(a.m - m), torch.exp(b.m - m)
+    d = a.o.shape[-1]
+    wa = _expand_heads(ea.unsqueeze(-1) if ea.dim() == a.o.dim() - 1 else ea, d)
+    wb = _expand_heads(eb.unsqueeze(-1) if eb.dim() == b.o.dim() - 1 else eb, d)
+    return DepthStats(wa * a.o + wb * b.o, m, ea * a.l + eb * b.l)
+
+
+def finalize_stats(stats: DepthStats, dtype: Optional[torch.dtype] = None) -> Tensor:
+    """h = o / l, cast to ``dtype`` (default: keep the statistics' dtype)."""
+    l = stats.l.unsqueeze(-1) if stats.l.dim() == stats.o.dim() - 1 else stats.l
+    h = stats.o / _expand_heads(l, stats.o.shape[-1])
+    return h if dtype is None else h.to(dtype)

@@ -1,0 +1,106 @@
+"""The one interface every residual scheme implements.
+
+A scheme is an ``nn.Module`` that owns its parameters. ``begin(embedding)``
+starts one forward pass and returns a ``Stream`` that the model drives:
+
+    stream = scheme.begin(x)              # x = token embedding, [B, T, D]
+    for l in range(L):                    # L = 2 * n_layers sublayers
+        h = stream.read(l)                # input of sublayer l (before its pre-norm)
+        stream.write(l, f_l(norm_l(h)))   # its output
+    y = stream.end()                      # goes to the final norm and the LM head
+
+The model never asks which scheme it holds. Streams must be driven in this
+order; they check it, because a silently skipped write would corrupt the
+depth history.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+import torch
+from torch import Tensor, nn
+
+
+@dataclass
+class DepthRecord:
+    """What a stream saw during one forward pass, for analysis (filled when requested).
+
+    ``weights[l]``: depth weights of sublayer l over its sources, [K_l, B, T]
+    (or [K_l, B, T, H] for multi-head); index L is the final aggregation.
+    None for schemes without depth weights. ``sources[l]`` names those
+    sources ("emb", "v3", "b2", "b2~" for a partial block sum).
+    ``input_rms[l]`` / ``output_rms[l]``: root-mean-square of the sublayer's
+    input h_l and output f_l over batch and tokens.
+    """
+
+    weights: List[Optional[Tensor]] = field(default_factory=list)
+    sources: List[Optional[List[str]]] = field(default_factory=list)
+    input_rms: List[float] = field(default_factory=list)
+    output_rms: List[float] = field(default_factory=list)
+
+
+def _rms(x: Tensor) -> float:
+    return x.detach().float().pow(2).mean().sqrt().item()
+
+
+class Stream:
+    """One forward pass through a residual scheme. Subclasses implement _read/_write/_end."""
+
+    def __init__(self, n_sublayers: int, record: Optional[DepthRecord] = None):
+        self.n_sublayers = n_sublayers
+        self.record = record
+        self._next = 0
+        self._reading = False
+
+    def read(self, l: int) -> Tensor:
+        if l != self._next or self._reading:
+            raise RuntimeError(f"stream.read({l}) out of order: expected read({self._next})")
+        self._reading = True
+        h = self._read(l)
+        if self.record is not None:
+            self.record.input_rms.append(_rms(h))
+            self._record_weights(l)
+        return h
+
+    def write(self, l: int, f: Tensor) -> None:
+        if l != self._next or not self._reading:
+            raise RuntimeError(f"stream.write({l}) out of order: expected read({self._next}) first")
+        self._reading = False
+        self._next += 1
+        if self.record is not None:
+            self.record.output_rms.append(_rms(f))
+        self._write(l, f)
+
+    def end(self) -> Tensor:
+        if self._next != self.n_sublayers:
+            raise RuntimeError(f"stream.end() after {self._next} of {self.n_sublayers} sublayers")
+        if self.record is not None:
+            self._record_weights(self.n_sublayers)
+        return self._end()
+
+    # -- to implement
+    def _read(self, l: int) -> Tensor:
+        raise NotImplementedError
+
+    def _write(self, l: int, f: Tensor) -> None:
+        raise NotImplementedError
+
+    def _end(self) -> Tensor:
+        raise NotImplementedError
+
+    def _record_weights(self, l: int) -> None:
+        """Append the depth weights used by sublayer l (L = final) to the record."""
+        self.record.weights.append(None)
+        self.record.sources.append(None)
+
+
+class ResidualScheme(nn.Module):
+    """Base class of residual schemes: owns parameters, starts streams."""
+
+    def begin(self, embedding: Tensor, record: Optional[DepthRecord] = None) -> Stream:
+        raise NotImplementedError
+
+    def no_weight_decay(self) -> List[str]:
+        """Names (relative to this module) of parameters the trainer must not decay: all of ours."""
+        return [name for name, _ in self.named_parameters()]
