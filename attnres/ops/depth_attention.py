@@ -243,14 +243,18 @@ class _FusedDepthAttention(torch.autograd.Function):
         grads, gu = [], None
         start = 0
         u_b = u.unsqueeze(-2) if per_token else u  # broadcast over k
+        gh_h = _head_view(gh, heads).unsqueeze(2)  # [B, T, 1, H, Dh]
+        u_h = _head_view(u_b, heads)
         for seg in segments:
             k = seg.shape[2]
             v = seg.to(cd)
             a_k, gs_k = alpha[:, :, start:start + k], gs[:, :, start:start + k]
-            gv = _expand_heads(a_k, d) * gh.unsqueeze(2)
-            gv = gv + _expand_heads(gs_k, d) * u_b
+            # dv = alpha (x) gh + gs (x) u + cv * v, built in place (one [B, T, k, D] tensor)
+            gv = a_k.unsqueeze(-1) * gh_h
+            gv.addcmul_(gs_k.unsqueeze(-1), u_h)
+            gv = gv.flatten(-2)
             if cv is not None:
-                gv = gv + cv[:, :, start:start + k].unsqueeze(-1) * v
+                gv.addcmul_(cv[:, :, start:start + k].unsqueeze(-1), v)
             grads.append(gv)
             part = _weighted_sum(v, gs_k, heads)  # [B, T, D] = sum_k gs_k v_k
             gu = part if gu is None else gu + part
