@@ -1,0 +1,46 @@
+"""Depth weights as a matrix: row = consumer (sublayer l, then the final aggregation), column = source."""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import numpy as np
+import torch
+
+from attnres.residual import DepthRecord
+
+
+def _column(name: str) -> int:
+    """Source name -> column: emb -> 0, v3 / b3 / b3~ (partial sum of block 3) -> 3."""
+    if name == "emb":
+        return 0
+    return int(name.lstrip("vb").rstrip("~"))
+
+
+def depth_weight_matrix(record: DepthRecord) -> Optional[np.ndarray]:
+    """Mean depth weight over batch, tokens (and heads): [L + 1, max sources]; NaN where a
+    consumer does not read that source. None for schemes without depth weights (prenorm)."""
+    if not record.weights or record.weights[0] is None:
+        return None
+    cols = max(_column(n) for names in record.sources for n in names) + 1
+    out = np.full((len(record.weights), cols), np.nan)
+    for row, (w, names) in enumerate(zip(record.weights, record.sources)):
+        mean = w.float().flatten(1).mean(1) if w.dim() > 1 else w.float()
+        for value, name in zip(mean.tolist(), names):
+            out[row, _column(name)] = value
+    return out
+
+
+@torch.no_grad()
+def record_on_batch(model, input_ids: torch.Tensor) -> DepthRecord:
+    """Run one forward pass with recording on (model left in eval mode)."""
+    model.eval()
+    return model(input_ids, return_record=True).record
+
+
+def source_labels(record: DepthRecord) -> List[str]:
+    cols = max(_column(n) for names in record.sources for n in names) + 1
+    labels = [""] * cols
+    for names in record.sources:
+        for n in names:
+            labels[_column(n)] = n.rstrip("~")
+    return labels

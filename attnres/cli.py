@@ -1,0 +1,361 @@
+"""The ``attnres`` command: train, eval, sample, demo."""
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+DEMO_SCHEMES = ("prenorm", "block", "full")
+
+
+class CLIError(Exception):
+    """A user error: printed as one line, no traceback."""
+
+
+# ----------------------------------------------------------------------------- option parsing
+
+
+def _parse_value(text: str) -> Any:
+    lowered = text.lower()
+    if lowered in ("none", "null"):
+        return None
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def _collect_overrides(args) -> Dict[str, Any]:
+    overrides: Dict[str, Any] = {}
+    if getattr(args, "config", None):
+        from attnres.train.config import load_toml
+
+        overrides.update(load_toml(args.config))
+    for item in getattr(args, "set", None) or []:
+        if "=" not in item:
+            raise CLIError(f"--set {item!r}: expected KEY=VALUE, e.g. --set d_model=256")
+        key, value = item.split("=", 1)
+        overrides[key.strip().replace("-", "_")] = _parse_value(value.strip())
+    for key in ("preset", "residual", "steps", "data", "lr", "optimizer", "device", "precision", "seed",
+                "batch_size", "seq_len", "tokenizer", "schedule"):
+        value = getattr(args, key, None)
+        if value is not None:
+            overrides[key] = value
+    if getattr(args, "out", None):
+        overrides["out_dir"] = args.out
+    if getattr(args, "no_progress", False):
+        overrides["progress"] = False
+    return overrides
+
+
+def _add_run_options(p: argparse.ArgumentParser, *, preset_default: Optional[str]) -> None:
+    from attnres.train.config import PRESETS
+
+    p.add_argument("--preset", default=None,
+                   help=f"named preset: {', '.join(PRESETS)} (default: {preset_default})")
+    p.add_argument("--config", help="TOML file with model and training options ([model]/[train] tables "
+                                     "or top-level keys; flags override it)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="any ModelConfig or TrainConfig field, e.g. --set d_model=256 --set attnres_blocks=4")
+    p.add_argument("--data", help="text file, directory, glob, or .jsonl with a 'text' field "
+                                  "(default: the bundled Shakespeare corpus)")
+    p.add_argument("--steps", type=int, help="optimizer steps")
+    p.add_argument("--lr", type=float, help="learning rate (AdamW and Muon)")
+    p.add_argument("--optimizer", choices=("muon", "adamw"))
+    p.add_argument("--schedule", choices=("wsd", "cosine", "constant"))
+    p.add_argument("--batch-size", dest="batch_size", type=int)
+    p.add_argument("--seq-len", dest="seq_len", type=int)
+    p.add_argument("--tokenizer", choices=("bpe", "byte"))
+    p.add_argument("--seed", type=int)
+    p.add_argument("--device", help="auto, cpu, cuda, cuda:N")
+    p.add_argument("--precision", choices=("fp32", "bf16"))
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+# ----------------------------------------------------------------------------- commands
+
+
+def cmd_train(args) -> int:
+    from attnres.train.config import build_configs
+    from attnres.train.trainer import Trainer
+
+    model_cfg, train_cfg = build_configs("demo", _collect_overrides(args))
+    trainer = Trainer(model_cfg, train_cfg, resume=args.resume)
+    print(f"model: {model_cfg.residual}, {trainer.model.num_params():,} parameters, "
+          f"{model_cfg.n_layers} blocks x d={model_cfg.d_model}; data: "
+          f"{len(trainer.data.train_names)} train / {len(trainer.data.val_names)} validation documents")
+    result = trainer.run()
+    print(f"step {result.steps}: val loss {result.val_loss:.4f} nats/token, "
+          f"{result.val_bpb:.4f} bits/byte, {result.tokens_per_second:,.0f} tokens/s -> {result.out_dir}")
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from attnres.data import prepare_data
+    from attnres.train.trainer import evaluate, load_model
+
+    model, _, state = load_model(args.run, device=args.device)
+    tc = state["train_config"]
+    data = prepare_data(data=args.data if args.data else tc["data"], tokenizer=tc["tokenizer"],
+                        vocab_size=tc["vocab_size"], val_fraction=tc["val_fraction"],
+                        cache_dir=tc.get("cache_dir"))
+    ev = evaluate(model, data.val, batch_size=tc["batch_size"], seq_len=tc["seq_len"],
+                  max_batches=args.batches)
+    print(json.dumps({"step": state["step"], **ev}))
+    return 0
+
+
+def cmd_sample(args) -> int:
+    import torch
+
+    from attnres.sampling import generate
+    from attnres.train.trainer import load_model
+
+    model, tokenizer, _ = load_model(args.run, device=args.device)
+    if tokenizer is None:
+        raise CLIError(f"{args.run} has no tokenizer.json; pass the run directory written by attnres train")
+    ids = tokenizer.encode(args.prompt)
+    if not ids:
+        raise CLIError("--prompt encodes to no tokens; give a non-empty prompt")
+    sys.stdout.write(args.prompt)
+    sys.stdout.flush()
+    out: List[int] = []
+    text = ""
+    for tok in generate(model, torch.tensor([ids]), args.max_new_tokens, temperature=args.temperature,
+                        top_k=args.top_k, top_p=args.top_p, seed=args.seed):
+        out.append(tok)
+        new_text = tokenizer.decode(out)
+        if args.stop and args.stop in new_text:
+            sys.stdout.write(new_text[len(text):new_text.index(args.stop) + len(args.stop)])
+            break
+        sys.stdout.write(new_text[len(text):])
+        sys.stdout.flush()
+        text = new_text
+    sys.stdout.write("\n")
+    return 0
+
+
+def _machine() -> str:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return (f"{cpu}, {os.cpu_count()} cores visible, torch {torch.__version__} "
+            f"({torch.get_num_threads()} threads), Python {platform.python_version()}")
+
+
+def _summary_if_complete(run_dir: Path, model_cfg, train_cfg) -> Optional[dict]:
+    """A finished run with exactly these configs, or None."""
+    try:
+        cfg = json.loads((run_dir / "config.json").read_text())
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    same_model = {k: v for k, v in cfg["model"].items() if k != "vocab_size"} == \
+        {k: v for k, v in model_cfg.to_dict().items() if k != "vocab_size"}
+    ignore = {"progress", "threads"}
+    same_train = {k: v for k, v in cfg["train"].items() if k not in ignore} == \
+        {k: v for k, v in train_cfg.to_dict().items() if k not in ignore}
+    return summary if same_model and same_train and summary.get("steps") == train_cfg.steps else None
+
+
+def cmd_demo(args) -> int:
+    """Train prenorm, Block AttnRes and Full AttnRes on the same data, seed and budget; report."""
+    from attnres.analysis.depth import depth_weight_matrix, record_on_batch, source_labels
+    from attnres.analysis.plots import plot_depth_heatmaps, plot_loss_curves
+    from attnres.data import eval_batches
+    from attnres.train.checkpoint import CheckpointError
+    from attnres.train.config import build_configs
+    from attnres.train.trainer import Trainer, load_model
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    overrides = _collect_overrides(args)
+    overrides.pop("out_dir", None)
+    started = time.time()
+    rows, heatmaps = [], {}
+    for scheme in DEMO_SCHEMES:
+        run_dir = out / scheme
+        model_cfg, train_cfg = build_configs("demo", {**overrides, "residual": scheme,
+                                                           "out_dir": str(run_dir)})
+        summary = None if args.fresh else _summary_if_complete(run_dir, model_cfg, train_cfg)
+        if summary is not None:
+            print(f"[{scheme}] reusing the finished run in {run_dir} (--fresh retrains)")
+            model, _, _ = load_model(str(run_dir))
+            from attnres.data import prepare_data
+
+            tc = train_cfg
+            val = prepare_data(data=tc.data, tokenizer=tc.tokenizer, vocab_size=tc.vocab_size,
+                               val_fraction=tc.val_fraction, cache_dir=tc.cache_dir).val
+        else:
+            resume = (not args.fresh) and (run_dir / "checkpoint" / "state.json").exists()
+            try:
+                trainer = Trainer(model_cfg, train_cfg, resume=resume)
+            except (CheckpointError, ValueError) as e:
+                if not resume:
+                    raise
+                print(f"[{scheme}] cannot resume ({e}); training from scratch")
+                trainer = Trainer(model_cfg, train_cfg, resume=False)
+            print(f"[{scheme}] {trainer.model.num_params():,} parameters, {train_cfg.steps} steps "
+                  f"of {train_cfg.batch_size}x{train_cfg.seq_len} tokens")
+            summary = trainer.run().__dict__
+            model, val = trainer.model, trainer.data.val
+        rows.append((scheme, summary))
+        if scheme != "prenorm":
+            x, _ = next(iter(eval_batches(val.tokens, 4, train_cfg.seq_len, max_batches=1)))
+            record = record_on_batch(model, x.to(next(model.parameters()).device))
+            matrix = depth_weight_matrix(record)
+            path = out / f"depth_weights_{scheme}.png"
+            plot_depth_heatmaps(matrix, source_labels(record), str(path),
+                                f"{scheme} AttnRes: mean depth weights on validation text")
+            heatmaps[scheme] = path.name
+    curves = plot_loss_curves({s: str(out / s) for s in DEMO_SCHEMES}, str(out / "loss_curves.png"),
+                              "prenorm vs Block AttnRes vs Full AttnRes")
+    table = _demo_table(rows)
+    print()
+    print(table)
+    _write_demo_report(out, table, heatmaps, Path(curves).name, time.time() - started, args, train_cfg,
+                       model_cfg)
+    print(f"\nreport: {out / 'REPORT.md'}")
+    return 0
+
+
+def _demo_table(rows) -> str:
+    base = dict(rows)["prenorm"]["step_seconds"]
+    lines = ["| scheme | params | tokens | val loss (nats/token) | bits/byte | tokens/s | step time vs prenorm |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for scheme, s in rows:
+        lines.append(f"| {scheme} | {s['params']:,} | {s['tokens']:,} | {s['val_loss']:.4f} | "
+                     f"{s['val_bpb']:.4f} | {s['tokens_per_second']:,.0f} | {s['step_seconds'] / base:.2f}x |")
+    return "\n".join(lines)
+
+
+def _write_demo_report(out: Path, table: str, heatmaps: dict, curves: str, wall: float, args,
+                       train_cfg, model_cfg) -> None:
+    cmd = "attnres " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("attnres") \
+        else "attnres demo"
+    lines = [
+        "# attnres demo",
+        "",
+        f"Command: `{cmd}`  ",
+        f"Machine: {_machine()}  ",
+        f"Wall time (this invocation, including data preparation and reused runs): {wall / 60:.1f} min",
+        "",
+        f"Model: {model_cfg.n_layers} Transformer blocks ({model_cfg.n_sublayers} sublayers), "
+        f"d_model={model_cfg.d_model}, {model_cfg.n_heads} heads; Block AttnRes with "
+        f"S={build_block_size(model_cfg)} sublayers per block. Training: {train_cfg.steps} steps x "
+        f"{train_cfg.batch_size} x {train_cfg.seq_len} tokens, {train_cfg.optimizer}, "
+        f"{train_cfg.schedule} schedule, lr {train_cfg.lr}, seed {train_cfg.seed}; "
+        f"same data order for every scheme.",
+        "",
+        "Validation loss is measured on whole held-out works; one seed, so differences of a few "
+        "hundredths may be noise (the experiments report several seeds). Step time is the median "
+        "optimizer step (forward + backward + update) measured in the same process.",
+        "",
+        table,
+        "",
+        f"![loss curves]({curves})",
+        "",
+    ]
+    for scheme, png in heatmaps.items():
+        lines += [f"### {scheme}: depth weights (pre-attention and pre-MLP inputs)", "", f"![{scheme}]({png})", ""]
+    (out / "REPORT.md").write_text("\n".join(lines))
+
+
+def build_block_size(model_cfg) -> int:
+    from attnres.model import ModelConfig
+
+    return ModelConfig(**{**model_cfg.to_dict(), "residual": "block"}).block_size
+
+
+# ----------------------------------------------------------------------------- entry point
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="attnres", description="Attention Residuals: train, evaluate, sample, and the demo.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("train", help="train a model", description=(
+        "Train a decoder LM with a chosen residual scheme. Options come from a preset, then a TOML "
+        "--config, then flags and --set KEY=VALUE. Example: attnres train --preset demo --residual "
+        "block --out runs/block"))
+    _add_run_options(p, preset_default="demo")
+    p.add_argument("--residual", help="prenorm, full, block (see attnres.RESIDUALS)")
+    p.add_argument("--out", help="run directory (checkpoint, metrics, tokenizer, summary)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("eval", help="validation loss of a trained run", description=(
+        "Evaluate a run's checkpoint on its validation split (or on --data)."))
+    p.add_argument("run", help="run directory or checkpoint directory")
+    p.add_argument("--data", help="evaluate on this data's validation split instead")
+    p.add_argument("--batches", type=int, default=None, help="number of validation batches (default: all)")
+    p.add_argument("--device", default="cpu")
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("sample", help="generate text from a trained run", description=(
+        "Generate text from a run's checkpoint, streaming it to stdout."))
+    p.add_argument("run", help="run directory")
+    p.add_argument("--prompt", default="ROMEO:\n")
+    p.add_argument("--max-new-tokens", dest="max_new_tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    p.add_argument("--top-k", dest="top_k", type=int, default=None)
+    p.add_argument("--top-p", dest="top_p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stop", default=None, help="stop after this string appears")
+    p.add_argument("--device", default="cpu")
+    p.set_defaults(func=cmd_sample)
+
+    p = sub.add_parser("demo", help="the main job: prenorm vs Block vs Full AttnRes", description=(
+        "Train prenorm, Block AttnRes and Full AttnRes with the same seed, data order and budget on the "
+        "bundled Shakespeare corpus, print a table and write a report (loss curves, depth-weight "
+        "heatmaps). Finished runs are reused; interrupted ones resume."))
+    _add_run_options(p, preset_default="demo")
+    p.add_argument("--out", default="runs/demo", help="report directory (default runs/demo)")
+    p.add_argument("--fresh", action="store_true", help="retrain even if finished runs exist")
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "command", None):
+        parser.print_help()
+        return 2
+    from attnres.train.checkpoint import CheckpointError
+    from attnres.train.trainer import TrainingDiverged, TrainingInterrupted
+
+    try:
+        return args.func(args)
+    except TrainingInterrupted as e:
+        print(f"\n{e}", file=sys.stderr)
+        return 130
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    except (CLIError, CheckpointError, TrainingDiverged, ValueError, FileNotFoundError) as e:
+        if os.environ.get("ATTNRES_DEBUG"):
+            raise
+        print(f"attnres {args.command}: error: {e}", file=sys.stderr)
+        print("(set ATTNRES_DEBUG=1 for the full traceback)", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

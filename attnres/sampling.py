@@ -1,0 +1,52 @@
+"""Text generation: temperature, top-k and top-p (nucleus) sampling with a seed.
+
+Each new token recomputes the (cropped) context; the KV-cached path belongs to
+the inference work and will plug in behind ``generate`` unchanged.
+"""
+from __future__ import annotations
+
+from typing import Iterator, Optional
+
+import torch
+
+
+def filter_logits(logits: torch.Tensor, top_k: Optional[int] = None,
+                  top_p: Optional[float] = None) -> torch.Tensor:
+    """Mask (to -inf) everything outside the top-k and outside the smallest set whose mass >= top_p."""
+    if top_k is not None and top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and 0 < top_p < 1:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # drop a token when the mass before it already reaches top_p (the first token always stays)
+        drop = (probs.cumsum(-1) - probs) >= top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    return logits
+
+
+@torch.no_grad()
+def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
+             top_k: Optional[int] = None, top_p: Optional[float] = None,
+             seed: Optional[int] = None) -> Iterator[int]:
+    """Yield new token ids one at a time (batch of one). temperature 0 = greedy."""
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise ValueError(f"generate takes one prompt [1, T]; got shape {tuple(input_ids.shape)}")
+    if temperature < 0:
+        raise ValueError(f"temperature={temperature} must be >= 0 (0 = greedy)")
+    model.eval()
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed if seed is not None else torch.seed())
+    ids = input_ids.to(device)
+    limit = model.config.max_seq_len
+    for _ in range(max_new_tokens):
+        logits = model(ids[:, -limit:])[:, -1].float()
+        if temperature == 0:
+            nxt = logits.argmax(-1, keepdim=True)
+        else:
+            probs = torch.softmax(filter_logits(logits / temperature, top_k, top_p), dim=-1)
+            nxt = torch.multinomial(probs, 1, generator=gen)
+        ids = torch.cat([ids, nxt], dim=1)
+        yield int(nxt.item())

@@ -1,0 +1,180 @@
+"""TrainConfig, named presets, and building a run's two configs from presets, files and flags."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, Optional, Tuple
+
+from attnres.model.config import ModelConfig
+
+PRECISIONS = ("fp32", "bf16")
+TOKENIZERS = ("bpe", "byte")
+
+
+@dataclass
+class TrainConfig:
+    """Everything about a training run that is not the model."""
+
+    out_dir: str = "runs/default"
+    data: Optional[str] = None  # None: the bundled Shakespeare corpus
+    tokenizer: str = "bpe"
+    vocab_size: int = 4096  # BPE vocabulary; the model's vocab_size follows the tokenizer
+    val_fraction: float = 0.1
+    seq_len: int = 128
+    batch_size: int = 16
+    grad_accum: int = 1
+    steps: int = 300
+    optimizer: str = "muon"
+    lr: float = 3e-3
+    muon_lr: Optional[float] = None  # None: same as lr (Muon's update is RMS-matched to AdamW)
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    schedule: str = "wsd"
+    warmup_steps: int = 30
+    decay_fraction: float = 0.2  # WSD: share of the run spent decaying
+    grad_clip: float = 1.0
+    eval_every: int = 100
+    eval_batches: int = 16
+    checkpoint_every: int = 100
+    seed: int = 1337
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    precision: str = "fp32"  # fp32 | bf16 (autocast)
+    threads: Optional[int] = None
+    progress: bool = True
+    cache_dir: Optional[str] = None
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(field, allowed):
+            return ValueError(f"TrainConfig.{field}={getattr(self, field)!r} is invalid: {allowed}")
+
+        for name in ("vocab_size", "seq_len", "batch_size", "grad_accum", "steps", "eval_every",
+                     "eval_batches", "checkpoint_every"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise bad(name, "must be a positive integer")
+        for name in ("warmup_steps", "seed"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise bad(name, "must be a non-negative integer")
+        if self.warmup_steps > self.steps:
+            raise bad("warmup_steps", f"must not exceed steps={self.steps}")
+        for name in ("lr", "weight_decay", "grad_clip"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+                raise bad(name, "must be a non-negative number")
+        if not 0 < self.val_fraction < 1:
+            raise bad("val_fraction", "must be between 0 and 1 (exclusive)")
+        if not 0 <= self.decay_fraction <= 1:
+            raise bad("decay_fraction", "must be between 0 and 1")
+        if self.tokenizer not in TOKENIZERS:
+            raise bad("tokenizer", f"choose one of {TOKENIZERS}")
+        if self.precision not in PRECISIONS:
+            raise bad("precision", f"choose one of {PRECISIONS}")
+        from attnres.train.optim import OPTIMIZER_NAMES
+        from attnres.train.schedule import SCHEDULE_NAMES
+
+        if self.optimizer not in OPTIMIZER_NAMES:
+            raise bad("optimizer", f"choose one of {tuple(OPTIMIZER_NAMES)}")
+        if self.schedule not in SCHEDULE_NAMES:
+            raise bad("schedule", f"choose one of {tuple(SCHEDULE_NAMES)}")
+        if not (self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda")):
+            raise bad("device", "use auto, cpu, cuda or cuda:N")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# Fields that may change when a run resumes without changing what has been computed so far.
+RESUMABLE_CHANGES = {"steps", "eval_every", "checkpoint_every", "progress", "threads", "out_dir",
+                     "device", "cache_dir"}
+
+
+# ----------------------------------------------------------------------------- presets
+
+PRESETS: Dict[str, Dict[str, Dict[str, Any]]] = {
+    # seconds: smoke tests and CI
+    "tiny": {
+        "model": dict(d_model=32, n_layers=2, n_heads=2, max_seq_len=32),
+        "train": dict(tokenizer="byte", seq_len=32, batch_size=4, steps=30, warmup_steps=3,
+                      eval_every=10, eval_batches=2, checkpoint_every=10, lr=3e-3),
+    },
+    # the main job: three of these in about ten minutes on 2 CPU cores
+    "demo": {
+        "model": dict(d_model=128, n_layers=8, n_heads=4, max_seq_len=128),
+        "train": dict(tokenizer="bpe", vocab_size=4096, seq_len=128, batch_size=16, steps=600,
+                      warmup_steps=60, eval_every=100, eval_batches=16, checkpoint_every=100),
+    },
+    # deeper and wider, for a longer CPU run or a GPU
+    "small": {
+        "model": dict(d_model=256, n_layers=12, n_heads=4, max_seq_len=256),
+        "train": dict(tokenizer="bpe", vocab_size=4096, seq_len=256, batch_size=32, steps=2000,
+                      warmup_steps=100, eval_every=200, eval_batches=32, checkpoint_every=200),
+    },
+}
+
+
+def split_overrides(overrides: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """Route flat ``key=value`` overrides to ModelConfig or TrainConfig by field name."""
+    model_fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    train_fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    model, train = {}, {}
+    for key, value in overrides.items():
+        if key == "vocab_size":
+            train[key] = value  # the tokenizer decides the model's vocabulary
+        elif key in model_fields:
+            model[key] = value
+        elif key in train_fields:
+            train[key] = value
+        else:
+            raise ValueError(
+                f"unknown option {key!r}; model options: {sorted(model_fields - {'vocab_size'})}; "
+                f"training options: {sorted(train_fields)}"
+            )
+    return model, train
+
+
+def load_toml(path: str) -> Dict[str, Any]:
+    """A TOML config: top-level keys, or [model] / [train] tables, plus an optional preset key."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"config file {path!r} does not exist; pass an existing .toml file")
+    try:
+        data = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"config file {path!r} is not valid TOML: {e}") from e
+    flat = {}
+    for key, value in data.items():
+        if key in ("model", "train") and isinstance(value, dict):
+            flat.update(value)
+        else:
+            flat[key] = value
+    return flat
+
+
+def build_configs(preset: Optional[str] = None, overrides: Optional[Dict[str, Any]] = None
+                  ) -> Tuple[ModelConfig, TrainConfig]:
+    """Preset defaults, then overrides (from a file and/or flags), validated."""
+    overrides = dict(overrides or {})
+    preset = overrides.pop("preset", None) or preset
+    model_kw, train_kw = {}, {}
+    if preset is not None:
+        if preset not in PRESETS:
+            raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+        model_kw.update(PRESETS[preset]["model"])
+        train_kw.update(PRESETS[preset]["train"])
+    m, t = split_overrides(overrides)
+    model_kw.update(m)
+    train_kw.update(t)
+    train = TrainConfig(**train_kw)
+    model_kw.setdefault("max_seq_len", train.seq_len)
+    model_kw["max_seq_len"] = max(model_kw["max_seq_len"], train.seq_len)
+    return ModelConfig(**model_kw), train

@@ -1,0 +1,197 @@
+"""The trainer and the CLI end to end, on tiny models and small local corpora."""
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from attnres.cli import main
+from attnres.train.config import build_configs
+from attnres.train.trainer import Trainer, TrainingDiverged, TrainingInterrupted
+
+WORDS = ("the quick brown fox jumps over a lazy dog while seven kings of old sing about "
+         "rain and wind upon the hills where shepherds keep their flocks by night").split()
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """Eight small 'works' of pseudo-English text, deterministic."""
+    root = tmp_path_factory.mktemp("corpus")
+    g = torch.Generator().manual_seed(0)
+    for i in range(8):
+        idx = torch.randint(0, len(WORDS), (3000,), generator=g).tolist()
+        lines = [" ".join(WORDS[j] for j in idx[k:k + 12]) for k in range(0, len(idx), 12)]
+        (root / f"work_{i}.txt").write_text("\n".join(lines) + "\n")
+    return str(root)
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("ATTNRES_CACHE", str(tmp_path / "cache"))
+
+
+def configs(corpus, out, **overrides):
+    return build_configs("tiny", {"data": corpus, "out_dir": str(out), "progress": False, **overrides})
+
+
+def losses(run_dir):
+    rows = [json.loads(l) for l in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if l]
+    return [r["loss"] for r in rows if r.get("kind") == "train"]
+
+
+def test_thirty_steps_lower_the_loss(corpus, tmp_path):
+    result = Trainer(*configs(corpus, tmp_path / "run", residual="block")).run()
+    seen = losses(tmp_path / "run")
+    assert result.steps == 30 and len(seen) == 30
+    assert sum(seen[-5:]) / 5 < sum(seen[:5]) / 5 - 0.3
+    assert result.val_loss < 5.0 and result.val_bpb > 0
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["val_loss"] == pytest.approx(result.val_loss)
+
+
+@pytest.mark.parametrize("optimizer", ["muon", "adamw"])
+def test_ctrl_c_then_resume_reproduces_an_uninterrupted_run(corpus, tmp_path, monkeypatch, optimizer):
+    full = tmp_path / "full"
+    Trainer(*configs(corpus, full, residual="full", optimizer=optimizer)).run()
+
+    part = tmp_path / "part"
+    original = Trainer.train_step
+
+    def interrupting(self):
+        loss = original(self)
+        if self.step == 13:
+            os.kill(os.getpid(), signal.SIGINT)  # a real Ctrl-C, handled between steps
+        return loss
+
+    monkeypatch.setattr(Trainer, "train_step", interrupting)
+    with pytest.raises(TrainingInterrupted, match="step 13"):
+        Trainer(*configs(corpus, part, residual="full", optimizer=optimizer)).run()
+    monkeypatch.setattr(Trainer, "train_step", original)
+    assert len(losses(part)) == 13
+
+    Trainer(*configs(corpus, part, residual="full", optimizer=optimizer), resume=True).run()
+    assert losses(part) == losses(full)  # bitwise: same data, same optimizer and RNG state
+    a, b = (json.loads((d / "summary.json").read_text()) for d in (full, part))
+    assert a["val_loss"] == b["val_loss"]
+
+
+def test_nan_loss_stops_with_the_step_and_keeps_the_last_checkpoint(corpus, tmp_path, monkeypatch):
+    import attnres.train.trainer as trainer_mod
+
+    real = trainer_mod.lm_loss
+    calls = {"n": 0}
+
+    def poisoned(logits, targets):
+        calls["n"] += 1
+        loss = real(logits, targets)
+        return loss * float("nan") if calls["n"] == 25 else loss
+
+    monkeypatch.setattr(trainer_mod, "lm_loss", poisoned)
+    model_cfg, train_cfg = configs(corpus, tmp_path / "run", eval_every=100)
+    with pytest.raises(TrainingDiverged, match="at step 24"):
+        Trainer(model_cfg, train_cfg).run()
+    state = json.loads((tmp_path / "run" / "checkpoint" / "state.json").read_text())
+    assert state["step"] == 20
+
+
+def test_resume_with_different_options_is_a_clear_error(corpus, tmp_path):
+    Trainer(*configs(corpus, tmp_path / "run", steps=10, warmup_steps=2)).run()
+    with pytest.raises(ValueError, match="lr: checkpoint=0.003, now=0.01"):
+        Trainer(*configs(corpus, tmp_path / "run", steps=10, warmup_steps=2, lr=0.01), resume=True)
+    with pytest.raises(ValueError, match="d_model"):
+        Trainer(*configs(corpus, tmp_path / "run", steps=10, warmup_steps=2, d_model=64), resume=True)
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def run_cli(*argv):
+    return main([str(a) for a in argv])
+
+
+def test_cli_train_eval_sample(corpus, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert run_cli("train", "--preset", "tiny", "--data", corpus, "--out", out, "--steps", 12,
+                   "--set", "warmup_steps=2", "--residual", "full", "--no-progress") == 0
+    assert "val loss" in capsys.readouterr().out
+    assert run_cli("eval", out, "--batches", 2) == 0
+    ev = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert ev["step"] == 12 and ev["val_loss"] > 0 and ev["val_bpb"] > 0
+    assert run_cli("sample", out, "--prompt", "the quick", "--max-new-tokens", 20, "--seed", 1) == 0
+    first = capsys.readouterr().out
+    assert first.startswith("the quick") and len(first) > len("the quick")
+    assert run_cli("sample", out, "--prompt", "the quick", "--max-new-tokens", 20, "--seed", 1,
+                   "--top-k", 5, "--top-p", 0.9) == 0
+    assert run_cli("sample", out, "--prompt", "the quick", "--max-new-tokens", 20, "--seed", 1) == 0
+    assert capsys.readouterr().out.endswith(first)  # same seed, same text
+
+
+def test_cli_demo_writes_table_and_report(corpus, tmp_path, capsys):
+    out = tmp_path / "demo"
+    argv = ["demo", "--preset", "tiny", "--data", corpus, "--out", out, "--steps", 6,
+            "--set", "warmup_steps=1", "--no-progress"]
+    assert run_cli(*argv) == 0
+    text = capsys.readouterr().out
+    for scheme in ("prenorm", "block", "full"):
+        assert f"| {scheme} |" in text
+    for name in ("REPORT.md", "loss_curves.png", "depth_weights_block.png", "depth_weights_full.png"):
+        assert (out / name).stat().st_size > 0
+    assert run_cli(*argv) == 0  # second run reuses the finished runs
+    assert "reusing the finished run" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["train", "--preset", "huge"], "unknown preset 'huge'"),
+    (["train", "--preset", "tiny", "--set", "depth=3"], "unknown option 'depth'"),
+    (["train", "--preset", "tiny", "--set", "d_model"], "expected KEY=VALUE"),
+    (["train", "--preset", "tiny", "--set", "n_heads=3"], "ModelConfig.n_heads=3"),
+    (["train", "--preset", "tiny", "--data", "/nonexistent/data.txt"], "/nonexistent/data.txt"),
+    (["train", "--preset", "tiny", "--config", "/nonexistent.toml"], "/nonexistent.toml"),
+    (["eval", "/nonexistent/run"], "no checkpoint found"),
+])
+def test_cli_bad_input_is_one_clear_line(argv, message, capsys, tmp_path):
+    assert run_cli(*argv, *([] if argv[0] == "eval" else ["--out", tmp_path / "x"])) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_cli_data_errors(tmp_path, capsys):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    binary = tmp_path / "blob.bin"
+    binary.write_bytes(bytes(range(256)) * 20)
+    short = tmp_path / "short"
+    short.mkdir()
+    (short / "a.txt").write_text("to be or not to be\n")
+    (short / "b.txt").write_text("to be\n")
+    for path in (empty, binary, short):
+        assert run_cli("train", "--preset", "tiny", "--data", path, "--out", tmp_path / "x") == 2
+        err = capsys.readouterr().err
+        assert str(path) in err or "short" in err, err
+        assert "Traceback" not in err
+
+
+def test_truncated_checkpoint_is_a_clear_error(corpus, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert run_cli("train", "--preset", "tiny", "--data", corpus, "--out", out, "--steps", 4,
+                   "--set", "warmup_steps=1", "--no-progress") == 0
+    weights = out / "checkpoint" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    capsys.readouterr()
+    assert run_cli("train", "--preset", "tiny", "--data", corpus, "--out", out, "--steps", 8,
+                   "--set", "warmup_steps=1", "--resume", "--no-progress") == 2
+    err = capsys.readouterr().err
+    assert "model.safetensors" in err and "Traceback" not in err
+    assert run_cli("eval", out) == 2
+    assert "model.safetensors" in capsys.readouterr().err
+
+
+def test_toml_config(corpus, tmp_path, capsys):
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(f'preset = "tiny"\n[model]\nresidual = "block"\nattnres_blocks = 2\n'
+                   f'[train]\nsteps = 3\nwarmup_steps = 1\ndata = "{corpus}"\nprogress = false\n')
+    assert run_cli("train", "--config", cfg, "--out", tmp_path / "run") == 0
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert saved["model"]["attnres_blocks"] == 2 and saved["train"]["steps"] == 3
