@@ -282,6 +282,40 @@ def build_block_size(model_cfg) -> int:
     return ModelConfig(**{**model_cfg.to_dict(), "residual": "block"}).block_size
 
 
+def cmd_bench(args) -> int:
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.what == "train":
+        from attnres.bench import train as bench
+
+        cfg = bench.BenchConfig.quick() if args.quick else bench.BenchConfig()
+    else:
+        from attnres.bench import op as bench
+
+        cfg = bench.OpBenchConfig.quick() if args.quick else bench.OpBenchConfig()
+    for item in args.set or []:
+        if "=" not in item:
+            raise CLIError(f"--set {item!r}: expected KEY=VALUE, e.g. --set d_model=512")
+        key, value = item.split("=", 1)
+        if not hasattr(cfg, key):
+            raise CLIError(f"--set {key}: unknown benchmark option; known: {sorted(cfg.__dict__)}")
+        setattr(cfg, key, _parse_value(value))
+    if args.variants:
+        if args.what != "train":
+            raise CLIError("--variants applies to `attnres bench train`")
+        cfg.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    cfg.device = args.device
+    result = bench.run(cfg, memory=not args.no_memory) if args.what == "train" else bench.run(cfg)
+    print(bench.format_table(result))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2))
+        print(f"\nwritten: {args.json}")
+    return 0
+
+
 # ----------------------------------------------------------------------------- entry point
 
 
@@ -329,6 +363,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="runs/demo", help="report directory (default runs/demo)")
     p.add_argument("--fresh", action="store_true", help="retrain even if finished runs exist")
     p.set_defaults(func=cmd_demo)
+    p = sub.add_parser("bench", help="benchmarks: train (step time, memory) and op (bandwidth)",
+                       description=(
+        "bench train: step time (forward + backward + AdamW) of prenorm, Block and Full AttnRes on one "
+        "config in one process, with ratios to prenorm, and peak memory from a fresh process per "
+        "variant. bench op: the depth-attention op alone against this machine's copy bandwidth."))
+    p.add_argument("what", choices=("train", "op"))
+    p.add_argument("--quick", action="store_true", help="a smaller config (under 2 minutes on 2 cores)")
+    p.add_argument("--variants", help="comma list, e.g. prenorm,block,full,block:reference,block:fused")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="benchmark option, e.g. d_model=512")
+    p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--json", help="also write the results here")
+    p.set_defaults(func=cmd_bench)
     return parser
 
 

@@ -14,6 +14,15 @@ Per forward pass the stream keeps:
 - ``partial``: the running sum b_n^i of the current depth block, or None at
   a block's start (the first sublayer of a block sees no partial sum: a zero
   source would add a bogus term to the softmax).
+
+Three implementations (``ModelConfig.attnres_impl``), equal to rounding:
+- ``two_phase`` (default): SPEC §6 in training too. At a depth block's first
+  sublayer one Phase-1 op attends all S pseudo-queries of the block to the
+  completed blocks at once (its backward also runs once per block); each
+  sublayer then merges the partial sum by online softmax. Needs input-independent
+  queries, so input-dependent queries, scalar mixing and windows use ``fused``.
+- ``fused``: one custom-autograd depth attention per sublayer over buffer views.
+- ``reference``: plain autograd over a stacked source list.
 """
 from __future__ import annotations
 
@@ -23,6 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from attnres.ops.depth_attention import depth_attention_reference, fused_depth_attention
+from attnres.ops.two_phase import inverse_rms, merge_partial, phase1
 from attnres.residual.base import DepthRecord, ResidualScheme, Stream
 
 
@@ -58,6 +68,10 @@ class DepthAttentionResidual(ResidualScheme):
         self.eps = config.norm_eps
         self.impl = config.attnres_impl
         self.plan = source_plan(L, self.block_size)
+        # the first sublayer of each sublayer's depth block (the final aggregation is its own block)
+        self.block_start = []
+        for l, (_, partial) in enumerate(self.plan):
+            self.block_start.append(self.block_start[-1] if partial else l)
 
         n_q = L + 1  # every sublayer plus the final aggregation
         if self.weights_kind == "pseudo_query":
@@ -90,13 +104,26 @@ class DepthAttentionStream(Stream):
         self.scheme = scheme
         self.sources: List[Tensor] = [embedding]
         self.partial: Optional[Tensor] = None
-        self.fused = scheme.impl == "fused" and scheme.weights_kind != "scalar"
-        self.buffer = None
+        self.fused = scheme.impl in ("fused", "two_phase") and scheme.weights_kind != "scalar"
+        self.two_phase = (scheme.impl == "two_phase" and scheme.weights_kind == "pseudo_query"
+                          and scheme.window is None)
+        self.buffer = self.inv_rms = None
+        self._phase1 = None  # (block start, h1 [B, T, S, D], lse [B, T, S, H]) of the current block
         if self.fused:
             b, t, d = embedding.shape
             self.buffer = embedding.new_empty(b, t, scheme.num_blocks + 1, d)
-            with torch.no_grad():
-                self.buffer[:, :, 0].copy_(embedding)
+            if self.two_phase and scheme.key_norm:
+                self.inv_rms = embedding.new_empty(b, t, scheme.num_blocks + 1,
+                                                   dtype=torch.float64 if embedding.dtype == torch.float64
+                                                   else torch.float32)
+            self._store(0, embedding)
+
+    def _store(self, row: int, v: Tensor) -> None:
+        """Write a completed source into the buffer (values, and its inverse RMS once for all readers)."""
+        with torch.no_grad():
+            self.buffer[:, :, row].copy_(v)
+            if self.inv_rms is not None:
+                self.inv_rms[:, :, row].copy_(inverse_rms(v, self.scheme.eps))
 
     # ------------------------------------------------------------------ which sources
     def _source_rows(self, l: int) -> List[Tuple[int, int]]:
@@ -127,10 +154,35 @@ class DepthAttentionStream(Stream):
         return self.scheme.key_norm_weight[l] if self.scheme.key_norm else None
 
     # ------------------------------------------------------------------ aggregation
+    def _two_phase(self, l: int) -> Tensor:
+        s = self.scheme
+        start = s.block_start[l]
+        if self._phase1 is None or self._phase1[0] != start:
+            stop = start + 1
+            while stop < len(s.plan) and s.block_start[stop] == start:
+                stop += 1
+            n = s.plan[start][0]
+            queries = s.queries[start:stop]
+            if s.heads > 1:
+                queries = queries.view(stop - start, s.heads, -1)
+            key_weights = s.key_norm_weight[start:stop] if s.key_norm else None
+            inv = self.inv_rms[:, :, :n] if self.inv_rms is not None else None
+            h1, lse = phase1(self.buffer[:, :, :n], inv, queries, key_weights, self.sources[:n],
+                             kernel=s.kernel)
+            self._phase1 = (start, h1, lse)
+        _, h1, lse = self._phase1
+        i = l - start
+        if self.partial is None:
+            return h1[:, :, i].to(self.sources[0].dtype)
+        return merge_partial(h1[:, :, i], lse[:, :, i], self.partial, s.queries[l],
+                             self._key_weight(l), s.eps, s.kernel)
+
     def _aggregate(self, l: int) -> Tensor:
         s = self.scheme
         if s.weights_kind == "scalar":
             return self._scalar_mix(l)
+        if self.two_phase:
+            return self._two_phase(l)
         query, key_weight = self._query(l), self._key_weight(l)
         if self.fused:
             segments = [self.buffer[:, :, a:b] for a, b in self._source_rows(l)]
@@ -171,8 +223,7 @@ class DepthAttentionStream(Stream):
         complete, _ = self.scheme.plan[l + 1]
         if complete > len(self.sources):  # the depth block just closed
             if self.buffer is not None:
-                with torch.no_grad():
-                    self.buffer[:, :, len(self.sources)].copy_(self.partial)
+                self._store(len(self.sources), self.partial)
             self.sources.append(self.partial)
             self.partial = None
 

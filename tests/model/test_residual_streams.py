@@ -89,7 +89,7 @@ def capture(model, x):
     return got
 
 
-@pytest.mark.parametrize("impl", ["fused", "reference"])
+@pytest.mark.parametrize("impl", ["two_phase", "fused", "reference"])
 @pytest.mark.parametrize("residual,overrides", VARIANTS, ids=IDS)
 def test_sublayer_inputs_match_float64_reference(residual, overrides, impl):
     model = make(residual, attnres_impl=impl, **overrides)
@@ -101,18 +101,19 @@ def test_sublayer_inputs_match_float64_reference(residual, overrides, impl):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=f"sublayer {l}")
 
 
-@pytest.mark.parametrize("residual,overrides", VARIANTS[:1] + VARIANTS[3:4] + VARIANTS[9:10] + VARIANTS[12:13])
-def test_fused_and_reference_paths_agree_on_gradients(residual, overrides):
+@pytest.mark.parametrize("residual,overrides", VARIANTS[:2] + VARIANTS[3:4] + VARIANTS[6:10] + VARIANTS[12:14])
+def test_fast_and_reference_paths_agree_on_gradients(residual, overrides):
     models = {}
-    for impl in ("fused", "reference"):
+    for impl in ("two_phase", "fused", "reference"):
         m = make(residual, attnres_impl=impl, **overrides)
         randomize_residual(m)
         loss = m(tokens()).logsumexp(-1).mean()
         loss.backward()
         models[impl] = m
     grads = {n: p.grad for n, p in models["reference"].named_parameters()}
-    for n, p in models["fused"].named_parameters():
-        torch.testing.assert_close(p.grad, grads[n], rtol=1e-9, atol=1e-12, msg=n)
+    for impl in ("two_phase", "fused"):
+        for n, p in models[impl].named_parameters():
+            torch.testing.assert_close(p.grad, grads[n], rtol=1e-9, atol=1e-12, msg=f"{impl}: {n}")
 
 
 @pytest.mark.parametrize("residual", ["prenorm", "full", "block"])

@@ -195,3 +195,9 @@ def test_toml_config(corpus, tmp_path, capsys):
     assert run_cli("train", "--config", cfg, "--out", tmp_path / "run") == 0
     saved = json.loads((tmp_path / "run" / "config.json").read_text())
     assert saved["model"]["attnres_blocks"] == 2 and saved["train"]["steps"] == 3
+
+
+def test_bf16_autocast_training_runs(corpus, tmp_path):
+    result = Trainer(*configs(corpus, tmp_path / "run", residual="block", precision="bf16", steps=4,
+                              warmup_steps=1)).run()
+    assert result.steps == 4 and result.val_loss == result.val_loss  # finite, not NaN

@@ -1,0 +1,196 @@
+"""Two-phase depth attention for Block AttnRes (SPEC §6), differentiable, for training and inference.
+
+Pseudo-queries do not depend on the input, so the S sublayers of a depth block
+can attend to the completed blocks [b_0 … b_{n-1}] all at once:
+
+- **Phase 1** (once per depth block): one pass over the cached sources computes,
+  for every query s, the normalised output ``h1_s = sum_i alpha_si v_i`` and the
+  log-sum-exp ``lse_s`` of its logits (float32). Backward also runs once per
+  block, so the sources are read and their gradients written once per block
+  instead of once per sublayer: that is where the S-fold saving comes from.
+- **Phase 2** (per sublayer): attend to the one intra-block source, the partial
+  sum p, and merge exactly: ``lse = logaddexp(lse_s, z_p)``,
+  ``h = exp(lse_s - lse) h1_s + exp(z_p - lse) p`` (``merge_partial``).
+
+``lse`` together with ``h1`` is the same information as the (o, m, l) statistics
+of ``DepthStats`` (o / l = h1, m + log l = lse), in a form that needs no rescaling
+of o when merging.
+
+The inverse RMS of each source, ``r_i = rsqrt(mean(v_i^2) + eps)``, is computed
+once when the source is written (``inverse_rms``) and reused by every reader.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from attnres.ops.depth_attention import _compute_dtype
+
+
+def inverse_rms(v: Tensor, eps: float) -> Tensor:
+    """r = rsqrt(mean(v^2) + eps) over the last dim, float32 (float64 for float64 input)."""
+    cd = _compute_dtype(v.dtype)
+    ms = torch.linalg.vector_norm(v, dim=-1, dtype=cd).pow(2) / v.shape[-1]
+    return torch.rsqrt(ms + eps)
+
+
+def _split_heads(x: Tensor, heads: int) -> Tensor:
+    return x.unflatten(-1, (heads, x.shape[-1] // heads))
+
+
+class _Phase1(torch.autograd.Function):
+    """All S pseudo-queries of a depth block against its completed sources in one pass.
+
+    ``values``: [B, T, n, D] (a view into the stream's buffer, stored on ctx, not
+    saved: later writes touch other rows only); ``inv_rms``: [B, T, n] or None
+    (no key norm); ``producers``: the n autograd tensors behind the rows.
+    Returns h1 [B, T, S, D] (compute dtype) and lse [B, T, S, H] (float32;
+    for the sigmoid kernel h1 is the unnormalised sum and lse is unused).
+    """
+
+    @staticmethod
+    def forward(ctx, queries, key_weights, values, inv_rms, opts, *producers):
+        with torch.autocast(values.device.type, enabled=False):
+            return _Phase1._forward(ctx, queries, key_weights, values, inv_rms, opts, producers)
+
+    @staticmethod
+    def _forward(ctx, queries, key_weights, values, inv_rms, opts, producers):
+        kernel, heads = opts
+        b, t, n, d = values.shape
+        s_count = queries.shape[0]
+        cd = _compute_dtype(values.dtype)
+        v3 = values.to(cd).flatten(0, 1)  # [BT, n, D] (a view for float32 buffers)
+        u = queries.to(cd).reshape(s_count, d)
+        if key_weights is not None:
+            u = u * key_weights.to(cd)
+        # raw dot products, per head: [BT, n, S*H]
+        if heads == 1:
+            dots = torch.bmm(v3, u.t().expand(v3.shape[0], d, s_count)).unsqueeze(-1)  # [BT, n, S, 1]
+        else:
+            dots = torch.einsum("xnhe,she->xnsh", _split_heads(v3, heads), _split_heads(u, heads))
+        r = inv_rms.to(cd).flatten(0, 1) if inv_rms is not None else None  # [BT, n]
+        z = dots * r[:, :, None, None] if r is not None else dots  # [BT, n, S, H]
+        if kernel == "softmax":
+            lse = torch.logsumexp(z, dim=1)  # [BT, S, H]
+            alpha = torch.exp(z - lse.unsqueeze(1))
+        else:
+            lse = torch.zeros(z.shape[0], s_count, heads, dtype=cd, device=z.device)
+            alpha = torch.sigmoid(z)
+        h1 = _mix(alpha, v3, heads)  # [BT, S, D]
+        # buffer views: kept on ctx, not saved (later writes go to other rows, which bumps the
+        # buffer's version counter but never changes the rows read here)
+        ctx.values, ctx.inv_rms = values, inv_rms
+        ctx.opts = (kernel, heads, cd, [(p.shape, p.dtype) for p in producers])
+        ctx.save_for_backward(queries, key_weights, alpha, dots)
+        return h1.view(b, t, s_count, d), lse.view(b, t, s_count, heads)
+
+    @staticmethod
+    def backward(ctx, g_h1, g_lse):
+        queries, key_weights, alpha, dots = ctx.saved_tensors
+        kernel, heads, cd, producer_meta = ctx.opts
+        values, inv_rms = ctx.values, ctx.inv_rms
+        b, t, n, d = values.shape
+        s_count = queries.shape[0]
+        v3 = values.to(cd).flatten(0, 1)
+        gh = g_h1.to(cd).flatten(0, 1)  # [BT, S, D]
+        q = queries.to(cd).reshape(s_count, d)
+        g = key_weights.to(cd) if key_weights is not None else None
+        u = q * g if g is not None else q
+        r = inv_rms.to(cd).flatten(0, 1) if inv_rms is not None else None
+
+        # dL/dalpha[s, i] = gh_s . v_i (per head): [BT, n, S, H]
+        if heads == 1:
+            galpha = torch.bmm(v3, gh.transpose(1, 2)).unsqueeze(-1)
+        else:
+            galpha = torch.einsum("xnhe,xshe->xnsh", _split_heads(v3, heads), _split_heads(gh, heads))
+        if kernel == "softmax":
+            gz = alpha * (galpha - (alpha * galpha).sum(dim=1, keepdim=True))
+            if g_lse is not None:
+                gz = gz + alpha * g_lse.to(cd).flatten(0, 1).unsqueeze(1)
+        else:
+            gz = galpha * alpha * (1 - alpha)
+        gdots = gz * r[:, :, None, None] if r is not None else gz  # through z = r * dots
+
+        # dv_i = sum_s alpha_si gh_s + sum_s gdots_si u_s (+ key-norm term), one batched product
+        if heads == 1:
+            # u is shared by all tokens: a plain [BT*n, S] @ [S, D] product, then add alpha @ gh in place
+            gv = torch.mm(gdots.reshape(-1, s_count), u).view(v3.shape[0], n, d)
+            gv.baddbmm_(alpha.squeeze(-1), gh)
+        else:
+            gv = torch.einsum("xnsh,xshe->xnhe", alpha, _split_heads(gh, heads))
+            gv = gv + torch.einsum("xnsh,she->xnhe", gdots, _split_heads(u, heads))
+            gv = gv.flatten(-2)
+        if r is not None:
+            # r = rsqrt(mean(v^2) + eps): dr/dv = -r^3 v / D, weighted by sum_s gz * dots
+            cv = -(gz * dots).sum(dim=(2, 3)) * r.pow(3) / d  # [BT, n]
+            gv.addcmul_(cv.unsqueeze(-1), v3)
+
+        gq = gg = None
+        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
+            # du_s = sum over tokens and sources of gdots_si v_i (per head)
+            if heads == 1:
+                du = torch.einsum("xns,xnd->sd", gdots.squeeze(-1), v3)
+            else:
+                du = torch.einsum("xnsh,xnhe->she", gdots, _split_heads(v3, heads)).reshape(s_count, d)
+            if ctx.needs_input_grad[0]:
+                gq = (du * g if g is not None else du).reshape(queries.shape).to(queries.dtype)
+            if g is not None and ctx.needs_input_grad[1]:
+                gg = (du * q).to(key_weights.dtype)
+
+        gv = gv.view(b, t, n, d)
+        grads = [gv[:, :, i].reshape(shape).to(dtype) for i, (shape, dtype) in enumerate(producer_meta)]
+        return (gq, gg, None, None, None, *grads)
+
+
+def _mix(alpha: Tensor, v3: Tensor, heads: int) -> Tensor:
+    """sum_i alpha[x, i, s, h] v3[x, i, h-channels] -> [BT, S, D]."""
+    if heads == 1:
+        return torch.bmm(alpha.squeeze(-1).transpose(1, 2).to(v3.dtype), v3)
+    out = torch.einsum("xnsh,xnhe->xshe", alpha.to(v3.dtype), _split_heads(v3, heads))
+    return out.flatten(-2)
+
+
+def phase1(values: Tensor, inv_rms: Optional[Tensor], queries: Tensor, key_weights: Optional[Tensor],
+           producers: Sequence[Tensor], *, kernel: str = "softmax") -> Tuple[Tensor, Tensor]:
+    """Phase 1 for S queries: values [B, T, n, D] (may be a buffer view), inv_rms [B, T, n] (None: no
+    key norm), queries [S, D] or [S, H, D/H], key_weights [S, D] or None; gradients flow to
+    ``producers`` (the n source tensors). Returns (h1 [B, T, S, D], lse [B, T, S, H])."""
+    if values.shape[2] != len(producers):
+        raise ValueError(f"values hold {values.shape[2]} sources but {len(producers)} producers were given")
+    heads = 1 if queries.dim() == 2 else queries.shape[1]
+    return _Phase1.apply(queries, key_weights, values, inv_rms, (kernel, heads), *producers)
+
+
+def merge_partial(h1: Tensor, lse1: Tensor, partial: Tensor, query: Tensor,
+                  key_weight: Optional[Tensor], eps: float, kernel: str = "softmax") -> Tensor:
+    """Phase 2: fold the intra-block partial sum p into a Phase-1 result, exactly.
+
+    h1 [B, T, D], lse1 [B, T, H]; query [D] or [H, D/H]; plain autograd (all [B, T]-sized but p).
+    """
+    heads = lse1.shape[-1]
+    d = partial.shape[-1]
+    cd = _compute_dtype(partial.dtype)
+    u = query.to(cd).reshape(d)
+    if key_weight is not None:
+        u = u * key_weight.to(cd)
+    pc = partial.to(cd)
+    if heads == 1:
+        z = torch.matmul(pc, u).unsqueeze(-1)  # [B, T, 1]
+    else:
+        z = torch.einsum("bthe,he->bth", _split_heads(pc, heads), _split_heads(u, heads))
+    if key_weight is not None:
+        z = z * inverse_rms(pc, eps).unsqueeze(-1)
+    if kernel == "softmax":
+        # weight of the partial sum: exp(z - logaddexp(lse1, z)) = sigmoid(z - lse1)
+        w = torch.sigmoid(z - lse1.to(cd))
+        if heads == 1:
+            h = torch.lerp(h1.to(cd), pc, w)
+        else:
+            h = torch.lerp(_split_heads(h1.to(cd), heads), _split_heads(pc, heads), w.unsqueeze(-1))
+            h = h.flatten(-2)
+    else:
+        w = torch.sigmoid(z)
+        h = h1.to(cd) + (pc * w if heads == 1 else (_split_heads(pc, heads) * w.unsqueeze(-1)).flatten(-2))
+    return h.to(partial.dtype)
