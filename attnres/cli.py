@@ -316,6 +316,23 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_schemes(args) -> int:
+    from attnres.model import ModelConfig
+    from attnres.residual.table import schemes_table
+    from attnres.train.config import PRESETS
+
+    overrides = {}
+    for item in args.set or []:
+        if "=" not in item:
+            raise CLIError(f"--set {item!r}: expected KEY=VALUE, e.g. --set d_model=256")
+        key, value = item.split("=", 1)
+        overrides[key.strip()] = _parse_value(value.strip())
+    base = {**PRESETS["demo"]["model"], "vocab_size": 4096} if args.preset is None else \
+        {**PRESETS[args.preset]["model"]}
+    print(schemes_table(ModelConfig(**{**base, **overrides, "residual": "prenorm"})))
+    return 0
+
+
 # ----------------------------------------------------------------------------- entry point
 
 
@@ -329,7 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--config, then flags and --set KEY=VALUE. Example: attnres train --preset demo --residual "
         "block --out runs/block"))
     _add_run_options(p, preset_default="demo")
-    p.add_argument("--residual", help="prenorm, full, block (see attnres.RESIDUALS)")
+    p.add_argument("--residual", help="a residual scheme: see `attnres schemes`")
     p.add_argument("--out", help="run directory (checkpoint, metrics, tokenizer, summary)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
     p.set_defaults(func=cmd_train)
@@ -363,6 +380,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="runs/demo", help="report directory (default runs/demo)")
     p.add_argument("--fresh", action="store_true", help="retrain even if finished runs exist")
     p.set_defaults(func=cmd_demo)
+    p = sub.add_parser("schemes", help="the residual schemes: classification and cost", description=(
+        "Print every residual scheme in the registry with its Table-5 classification (weight type, "
+        "source), the parameters it adds to a model, and the depth state it keeps per token."))
+    p.add_argument("--preset", default=None, help="model size to count for (default: demo)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="model option, e.g. d_model=1024")
+    p.set_defaults(func=cmd_schemes)
+
     p = sub.add_parser("bench", help="benchmarks: train (step time, memory) and op (bandwidth)",
                        description=(
         "bench train: step time (forward + backward + AdamW) of prenorm, Block and Full AttnRes on one "

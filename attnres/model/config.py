@@ -8,8 +8,15 @@ from typing import Optional
 
 ATTNRES_WEIGHTS = ("pseudo_query", "input_query", "scalar")
 ATTNRES_KERNELS = ("softmax", "sigmoid")
-IMPLS = ("fused", "reference")
+IMPLS = ("two_phase", "fused", "reference")
 DEFAULT_TARGET_BLOCKS = 8  # the paper's N ≈ 8
+# options of the rival residual schemes -> the one scheme each applies to
+RIVAL_OPTIONS = {
+    "layerscale_init": "layerscale", "highway_rank": "highway",
+    "denseformer_dilation": "denseformer", "denseformer_period": "denseformer",
+    "hyper_streams": "hyper", "hyper_dynamic": "hyper",
+    "mhc_streams": "mhc", "mhc_sinkhorn_iters": "mhc",
+}
 
 
 def _bad(field: str, value, allowed: str) -> ValueError:
@@ -25,7 +32,8 @@ class ModelConfig:
 
     Residual options (SPEC §3-5):
     - ``residual``: a name from ``attnres.residual.RESIDUALS``
-      ("prenorm", "full", "block").
+      ("prenorm", "full", "block", and the rival schemes "rezero",
+      "layerscale", "highway", "denseformer", "mudd", "hyper", "mhc").
     - ``attnres_blocks`` (N) or ``attnres_block_size`` (S, in sublayers) for
       "block". Give at most one. With neither, S is the smallest even size
       that yields at most 8 depth blocks (boundaries before attention, the
@@ -39,8 +47,23 @@ class ModelConfig:
     - ``attnres_heads``: per-head channel groups with their own weights.
     - ``attnres_window``: Full AttnRes over the embedding plus the last W
       sources only ("full" alone).
-    - ``attnres_impl``: "fused" (memory-lean custom autograd, the default) or
+    - ``attnres_impl``: "two_phase" (default: SPEC §6's batched Phase 1 per depth
+      block, in training too; falls back to "fused" where queries depend on
+      the input), "fused" (one memory-lean custom-autograd op per sublayer) or
       "reference" (plain autograd over a stacked source list).
+
+    Rival-scheme options (each applies to its own scheme only; setting one for
+    another scheme is an error):
+    - ``layerscale_init``: LayerScale's initial lambda (default None: CaiT's
+      rule on n_layers, 0.1 up to 18 blocks, 1e-5 up to 24, 1e-6 beyond).
+    - ``highway_rank``: rank r of the Highway gate matrix W_g = U V
+      (default None: a full d x d matrix); 1 <= r < d_model.
+    - ``denseformer_dilation`` (k, default 1) and ``denseformer_period``
+      (p, default 1): the DWA after Transformer block I exists when p divides I
+      and reads the block outputs j <= I with j = I (mod k).
+    - ``hyper_streams`` (n, default 4) and ``hyper_dynamic`` (default True:
+      DHC; False: static SHC) for Hyper-Connections.
+    - ``mhc_streams`` (n, default 4) and ``mhc_sinkhorn_iters`` (default 20).
     """
 
     vocab_size: int = 4096
@@ -63,7 +86,16 @@ class ModelConfig:
     attnres_key_norm: bool = True
     attnres_heads: int = 1
     attnres_window: Optional[int] = None
-    attnres_impl: str = "fused"
+    attnres_impl: str = "two_phase"
+
+    layerscale_init: Optional[float] = None
+    highway_rank: Optional[int] = None
+    denseformer_dilation: int = 1
+    denseformer_period: int = 1
+    hyper_streams: int = 4
+    hyper_dynamic: bool = True
+    mhc_streams: int = 4
+    mhc_sinkhorn_iters: int = 20
 
     def __post_init__(self):
         if self.n_kv_heads is None:
@@ -180,6 +212,46 @@ class ModelConfig:
             if self.residual != "full":
                 raise _bad("attnres_window", w,
                            "the sliding window applies to residual='full' only")
+        self._validate_rival_options()
+
+    def _validate_rival_options(self) -> None:
+        """Options of the rival schemes: well formed, and set only for their own scheme."""
+        def positive_int(name, what, upper=None):
+            value = getattr(self, name)
+            bad = isinstance(value, bool) or not isinstance(value, int) or value < 1
+            if upper is None and bad:
+                raise _bad(name, value, f"must be a positive integer ({what})")
+            if upper is not None and (bad or value > upper):
+                raise _bad(name, value, f"must be an integer in [1, {upper}] ({what})")
+
+        v = self.layerscale_init
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
+                              or not 0 < v < math.inf):
+            raise _bad("layerscale_init", v,
+                       "must be a positive number (or None for CaiT's depth rule)")
+        r = self.highway_rank
+        if r is not None and (isinstance(r, bool) or not isinstance(r, int)
+                              or not 1 <= r < self.d_model):
+            raise _bad("highway_rank", r,
+                       f"must be an integer in [1, {self.d_model - 1}] (below d_model="
+                       f"{self.d_model}); use None for a full-rank gate")
+        positive_int("denseformer_dilation", "blocks between connected outputs, at most "
+                     f"n_layers={self.n_layers}", upper=self.n_layers)
+        positive_int("denseformer_period", "blocks between two averagings, at most "
+                     f"n_layers={self.n_layers}", upper=self.n_layers)
+        positive_int("hyper_streams", "number of residual streams")
+        if not isinstance(self.hyper_dynamic, bool):
+            raise _bad("hyper_dynamic", self.hyper_dynamic, "must be True or False")
+        positive_int("mhc_streams", "number of residual streams")
+        positive_int("mhc_sinkhorn_iters", "Sinkhorn-Knopp iterations")
+
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for name, scheme in RIVAL_OPTIONS.items():
+            value = getattr(self, name)
+            if self.residual != scheme and value != defaults[name]:
+                raise _bad(name, value,
+                           f"applies to residual='{scheme}' only (residual={self.residual!r}); "
+                           f"drop it or set residual='{scheme}'")
 
     # ------------------------------------------------------------------ (de)serialisation
     def to_dict(self) -> dict:

@@ -163,13 +163,57 @@ def phase1(values: Tensor, inv_rms: Optional[Tensor], queries: Tensor, key_weigh
     return _Phase1.apply(queries, key_weights, values, inv_rms, (kernel, heads), *producers)
 
 
+class _MergePartial(torch.autograd.Function):
+    """merge_partial for one head, softmax, key norm: the common case, with a lean backward.
+
+    h = lerp(h1, p, w), w = sigmoid(z - lse1), z = r_p (p . u), u = q * g. Backward
+    needs h1, p and [B, T]-sized scalars; it writes dh1 and dp once each.
+    """
+
+    @staticmethod
+    def forward(ctx, h1, lse1, partial, query, key_weight, eps):
+        with torch.autocast(partial.device.type, enabled=False):
+            cd = _compute_dtype(partial.dtype)
+            p, h1c = partial.to(cd), h1.to(cd)
+            u = query.to(cd) * key_weight.to(cd)
+            s = torch.matmul(p, u)  # [B, T]
+            r = inverse_rms(p, eps)
+            w = torch.sigmoid(r * s - lse1.to(cd).squeeze(-1))
+            h = torch.lerp(h1c, p, w.unsqueeze(-1))
+            ctx.save_for_backward(h1, partial, query, key_weight, s, r, w)
+            return h.to(partial.dtype)
+
+    @staticmethod
+    def backward(ctx, gh):
+        h1, partial, query, key_weight, s, r, w = ctx.saved_tensors
+        cd = s.dtype
+        p, h1c, gh = partial.to(cd), h1.to(cd), gh.to(cd)
+        q, g = query.to(cd), key_weight.to(cd)
+        d = p.shape[-1]
+        # dL/dw = gh . (p - h1), as two batched dot products (no [B, T, D] temporary)
+        gw = (gh.unsqueeze(-2) @ p.unsqueeze(-1) - gh.unsqueeze(-2) @ h1c.unsqueeze(-1)).view_as(w)
+        gz = gw * w * (1 - w)
+        gs, gr = gz * r, gz * s
+        w_ = w.unsqueeze(-1)
+        gh1 = gh * (1 - w_)
+        gp = gh * w_
+        gp.addcmul_(gs.unsqueeze(-1), q * g)
+        gp.addcmul_((-gr * r.pow(3) / d).unsqueeze(-1), p)
+        gu = torch.matmul(gs.reshape(-1), p.reshape(-1, d))  # sum over tokens of gs * p
+        return (gh1.to(h1.dtype), (-gz).unsqueeze(-1).to(cd), gp.to(partial.dtype),
+                (gu * g).to(query.dtype), (gu * q).to(key_weight.dtype), None)
+
+
 def merge_partial(h1: Tensor, lse1: Tensor, partial: Tensor, query: Tensor,
                   key_weight: Optional[Tensor], eps: float, kernel: str = "softmax") -> Tensor:
     """Phase 2: fold the intra-block partial sum p into a Phase-1 result, exactly.
 
-    h1 [B, T, D], lse1 [B, T, H]; query [D] or [H, D/H]; plain autograd (all [B, T]-sized but p).
+    h1 [B, T, D], lse1 [B, T, H]; query [D] or [H, D/H]. The common case (one head,
+    softmax, key norm) runs as one custom-autograd op; the others as plain autograd.
     """
     heads = lse1.shape[-1]
+    if heads == 1 and kernel == "softmax" and key_weight is not None:
+        return _MergePartial.apply(h1, lse1, partial, query.reshape(-1), key_weight, eps)
     d = partial.shape[-1]
     cd = _compute_dtype(partial.dtype)
     u = query.to(cd).reshape(d)

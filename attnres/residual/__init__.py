@@ -2,16 +2,28 @@
 
 Each registry entry says what the scheme is, where it sits in the paper's
 Table 5 classification (weight type: fixed / static / dynamic; source: single
-state / multi-stream / cross-layer), and how many parameters it adds.
+state / multi-stream / cross-layer), how many parameters it adds, and how much
+depth state it keeps per token (``attnres.residual.table`` renders them all).
+
+- prenorm.py: the PreNorm baseline; attnres.py: Full and Block AttnRes;
+- scaled.py: single-state rivals (ReZero, LayerScale, Highway);
+- dense.py: cross-layer rivals over block outputs (DenseFormer, MUDD);
+- hyper.py: multi-stream rivals (Hyper-Connections, mHC).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict
+from typing import Callable, Dict, Tuple
 
 from attnres.residual.attnres import DepthAttentionResidual, source_plan
 from attnres.residual.base import DepthRecord, ResidualScheme, Stream
+from attnres.residual.dense import (DenseFormerResidual, MUDDResidual, denseformer_params,
+                                    denseformer_state, mudd_params)
+from attnres.residual.hyper import (HyperConnectionResidual, ManifoldHyperConnectionResidual,
+                                    hyper_params, mhc_params, sinkhorn)
 from attnres.residual.prenorm import PreNormResidual
+from attnres.residual.scaled import (HighwayResidual, LayerScaleResidual, ReZeroResidual,
+                                     highway_params, layerscale_params, rezero_params)
 
 
 def _attnres_params(config) -> int:
@@ -33,14 +45,40 @@ def _attnres_params(config) -> int:
     return per * n_q
 
 
+def _full_state(config) -> int:
+    """Full AttnRes keeps every source: L + 1 (with a window only the embedding and the last W)."""
+    L, w = config.n_sublayers, config.attnres_window
+    return L + 1 if w is None else 1 + min(w, L)
+
+
+def _no_state(config) -> int:
+    return 0
+
+
+_ATTNRES_SHARED = ("attnres_weights", "attnres_kernel", "attnres_key_norm", "attnres_heads",
+                   "attnres_impl")
+
+
 @dataclass(frozen=True)
 class SchemeInfo:
+    """A registry entry.
+
+    ``depth_state(config)``: the depth state the stream keeps alive between
+    sublayers, per token, in units of d floats. A single running hidden state
+    (every PreNorm-like scheme) counts 0; schemes that hold more count every
+    d-vector they hold (n streams, or each stored source / block output).
+    ``options``: the ModelConfig fields this scheme reads and schemes outside its
+    family ignore (``attnres.residual.table`` resets them for the other rows).
+    """
+
     name: str
     factory: Callable
     description: str
     weight_type: str  # fixed | static | dynamic
     source: str  # single state | multi-stream | cross-layer
     extra_params: Callable  # config -> int
+    depth_state: Callable = _no_state  # config -> int (d floats per token)
+    options: Tuple[str, ...] = ()
 
 
 RESIDUALS: Dict[str, SchemeInfo] = {
@@ -52,12 +90,54 @@ RESIDUALS: Dict[str, SchemeInfo] = {
     "full": SchemeInfo(
         "full", DepthAttentionResidual,
         "Full AttnRes: softmax attention over the embedding and every earlier sublayer output",
-        "dynamic", "cross-layer", _attnres_params,
+        "dynamic", "cross-layer", _attnres_params, _full_state,
+        _ATTNRES_SHARED + ("attnres_window",),
     ),
     "block": SchemeInfo(
         "block", DepthAttentionResidual,
         "Block AttnRes: attention over N depth-block sums plus the running partial sum",
-        "dynamic", "cross-layer", _attnres_params,
+        "dynamic", "cross-layer", _attnres_params, lambda config: config.num_blocks + 1,
+        _ATTNRES_SHARED + ("attnres_blocks", "attnres_block_size"),
+    ),
+    "rezero": SchemeInfo(
+        "rezero", ReZeroResidual,
+        "ReZero: h <- h + a_l f, one scalar per sublayer, zero at init",
+        "static", "single state", rezero_params,
+    ),
+    "layerscale": SchemeInfo(
+        "layerscale", LayerScaleResidual,
+        "LayerScale: h <- h + diag(lambda_l) f, per-channel scales (CaiT init by depth)",
+        "static", "single state", layerscale_params, options=("layerscale_init",),
+    ),
+    "highway": SchemeInfo(
+        "highway", HighwayResidual,
+        "Highway: h <- (1 - g) h + g f, per-channel gate g = sigmoid(W_g rms(h) + b_g), "
+        "b_g = -2",
+        "dynamic", "single state", highway_params, options=("highway_rank",),
+    ),
+    "denseformer": SchemeInfo(
+        "denseformer", DenseFormerResidual,
+        "DenseFormer: learned scalar depth-weighted average of block outputs after each block",
+        "static", "cross-layer", denseformer_params, denseformer_state,
+        ("denseformer_dilation", "denseformer_period"),
+    ),
+    "mudd": SchemeInfo(
+        "mudd", MUDDResidual,
+        "MUDD (one way): per-token weights over block outputs from an MLP on the current state",
+        "dynamic", "cross-layer", mudd_params, lambda config: config.n_layers + 1,
+    ),
+    "hyper": SchemeInfo(
+        "hyper", HyperConnectionResidual,
+        "Hyper-Connections: n streams, learned read/mix/write (dynamic DHC; static SHC "
+        "with hyper_dynamic=False)",
+        "dynamic", "multi-stream", hyper_params, lambda config: config.hyper_streams,
+        ("hyper_streams", "hyper_dynamic"),
+    ),
+    "mhc": SchemeInfo(
+        "mhc", ManifoldHyperConnectionResidual,
+        "mHC: hyper-connections with sigmoid read/write and a Sinkhorn doubly stochastic mixer",
+        "dynamic", "multi-stream", mhc_params, lambda config: config.mhc_streams,
+        ("mhc_streams", "mhc_sinkhorn_iters"),
     ),
 }
 
@@ -67,6 +147,8 @@ def build_residual(config) -> ResidualScheme:
 
 
 __all__ = [
-    "DepthAttentionResidual", "DepthRecord", "PreNormResidual", "RESIDUALS", "ResidualScheme",
-    "SchemeInfo", "Stream", "build_residual", "source_plan",
+    "DenseFormerResidual", "DepthAttentionResidual", "DepthRecord", "HighwayResidual",
+    "HyperConnectionResidual", "LayerScaleResidual", "MUDDResidual",
+    "ManifoldHyperConnectionResidual", "PreNormResidual", "RESIDUALS", "ReZeroResidual",
+    "ResidualScheme", "SchemeInfo", "Stream", "build_residual", "sinkhorn", "source_plan",
 ]

@@ -5,7 +5,7 @@ from attnres.cli import main
 
 TINY_TRAIN = ["--set", "d_model=32", "--set", "n_layers=2", "--set", "seq_len=16", "--set", "batch_size=2",
               "--set", "repeats=2", "--set", "steps_per_repeat=1", "--set", "warmup=1",
-              "--set", "vocab_size=64"]
+              "--set", "vocab_size=64", "--set", "blocks=2"]
 
 
 def test_bench_train_table_json_and_memory(tmp_path, capsys):

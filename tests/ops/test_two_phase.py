@@ -94,3 +94,17 @@ def test_count_mismatch_is_a_clear_error():
     v, q, kw, _ = inputs()
     with pytest.raises(ValueError, match="5 sources but 4 producers"):
         phase1(v.movedim(0, 2), None, q, None, list(v.unbind(0))[:4])
+
+
+@pytest.mark.parametrize("heads,kernel,key_norm", [(1, "softmax", True), (2, "softmax", True),
+                                                   (1, "sigmoid", True), (1, "softmax", False)])
+def test_merge_partial_gradcheck(heads, kernel, key_norm):
+    v, q, kw, p = inputs(n=2, S=1, B=2, T=2, D=4, heads=heads, seed=5)
+    h1, lse = run_phase1(v, q, kw, kernel, key_norm)
+    args = (h1[:, :, 0].detach().clone().requires_grad_(), lse[:, :, 0].detach().clone().requires_grad_(),
+            p.clone().requires_grad_(), q[0].clone().requires_grad_(), kw[0].clone().requires_grad_())
+
+    def f(h1, lse, p, q, kw):
+        return merge_partial(h1, lse, p, q, kw if key_norm else None, EPS, kernel)
+
+    assert torch.autograd.gradcheck(f, args, eps=1e-6, atol=1e-8)

@@ -445,7 +445,7 @@ def test_crash_during_write_keeps_previous_checkpoint(tmp_path, monkeypatch):
 _CRASH_SCRIPT = """
 import os, sys
 sys.path.insert(0, {tests!r})
-from test_train_components import make_model, muon_opt, save, train
+from test_components import make_model, muon_opt, save, train
 from attnres.train import checkpoint as ckpt_mod
 model = make_model()
 opt = muon_opt(model)
