@@ -46,7 +46,7 @@ class _Phase1(torch.autograd.Function):
     ``values``: [B, T, n, D] (a view into the stream's buffer, stored on ctx, not
     saved: later writes touch other rows only); ``inv_rms``: [B, T, n] or None
     (no key norm); ``producers``: the n autograd tensors behind the rows.
-    Returns h1 [B, T, S, D] (compute dtype) and lse [B, T, S, H] (float32;
+    Returns S tensors h1_s [B, T, D] (compute dtype) and lse [B, T, S, H] (float32;
     for the sigmoid kernel h1 is the unnormalised sum and lse is unused).
     """
 
@@ -84,17 +84,21 @@ class _Phase1(torch.autograd.Function):
         ctx.values, ctx.inv_rms = values, inv_rms
         ctx.opts = (kernel, heads, cd, [(p.shape, p.dtype) for p in producers])
         ctx.save_for_backward(queries, key_weights, alpha, dots)
-        return h1.view(b, t, s_count, d), lse.view(b, t, s_count, heads)
+        # one output per query: each sublayer's gradient then arrives on its own, with no
+        # zero-filled [B, T, S, D] assembled by slicing
+        return (*h1.view(b, t, s_count, d).unbind(2), lse.view(b, t, s_count, heads))
 
     @staticmethod
-    def backward(ctx, g_h1, g_lse):
+    def backward(ctx, *grads_out):
+        *g_h1s, g_lse = grads_out
         queries, key_weights, alpha, dots = ctx.saved_tensors
         kernel, heads, cd, producer_meta = ctx.opts
         values, inv_rms = ctx.values, ctx.inv_rms
         b, t, n, d = values.shape
         s_count = queries.shape[0]
         v3 = values.to(cd).flatten(0, 1)
-        gh = g_h1.to(cd).flatten(0, 1)  # [BT, S, D]
+        gh = torch.stack([g if g is not None else torch.zeros(b, t, d, dtype=cd, device=values.device)
+                          for g in g_h1s], dim=2).to(cd).flatten(0, 1)  # [BT, S, D]
         q = queries.to(cd).reshape(s_count, d)
         g = key_weights.to(cd) if key_weights is not None else None
         u = q * g if g is not None else q
@@ -131,7 +135,9 @@ class _Phase1(torch.autograd.Function):
         if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
             # du_s = sum over tokens and sources of gdots_si v_i (per head)
             if heads == 1:
-                du = torch.einsum("xns,xnd->sd", gdots.squeeze(-1), v3)
+                # one [S, BT] @ [BT, D] product per source reads the strided buffer rows in place
+                gd = gdots.squeeze(-1)
+                du = sum(torch.mm(gd[:, i].t(), v3[:, i]) for i in range(n))
             else:
                 du = torch.einsum("xnsh,xnhe->she", gdots, _split_heads(v3, heads)).reshape(s_count, d)
             if ctx.needs_input_grad[0]:
@@ -156,11 +162,23 @@ def phase1(values: Tensor, inv_rms: Optional[Tensor], queries: Tensor, key_weigh
            producers: Sequence[Tensor], *, kernel: str = "softmax") -> Tuple[Tensor, Tensor]:
     """Phase 1 for S queries: values [B, T, n, D] (may be a buffer view), inv_rms [B, T, n] (None: no
     key norm), queries [S, D] or [S, H, D/H], key_weights [S, D] or None; gradients flow to
-    ``producers`` (the n source tensors). Returns (h1 [B, T, S, D], lse [B, T, S, H])."""
+    ``producers`` (the n source tensors). Returns (h1 [B, T, S, D], lse [B, T, S, H]); h1's
+    S slices along dim 2 are the op's separate outputs, so read them with ``h1.unbind(2)``
+    or ``h1[:, :, s]`` freely."""
+    h1s, lse = phase1_outputs(values, inv_rms, queries, key_weights, producers, kernel=kernel)
+    return torch.stack(h1s, dim=2), lse
+
+
+def phase1_outputs(values: Tensor, inv_rms: Optional[Tensor], queries: Tensor,
+                   key_weights: Optional[Tensor], producers: Sequence[Tensor], *,
+                   kernel: str = "softmax") -> Tuple[Tuple[Tensor, ...], Tensor]:
+    """``phase1`` returning the S outputs h1_s [B, T, D] as a tuple (no stacking): the form the
+    residual stream uses, so each sublayer's gradient reaches Phase 1's backward on its own."""
     if values.shape[2] != len(producers):
         raise ValueError(f"values hold {values.shape[2]} sources but {len(producers)} producers were given")
     heads = 1 if queries.dim() == 2 else queries.shape[1]
-    return _Phase1.apply(queries, key_weights, values, inv_rms, (kernel, heads), *producers)
+    *h1s, lse = _Phase1.apply(queries, key_weights, values, inv_rms, (kernel, heads), *producers)
+    return tuple(h1s), lse
 
 
 class _MergePartial(torch.autograd.Function):
@@ -190,8 +208,8 @@ class _MergePartial(torch.autograd.Function):
         p, h1c, gh = partial.to(cd), h1.to(cd), gh.to(cd)
         q, g = query.to(cd), key_weight.to(cd)
         d = p.shape[-1]
-        # dL/dw = gh . (p - h1), as two batched dot products (no [B, T, D] temporary)
-        gw = (gh.unsqueeze(-2) @ p.unsqueeze(-1) - gh.unsqueeze(-2) @ h1c.unsqueeze(-1)).view_as(w)
+        # dL/dw = gh . (p - h1)
+        gw = torch.linalg.vecdot(gh, p - h1c)
         gz = gw * w * (1 - w)
         gs, gr = gz * r, gz * s
         w_ = w.unsqueeze(-1)

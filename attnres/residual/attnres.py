@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from attnres.ops.depth_attention import depth_attention_reference, fused_depth_attention
-from attnres.ops.two_phase import inverse_rms, merge_partial, phase1
+from attnres.ops.two_phase import inverse_rms, merge_partial, phase1_outputs
 from attnres.residual.base import DepthRecord, ResidualScheme, Stream
 
 
@@ -108,7 +108,7 @@ class DepthAttentionStream(Stream):
         self.two_phase = (scheme.impl == "two_phase" and scheme.weights_kind == "pseudo_query"
                           and scheme.window is None)
         self.buffer = self.inv_rms = None
-        self._phase1 = None  # (block start, h1 [B, T, S, D], lse [B, T, S, H]) of the current block
+        self._phase1 = None  # (block start, S tensors h1 [B, T, D], lse [B, T, S, H]) of the current block
         if self.fused:
             b, t, d = embedding.shape
             self.buffer = embedding.new_empty(b, t, scheme.num_blocks + 1, d)
@@ -167,14 +167,14 @@ class DepthAttentionStream(Stream):
                 queries = queries.view(stop - start, s.heads, -1)
             key_weights = s.key_norm_weight[start:stop] if s.key_norm else None
             inv = self.inv_rms[:, :, :n] if self.inv_rms is not None else None
-            h1, lse = phase1(self.buffer[:, :, :n], inv, queries, key_weights, self.sources[:n],
-                             kernel=s.kernel)
+            h1, lse = phase1_outputs(self.buffer[:, :, :n], inv, queries, key_weights,
+                                     self.sources[:n], kernel=s.kernel)
             self._phase1 = (start, h1, lse)
         _, h1, lse = self._phase1
         i = l - start
         if self.partial is None:
-            return h1[:, :, i].to(self.sources[0].dtype)
-        return merge_partial(h1[:, :, i], lse[:, :, i], self.partial, s.queries[l],
+            return h1[i].to(self.sources[0].dtype)
+        return merge_partial(h1[i], lse[:, :, i], self.partial, s.queries[l],
                              self._key_weight(l), s.eps, s.kernel)
 
     def _aggregate(self, l: int) -> Tensor:
