@@ -5,14 +5,17 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
+# test extras: triton lets the kernel tests run in Triton's CPU interpreter (about 1 GB installed);
+# `make test EXTRAS=dev` skips them
+EXTRAS ?= dev,triton
 
 .PHONY: install test demo clean
 
-$(BIN)/.installed: pyproject.toml
+$(BIN)/.installed: pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(TORCH)
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q -e '.[$(EXTRAS)]'
 	touch $@
 
 install: $(BIN)/.installed

@@ -308,6 +308,26 @@ def _weighted_sum(v: Tensor, w: Tensor, heads: int) -> Tensor:
     return out.flatten(-2)
 
 
+# ----------------------------------------------------------------------------- Triton dispatch
+_TRITON = None  # attnres.ops.triton_depth_attention once imported, False when unavailable
+
+
+def _triton_module():
+    """The Triton kernels' module, or None (triton missing, or ATTNRES_TRITON=0)."""
+    global _TRITON
+    import os
+
+    if os.environ.get("ATTNRES_TRITON", "1") == "0":
+        return None
+    if _TRITON is None:
+        try:
+            from attnres.ops import triton_depth_attention as module
+        except ImportError:
+            module = False
+        _TRITON = module
+    return _TRITON or None
+
+
 def fused_depth_attention(
     segments: Sequence[Tensor],
     producers: Sequence[Tensor],
@@ -329,6 +349,13 @@ def fused_depth_attention(
     n = sum(seg.shape[2] for seg in segments)
     if n != len(producers):
         raise ValueError(f"segments hold {n} sources but {len(producers)} producers were given")
+    if segments and segments[0].is_cuda:  # Triton kernels when available and the case is covered
+        fast = _triton_module()
+        if fast is not None and fast.supported(segments, query, key_weight, kernel=kernel):
+            return fast.triton_fused_depth_attention(
+                segments, producers, query, key_weight,
+                eps=eps, kernel=kernel, normalize_keys=normalize_keys,
+            )
     return _FusedDepthAttention.apply(
         query, key_weight, tuple(segments), (eps, kernel, normalize_keys), *producers
     )
