@@ -6,8 +6,8 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 # test extras: triton lets the kernel tests run in Triton's CPU interpreter (about 1 GB installed);
-# `make test EXTRAS=dev` skips them
-EXTRAS ?= dev,triton
+# `make test TEST_EXTRAS=dev` skips those tests
+TEST_EXTRAS ?= dev,triton
 
 .PHONY: install test demo clean
 
@@ -15,12 +15,16 @@ $(BIN)/.installed: pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(TORCH)
-	$(BIN)/python -m pip install -q -e '.[$(EXTRAS)]'
+	$(BIN)/python -m pip install -q -e .
+	touch $@
+
+$(BIN)/.installed-test: $(BIN)/.installed
+	$(BIN)/python -m pip install -q -e '.[$(TEST_EXTRAS)]'
 	touch $@
 
 install: $(BIN)/.installed
 
-test: install
+test: $(BIN)/.installed-test
 	$(BIN)/python -m pytest
 
 demo: install
