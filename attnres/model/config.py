@@ -47,6 +47,10 @@ class ModelConfig:
     - ``attnres_heads``: per-head channel groups with their own weights.
     - ``attnres_window``: Full AttnRes over the embedding plus the last W
       sources only ("full" alone).
+    - ``attnres_group_size``: for "full" with the two-phase implementation, the
+      number G of consecutive sublayers whose queries share one Phase-1 pass
+      over the sources completed before them (SPEC §6's grouping; exact, it only
+      changes speed). Default: round(sqrt(L)).
     - ``attnres_impl``: "two_phase" (default: SPEC §6's batched Phase 1 per depth
       block, in training too; falls back to "fused" where queries depend on
       the input), "fused" (one memory-lean custom-autograd op per sublayer) or
@@ -86,6 +90,7 @@ class ModelConfig:
     attnres_key_norm: bool = True
     attnres_heads: int = 1
     attnres_window: Optional[int] = None
+    attnres_group_size: Optional[int] = None
     attnres_impl: str = "two_phase"
 
     layerscale_init: Optional[float] = None
@@ -130,6 +135,15 @@ class ModelConfig:
         while math.ceil(L / s) > DEFAULT_TARGET_BLOCKS:
             s += 2
         return min(s, L)
+
+    @property
+    def group_size(self) -> int:
+        """G: sublayers sharing one Phase-1 pass in Full AttnRes' two-phase schedule (1 otherwise)."""
+        if self.residual != "full":
+            return 1
+        if self.attnres_group_size is not None:
+            return self.attnres_group_size
+        return max(1, round(math.sqrt(self.n_sublayers)))
 
     @property
     def num_blocks(self) -> int:
@@ -205,6 +219,14 @@ class ModelConfig:
                 and self.residual != "block":
             raise _bad("residual", self.residual,
                        "attnres_blocks / attnres_block_size only apply to residual='block'")
+        if self.attnres_group_size is not None:
+            g = self.attnres_group_size
+            if isinstance(g, bool) or not isinstance(g, int) or g < 1:
+                raise _bad("attnres_group_size", g, "must be a positive integer (sublayers per group)")
+            if self.residual != "full":
+                raise _bad("attnres_group_size", g,
+                           "the two-phase grouping applies to residual='full' only (Block AttnRes "
+                           "groups by its depth blocks)")
         if self.attnres_window is not None:
             w = self.attnres_window
             if isinstance(w, bool) or not isinstance(w, int) or w < 1:

@@ -256,3 +256,20 @@ def merge_partial(h1: Tensor, lse1: Tensor, partial: Tensor, query: Tensor,
         w = torch.sigmoid(z)
         h = h1.to(cd) + (pc * w if heads == 1 else (_split_heads(pc, heads) * w.unsqueeze(-1)).flatten(-2))
     return h.to(partial.dtype)
+
+
+def merge_outputs(h1: Tensor, lse1: Tensor, h2: Tensor, lse2: Tensor, kernel: str = "softmax"
+                  ) -> Tuple[Tensor, Tensor]:
+    """Exactly combine two depth attentions over disjoint source sets, each given as its normalised
+    output and log-sum-exp (h [B, T, D], lse [B, T, H]): returns (h, lse) over the union.
+    For the sigmoid kernel the outputs are unnormalised sums and simply add."""
+    if kernel != "softmax":
+        return h1 + h2, lse1
+    heads = lse1.shape[-1]
+    w = torch.sigmoid(lse2 - lse1)  # the second set's share of the total mass
+    if heads == 1:
+        h = torch.lerp(h1, h2.to(h1.dtype), w.to(h1.dtype))
+    else:
+        h = torch.lerp(_split_heads(h1, heads), _split_heads(h2.to(h1.dtype), heads),
+                       w.to(h1.dtype).unsqueeze(-1)).flatten(-2)
+    return h, torch.logaddexp(lse1, lse2)

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from attnres.ops.depth_attention import depth_attention_reference, fused_depth_attention
-from attnres.ops.two_phase import inverse_rms, merge_partial, phase1_outputs
+from attnres.ops.two_phase import inverse_rms, merge_outputs, merge_partial, phase1_outputs
 from attnres.residual.base import DepthRecord, ResidualScheme, Stream
 
 
@@ -72,6 +72,11 @@ class DepthAttentionResidual(ResidualScheme):
         self.block_start = []
         for l, (_, partial) in enumerate(self.plan):
             self.block_start.append(self.block_start[-1] if partial else l)
+        # the first sublayer of each sublayer's Phase-1 group: its depth block, or for Full AttnRes
+        # G consecutive sublayers (their later sources are merged in per sublayer)
+        group = config.group_size
+        self.group_start = [(l // group) * group if l < L else L for l in range(L + 1)] \
+            if self.block_size == 1 and group > 1 else list(self.block_start)
 
         n_q = L + 1  # every sublayer plus the final aggregation
         if self.weights_kind == "pseudo_query":
@@ -156,12 +161,12 @@ class DepthAttentionStream(Stream):
     # ------------------------------------------------------------------ aggregation
     def _two_phase(self, l: int) -> Tensor:
         s = self.scheme
-        start = s.block_start[l]
+        start = s.group_start[l]
+        n = s.plan[start][0]  # sources completed when the group began
         if self._phase1 is None or self._phase1[0] != start:
             stop = start + 1
-            while stop < len(s.plan) and s.block_start[stop] == start:
+            while stop < len(s.plan) and s.group_start[stop] == start:
                 stop += 1
-            n = s.plan[start][0]
             queries = s.queries[start:stop]
             if s.heads > 1:
                 queries = queries.view(stop - start, s.heads, -1)
@@ -172,10 +177,20 @@ class DepthAttentionStream(Stream):
             self._phase1 = (start, h1, lse)
         _, h1, lse = self._phase1
         i = l - start
+        h, lse = h1[i], lse[:, :, i]
+        m = s.plan[l][0]
+        if m > n:  # sources completed inside the group (Full AttnRes): attend to them, merge
+            q = s.queries[l:l + 1]
+            if s.heads > 1:
+                q = q.view(1, s.heads, -1)
+            kw = s.key_norm_weight[l:l + 1] if s.key_norm else None
+            inv = self.inv_rms[:, :, n:m] if self.inv_rms is not None else None
+            (h2,), lse2 = phase1_outputs(self.buffer[:, :, n:m], inv, q, kw, self.sources[n:m],
+                                         kernel=s.kernel)
+            h, lse = merge_outputs(h, lse, h2, lse2[:, :, 0], s.kernel)
         if self.partial is None:
-            return h1[i].to(self.sources[0].dtype)
-        return merge_partial(h1[i], lse[:, :, i], self.partial, s.queries[l],
-                             self._key_weight(l), s.eps, s.kernel)
+            return h.to(self.sources[0].dtype)
+        return merge_partial(h, lse, self.partial, s.queries[l], self._key_weight(l), s.eps, s.kernel)
 
     def _aggregate(self, l: int) -> Tensor:
         s = self.scheme

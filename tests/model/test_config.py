@@ -21,6 +21,8 @@ BAD = [
     ({"attnres_window": 4}, "attnres_window", "residual='full' only"),
     ({"residual": "full", "attnres_window": 0}, "attnres_window", "positive integer"),
     ({"attnres_heads": 3}, "attnres_heads", "divide d_model"),
+    ({"attnres_group_size": 2}, "attnres_group_size", "residual='full' only"),
+    ({"residual": "full", "attnres_group_size": 0}, "attnres_group_size", "positive integer"),
     ({"attnres_heads": 2, "attnres_weights": "scalar"}, "attnres_heads", "scalar mixing"),
     ({"attnres_key_norm": "yes"}, "attnres_key_norm", "True or False"),
     ({"vocab_size": 0}, "vocab_size", "positive integer"),

@@ -17,6 +17,9 @@ VARIANTS = [
     ("full", {"attnres_weights": "scalar"}),
     ("full", {"attnres_window": 2}),
     ("full", {"attnres_heads": 4}),
+    ("full", {"attnres_group_size": 1}),
+    ("full", {"attnres_group_size": 4}),  # L=6: groups of 4 and 2
+    ("full", {"attnres_group_size": 3, "attnres_kernel": "sigmoid", "attnres_heads": 2}),
     ("block", {}),
     ("block", {"attnres_blocks": 2}),
     ("block", {"n_layers": 5, "attnres_blocks": 4}),  # L=10, S=3: blocks of 3, 3, 3, 1

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from attnres.ops import depth_attention_reference
-from attnres.ops.two_phase import inverse_rms, merge_partial, phase1
+from attnres.ops.two_phase import inverse_rms, merge_outputs, merge_partial, phase1
 from reference import naive
 
 EPS = 1e-6
@@ -108,3 +108,17 @@ def test_merge_partial_gradcheck(heads, kernel, key_norm):
         return merge_partial(h1, lse, p, q, kw if key_norm else None, EPS, kernel)
 
     assert torch.autograd.gradcheck(f, args, eps=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("kernel", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("heads", [1, 2])
+def test_merge_outputs_of_two_source_sets_is_exact(kernel, heads):
+    v, q, kw, _ = inputs(n=7, heads=heads, seed=4)
+    h_all, lse_all = run_phase1(v, q, kw, kernel, True)
+    h_a, lse_a = run_phase1(v[:3], q, kw, kernel, True)
+    h_b, lse_b = run_phase1(v[3:], q, kw, kernel, True)
+    for s in range(q.shape[0]):
+        h, lse = merge_outputs(h_a[:, :, s], lse_a[:, :, s], h_b[:, :, s], lse_b[:, :, s], kernel)
+        torch.testing.assert_close(h, h_all[:, :, s], rtol=1e-12, atol=1e-12)
+        if kernel == "softmax":
+            torch.testing.assert_close(lse, lse_all[:, :, s], rtol=1e-12, atol=1e-12)
