@@ -7,7 +7,7 @@ the ratio of medians to `prenorm`.
 
 Peak memory: each variant runs in a fresh subprocess (a process's high-water
 mark never goes down, so variants cannot share one). On CUDA we read the
-allocator's peak; on CPU the resident-set high-water mark (`ru_maxrss`), both
+allocator's peak; on CPU the resident-set high-water mark (VmHWM), both
 in total and above the baseline measured just before the first training step
 (model, optimizer and inputs already allocated), which isolates the memory a
 training step needs (activations, gradients, optimizer state).
@@ -117,6 +117,23 @@ def _rss_mib() -> float:
         return float("nan")
 
 
+def _peak_rss_mib() -> float:
+    """High-water mark of this process's resident set, MiB.
+
+    VmHWM belongs to the current address space, so it starts afresh at exec. (getrusage's
+    ru_maxrss does not: Linux carries the parent's peak into a forked-and-exec'd child, so
+    every probe launched after a big variant would report that variant's peak.)
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def memory_probe(cfg: BenchConfig, variant: str) -> dict:
     """Run in a fresh process: peak memory of training steps of one variant."""
     model, opt, x, y = _setup(cfg, variant)
@@ -131,11 +148,11 @@ def memory_probe(cfg: BenchConfig, variant: str) -> dict:
         return {"method": "cuda max_memory_allocated", "baseline_mib": base, "peak_mib": peak,
                 "step_peak_mib": peak - base}
     base = _rss_mib()
-    base_hwm = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    base_hwm = _peak_rss_mib()
     for _ in range(3):
         _step(model, opt, x, y)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {"method": "ru_maxrss (fresh process)", "baseline_mib": base,
+    peak = _peak_rss_mib()
+    return {"method": "VmHWM, peak resident set of a fresh process", "baseline_mib": base,
             "baseline_hwm_mib": base_hwm, "peak_mib": peak, "step_peak_mib": peak - base}
 
 

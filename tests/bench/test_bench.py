@@ -33,3 +33,18 @@ def test_bench_op_table(capsys):
 def test_bench_bad_option(capsys):
     assert main(["bench", "op", "--set", "widgets=3"]) == 2
     assert "unknown benchmark option" in capsys.readouterr().err
+
+
+def test_memory_probe_is_not_inherited_from_the_parent():
+    """A probe launched by a process that once held a lot of memory reports its own peak."""
+    import torch
+
+    from attnres.bench.train import BenchConfig, measure_memory
+
+    cfg = BenchConfig(d_model=32, n_layers=2, seq_len=16, batch_size=2, vocab_size=64, blocks=2)
+    small = measure_memory(cfg, "prenorm")["peak_mib"]
+    hog = torch.ones(512 * 2**20 // 4)  # 512 MiB resident in this (parent) process
+    hog += 1
+    again = measure_memory(cfg, "prenorm")["peak_mib"]
+    del hog
+    assert again < small + 256, (small, again)
