@@ -1,7 +1,10 @@
 """Text generation: temperature, top-k and top-p (nucleus) sampling with a seed.
 
-Each new token recomputes the (cropped) context; the KV-cached path belongs to
-the inference work and will plug in behind ``generate`` unchanged.
+Decoding runs through a KV cache (``attnres.inference.KVCache``): the prompt is
+prefilled once and each new token costs one single-position forward pass. Once
+the sequence reaches ``max_seq_len`` the model sees the last ``max_seq_len``
+tokens, exactly as the uncached path (``use_cache=False``) does: each further
+step re-prefills that window.
 """
 from __future__ import annotations
 
@@ -29,8 +32,10 @@ def filter_logits(logits: torch.Tensor, top_k: Optional[int] = None,
 @torch.no_grad()
 def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
              top_k: Optional[int] = None, top_p: Optional[float] = None,
-             seed: Optional[int] = None) -> Iterator[int]:
+             seed: Optional[int] = None, use_cache: bool = True) -> Iterator[int]:
     """Yield new token ids one at a time (batch of one). temperature 0 = greedy."""
+    from attnres.inference.cache import KVCache
+
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"generate takes one prompt [1, T]; got shape {tuple(input_ids.shape)}")
     if temperature < 0:
@@ -41,12 +46,22 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, temperature
     gen.manual_seed(seed if seed is not None else torch.seed())
     ids = input_ids.to(device)
     limit = model.config.max_seq_len
+    cache = KVCache.for_model(model, 1) if use_cache else None
+    pending = ids[:, -limit:]  # tokens the model has not seen yet
     for _ in range(max_new_tokens):
-        logits = model(ids[:, -limit:])[:, -1].float()
+        if cache is None:
+            logits = model(ids[:, -limit:])[:, -1]
+        else:
+            if cache.room() < pending.shape[1]:  # full: slide the window, as the uncached path does
+                cache.reset()
+                pending = ids[:, -limit:]
+            logits = model(pending, cache=cache)[:, -1]
+        logits = logits.float()
         if temperature == 0:
             nxt = logits.argmax(-1, keepdim=True)
         else:
             probs = torch.softmax(filter_logits(logits / temperature, top_k, top_p), dim=-1)
             nxt = torch.multinomial(probs, 1, generator=gen)
         ids = torch.cat([ids, nxt], dim=1)
+        pending = nxt
         yield int(nxt.item())

@@ -53,16 +53,21 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(d, kv, bias=False)
         self.o_proj = nn.Linear(d, d, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache=None, layer: int = 0) -> Tensor:
+        """x [B, t, D]; cos/sin for the t positions. ``cache`` (e.g. a KVCache) stores this step's
+        keys and values and attends over all cached positions; without one, plain causal attention."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.n_kv_heads != self.n_heads:
-            repeat = self.n_heads // self.n_kv_heads
-            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        repeat = self.n_heads // self.n_kv_heads
+        if cache is not None:
+            y = cache.attend(layer, q, k, v, repeat)
+        else:
+            if repeat > 1:
+                k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -132,27 +137,35 @@ class AttnResLM(nn.Module):
             elif isinstance(module, nn.RMSNorm):
                 nn.init.ones_(module.weight)
 
-    def forward(self, input_ids: Tensor, *, return_record: bool = False):
+    def forward(self, input_ids: Tensor, *, cache=None, return_record: bool = False):
         """input_ids [B, T] -> logits [B, T, V] (at least float32, under autocast too).
+
+        ``cache`` (``attnres.inference.KVCache``): the tokens continue the cached
+        sequence (positions ``cache.length`` onwards) and their keys/values are
+        appended; prefill, chunked prefill and decoding are all this call. The
+        residual stream needs no cache: depth attention is per token.
 
         With ``return_record=True`` returns ``LMOutput(logits, record)`` where the
         DepthRecord holds, per sublayer, the depth weights (per token), the
         source names and the RMS of the sublayer inputs and outputs.
         """
         b, t = input_ids.shape
-        if t > self.config.max_seq_len:
+        start = cache.position_offset if cache is not None else 0
+        if start + t > self.config.max_seq_len:
             raise ValueError(
-                f"sequence length {t} exceeds ModelConfig.max_seq_len={self.config.max_seq_len}; "
-                "use shorter inputs or a model built with a larger max_seq_len"
+                f"positions {start}..{start + t - 1} exceed ModelConfig.max_seq_len="
+                f"{self.config.max_seq_len}; use shorter inputs or a model built with a larger max_seq_len"
             )
         record = DepthRecord() if return_record else None
-        cos, sin = self.rope_cos[:t], self.rope_sin[:t]
+        cos, sin = self.rope_cos[start:start + t], self.rope_sin[start:start + t]
         stream = self.residual.begin(self.embed(input_ids), record=record)
         for i, block in enumerate(self.blocks):
             h = stream.read(2 * i)
-            stream.write(2 * i, block.attn(block.attn_norm(h), cos, sin))
+            stream.write(2 * i, block.attn(block.attn_norm(h), cos, sin, cache=cache, layer=i))
             h = stream.read(2 * i + 1)
             stream.write(2 * i + 1, block.mlp(block.mlp_norm(h)))
+        if cache is not None:
+            cache.advance(t)
         logits = self.lm_head(self.norm(stream.end()))
         if logits.dtype in (torch.float16, torch.bfloat16):
             logits = logits.float()  # the loss wants full-precision logits

@@ -123,6 +123,13 @@ class DepthAttentionStream(Stream):
                                                    else torch.float32)
             self._store(0, embedding)
 
+    def state_bytes(self) -> int:
+        held = self.buffer if self.buffer is not None else torch.stack(self.sources)
+        total = held.numel() * held.element_size()
+        if self.inv_rms is not None:
+            total += self.inv_rms.numel() * self.inv_rms.element_size()
+        return total
+
     def _store(self, row: int, v: Tensor) -> None:
         """Write a completed source into the buffer (values, and its inverse RMS once for all readers)."""
         with torch.no_grad():

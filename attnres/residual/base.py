@@ -79,6 +79,12 @@ class Stream:
             self._record_weights(self.n_sublayers)
         return self._end()
 
+    def state_bytes(self) -> int:
+        """Bytes of depth history this stream keeps beyond the one running state every scheme
+        has (block representations, Full AttnRes' sources, block outputs, extra streams);
+        0 for single-state schemes."""
+        return 0
+
     # -- to implement
     def _read(self, l: int) -> Tensor:
         raise NotImplementedError

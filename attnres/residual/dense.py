@@ -78,6 +78,9 @@ class _BlockOutputStream(Stream):
     def _end(self) -> Tensor:
         return self.h
 
+    def state_bytes(self) -> int:
+        return sum(x.numel() * x.element_size() for x in self.outputs)
+
 
 class _BlockAveraging(ResidualScheme):
     def __init__(self, config):

@@ -120,6 +120,11 @@ class MultiStream(Stream):
     def _end(self) -> Tensor:
         return self.H.sum(0)
 
+    def state_bytes(self) -> int:
+        # n streams, of which one stands for the running state every scheme has
+        one = self.H[0]
+        return (self.H.shape[0] - 1) * one.numel() * one.element_size()
+
 
 class _MultiStreamScheme(ResidualScheme):
     def __init__(self, config, n_streams: int):

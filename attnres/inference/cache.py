@@ -1,0 +1,83 @@
+"""Key/value cache for incremental decoding.
+
+Only self-attention looks at past positions. Depth attention (every residual
+scheme here) mixes a token's own sublayer outputs, so the block
+representations, Full AttnRes' per-sublayer sources and the streams of
+multi-stream schemes of past tokens are never needed again: a decoding step
+rebuilds them for the new token alone. The cache therefore holds keys and
+values, nothing else; its size is the usual 2 * n_layers * n_kv_heads *
+head_dim * T values per sequence, for every residual scheme.
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, offset: int) -> Tensor:
+    """Attention of t queries at absolute positions offset..offset+t-1 over keys 0..offset+t-1.
+
+    q [B, H, t, hd], k/v [B, H, offset + t, hd] (heads already repeated for GQA).
+    """
+    t, s = q.shape[2], k.shape[2]
+    if offset == 0 and t == s:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if t == 1:
+        return F.scaled_dot_product_attention(q, k, v)  # the newest token sees everything
+    allowed = torch.arange(s, device=q.device)[None, :] <= (offset + torch.arange(t, device=q.device))[:, None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+
+
+class KVCache:
+    """Preallocated keys and values of every attention layer, for one batch of sequences."""
+
+    def __init__(self, n_layers: int, batch_size: int, n_kv_heads: int, head_dim: int, max_len: int,
+                 *, dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None):
+        shape = (batch_size, n_kv_heads, max_len, head_dim)
+        self.keys: List[Tensor] = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.values: List[Tensor] = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.max_len = max_len
+        self.length = 0  # positions already cached
+
+    @classmethod
+    def for_model(cls, model, batch_size: int, max_len: Optional[int] = None) -> "KVCache":
+        c = model.config
+        p = next(model.parameters())
+        return cls(c.n_layers, batch_size, c.n_kv_heads, c.head_dim, max_len or c.max_seq_len,
+                   dtype=p.dtype, device=p.device)
+
+    @property
+    def position_offset(self) -> int:
+        return self.length
+
+    def room(self) -> int:
+        return self.max_len - self.length
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, repeat: int) -> Tensor:
+        """Store this step's keys/values of ``layer`` and attend over everything cached so far."""
+        t = k.shape[2]
+        if self.length + t > self.max_len:
+            raise ValueError(
+                f"KV cache holds {self.length} of {self.max_len} positions; {t} more do not fit. "
+                "Fix: a larger max_len (at most ModelConfig.max_seq_len), or a new cache"
+            )
+        end = self.length + t
+        self.keys[layer][:, :, self.length:end] = k
+        self.values[layer][:, :, self.length:end] = v
+        keys, values = self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+        if repeat > 1:
+            keys, values = keys.repeat_interleave(repeat, dim=1), values.repeat_interleave(repeat, dim=1)
+        return causal_attention(q, keys, values, self.length)
+
+    def advance(self, t: int) -> None:
+        """Called by the model once all layers have stored the step's t positions."""
+        self.length += t
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def nbytes(self) -> int:
+        return sum(x.numel() * x.element_size() for x in self.keys + self.values)

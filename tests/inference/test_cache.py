@@ -1,0 +1,83 @@
+"""KV-cached decoding and chunked prefill equal the full forward pass, for every residual scheme."""
+import pytest
+import torch
+
+from attnres import AttnResLM, ModelConfig
+from attnres.inference import KVCache, chunked_prefill
+from attnres.residual import RESIDUALS
+from attnres.sampling import generate
+
+SCHEMES = sorted(RESIDUALS)
+
+
+def model_for(residual, dtype, seed=0, **overrides):
+    torch.manual_seed(seed)
+    cfg = ModelConfig(**{"vocab_size": 61, "d_model": 32, "n_layers": 3, "n_heads": 4, "n_kv_heads": 2,
+                         "max_seq_len": 24, "residual": residual, **overrides})
+    model = AttnResLM(cfg).to(dtype).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():  # move every residual parameter off its initialisation
+        for p in model.residual.parameters():
+            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.3)
+    return model
+
+
+def tokens(t, seed=0):
+    return torch.randint(0, 61, (2, t), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("residual", SCHEMES)
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 1e-5)])
+def test_prefill_then_decode_equals_full_forward(residual, dtype, tol):
+    model = model_for(residual, dtype)
+    x = tokens(18)
+    with torch.no_grad():
+        full = model(x)
+        cache = KVCache.for_model(model, batch_size=2)
+        steps = [model(x[:, :6], cache=cache)]
+        steps += [model(x[:, t:t + 1], cache=cache) for t in range(6, 18)]
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=tol, atol=tol)
+    assert cache.length == 18
+
+
+@pytest.mark.parametrize("residual,overrides", [("block", {}), ("block", {"attnres_impl": "fused"}),
+                                                ("full", {"attnres_group_size": 2}), ("prenorm", {})])
+@pytest.mark.parametrize("chunk", [1, 4, 7])
+def test_chunked_prefill_equals_full_forward(residual, overrides, chunk):
+    model = model_for(residual, torch.float64, **overrides)
+    x = tokens(17, seed=3)
+    with torch.no_grad():
+        full = model(x)
+        out = chunked_prefill(model, x, KVCache.for_model(model, 2), chunk, all_logits=True)
+        last = chunked_prefill(model, x, KVCache.for_model(model, 2), chunk)
+    torch.testing.assert_close(out, full, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(last, full[:, -1], rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("residual", ["prenorm", "block", "full"])
+def test_cached_generation_equals_uncached_past_the_context_limit(residual):
+    model = model_for(residual, torch.float64)
+    prompt = tokens(5)[:1]
+    n = 30  # runs past max_seq_len=24: both paths then slide the same window
+    greedy = list(generate(model, prompt, n, temperature=0))
+    assert greedy == list(generate(model, prompt, n, temperature=0, use_cache=False))
+    sampled = list(generate(model, prompt, n, temperature=1.0, top_k=10, seed=7))
+    assert sampled == list(generate(model, prompt, n, temperature=1.0, top_k=10, seed=7, use_cache=False))
+
+
+def test_cache_overflow_is_a_clear_error():
+    model = model_for("block", torch.float32)
+    cache = KVCache.for_model(model, batch_size=2, max_len=8)
+    with torch.no_grad():
+        model(tokens(6), cache=cache)
+        with pytest.raises(ValueError, match="KV cache holds 6 of 8 positions"):
+            model(tokens(3), cache=cache)
+    with pytest.raises(ValueError, match="max_seq_len=24"):
+        model(tokens(25))
+
+
+def test_cache_holds_keys_and_values_only():
+    model = model_for("block", torch.float32)
+    cache = KVCache.for_model(model, batch_size=2)
+    c = model.config
+    assert cache.nbytes() == 2 * c.n_layers * 2 * c.n_kv_heads * c.head_dim * c.max_seq_len * 4
