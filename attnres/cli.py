@@ -291,6 +291,10 @@ def cmd_bench(args) -> int:
         from attnres.bench import train as bench
 
         cfg = bench.BenchConfig.quick() if args.quick else bench.BenchConfig()
+    elif args.what == "decode":
+        from attnres.bench import decode as bench
+
+        cfg = bench.DecodeBenchConfig.quick() if args.quick else bench.DecodeBenchConfig()
     else:
         from attnres.bench import op as bench
 
@@ -303,8 +307,8 @@ def cmd_bench(args) -> int:
             raise CLIError(f"--set {key}: unknown benchmark option; known: {sorted(cfg.__dict__)}")
         setattr(cfg, key, _parse_value(value))
     if args.variants:
-        if args.what != "train":
-            raise CLIError("--variants applies to `attnres bench train`")
+        if args.what == "op":
+            raise CLIError("--variants applies to `attnres bench train` and `attnres bench decode`")
         cfg.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     cfg.device = args.device
     result = bench.run(cfg, memory=not args.no_memory) if args.what == "train" else bench.run(cfg)
@@ -387,12 +391,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="model option, e.g. d_model=1024")
     p.set_defaults(func=cmd_schemes)
 
-    p = sub.add_parser("bench", help="benchmarks: train (step time, memory) and op (bandwidth)",
+    p = sub.add_parser("bench", help="benchmarks: train (step time, memory), op (bandwidth), decode",
                        description=(
         "bench train: step time (forward + backward + AdamW) of prenorm, Block and Full AttnRes on one "
         "config in one process, with ratios to prenorm, and peak memory from a fresh process per "
-        "variant. bench op: the depth-attention op alone against this machine's copy bandwidth."))
-    p.add_argument("what", choices=("train", "op"))
+        "variant. bench op: the depth-attention op alone against this machine's copy bandwidth. bench "
+        "decode: KV-cached prefill throughput and per-token decode latency, and the residual I/O per "
+        "sublayer beside SPEC Table 1."))
+    p.add_argument("what", choices=("train", "op", "decode"))
     p.add_argument("--quick", action="store_true", help="a smaller config (under 2 minutes on 2 cores)")
     p.add_argument("--variants", help="comma list, e.g. prenorm,block,full,block:reference,block:fused")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="benchmark option, e.g. d_model=512")

@@ -182,6 +182,7 @@ class DepthAttentionStream(Stream):
             h1, lse = phase1_outputs(self.buffer[:, :, :n], inv, queries, key_weights,
                                      self.sources[:n], kernel=s.kernel)
             self._phase1 = (start, h1, lse)
+            self._io(l, n, stop - start)  # each source read once; one output per query
         _, h1, lse = self._phase1
         i = l - start
         h, lse = h1[i], lse[:, :, i]
@@ -195,8 +196,10 @@ class DepthAttentionStream(Stream):
             (h2,), lse2 = phase1_outputs(self.buffer[:, :, n:m], inv, q, kw, self.sources[n:m],
                                          kernel=s.kernel)
             h, lse = merge_outputs(h, lse, h2, lse2[:, :, 0], s.kernel)
+            self._io(l, (m - n) + 2, 2)  # intra-group sources; both outputs -> merged h
         if self.partial is None:
             return h.to(self.sources[0].dtype)
+        self._io(l, 2, 1)  # h1 and the partial sum -> h
         return merge_partial(h, lse, self.partial, s.queries[l], self._key_weight(l), s.eps, s.kernel)
 
     def _aggregate(self, l: int) -> Tensor:
@@ -206,6 +209,7 @@ class DepthAttentionStream(Stream):
         if self.two_phase:
             return self._two_phase(l)
         query, key_weight = self._query(l), self._key_weight(l)
+        self._io(l, len(self._producers(l)), 1)  # every source read, h written
         if self.fused:
             segments = [self.buffer[:, :, a:b] for a, b in self._source_rows(l)]
             if self.partial is not None:
@@ -241,11 +245,14 @@ class DepthAttentionStream(Stream):
         return self._aggregate(l)
 
     def _write(self, l: int, f: Tensor) -> None:
+        if self.partial is not None:
+            self._io(l, 2, 1)  # read the partial sum and f, write the new partial sum
         self.partial = f if self.partial is None else self.partial + f
         complete, _ = self.scheme.plan[l + 1]
         if complete > len(self.sources):  # the depth block just closed
             if self.buffer is not None:
                 self._store(len(self.sources), self.partial)
+                self._io(l, 1, 1)  # the block sum copied into the buffer
             self.sources.append(self.partial)
             self.partial = None
 

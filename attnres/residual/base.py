@@ -52,6 +52,14 @@ class Stream:
         self.record = record
         self._next = 0
         self._reading = False
+        # memory traffic of the residual mechanism, in d-vectors per token, per sublayer (index L:
+        # the final aggregation); see attnres.bench.decode for the counting rules
+        self.io_reads = [0] * (n_sublayers + 1)
+        self.io_writes = [0] * (n_sublayers + 1)
+
+    def _io(self, l: int, reads: int, writes: int) -> None:
+        self.io_reads[l] += reads
+        self.io_writes[l] += writes
 
     def read(self, l: int) -> Tensor:
         if l != self._next or self._reading:

@@ -17,6 +17,7 @@ class PreNormStream(Stream):
         return self.h
 
     def _write(self, l: int, f: Tensor) -> None:
+        self._io(l, 2, 1)  # read h and f, write h
         self.h = self.h + f
 
     def _end(self) -> Tensor:

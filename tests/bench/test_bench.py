@@ -48,3 +48,31 @@ def test_memory_probe_is_not_inherited_from_the_parent():
     again = measure_memory(cfg, "prenorm")["peak_mib"]
     del hog
     assert again < small + 256, (small, again)
+
+
+def test_bench_decode_table_and_io_counts(capsys):
+    assert main(["bench", "decode", "--set", "d_model=32", "--set", "n_layers=2", "--set", "prompt_len=8",
+                 "--set", "decode_tokens=3", "--set", "repeats=1", "--set", "vocab_size=64",
+                 "--set", "blocks=2", "--variants", "block,block:fused,full"]) == 0
+    text = capsys.readouterr().out
+    for v in ("prenorm", "block", "block:fused", "full"):
+        assert f"| {v} |" in text
+    assert "2.00 + 1.00 = 3.00 | 3 |" in text  # the plain residual: read h and f, write h
+
+
+def test_residual_io_counts_follow_the_schedule():
+    import torch
+
+    from attnres import AttnResLM, ModelConfig
+    from attnres.bench.decode import residual_io
+
+    x = torch.zeros(1, 4, dtype=torch.long)
+    base = dict(vocab_size=16, d_model=16, n_layers=2, n_heads=2)
+    # Block, L=4, S=2: per block Phase 1 reads n (1, then 2) and writes 2; the second sublayer merges
+    # (2 reads, 1 write) and updates the partial sum (2 reads, 1 write); the block sum is stored (1 + 1)
+    io = residual_io(AttnResLM(ModelConfig(**base, residual="block", attnres_block_size=2)), x)
+    assert io["reads"] == (1 + 2 + 2 + 1 + 2 + 2 + 2 + 1) / 4
+    assert io["writes"] == (2 + 1 + 1 + 1 + 2 + 1 + 1 + 1) / 4
+    # per-sublayer attention reads every source (1, 2, 3, 4) and writes h
+    io = residual_io(AttnResLM(ModelConfig(**base, residual="full", attnres_impl="fused")), x)
+    assert io["reads"] == (1 + 2 + 3 + 4) / 4 + 4 / 4  # + storing each output in the buffer

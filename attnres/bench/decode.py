@@ -1,0 +1,174 @@
+"""`attnres bench decode`: prefill throughput and per-token decode latency with the KV cache.
+
+All variants are built in one process and timed round-robin: for each repeat
+and variant, one prefill of the prompt, then ``decode_tokens`` single-token
+steps. We report the median prefill throughput, the median per-token decode
+latency and their ratios to `prenorm`.
+
+Residual I/O. Each stream counts the d-vectors per token its residual
+mechanism reads and writes (see the ``_io`` calls in ``attnres/residual``):
+
+- prenorm: h = h + f reads h and f and writes h: 3 per sublayer.
+- two-phase Block AttnRes: Phase 1 reads the n completed blocks once per depth
+  block and writes one output per query (S); each later sublayer merges the
+  partial sum (reads the Phase-1 output and the partial sum, writes h) and
+  updates the partial sum (reads it and f, writes it); closing a block copies
+  the sum into the buffer (1 read, 1 write).
+- Full AttnRes, grouped: the same Phase 1 per group of G sublayers, plus the
+  sources completed inside the group, read by each later sublayer, and the merge.
+- per-sublayer ("naive") depth attention: every source read, h written.
+
+SPEC §6 / paper Table 1 give 3d (residual), (N/S + 5)d (Block, two-phase) and
+(S + N)d (Full with grouping S, N = L/S groups). The paper's kernels keep the
+Phase-1 outputs on chip; ours write and re-read them, which the count shows.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List
+
+import torch
+
+from attnres.inference.cache import KVCache
+from attnres.model import AttnResLM, ModelConfig
+
+DEFAULT_VARIANTS = ("prenorm", "block", "block:fused", "full")
+
+
+@dataclass
+class DecodeBenchConfig:
+    d_model: int = 256
+    n_layers: int = 12
+    n_heads: int = 4
+    vocab_size: int = 4096
+    blocks: int = 8
+    prompt_len: int = 256
+    decode_tokens: int = 32
+    batch_size: int = 1
+    repeats: int = 5
+    seed: int = 0
+    device: str = "cpu"
+    variants: List[str] = field(default_factory=lambda: list(DEFAULT_VARIANTS))
+
+    @classmethod
+    def quick(cls) -> "DecodeBenchConfig":
+        return cls(d_model=128, n_layers=8, prompt_len=128, decode_tokens=16, repeats=3)
+
+
+def model_config(cfg: DecodeBenchConfig, variant: str) -> ModelConfig:
+    residual, _, impl = variant.partition(":")
+    extra = {"attnres_blocks": cfg.blocks} if residual == "block" else {}
+    return ModelConfig(vocab_size=cfg.vocab_size, d_model=cfg.d_model, n_layers=cfg.n_layers,
+                       n_heads=cfg.n_heads, max_seq_len=cfg.prompt_len + cfg.decode_tokens,
+                       residual=residual, attnres_impl=impl or "two_phase", **extra)
+
+
+def formula(config: ModelConfig) -> str:
+    """Table 1's per-sublayer residual I/O for this scheme, in d-vectors per token."""
+    L = config.n_sublayers
+    if config.residual == "prenorm":
+        return "3"
+    if config.residual == "block":
+        return f"N/S + 5 = {config.num_blocks}/{config.block_size} + 5 = {config.num_blocks / config.block_size + 5:.2f}"
+    if config.residual == "full":
+        g = config.group_size
+        n = -(-L // g)
+        return f"S + N = {g} + {n} = {g + n}"
+    return "-"
+
+
+def residual_io(model, prompt: torch.Tensor) -> Dict[str, float]:
+    """Average d-vectors per token read / written by the residual mechanism per sublayer."""
+    streams = []
+    begin = model.residual.begin
+
+    def tracking(*args, **kwargs):
+        streams.append(begin(*args, **kwargs))
+        return streams[-1]
+
+    model.residual.begin = tracking
+    try:
+        with torch.no_grad():
+            model(prompt[:, :1])
+    finally:
+        del model.residual.begin
+    s = streams[-1]
+    L = model.config.n_sublayers
+    reads, writes = sum(s.io_reads[:L]) / L, sum(s.io_writes[:L]) / L
+    return {"reads": reads, "writes": writes, "total": reads + writes,
+            "final_aggregation": s.io_reads[L] + s.io_writes[L]}
+
+
+def run(cfg: DecodeBenchConfig) -> dict:
+    if "prenorm" not in cfg.variants:
+        cfg.variants = ["prenorm"] + list(cfg.variants)
+    device = torch.device(cfg.device)
+    g = torch.Generator().manual_seed(cfg.seed)
+    prompt = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.prompt_len), generator=g).to(device)
+    nxt = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.decode_tokens), generator=g).to(device)
+    models = {}
+    for v in cfg.variants:
+        torch.manual_seed(cfg.seed)
+        models[v] = AttnResLM(model_config(cfg, v)).to(device).eval()
+    prefill: Dict[str, List[float]] = {v: [] for v in cfg.variants}
+    decode: Dict[str, List[float]] = {v: [] for v in cfg.variants}
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    with torch.no_grad():
+        for rep in range(cfg.repeats + 1):  # the first round warms up
+            for v, model in models.items():
+                cache = KVCache.for_model(model, cfg.batch_size)
+                sync()
+                t0 = time.perf_counter()
+                model(prompt, cache=cache)
+                sync()
+                t1 = time.perf_counter()
+                steps = []
+                for i in range(cfg.decode_tokens):
+                    s0 = time.perf_counter()
+                    model(nxt[:, i:i + 1], cache=cache)
+                    sync()
+                    steps.append(time.perf_counter() - s0)
+                if rep:
+                    prefill[v].append(t1 - t0)
+                    decode[v].extend(steps)
+    base_prefill = statistics.median(prefill["prenorm"])
+    base_decode = statistics.median(decode["prenorm"])
+    rows = {}
+    for v, model in models.items():
+        p, d = statistics.median(prefill[v]), statistics.median(decode[v])
+        q = statistics.quantiles(decode[v], n=4)
+        rows[v] = {"prefill_ms": p * 1e3, "prefill_tokens_per_s": cfg.batch_size * cfg.prompt_len / p,
+                   "prefill_ratio": p / base_prefill, "decode_ms": d * 1e3, "decode_ms_p25": q[0] * 1e3,
+                   "decode_ms_p75": q[2] * 1e3, "decode_ratio": d / base_decode,
+                   "io": residual_io(model, prompt), "io_formula": formula(model.config)}
+    return {"config": cfg.__dict__, "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "rows": rows}
+
+
+def format_table(result: dict) -> str:
+    c = result["config"]
+    lines = [
+        f"bench decode: d={c['d_model']}, {c['n_layers']} blocks, block N={c['blocks']}, prompt "
+        f"{c['prompt_len']}, {c['decode_tokens']} decoded tokens, batch {c['batch_size']}, device="
+        f"{c['device']}, {result['threads']} threads, torch {result['torch']}; medians over "
+        f"{c['repeats']} repeats",
+        "",
+        "| variant | prefill tokens/s | prefill time vs prenorm | decode ms/token (p25-p75) | decode vs prenorm | "
+        "residual I/O per sublayer (reads + writes, d/token) | Table 1 formula |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for v, r in result["rows"].items():
+        io = r["io"]
+        lines.append(
+            f"| {v} | {r['prefill_tokens_per_s']:,.0f} | {r['prefill_ratio']:.3f} | {r['decode_ms']:.2f} "
+            f"({r['decode_ms_p25']:.2f}-{r['decode_ms_p75']:.2f}) | {r['decode_ratio']:.3f} | "
+            f"{io['reads']:.2f} + {io['writes']:.2f} = {io['total']:.2f} | {r['io_formula']} |")
+    lines += ["", "`block` is two-phase (the default); `block:fused` attends per sublayer over every "
+              "source (naive). I/O counting rules: attnres/bench/decode.py."]
+    return "\n".join(lines)
