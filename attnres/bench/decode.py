@@ -31,6 +31,7 @@ from typing import Dict, List
 
 import torch
 
+from attnres.bench.train import variant_config
 from attnres.inference.cache import KVCache
 from attnres.model import AttnResLM, ModelConfig
 
@@ -58,11 +59,9 @@ class DecodeBenchConfig:
 
 
 def model_config(cfg: DecodeBenchConfig, variant: str) -> ModelConfig:
-    residual, _, impl = variant.partition(":")
-    extra = {"attnres_blocks": cfg.blocks} if residual == "block" else {}
-    return ModelConfig(vocab_size=cfg.vocab_size, d_model=cfg.d_model, n_layers=cfg.n_layers,
-                       n_heads=cfg.n_heads, max_seq_len=cfg.prompt_len + cfg.decode_tokens,
-                       residual=residual, attnres_impl=impl or "two_phase", **extra)
+    return variant_config(variant, blocks=cfg.blocks, vocab_size=cfg.vocab_size, d_model=cfg.d_model,
+                          n_layers=cfg.n_layers, n_heads=cfg.n_heads,
+                          max_seq_len=cfg.prompt_len + cfg.decode_tokens)
 
 
 def formula(config: ModelConfig) -> str:

@@ -60,12 +60,16 @@ def parse_variant(name: str):
     return residual, impl or "two_phase"
 
 
-def model_config(cfg: BenchConfig, variant: str) -> ModelConfig:
+def variant_config(variant: str, *, blocks: int, **sizes) -> ModelConfig:
+    """The model of one benchmark variant ('block', 'full:reference', ...); Block gets N = blocks."""
     residual, impl = parse_variant(variant)
-    extra = {"attnres_blocks": cfg.blocks} if residual == "block" else {}
-    return ModelConfig(vocab_size=cfg.vocab_size, d_model=cfg.d_model, n_layers=cfg.n_layers,
-                       n_heads=cfg.n_heads, max_seq_len=cfg.seq_len, residual=residual,
-                       attnres_impl=impl, **extra)
+    extra = {"attnres_blocks": blocks} if residual == "block" else {}
+    return ModelConfig(residual=residual, attnres_impl=impl, **sizes, **extra)
+
+
+def model_config(cfg: BenchConfig, variant: str) -> ModelConfig:
+    return variant_config(variant, blocks=cfg.blocks, vocab_size=cfg.vocab_size, d_model=cfg.d_model,
+                          n_layers=cfg.n_layers, n_heads=cfg.n_heads, max_seq_len=cfg.seq_len)
 
 
 def _setup(cfg: BenchConfig, variant: str):

@@ -50,6 +50,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from attnres.train.optim import _unwrap
+
 __all__ = [
     "FORMAT_VERSION",
     "CheckpointError",
@@ -120,16 +122,6 @@ def _siblings(target: Path, tag: str) -> list[Path]:
         return []
     prefix = _hidden_prefix(target.name, tag)
     return sorted(p for p in parent.iterdir() if p.name.startswith(prefix) and p.is_dir())
-
-
-def _unwrap(model: nn.Module) -> nn.Module:
-    while True:
-        if hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
-            model = model._orig_mod
-        elif isinstance(model, nn.parallel.DistributedDataParallel):
-            model = model.module
-        else:
-            return model
 
 
 # --------------------------------------------------------------------------- model weights
