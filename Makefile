@@ -5,9 +5,9 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
-# test extras: triton lets the kernel tests run in Triton's CPU interpreter (about 1 GB installed);
-# `make test TEST_EXTRAS=dev` skips those tests
-TEST_EXTRAS ?= dev,triton
+# test extras: triton lets the kernel tests run in Triton's CPU interpreter (about 1 GB installed),
+# hf brings transformers for attnres.hf; `make test TEST_EXTRAS=dev` skips those tests
+TEST_EXTRAS ?= dev,hf,triton
 
 .PHONY: install test demo clean
 

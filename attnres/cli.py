@@ -337,6 +337,130 @@ def cmd_schemes(args) -> int:
     return 0
 
 
+def cmd_convert(args) -> int:
+    """Retrofit a Hugging Face LLaMA / Mistral / Qwen2 model into AttnRes, or convert between the
+    trainer's native checkpoints and the Hugging Face format (``attnres.hf``)."""
+    import shutil
+
+    try:
+        import torch
+
+        import attnres.hf as hf
+    except ImportError as e:
+        raise CLIError(f"attnres convert needs transformers: pip install 'attnres[hf]' ({e})")
+    src, out = Path(args.source), Path(args.out)
+    if (src / "state.json").is_file() or (src / "checkpoint" / "state.json").is_file():
+        kind = "native"
+    elif (src / "config.json").is_file():
+        model_type = json.loads((src / "config.json").read_text()).get("model_type")
+        kind = "attnres" if model_type == hf.AttnResConfig.model_type else "pretrained"
+    else:
+        raise CLIError(f"{src} is neither a Hugging Face model directory (config.json) nor a run or "
+                       "checkpoint directory of attnres train (state.json)")
+    to = args.to or ("native" if kind == "attnres" else "hf")
+    retrofit_options = [flag for flag, value in (
+        ("--residual", args.residual), ("--attnres-blocks", args.attnres_blocks),
+        ("--attnres-block-size", args.attnres_block_size), ("--max-seq-len", args.max_seq_len),
+        ("--set", args.set)) if value is not None]
+    if kind != "pretrained" and retrofit_options:
+        raise CLIError(f"{', '.join(retrofit_options)} apply only when retrofitting a pretrained "
+                       f"LLaMA / Mistral / Qwen2 directory; {src} is {'a native checkpoint' if kind == 'native' else 'already AttnRes'}")
+    if (kind, to) in (("native", "native"), ("attnres", "hf")):
+        raise CLIError(f"{src} is already in the {to} format; pick --to {'hf' if to == 'native' else 'native'}")
+    if to == "hf" and out.exists() and any(out.iterdir()) and not args.force:
+        raise CLIError(f"{out} exists and is not empty; pass --force to write into it")
+    dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
+
+    tokenizer_json = None
+    if kind == "native":
+        from attnres.train.trainer import load_model
+
+        lm, tokenizer, _ = load_model(str(src))
+        model = hf.AttnResForCausalLM.from_attnres_lm(lm)
+        if dtype is not None:
+            model = model.to(dtype)
+        model.save_pretrained(str(out))
+        if tokenizer is not None:
+            hf.hf_tokenizer(tokenizer).save_pretrained(str(out))
+        print(f"native checkpoint {src} -> Hugging Face AttnResForCausalLM in {out}"
+              f"{'' if tokenizer is None else ' (with its tokenizer)'}")
+        return 0
+    from transformers import AutoModelForCausalLM
+
+    load_kw = {"local_files_only": True, **({} if dtype is None else {"dtype": dtype})}
+    if kind == "attnres":
+        model = AutoModelForCausalLM.from_pretrained(str(src), **load_kw)
+        tokenizer_json = src / "tokenizer.json"
+    else:
+        options = {}
+        for item in args.set or []:
+            if "=" not in item:
+                raise CLIError(f"--set {item!r}: expected KEY=VALUE, e.g. --set attnres_impl=fused")
+            key, value = item.split("=", 1)
+            options[key.strip().replace("-", "_")] = _parse_value(value.strip())
+        residual = args.residual or "block"
+        kwargs = dict(residual=residual, attnres_blocks=args.attnres_blocks,
+                      attnres_block_size=args.attnres_block_size, max_seq_len=args.max_seq_len, **options)
+        if args.no_verify:
+            model = hf.convert_to_attnres(str(src), dtype=dtype, **kwargs)
+        else:
+            source = AutoModelForCausalLM.from_pretrained(str(src), **load_kw).eval()
+            model = hf.convert_to_attnres(source, copy_weights=False, **kwargs)
+            err = hf.convert.conversion_error(source, model)
+            print(f"max |logit difference| source vs AttnRes on random tokens: {err:.3g} "
+                  f"({model.dtype}; zero queries make them equal up to RMSNorm eps, see attnres.hf.convert)")
+        c = model.config
+        blocks = f", {c.model_config().num_blocks} depth blocks" if residual == "block" else ""
+        print(f"{src}: {c.n_layers} layers, d_model={c.d_model} -> residual={residual}{blocks}")
+        tokenizer_json = src / "tokenizer.json"
+        if to == "hf":
+            model.save_pretrained(str(out))
+            copied = hf.convert.copy_tokenizer_files(src, out)
+            print(f"written {out}{' with ' + ', '.join(copied) if copied else ''}")
+            return 0
+    path = hf.hf_to_native(model, out)
+    if tokenizer_json is not None and tokenizer_json.is_file():
+        shutil.copy2(tokenizer_json, path / "tokenizer.json")
+    print(f"written native weights-only checkpoint {path} (attnres sample / load_model read it)")
+    return 0
+
+
+def cmd_experiment(args) -> int:
+    """Run (or with --dry-run, list) the runs of a named experiment spec; finished runs are skipped."""
+    from attnres.experiments import available, format_plan, load_spec, plan_status, run_experiment
+
+    if not args.name:
+        print("experiments: " + (", ".join(available(args.specs)) or "none found"))
+        return 0
+    spec = load_spec(args.name, args.specs)
+    if args.dry_run:
+        print(format_plan(spec, plan_status(spec, args.runs), args.only))
+        return 0
+    flags = [("--max-runs", args.max_runs), ("--only", args.only), ("--threads", args.threads),
+             ("--runs", args.runs if args.runs != "runs/experiments" else None), ("--specs", args.specs)]
+    command = " ".join(["attnres experiment", args.name] + [f"{k} {v}" for k, v in flags if v is not None]
+                       + (["--retry-diverged"] if args.retry_diverged else []))
+    counts = run_experiment(spec, args.runs, max_runs=args.max_runs, only=args.only,
+                            retry_diverged=args.retry_diverged, progress=not args.no_progress,
+                            threads=args.threads, command=command)
+    print(f"{spec.name}: " + ", ".join(f"{v} {k}" for k, v in counts.items())
+          + f"; report with `attnres report {args.name}`")
+    return 0
+
+
+def cmd_report(args) -> int:
+    """Write reports/NAME/REPORT.md and its figures from the cached runs (no training)."""
+    from attnres.experiments import load_spec
+    from attnres.experiments.report import write_report
+
+    spec = load_spec(args.name, args.specs)
+    flags = [("--runs", args.runs if args.runs != "runs/experiments" else None), ("--specs", args.specs),
+             ("--out", args.out)]
+    command = " ".join(["attnres report", args.name] + [f"{k} {v}" for k, v in flags if v is not None])
+    print(f"report: {write_report(spec, args.runs, args.out, command=command)}")
+    return 0
+
+
 # ----------------------------------------------------------------------------- entry point
 
 
@@ -407,6 +531,62 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--json", help="also write the results here")
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("convert", help="retrofit a HF LLaMA/Mistral/Qwen2 into AttnRes; native <-> HF",
+                       description=(
+        "SOURCE is a Hugging Face LLaMA, Mistral or Qwen2 causal-LM directory (retrofitted into AttnRes "
+        "with zero-initialised queries, so its logits are unchanged up to RMSNorm eps), an AttnRes "
+        "Hugging Face directory, or a run/checkpoint directory of attnres train. Needs transformers "
+        "(pip install 'attnres[hf]'). Example: attnres convert ./llama ./llama-attnres --residual block "
+        "--attnres-blocks 8"))
+    p.add_argument("source", help="model directory (config.json + weights) or attnres run/checkpoint directory")
+    p.add_argument("out", help="output directory")
+    p.add_argument("--to", choices=("hf", "native"), default=None,
+                   help="output format (default: hf, or native for an AttnRes HF source)")
+    p.add_argument("--residual", choices=("block", "full", "prenorm"), default=None,
+                   help="retrofit: residual scheme (default block)")
+    p.add_argument("--attnres-blocks", dest="attnres_blocks", type=int, default=None,
+                   help="retrofit: number of depth blocks N for --residual block")
+    p.add_argument("--attnres-block-size", dest="attnres_block_size", type=int, default=None,
+                   help="retrofit: sublayers per depth block S (instead of N)")
+    p.add_argument("--max-seq-len", dest="max_seq_len", type=int, default=None,
+                   help="retrofit: longest input (default: the source's max_position_embeddings)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", default=None,
+                   help="retrofit: another ModelConfig option, e.g. --set attnres_impl=fused")
+    p.add_argument("--dtype", choices=("auto", "float32", "float64", "bfloat16", "float16"), default="auto",
+                   help="weight dtype of the result (default: the source's)")
+    p.add_argument("--no-verify", action="store_true",
+                   help="retrofit: skip loading the source model to compare logits")
+    p.add_argument("--force", action="store_true", help="write into a non-empty output directory")
+    p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("experiment", help="run a named experiment (resumable; finished runs are skipped)",
+                       description=(
+        "Expand experiments/NAME.toml into runs, hash each run's full config, and train the missing ones "
+        "one after another into RUNS/NAME/<hash>/ (interrupted runs resume from their checkpoint). Without "
+        "NAME, list the experiments. Example: attnres experiment ablations --dry-run"))
+    p.add_argument("name", nargs="?", help="experiment name (a spec in experiments/) or a .toml path")
+    p.add_argument("--dry-run", action="store_true", help="list the runs, their state and estimated CPU time")
+    p.add_argument("--max-runs", dest="max_runs", type=int, default=None, help="train at most K runs")
+    p.add_argument("--only", help="only runs whose name (e.g. scheme=full/seed=1) or hash matches this glob")
+    p.add_argument("--runs", default="runs/experiments", help="runs directory (default runs/experiments)")
+    p.add_argument("--specs", default=None, help="spec directory (default ./experiments)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (not part of the run hash)")
+    p.add_argument("--retry-diverged", dest="retry_diverged", action="store_true",
+                   help="train diverged runs again from scratch")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=cmd_experiment)
+
+    p = sub.add_parser("report", help="write an experiment's REPORT.md and figures from its cached runs",
+                       description=(
+        "Read RUNS/NAME/<hash>/ of every planned run (no training) and write OUT/REPORT.md with tables, "
+        "PNG figures, statistics over seeds, the commands, machine, wall time and git commit. A partial "
+        "suite gives a report marked partial."))
+    p.add_argument("name", help="experiment name (a spec in experiments/) or a .toml path")
+    p.add_argument("--runs", default="runs/experiments", help="runs directory (default runs/experiments)")
+    p.add_argument("--specs", default=None, help="spec directory (default ./experiments)")
+    p.add_argument("--out", default=None, help="report directory (default reports/NAME)")
+    p.set_defaults(func=cmd_report)
     return parser
 
 

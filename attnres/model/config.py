@@ -51,6 +51,12 @@ class ModelConfig:
       number G of consecutive sublayers whose queries share one Phase-1 pass
       over the sources completed before them (SPEC §6's grouping; exact, it only
       changes speed). Default: round(sqrt(L)).
+    - ``attnres_scale_norm_eps``: scale the eps of each sublayer's pre-norm (and
+      of the final norm) by c^2, where c S is what it reads at init (c = 1/K_l
+      for softmax over K_l sources, 1/2 for sigmoid). A zero-query model then
+      equals its PreNorm counterpart exactly instead of up to eps
+      (RMSNorm(c S) with eps c^2 is RMSNorm(S) with eps); the retrofit of
+      pretrained models turns it on. Full and Block only.
     - ``attnres_impl``: "two_phase" (default: SPEC §6's batched Phase 1 per depth
       block, in training too; falls back to "fused" where queries depend on
       the input), "fused" (one memory-lean custom-autograd op per sublayer) or
@@ -91,6 +97,7 @@ class ModelConfig:
     attnres_heads: int = 1
     attnres_window: Optional[int] = None
     attnres_group_size: Optional[int] = None
+    attnres_scale_norm_eps: bool = False
     attnres_impl: str = "two_phase"
 
     layerscale_init: Optional[float] = None
@@ -141,6 +148,11 @@ class ModelConfig:
         """G: sublayers sharing one Phase-1 pass in Full AttnRes' two-phase schedule (1 otherwise)."""
         if self.residual != "full":
             return 1
+        if not isinstance(self.attnres_scale_norm_eps, bool):
+            raise _bad("attnres_scale_norm_eps", self.attnres_scale_norm_eps, "must be True or False")
+        if self.attnres_scale_norm_eps and self.residual not in ("full", "block"):
+            raise _bad("attnres_scale_norm_eps", self.attnres_scale_norm_eps,
+                       "applies to residual='full' or 'block' only")
         if self.attnres_group_size is not None:
             return self.attnres_group_size
         return max(1, round(math.sqrt(self.n_sublayers)))
@@ -219,6 +231,11 @@ class ModelConfig:
                 and self.residual != "block":
             raise _bad("residual", self.residual,
                        "attnres_blocks / attnres_block_size only apply to residual='block'")
+        if not isinstance(self.attnres_scale_norm_eps, bool):
+            raise _bad("attnres_scale_norm_eps", self.attnres_scale_norm_eps, "must be True or False")
+        if self.attnres_scale_norm_eps and self.residual not in ("full", "block"):
+            raise _bad("attnres_scale_norm_eps", self.attnres_scale_norm_eps,
+                       "applies to residual='full' or 'block' only")
         if self.attnres_group_size is not None:
             g = self.attnres_group_size
             if isinstance(g, bool) or not isinstance(g, int) or g < 1:

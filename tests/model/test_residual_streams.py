@@ -201,3 +201,16 @@ def test_stream_must_be_driven_in_order():
 def test_sequence_longer_than_max_seq_len_is_a_clear_error():
     with pytest.raises(ValueError, match="max_seq_len=16"):
         make("block")(tokens(t=17))
+
+
+@pytest.mark.parametrize("residual,overrides", [("full", {}), ("block", {"attnres_blocks": 2}),
+                                                ("full", {"attnres_heads": 2, "attnres_kernel": "sigmoid"})])
+def test_scaled_norm_eps_makes_the_equivalence_exact_at_default_eps(residual, overrides):
+    model = make(residual, attnres_scale_norm_eps=True, **overrides)
+    base = make("prenorm")
+    model.load_state_dict(base.state_dict(), strict=False)
+    x = tokens()
+    torch.testing.assert_close(model(x), base(x), rtol=1e-12, atol=1e-12)
+    unscaled = make(residual, **overrides)
+    unscaled.load_state_dict(base.state_dict(), strict=False)
+    assert (unscaled(x) - base(x)).abs().max() > 1e-6  # without it the default eps shows

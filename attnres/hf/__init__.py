@@ -1,0 +1,34 @@
+"""Hugging Face integration (needs ``pip install attnres[hf]``).
+
+Importing this package registers the "attnres" model type with ``AutoConfig``
+and ``AutoModelForCausalLM``, so saved models load with the Auto classes and
+no ``trust_remote_code``:
+
+    import attnres.hf
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained("my-attnres-model")      # a local directory
+
+- :class:`AttnResConfig`, :class:`AttnResForCausalLM`: the config and the causal LM
+  (``save_pretrained`` / ``from_pretrained`` / ``generate``), wrapping ``attnres.AttnResLM``;
+- :func:`convert_to_attnres`: retrofit a pretrained LLaMA / Mistral / Qwen2 causal LM into
+  AttnRes with the same logits (zero-initialised queries, SPEC §3);
+- :func:`native_to_hf` / :func:`hf_to_native`: the trainer's checkpoints <-> this format.
+"""
+import transformers
+
+if int(transformers.__version__.split(".")[0]) < 5:
+    raise ImportError(f"attnres.hf needs transformers>=5 (found {transformers.__version__}): "
+                      "pip install 'attnres[hf]'")
+
+from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
+
+from attnres.hf.configuration import AttnResConfig  # noqa: E402
+from attnres.hf.convert import (ConversionError, convert_to_attnres, hf_to_native, hf_tokenizer,
+                                native_to_hf)
+from attnres.hf.modeling import AttnResForCausalLM, AttnResPreTrainedModel  # noqa: E402
+
+AutoConfig.register(AttnResConfig.model_type, AttnResConfig, exist_ok=True)
+AutoModelForCausalLM.register(AttnResConfig, AttnResForCausalLM, exist_ok=True)
+
+__all__ = ["AttnResConfig", "AttnResForCausalLM", "AttnResPreTrainedModel", "ConversionError",
+           "convert_to_attnres", "hf_to_native", "hf_tokenizer", "native_to_hf"]

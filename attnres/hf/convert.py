@@ -1,0 +1,448 @@
+"""Conversions: pretrained LLaMA-family causal LMs -> AttnRes, and native checkpoints <-> HF.
+
+Retrofitting (SPEC §3). With zero pseudo-queries every depth weight is
+uniform, so sublayer l reads the mean S_l / K_l of its K_l sources, where S_l
+is exactly the PreNorm residual sum of the source model. The sublayer's
+RMSNorm removes the 1/K_l:
+
+    RMSNorm(S / K) = g * S / sqrt(mean(S^2) + K^2 eps)
+
+so the converted model equals the original except that each norm's eps is
+effectively multiplied by K_l^2 (the final norm likewise sees the mean of all
+N + 1 block sums). The relative change of a normalised vector is about
+(K^2 - 1) eps / (2 mean(S^2)): negligible once the residual stream has grown
+(mean(S^2) >> K^2 eps), visible in the first sublayers of a model whose
+embeddings are small, and zero for the first sublayer (K = 1). Everything
+else (weights, RoPE, GQA, SwiGLU, tied head) maps one to one.
+
+What AttnResLM cannot express is rejected with a :class:`ConversionError`
+naming the feature and the config field, never silently approximated.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Dict, Mapping, Optional, Tuple
+
+import torch
+
+from attnres.hf.configuration import AttnResConfig
+from attnres.hf.modeling import AttnResForCausalLM
+from attnres.model.config import ModelConfig
+from attnres.model.llama import AttnResLM, rope_tables
+from attnres.residual import build_residual
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+# residual schemes whose fresh initialisation computes the PreNorm function
+EQUIVALENT_RESIDUALS = ("block", "full", "prenorm")
+# ModelConfig fields that come from the source model and cannot be overridden
+_FROM_SOURCE = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "rope_theta",
+                "tie_embeddings")
+# files copied next to a converted model (tokenizer and generation defaults)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
+                   "chat_template.json", "generation_config.json")
+
+_LAYER_MAP = {
+    "self_attn.q_proj.weight": "attn.q_proj.weight",
+    "self_attn.k_proj.weight": "attn.k_proj.weight",
+    "self_attn.v_proj.weight": "attn.v_proj.weight",
+    "self_attn.o_proj.weight": "attn.o_proj.weight",
+    "mlp.gate_proj.weight": "mlp.gate_proj.weight",
+    "mlp.up_proj.weight": "mlp.up_proj.weight",
+    "mlp.down_proj.weight": "mlp.down_proj.weight",
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "mlp_norm.weight",
+}
+
+
+class ConversionError(ValueError):
+    """The source model uses something AttnResLM does not have (or the request is inconsistent)."""
+
+
+# ----------------------------------------------------------------------------- source access
+
+
+def _read_safetensors_dir(path: Path) -> Optional[Dict[str, torch.Tensor]]:
+    """Every tensor of a (possibly sharded) safetensors checkpoint, or None if there is none."""
+    from safetensors.torch import load_file
+
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (path / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        return None
+    tensors: Dict[str, torch.Tensor] = {}
+    for name in files:
+        tensors.update(load_file(str(path / name), device="cpu"))
+    return tensors
+
+
+def _load_source(model_or_dir, copy_weights: bool) -> Tuple[Any, Dict[str, torch.Tensor]]:
+    """(HF config, state dict) of a model object or a local directory."""
+    if isinstance(model_or_dir, (str, os.PathLike)):
+        path = Path(model_or_dir)
+        if not (path / "config.json").is_file():
+            raise ConversionError(f"{path} has no config.json: pass a Hugging Face model directory "
+                                  "(config.json + weights) or a model object")
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+        tensors = _read_safetensors_dir(path)
+        if tensors is None:  # e.g. pytorch_model.bin: let transformers read it
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True)
+            tensors = dict(model.state_dict())
+        return config, tensors
+    config = getattr(model_or_dir, "config", None)
+    if config is None or not hasattr(model_or_dir, "state_dict"):
+        raise ConversionError(f"cannot convert a {type(model_or_dir).__name__}: pass a transformers "
+                              "causal LM (e.g. LlamaForCausalLM) or a directory holding one")
+    tensors = {k: (v.detach().clone() if copy_weights else v.detach())
+               for k, v in model_or_dir.state_dict().items()}
+    return config, tensors
+
+
+# ----------------------------------------------------------------------------- architecture checks
+
+
+def _feature_error(feature: str, field: str, value, why: str) -> ConversionError:
+    return ConversionError(f"cannot convert: unsupported {feature} ({field}={value!r}): {why}")
+
+
+def _rope_theta(config) -> float:
+    """RoPE base from ``rope_parameters`` (transformers 5) or ``rope_theta`` / ``rope_scaling`` (4.x);
+    anything but plain RoPE on the whole head is rejected."""
+    params = getattr(config, "rope_parameters", None)
+    scaling = getattr(config, "rope_scaling", None)
+    if params is None and isinstance(scaling, Mapping) and "rope_theta" in scaling:
+        params = scaling  # transformers 5 keeps rope_scaling as an alias of rope_parameters
+        scaling = None
+    if isinstance(params, Mapping):
+        if any(isinstance(v, Mapping) for v in params.values()):
+            raise _feature_error("per-layer-type RoPE parameters", "rope_parameters", dict(params),
+                                 "AttnResLM has one RoPE for every layer")
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type != "default":
+            raise _feature_error(f"RoPE scaling '{rope_type}'", "rope_parameters['rope_type']", rope_type,
+                                 "AttnResLM implements plain RoPE (rope_type 'default') only")
+        factor = params.get("partial_rotary_factor", 1.0)
+        if factor not in (None, 1, 1.0):
+            raise _feature_error("partial rotary embeddings", "rope_parameters['partial_rotary_factor']",
+                                 factor, "AttnResLM rotates the whole head dimension")
+        theta = params.get("rope_theta", getattr(config, "rope_theta", None))
+    else:
+        if scaling:
+            kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, Mapping) else scaling
+            raise _feature_error(f"RoPE scaling '{kind}'", "rope_scaling", scaling,
+                                 "AttnResLM implements plain RoPE only")
+        theta = getattr(config, "rope_theta", None)
+    factor = getattr(config, "partial_rotary_factor", None)
+    if factor not in (None, 1, 1.0):
+        raise _feature_error("partial rotary embeddings", "partial_rotary_factor", factor,
+                             "AttnResLM rotates the whole head dimension")
+    if theta is None:
+        raise ConversionError("cannot convert: the source config has no RoPE base (rope_theta)")
+    return float(theta)
+
+
+def _sliding_window(config) -> Optional[int]:
+    """The attention window of the source model, or None when every layer attends to all of the past."""
+    model_type = getattr(config, "model_type", "")
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+        if unknown:
+            raise _feature_error(f"attention layer types {unknown}", "layer_types", list(layer_types),
+                                 "AttnResLM has causal full attention in every layer")
+        if "sliding_attention" not in layer_types:
+            return None
+        return window
+    if model_type == "qwen2" and not getattr(config, "use_sliding_window", False):
+        return None
+    return window
+
+
+def _check_source(config, tensors: Mapping[str, torch.Tensor], max_seq_len: Optional[int]) -> Dict[str, Any]:
+    """Validate the source architecture; return the ModelConfig fields it determines."""
+    model_type = getattr(config, "model_type", None)
+    if model_type == "qwen3":
+        raise _feature_error("QK-norm (an RMSNorm on each head's queries and keys: q_norm / k_norm)",
+                             "model_type", model_type,
+                             "AttnResLM's attention has no query/key norms, so Qwen3 cannot be converted "
+                             "without changing its outputs")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ConversionError(f"cannot convert model_type={model_type!r}: supported source models are "
+                              f"{', '.join(SUPPORTED_MODEL_TYPES)} (LLaMA-style decoders)")
+    act = getattr(config, "hidden_act", "silu")
+    if act != "silu":
+        raise _feature_error(f"MLP activation '{act}'", "hidden_act", act,
+                             "AttnResLM's MLP is SwiGLU with SiLU")
+    d, heads = config.hidden_size, config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if d % heads:
+        raise _feature_error("a hidden size not divisible by the head count", "num_attention_heads", heads,
+                             f"hidden_size={d} must be a multiple of it")
+    head_dim = getattr(config, "head_dim", None)
+    if head_dim is not None and head_dim != d // heads:
+        raise _feature_error("a head dimension other than hidden_size / num_attention_heads", "head_dim",
+                             head_dim, f"AttnResLM uses head_dim = d_model / n_heads = {d // heads}")
+    theta = _rope_theta(config)
+    positions = getattr(config, "max_position_embeddings", None)
+    seq_len = max_seq_len if max_seq_len is not None else positions
+    if seq_len is None:
+        raise ConversionError("the source config has no max_position_embeddings: pass max_seq_len")
+    window = _sliding_window(config)
+    if window is not None and window < seq_len:
+        switch = ", use_sliding_window=True" if hasattr(config, "use_sliding_window") else ""
+        raise _feature_error(
+            f"sliding-window attention{switch and ' (' + switch[2:] + ')'}", "sliding_window", window,
+            f"AttnResLM attends to the whole context, which differs from the source beyond {window} tokens. "
+            f"Convert with max_seq_len <= {window} (CLI: --max-seq-len {window}) so the converted model "
+            "never sees a longer sequence; both attend identically within the window")
+    for flag in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(config, flag, None):
+            raise _feature_error("logit soft-capping", flag, getattr(config, flag), "AttnResLM has none")
+
+    # biases: AttnResLM's projections have none, so only all-zero biases can be dropped
+    for name, t in tensors.items():
+        if name.endswith(".bias") and bool(t.detach().ne(0).any()):
+            module = name.rsplit(".", 2)[-2]
+            if module in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                why = (f"{name} is non-zero and AttnResLM's attention projections have no bias; only "
+                       "all-zero biases can be dropped")
+                if not hasattr(config, "attention_bias"):  # Qwen2: q/k/v biases by design, no switch
+                    raise ConversionError(f"cannot convert: unsupported attention projection biases "
+                                          f"({model_type} always has q/k/v biases): {why}")
+                raise _feature_error("attention projection biases", "attention_bias", config.attention_bias, why)
+            if module in ("gate_proj", "up_proj", "down_proj"):
+                raise _feature_error("MLP biases", "mlp_bias", getattr(config, "mlp_bias", True),
+                                     f"{name} is non-zero and AttnResLM's MLP has no bias")
+            raise ConversionError(f"cannot convert: unsupported bias {name} (non-zero; AttnResLM has no place for it)")
+    return dict(vocab_size=config.vocab_size, d_model=d, n_layers=config.num_hidden_layers, n_heads=heads,
+                n_kv_heads=kv_heads, d_ff=config.intermediate_size, max_seq_len=int(seq_len),
+                rope_theta=theta, norm_eps=float(config.rms_norm_eps),
+                init_std=float(getattr(config, "initializer_range", 0.02) or 0.02))
+
+
+def _map_weights(tensors: Mapping[str, torch.Tensor], n_layers: int, tie_config: bool
+                 ) -> Tuple[Dict[str, torch.Tensor], bool]:
+    """Source state dict -> AttnResLM state dict (without the residual scheme); and whether to tie."""
+    out: Dict[str, torch.Tensor] = {}
+    unused = []
+    for name, t in tensors.items():
+        if name.endswith(".bias") or name.endswith("rotary_emb.inv_freq"):
+            continue  # biases checked to be zero; RoPE frequencies are recomputed
+        if name == "model.embed_tokens.weight":
+            out["embed.weight"] = t
+        elif name == "model.norm.weight":
+            out["norm.weight"] = t
+        elif name == "lm_head.weight":
+            out["lm_head.weight"] = t
+        elif name.startswith("model.layers."):
+            index, _, rest = name[len("model.layers."):].partition(".")
+            if rest in _LAYER_MAP and index.isdigit() and int(index) < n_layers:
+                out[f"blocks.{index}.{_LAYER_MAP[rest]}"] = t
+            else:
+                unused.append(name)
+        else:
+            unused.append(name)
+    if unused:
+        raise ConversionError(
+            "cannot convert: the source has tensors AttnResLM has no place for (an architecture feature it "
+            f"lacks): {sorted(unused)[:8]}{' ...' if len(unused) > 8 else ''}")
+    if "embed.weight" not in out:
+        raise ConversionError("the source has no model.embed_tokens.weight: pass a causal LM "
+                              "(e.g. LlamaForCausalLM), not a bare decoder")
+    head = out.get("lm_head.weight")
+    tie = head is None or (tie_config and (head is out["embed.weight"] or torch.equal(head, out["embed.weight"])))
+    if head is None and not tie_config:
+        raise ConversionError("the source has no lm_head.weight and does not tie its embeddings")
+    if tie:
+        out["lm_head.weight"] = out["embed.weight"]
+    return out, tie
+
+
+# ----------------------------------------------------------------------------- retrofitting
+
+
+def convert_to_attnres(model_or_dir, residual: str = "block", attnres_blocks: Optional[int] = None, *,
+                       attnres_block_size: Optional[int] = None, max_seq_len: Optional[int] = None,
+                       dtype: Optional[torch.dtype] = None, copy_weights: bool = True,
+                       **model_options) -> AttnResForCausalLM:
+    """Retrofit a pretrained LLaMA / Mistral / Qwen2 causal LM into an :class:`AttnResForCausalLM`.
+
+    ``model_or_dir``: a transformers model object or a local directory (config.json + weights).
+    ``residual``: "block" (Block AttnRes, ``attnres_blocks`` = N or ``attnres_block_size`` = S;
+    default: ModelConfig's rule, at most 8 blocks), "full", or "prenorm" (no AttnRes; a plain
+    re-packaging). All AttnRes queries start at zero and each norm's eps is divided by the square
+    of its source count (``attnres_scale_norm_eps``, on by default), so the logits equal the
+    source's to rounding. ``max_seq_len``: the longest input
+    (default: the source's ``max_position_embeddings``; must be <= the window of a
+    sliding-window model). ``dtype``: cast the weights (default: keep the source's).
+    ``copy_weights=False`` lets a model-object source share its tensors with the result.
+    ``model_options``: other ModelConfig fields (``attnres_impl``, ``attnres_heads``, ...).
+    Raises :class:`ConversionError` for architecture features AttnResLM lacks.
+    """
+    if residual not in EQUIVALENT_RESIDUALS:
+        raise ConversionError(f"residual={residual!r}: conversion keeps the model's outputs only for "
+                              f"{EQUIVALENT_RESIDUALS} (the other schemes do not start as the PreNorm function)")
+    if residual in ("block", "full"):
+        # exact, not merely up to eps: each norm's eps divided by the square of its source count
+        model_options.setdefault("attnres_scale_norm_eps", True)
+    fixed = sorted(set(model_options) & set(_FROM_SOURCE))
+    if fixed:
+        raise ConversionError(f"{fixed} come from the source model and cannot be set")
+    if model_options.get("attnres_window") is not None:
+        raise ConversionError("attnres_window drops sources, so the converted model would not keep the "
+                              "source's outputs; convert without it")
+    config, tensors = _load_source(model_or_dir, copy_weights)
+    fields = _check_source(config, tensors, max_seq_len)
+    weights, tie = _map_weights(tensors, fields["n_layers"], bool(getattr(config, "tie_word_embeddings", False)))
+    options = dict(model_options)
+    if attnres_blocks is not None:
+        options["attnres_blocks"] = attnres_blocks
+    if attnres_block_size is not None:
+        options["attnres_block_size"] = attnres_block_size
+    try:
+        model_config = ModelConfig(**{**fields, **options, "residual": residual, "tie_embeddings": tie})
+    except (TypeError, ValueError) as e:
+        raise ConversionError(f"cannot build the AttnRes model: {e}") from e
+    if weights["embed.weight"].shape != (model_config.vocab_size, model_config.d_model):
+        raise ConversionError(f"model.embed_tokens.weight has shape {tuple(weights['embed.weight'].shape)}, "
+                              f"config says vocab_size={model_config.vocab_size}, hidden_size={model_config.d_model}")
+    dtype = dtype or weights["embed.weight"].dtype
+    device = weights["embed.weight"].device
+
+    with torch.device("meta"):
+        lm = AttnResLM(model_config)
+    state = {k: v.to(dtype=dtype) for k, v in weights.items()}
+    with torch.device("cpu"):
+        residual_params = build_residual(model_config).state_dict()  # zero queries, unit key norms
+    state.update({f"residual.{k}": v.to(dtype=dtype, device=device) for k, v in residual_params.items()})
+    expected = lm.state_dict()
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        raise ConversionError(f"the source lacks tensors the model needs: {missing[:8]}")
+    shapes = [f"{k}: source {tuple(state[k].shape)}, expected {tuple(expected[k].shape)}"
+              for k in expected if tuple(state[k].shape) != tuple(expected[k].shape)]
+    if shapes:
+        raise ConversionError(f"tensor shapes do not match the config: {shapes[:4]}")
+    lm.load_state_dict(state, strict=True, assign=True)
+    if tie:
+        lm.lm_head.weight = lm.embed.weight
+    cos, sin = rope_tables(model_config.head_dim, model_config.max_seq_len, model_config.rope_theta)
+    lm.rope_cos, lm.rope_sin = cos.to(device), sin.to(device)
+    special = {k: getattr(config, k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    model = AttnResForCausalLM.from_attnres_lm(lm, **{k: v for k, v in special.items() if v is not None})
+    model.generation_config = _source_generation_config(model_or_dir) or model.generation_config
+    return model.eval()
+
+
+def _source_generation_config(model_or_dir):
+    """The source's generation defaults (eos tokens, sampling settings), if it has any."""
+    if isinstance(model_or_dir, (str, os.PathLike)):
+        if not (Path(model_or_dir) / "generation_config.json").is_file():
+            return None
+        from transformers import GenerationConfig
+
+        return GenerationConfig.from_pretrained(str(model_or_dir), local_files_only=True)
+    config = getattr(model_or_dir, "generation_config", None)
+    return copy.deepcopy(config) if config is not None else None
+
+
+@torch.no_grad()
+def conversion_error(source, converted: AttnResForCausalLM, input_ids: Optional[torch.Tensor] = None,
+                     seed: int = 0) -> float:
+    """Max |logit difference| between a source causal LM and its conversion on ``input_ids``
+    (default: 2 x 32 random tokens)."""
+    if input_ids is None:
+        gen = torch.Generator().manual_seed(seed)
+        length = min(32, converted.config.max_seq_len)
+        input_ids = torch.randint(0, converted.config.vocab_size, (2, length), generator=gen)
+    device = next(converted.parameters()).device
+    a = source(input_ids.to(device)).logits.double()
+    b = converted(input_ids.to(device)).logits.double()
+    return (a - b).abs().max().item()
+
+
+# ----------------------------------------------------------------------------- native <-> HF
+
+
+def native_to_hf(path, device: str = "cpu", **config_kwargs) -> AttnResForCausalLM:
+    """An AttnResForCausalLM from a native run directory or checkpoint directory (``attnres train``)."""
+    from attnres.train.trainer import load_model
+
+    lm, _, _ = load_model(str(path), device=device)
+    return AttnResForCausalLM.from_attnres_lm(lm, **config_kwargs).eval()
+
+
+def hf_to_native(model: AttnResForCausalLM, path, tokenizer=None) -> Path:
+    """Write ``model`` as a native weights-only checkpoint directory (no optimizer state: it loads
+    with ``attnres.train.trainer.load_model`` / ``attnres sample``, it does not resume a run).
+    ``tokenizer``: a native ``attnres.data`` tokenizer saved beside it as tokenizer.json."""
+    from attnres.train.checkpoint import save_checkpoint
+
+    model_config = model.config.model_config()
+    lm = model.model
+    target = save_checkpoint(path, model=lm, optimizer=None, step=0,
+                             train_state={"converted_from": "huggingface"},
+                             model_config=model_config.to_dict(), train_config={})
+    if tokenizer is not None:
+        tokenizer.save(target / "tokenizer.json")
+    return target
+
+
+# ----------------------------------------------------------------------------- tokenizers
+
+
+def _byte_symbols() -> Dict[int, str]:
+    """The printable character byte-level BPE uses for each byte: bytes that are printable
+    Latin-1 stand for themselves, the others are moved to code points from 256 upward."""
+    printable = set(range(ord("!"), ord("~") + 1)) | set(range(0xA1, 0xAC + 1)) | set(range(0xAE, 0xFF + 1))
+    symbols, shift = {}, 0
+    for b in range(256):
+        if b in printable:
+            symbols[b] = chr(b)
+        else:
+            symbols[b] = chr(256 + shift)
+            shift += 1
+    return symbols
+
+
+def hf_tokenizer(native):
+    """A ``PreTrainedTokenizerFast`` that encodes and decodes exactly like a native attnres tokenizer
+    (byte-level BPE, or raw UTF-8 bytes with id = byte value). No special tokens are added."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from attnres.data import BPETokenizer, ByteTokenizer
+
+    if isinstance(native, BPETokenizer):
+        backend = Tokenizer.from_str(native.to_json())
+    elif isinstance(native, ByteTokenizer):
+        vocab = {symbol: b for b, symbol in _byte_symbols().items()}
+        backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        backend.decoder = decoders.ByteLevel()
+    else:
+        raise TypeError(f"expected an attnres.data tokenizer, got {type(native).__name__}")
+    return PreTrainedTokenizerFast(tokenizer_object=backend, clean_up_tokenization_spaces=False)
+
+
+def copy_tokenizer_files(source_dir, target_dir) -> list:
+    """Copy the tokenizer (and generation defaults) of a HF model directory; returns the names copied."""
+    copied = []
+    for name in TOKENIZER_FILES:
+        src = Path(source_dir) / name
+        if src.is_file():
+            shutil.copy2(src, Path(target_dir) / name)
+            copied.append(name)
+    return copied

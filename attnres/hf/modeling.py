@@ -1,0 +1,248 @@
+"""AttnResForCausalLM: our AttnResLM behind the Hugging Face ``PreTrainedModel`` / ``generate()`` API.
+
+The HF model holds one :class:`attnres.AttnResLM` as ``self.model`` and adds
+nothing to its arithmetic: ``model(input_ids).logits`` is exactly
+``model.model(input_ids)``. Parameter names are the native ones under the
+``model.`` prefix (``model.embed.weight``, ``model.blocks.3.attn.q_proj.weight``,
+``model.residual.queries``, ...), which is what ``save_pretrained`` writes.
+
+Generation has no KV cache yet: every step feeds the whole sequence (cropped
+to ``max_seq_len``, like :func:`attnres.sampling.generate`). The cache plugs in
+at two marked places, ``prepare_inputs_for_generation`` and ``_run``.
+"""
+from __future__ import annotations
+
+import math
+from itertools import chain
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers import initialization as hf_init
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from attnres.hf.configuration import AttnResConfig
+from attnres.model.llama import AttnResLM, rope_tables
+from attnres.residual import build_residual
+
+IGNORE_INDEX = -100
+
+
+def causal_lm_loss(logits: Tensor, labels: Tensor, num_items_in_batch=None) -> Tensor:
+    """Next-token cross-entropy, HF convention: ``labels`` are aligned with the inputs (the shift
+    happens here) and ``-100`` marks positions without a target. With ``num_items_in_batch`` (the
+    HF Trainer's gradient-accumulation count) the sum is divided by it instead of averaged."""
+    logits = logits[:, :-1].flatten(0, 1).float()
+    targets = labels[:, 1:].flatten().to(logits.device)
+    if num_items_in_batch is None:
+        return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX)
+    total = F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(total.device)
+    return total / num_items_in_batch
+
+
+def _mark_initialized(module: nn.Module) -> None:
+    """Tell transformers' weight initialisation that these tensors already hold their values."""
+    for t in chain(module.parameters(), module.buffers()):
+        t._is_hf_initialized = True
+
+
+def _is_meta(module: nn.Module) -> bool:
+    return any(t.is_meta for t in chain(module.parameters(), module.buffers()))
+
+
+@torch.no_grad()
+def _init_attnres_lm(lm: AttnResLM) -> None:
+    """AttnResLM's own initialisation, applied only to tensors that transformers has not loaded
+    (``transformers.initialization`` skips tensors flagged ``_is_hf_initialized``)."""
+    cfg = lm.config
+    std = cfg.init_std
+    for name, module in lm.named_modules():
+        if name.startswith("residual"):
+            continue
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            scale = 1.0 / math.sqrt(2 * cfg.n_layers) if name.endswith(("o_proj", "down_proj")) else 1.0
+            hf_init.normal_(module.weight, mean=0.0, std=std * scale)
+        elif isinstance(module, nn.RMSNorm):
+            hf_init.ones_(module.weight)
+    missing = [(n, p) for n, p in lm.residual.named_parameters()
+               if not getattr(p, "_is_hf_initialized", False)]
+    if missing:
+        # each residual scheme initialises itself (zero queries, unit key norms, ...): copy a fresh one
+        with torch.device("cpu"):
+            fresh = dict(build_residual(cfg).named_parameters())
+        for n, p in missing:
+            hf_init.copy_(p, fresh[n].to(dtype=p.dtype, device=p.device))
+    _reset_rope(lm)
+
+
+@torch.no_grad()
+def _reset_rope(lm: AttnResLM) -> None:
+    """The RoPE tables are non-persistent buffers: never in a checkpoint, always recomputed."""
+    cfg = lm.config
+    cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+    lm.rope_cos.copy_(cos.to(dtype=lm.rope_cos.dtype, device=lm.rope_cos.device))
+    lm.rope_sin.copy_(sin.to(dtype=lm.rope_sin.dtype, device=lm.rope_sin.device))
+
+
+class AttnResPreTrainedModel(PreTrainedModel):
+    config_class = AttnResConfig
+    base_model_prefix = "model"
+    main_input_name = "input_ids"
+    supports_gradient_checkpointing = False
+    # the residual stream crosses every block: keep the whole model on one device
+    _no_split_modules = ["AttnResLM"]
+
+    def _init_weights(self, module: nn.Module) -> None:
+        # everything is initialised at the AttnResLM level, with its own rules
+        if isinstance(module, AttnResLM):
+            _init_attnres_lm(module)
+
+
+class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
+    """A causal LM for the Hugging Face ecosystem around :class:`attnres.AttnResLM`.
+
+        import attnres.hf  # registers "attnres" with AutoConfig / AutoModelForCausalLM
+        model = AttnResForCausalLM(AttnResConfig(vocab_size=256, d_model=64, n_layers=4))
+        out = model(input_ids, labels=input_ids)          # out.loss, out.logits
+        model.generate(input_ids, max_new_tokens=20, do_sample=False)
+        model.save_pretrained("dir"); AutoModelForCausalLM.from_pretrained("dir")
+
+    ``model.model`` is the native AttnResLM (``model.model(ids, return_record=True)`` gives the
+    depth weights). ``from_native`` / ``to_native`` convert from / to the trainer's checkpoints.
+    """
+
+    _tied_weights_keys = {"model.lm_head.weight": "model.embed.weight"}
+
+    def __init__(self, config: AttnResConfig):
+        super().__init__(config)
+        self.model = AttnResLM(config.model_config())
+        if not _is_meta(self.model):
+            # AttnResLM initialised itself; post_init must not draw the weights a second time
+            _mark_initialized(self.model)
+        self.post_init()
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        """``PreTrainedModel.from_pretrained``; then the RoPE tables, which no checkpoint holds, are
+        recomputed whatever transformers' loader did with non-persistent buffers."""
+        loaded = super().from_pretrained(*args, **kwargs)
+        model = loaded[0] if isinstance(loaded, tuple) else loaded
+        _reset_rope(model.model)
+        return loaded
+
+    # ------------------------------------------------------------------ wrapping and conversion
+    @classmethod
+    def from_attnres_lm(cls, lm: AttnResLM, **config_kwargs) -> "AttnResForCausalLM":
+        """Wrap an existing AttnResLM (its parameters are shared, not copied). ``config_kwargs``
+        are HF-only options such as ``eos_token_id``."""
+        config = AttnResConfig.from_model_config(lm.config, **config_kwargs)
+        with torch.device("meta"):
+            model = cls(config)
+        model.model = lm
+        _mark_initialized(lm)
+        return model
+
+    @classmethod
+    def from_native(cls, path, device: str = "cpu", **config_kwargs) -> "AttnResForCausalLM":
+        """Load a native run directory or checkpoint directory (``attnres train``)."""
+        from attnres.hf.convert import native_to_hf
+
+        return native_to_hf(path, device=device, **config_kwargs)
+
+    def to_native(self, path):
+        """Write a native weights-only checkpoint directory (loads with ``attnres.train.trainer.load_model``)."""
+        from attnres.hf.convert import hf_to_native
+
+        return hf_to_native(self, path)
+
+    # ------------------------------------------------------------------ embeddings
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.model.embed = value
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.model.lm_head
+
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        self.model.lm_head = value
+
+    # ------------------------------------------------------------------ forward
+    def _run(self, input_ids: Tensor, cache=None) -> Tensor:
+        """The one place the wrapped AttnResLM runs.
+
+        KV-cache plug-in point: once ``AttnResLM.forward(input_ids, cache=...)`` exists, call it
+        here with the cache (which then holds the earlier positions, so ``input_ids`` are only
+        the new tokens) and return the cache in ``forward``'s output as well.
+        """
+        if cache is not None:
+            raise NotImplementedError(
+                "AttnResForCausalLM has no KV cache yet: pass the whole sequence with cache=None "
+                "(generate() already does: it recomputes the prefix at every step)")
+        return self.model(input_ids)
+
+    def forward(
+        self,
+        input_ids: Optional[Tensor] = None,
+        attention_mask: Optional[Tensor] = None,
+        labels: Optional[Tensor] = None,
+        cache=None,
+        inputs_embeds: Optional[Tensor] = None,
+        use_cache: Optional[bool] = None,
+        return_dict: Optional[bool] = None,
+        **kwargs,
+    ):
+        """``input_ids`` [B, T] -> ``CausalLMOutputWithPast(loss, logits)``.
+
+        ``labels`` follow the HF convention (same positions as ``input_ids``, shifted inside,
+        ``-100`` ignored). ``attention_mask`` may only mark every position (no padding: AttnResLM
+        has no padding mask). Not supported: ``inputs_embeds``, ``output_attentions``,
+        ``output_hidden_states``, and (for now) a KV cache.
+        """
+        cache = cache if cache is not None else kwargs.pop("past_key_values", None)
+        if inputs_embeds is not None:
+            raise NotImplementedError("AttnResForCausalLM takes input_ids, not inputs_embeds")
+        if input_ids is None:
+            raise ValueError("AttnResForCausalLM.forward needs input_ids [batch, seq_len]")
+        for flag in ("output_attentions", "output_hidden_states"):
+            if kwargs.get(flag):
+                raise NotImplementedError(
+                    f"{flag}=True is not supported: AttnResForCausalLM returns logits and loss only "
+                    "(model.model(input_ids, return_record=True) gives depth weights and per-sublayer RMS)")
+        if attention_mask is not None and not bool((attention_mask != 0).all()):
+            raise NotImplementedError(
+                "attention_mask masks some positions, but AttnResLM has no padding mask: run unpadded "
+                "sequences (batch prompts of equal length, or one prompt at a time)")
+        logits = self._run(input_ids, cache)
+        loss = None
+        if labels is not None:
+            loss = causal_lm_loss(logits, labels, kwargs.get("num_items_in_batch"))
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
+        if not return_dict:
+            return (logits,) if loss is None else (loss, logits)
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+    # ------------------------------------------------------------------ generation
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        # no KV cache yet: generate() must not create a transformers Cache for this model
+        return False
+
+    def prepare_inputs_for_generation(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None,
+                                      **kwargs) -> dict:
+        """Without a KV cache every step runs the whole sequence, cropped to the last
+        ``max_seq_len`` tokens like :func:`attnres.sampling.generate`.
+
+        KV-cache plug-in point: when a cache is in ``kwargs`` ("cache", "past_key_values" in older
+        transformers), pass it on and keep only the tokens it does not hold yet.
+        """
+        limit = self.config.max_seq_len
+        inputs = {"input_ids": input_ids[:, -limit:]}
+        if attention_mask is not None:
+            inputs["attention_mask"] = attention_mask[:, -limit:]
+        return inputs

@@ -1,0 +1,187 @@
+"""AttnResConfig / AttnResForCausalLM: config, save/load, Auto classes, generate, training."""
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import attnres.hf  # noqa: F401  (registers the model type)
+from attnres import AttnResLM, ModelConfig
+from attnres.hf import AttnResConfig, AttnResForCausalLM
+from attnres.sampling import generate as native_generate
+
+
+def tiny_config(**kw):
+    base = dict(vocab_size=97, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, max_seq_len=40)
+    return AttnResConfig(**{**base, **kw})
+
+
+def perturbed(model, seed=1):
+    """Move the zero-initialised depth parameters so that round trips test them for real."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.model.residual.named_parameters():
+            p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.5)
+    return model
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def test_config_carries_every_model_config_field():
+    mc = ModelConfig(vocab_size=50, d_model=48, n_layers=2, n_heads=4, residual="full",
+                     attnres_heads=2, tie_embeddings=True)
+    cfg = AttnResConfig.from_model_config(mc, eos_token_id=3)
+    assert cfg.model_config() == mc
+    assert cfg.model_type == "attnres" and cfg.eos_token_id == 3
+    # the usual Hugging Face names are aliases
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads) == (48, 2, 4)
+    assert cfg.tie_word_embeddings is True and cfg.intermediate_size == mc.d_ff
+    assert AttnResConfig(hidden_size=48, num_attention_heads=4, vocab_size=50).d_model == 48
+    again = AttnResConfig.from_dict(cfg.to_dict())
+    assert again == cfg and again.model_config() == mc
+
+
+def test_config_validates_like_model_config():
+    with pytest.raises(ValueError, match="n_heads"):
+        AttnResConfig(d_model=30, n_heads=4)
+    with pytest.raises(ValueError, match="alias"):
+        AttnResConfig(d_model=32, hidden_size=64)
+
+
+def test_fresh_model_is_initialised_exactly_like_attnres_lm():
+    cfg = tiny_config(residual="block")
+    torch.manual_seed(5)
+    hf_model = AttnResForCausalLM(cfg)
+    torch.manual_seed(5)
+    lm = AttnResLM(cfg.model_config())
+    a, b = hf_model.model.state_dict(), lm.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert torch.count_nonzero(hf_model.model.residual.queries) == 0
+
+
+# ----------------------------------------------------------------------------- save / load
+
+
+@pytest.mark.parametrize("tie", [False, True])
+@pytest.mark.parametrize("residual", ["block", "full"])
+def test_save_pretrained_round_trip(tmp_path, tie, residual):
+    torch.manual_seed(0)
+    model = perturbed(AttnResForCausalLM(tiny_config(residual=residual, tie_embeddings=tie))).eval()
+    ids = torch.randint(0, 97, (2, 17))
+    model.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["model_type"] == "attnres" and saved["architectures"] == ["AttnResForCausalLM"]
+    assert saved["residual"] == residual and saved["tie_embeddings"] is tie
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert "model.residual.queries" in keys
+    assert ("model.lm_head.weight" in keys) is not tie  # a tied head is stored once
+    for loader in (AttnResForCausalLM, AutoModelForCausalLM):
+        loaded = loader.from_pretrained(tmp_path).eval()
+        assert type(loaded) is AttnResForCausalLM
+        assert (loaded.model.lm_head.weight is loaded.model.embed.weight) is tie
+        assert torch.equal(loaded.model.rope_cos, model.model.rope_cos)
+        with torch.no_grad():
+            assert torch.equal(loaded(ids).logits, model(ids).logits)
+    assert isinstance(AutoConfig.from_pretrained(tmp_path), AttnResConfig)
+
+
+def test_from_pretrained_dtype_and_missing_residual_parameters(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(0)
+    perturbed(AttnResForCausalLM(tiny_config())).save_pretrained(tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    del tensors["model.residual.queries"]
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float64)
+    assert loaded.dtype == torch.float64
+    # a missing tensor gets the scheme's own initialisation (zero queries), the rest is loaded
+    assert torch.count_nonzero(loaded.model.residual.queries) == 0
+    assert torch.equal(loaded.model.residual.key_norm_weight,
+                       tensors["model.residual.key_norm_weight"].double())
+
+
+# ----------------------------------------------------------------------------- forward / generate
+
+
+def test_forward_matches_attnres_lm_and_loss_follows_hf_convention():
+    torch.manual_seed(0)
+    model = perturbed(AttnResForCausalLM(tiny_config())).eval()
+    ids = torch.randint(0, 97, (2, 12))
+    labels = ids.clone()
+    labels[0, :5] = -100
+    with torch.no_grad():
+        out = model(ids, labels=labels, attention_mask=torch.ones_like(ids))
+        logits = model.model(ids)
+    assert torch.equal(out.logits, logits)
+    expected = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 97), labels[:, 1:].reshape(-1),
+                                                 ignore_index=-100)
+    torch.testing.assert_close(out.loss, expected)
+    loss, tuple_logits = model(ids, labels=labels, return_dict=False)
+    assert torch.equal(tuple_logits, logits)
+
+
+def test_forward_rejects_what_attnres_lm_cannot_do():
+    model = AttnResForCausalLM(tiny_config()).eval()
+    ids = torch.randint(0, 97, (2, 8))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    with pytest.raises(NotImplementedError, match="padding"):
+        model(ids, attention_mask=mask)
+    with pytest.raises(NotImplementedError, match="inputs_embeds"):
+        model(inputs_embeds=torch.zeros(1, 3, 32))
+    with pytest.raises(NotImplementedError, match="output_hidden_states"):
+        model(ids, output_hidden_states=True)
+    with pytest.raises(NotImplementedError, match="KV cache"):
+        model(ids, cache=object())
+
+
+@pytest.mark.parametrize("residual", ["block", "full"])
+def test_greedy_generate_equals_native_sampler(residual):
+    torch.manual_seed(0)
+    model = perturbed(AttnResForCausalLM(tiny_config(residual=residual))).eval()
+    prompt = torch.randint(0, 97, (1, 6))
+    # 6 + 44 tokens run past max_seq_len=40: both crop the context to the last 40 tokens
+    out = model.generate(prompt, max_new_tokens=44, do_sample=False)
+    ours = list(native_generate(model.model, prompt, 44, temperature=0))
+    assert out.shape == (1, 50) and torch.equal(out[0, :6], prompt[0])
+    assert out[0, 6:].tolist() == ours
+
+
+def test_generate_batch_and_eos():
+    torch.manual_seed(0)
+    model = perturbed(AttnResForCausalLM(tiny_config())).eval()
+    prompts = torch.randint(0, 97, (3, 5))
+    out = model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=8, do_sample=False)
+    for row in range(3):
+        ours = list(native_generate(model.model, prompts[row:row + 1], 8, temperature=0))
+        assert out[row, 5:].tolist() == ours
+    eos = int(out[0, 7])  # the third generated token: generation stops there
+    stopped = model.generate(prompts[:1], max_new_tokens=8, do_sample=False, eos_token_id=eos)
+    assert stopped[0, -1].item() == eos and stopped.shape[1] <= 8
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def test_trains_with_adamw_and_round_trips(tmp_path):
+    torch.manual_seed(0)
+    model = AttnResForCausalLM(tiny_config(residual="block", attnres_blocks=3)).train()
+    ids = torch.randint(0, 97, (4, 24))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(12):
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.3, losses
+    assert model.model.residual.queries.abs().max() > 0  # the depth queries learn too
+    model.eval().save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)

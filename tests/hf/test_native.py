@@ -1,0 +1,127 @@
+"""Native checkpoints (attnres train) <-> Hugging Face format, tokenizers, and `attnres convert`."""
+import json
+
+import pytest
+import torch
+from hf_sources import SMALL, compensate_eps, tiny_source
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from attnres import AttnResLM, ModelConfig
+from attnres.cli import main
+from attnres.data import ByteTokenizer, train_bpe
+from attnres.hf import AttnResForCausalLM, hf_to_native, hf_tokenizer, native_to_hf
+from attnres.train.checkpoint import read_checkpoint_state, save_checkpoint
+from attnres.train.trainer import load_model
+
+TEXT = "ROMEO: But soft, what light through yonder window breaks?\n\tÜber naïve café — 東京 ✓\n"
+
+
+def native_run(tmp_path, tie=False, residual="block"):
+    """A run directory laid out like the trainer's: checkpoint/ + tokenizer.json."""
+    torch.manual_seed(0)
+    config = ModelConfig(vocab_size=256, d_model=32, n_layers=2, n_heads=4, max_seq_len=32,
+                         residual=residual, tie_embeddings=tie)
+    lm = AttnResLM(config)
+    with torch.no_grad():
+        lm.residual.queries.normal_()
+    run = tmp_path / "run"
+    save_checkpoint(run / "checkpoint", model=lm, optimizer=None, step=7, train_state={},
+                    model_config=config.to_dict(), train_config={"tokenizer": "byte"})
+    ByteTokenizer().save(run / "tokenizer.json")
+    return run, lm.eval()
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_native_hf_round_trip(tmp_path, tie):
+    run, lm = native_run(tmp_path, tie=tie)
+    x = torch.randint(0, 256, (2, 20))
+    model = AttnResForCausalLM.from_native(run)
+    assert model.config.model_config() == lm.config
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, lm(x))
+    model.save_pretrained(tmp_path / "hf")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    path = loaded.to_native(tmp_path / "native")
+    assert read_checkpoint_state(path)["model_config"] == lm.config.to_dict()
+    back, _, _ = load_model(str(path))
+    assert back.state_dict().keys() == lm.state_dict().keys()
+    assert all(torch.equal(back.state_dict()[k], v) for k, v in lm.state_dict().items())
+    assert (back.lm_head.weight is back.embed.weight) is tie
+    # functions and methods are the same thing
+    again = native_to_hf(path)
+    with torch.no_grad():
+        assert torch.equal(again(x).logits, lm(x))
+    assert hf_to_native(again, tmp_path / "native") == path  # replaces the checkpoint in place
+
+
+def test_tokenizers_match_native():
+    for native in (ByteTokenizer(), train_bpe([TEXT * 20, "the quick brown fox " * 50], vocab_size=300)):
+        tok = hf_tokenizer(native)
+        ids = tok(TEXT)["input_ids"]
+        assert ids == native.encode(TEXT)
+        assert tok.decode(ids) == TEXT
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def test_cli_retrofits_a_llama_directory(tmp_path, capsys):
+    source = tiny_source("llama", rms_norm_eps=1e-12)
+    source.save_pretrained(tmp_path / "llama")
+    hf_tokenizer(ByteTokenizer()).save_pretrained(tmp_path / "llama")  # any tokenizer rides along
+    out = tmp_path / "llama-attnres"
+    assert main(["convert", str(tmp_path / "llama"), str(out), "--residual", "block",
+                 "--attnres-blocks", "3", "--set", "attnres_impl=fused"]) == 0
+    printed = capsys.readouterr().out
+    assert "max |logit difference|" in printed and "3 depth blocks" in printed
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.config.attnres_blocks == 3 and model.config.attnres_impl == "fused"
+    x = torch.randint(0, SMALL["vocab_size"], (2, 24))
+    with torch.no_grad():
+        assert (model(x).logits - source(x).logits).abs().max() < 1e-5
+    assert AutoTokenizer.from_pretrained(out)("abc")["input_ids"] == [97, 98, 99]
+    # straight to a native checkpoint, without loading the source to verify
+    assert main(["convert", str(tmp_path / "llama"), str(tmp_path / "native"), "--to", "native",
+                 "--residual", "full", "--no-verify"]) == 0
+    lm, tokenizer, _ = load_model(str(tmp_path / "native"))
+    assert lm.config.residual == "full" and tokenizer is not None
+    with torch.no_grad():
+        assert (lm(x) - source(x).logits).abs().max() < 1e-5
+
+
+def test_cli_native_and_hf_directions(tmp_path, capsys):
+    run, lm = native_run(tmp_path)
+    assert main(["convert", str(run), str(tmp_path / "hf")]) == 0
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "attnres"
+    assert AutoTokenizer.from_pretrained(tmp_path / "hf")(TEXT)["input_ids"] == ByteTokenizer().encode(TEXT)
+    assert main(["convert", str(tmp_path / "hf"), str(tmp_path / "back")]) == 0  # default: to native
+    back, tokenizer, _ = load_model(str(tmp_path / "back"))
+    assert all(torch.equal(back.state_dict()[k], v) for k, v in lm.state_dict().items())
+    assert tokenizer.encode(TEXT) == ByteTokenizer().encode(TEXT)
+    capsys.readouterr()
+    # user errors: one line, exit status 2
+    assert main(["convert", str(run), str(tmp_path / "hf")]) == 2
+    assert "not empty" in capsys.readouterr().err
+    assert main(["convert", str(run), str(tmp_path / "x"), "--residual", "full"]) == 2
+    assert "only when retrofitting" in capsys.readouterr().err
+    assert main(["convert", str(tmp_path), str(tmp_path / "y")]) == 2
+    assert "neither" in capsys.readouterr().err
+    qwen3 = tmp_path / "qwen3"
+    tiny_source("qwen3", head_dim=16).save_pretrained(qwen3)
+    assert main(["convert", str(qwen3), str(tmp_path / "z")]) == 2
+    assert "QK-norm" in capsys.readouterr().err
+
+
+def test_cli_mistral_with_window(tmp_path, capsys):
+    mistral = tiny_source("mistral", sliding_window=16)
+    mistral.save_pretrained(tmp_path / "m")
+    assert main(["convert", str(tmp_path / "m"), str(tmp_path / "out")]) == 2
+    assert "--max-seq-len 16" in capsys.readouterr().err
+    assert main(["convert", str(tmp_path / "m"), str(tmp_path / "out"), "--max-seq-len", "16",
+                 "--residual", "full", "--dtype", "float64"]) == 0
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert model.dtype == torch.float64 and model.config.max_seq_len == 16
+    x = torch.randint(0, SMALL["vocab_size"], (1, 16))
+    with torch.no_grad():
+        err = (compensate_eps(model)(x).logits - mistral.double()(x).logits).abs().max()
+    assert err < 3e-7
