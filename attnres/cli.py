@@ -428,13 +428,14 @@ def cmd_convert(args) -> int:
 def cmd_experiment(args) -> int:
     """Run (or with --dry-run, list) the runs of a named experiment spec; finished runs are skipped."""
     from attnres.experiments import available, format_plan, load_spec, plan_status, run_experiment
+    from attnres.experiments.runner import planned_elsewhere
 
     if not args.name:
         print("experiments: " + (", ".join(available(args.specs)) or "none found"))
         return 0
     spec = load_spec(args.name, args.specs)
     if args.dry_run:
-        print(format_plan(spec, plan_status(spec, args.runs), args.only))
+        print(format_plan(spec, plan_status(spec, args.runs), args.only, planned_elsewhere(spec)))
         return 0
     flags = [("--max-runs", args.max_runs), ("--only", args.only), ("--threads", args.threads),
              ("--runs", args.runs if args.runs != "runs/experiments" else None), ("--specs", args.specs)]
