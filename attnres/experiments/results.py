@@ -1,0 +1,164 @@
+"""Reading an experiment's finished runs back: summaries, probes, metrics, grouped by labels."""
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import numpy as np
+
+from attnres.experiments.runner import (DIVERGED_FILE, PROBES_FILE, RUN_FILE, SUMMARY_FILE, RunStatus,
+                                        plan_status)
+from attnres.experiments.spec import ExperimentSpec, PlannedRun
+
+
+def _read(path: Path) -> Optional[dict]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+@dataclass
+class Result:
+    """One planned entry and what its run directory holds."""
+
+    run: PlannedRun
+    dir: Path
+    state: str
+    summary: Optional[dict] = None
+    probes: Optional[dict] = None
+    info: Optional[dict] = None  # run.json
+    config: Optional[dict] = None  # config.json written by the Trainer (actual vocabulary)
+    diverged: Optional[dict] = None
+    _metrics: Optional[dict] = field(default=None, repr=False)
+
+    @property
+    def done(self) -> bool:
+        return self.state == "done"
+
+    @property
+    def loss(self) -> float:
+        return float(self.summary["val_loss"]) if self.summary else float("nan")
+
+    @property
+    def model(self) -> dict:
+        """The model config as trained (vocabulary from the tokenizer) or as planned."""
+        return self.config["model"] if self.config else self.run.model.to_dict()
+
+    def metrics(self) -> Dict[str, List[dict]]:
+        if self._metrics is None:
+            from attnres.analysis.plots import read_metrics
+
+            self._metrics = read_metrics(str(self.dir))
+        return self._metrics
+
+    def eval_curve(self) -> Dict[str, np.ndarray]:
+        """Validation loss against step, tokens and cumulative training seconds (step times only)."""
+        m = self.metrics()
+        train = sorted(m.get("train", []), key=lambda r: r["step"])
+        steps = np.array([r["step"] for r in train], dtype=float)
+        cum = np.cumsum([float(r.get("step_seconds", 0.0)) for r in train])
+        ev = sorted(m.get("eval", []), key=lambda r: r["step"])
+        est = np.array([r["step"] for r in ev], dtype=float)
+        secs = np.interp(est, steps, cum) if len(steps) else np.full(len(est), np.nan)
+        return {"step": est, "tokens": np.array([r["tokens"] for r in ev], dtype=float),
+                "seconds": secs, "val_loss": np.array([float(r["val_loss"]) for r in ev], dtype=float)}
+
+    @property
+    def train_seconds(self) -> float:
+        return float(self.summary.get("train_seconds", float("nan"))) if self.summary else float("nan")
+
+    @property
+    def wall_seconds(self) -> float:
+        if not self.info:
+            return 0.0
+        return sum(float(i.get("wall_seconds", 0.0)) for i in self.info.get("invocations", []))
+
+
+@dataclass
+class Collected:
+    spec: ExperimentSpec
+    results: List[Result]
+
+    @property
+    def unique(self) -> List[Result]:
+        seen, out = set(), []
+        for r in self.results:
+            if r.run.hash not in seen:
+                seen.add(r.run.hash)
+                out.append(r)
+        return out
+
+    @property
+    def n_done(self) -> int:
+        return sum(1 for r in self.unique if r.done)
+
+    @property
+    def complete(self) -> bool:
+        return all(r.state in ("done", "diverged") for r in self.unique)
+
+    def select(self, **labels) -> List[Result]:
+        return [r for r in self.results if all(r.run.labels.get(k) == v for k, v in labels.items())]
+
+    def losses(self, **labels) -> Dict[int, float]:
+        """seed -> final validation loss of the finished runs with these labels."""
+        return {r.run.seed: r.loss for r in self.select(**labels) if r.done}
+
+    def points(self, axis: str) -> List[str]:
+        for name, points in self.spec.axes:
+            if name == axis:
+                return [p.label for p in points]
+        return []
+
+    def point(self, axis: str, label: str):
+        for name, points in self.spec.axes:
+            if name == axis:
+                for p in points:
+                    if p.label == label:
+                        return p
+        return None
+
+
+def collect(spec: ExperimentSpec, runs_root) -> Collected:
+    out = []
+    for s in plan_status(spec, runs_root):
+        out.append(_result(s))
+    return Collected(spec, out)
+
+
+def _result(s: RunStatus) -> Result:
+    """A run finished in another experiment's directory (state ``reusable``) is read from there."""
+    d = s.source if s.state == "reusable" and s.source is not None else s.dir
+    state = "done" if s.state == "reusable" else s.state
+    r = Result(run=s.run, dir=d, state=state, info=_read(d / RUN_FILE), config=_read(d / "config.json"))
+    if state == "done":
+        r.summary = _read(d / SUMMARY_FILE)
+        r.probes = _read(d / PROBES_FILE)
+    elif state == "diverged":
+        r.diverged = _read(d / DIVERGED_FILE)
+    return r
+
+
+def nan_matrix(rows) -> Optional[np.ndarray]:
+    if rows is None:
+        return None
+    return np.array([[np.nan if v is None else float(v) for v in row] for row in rows], dtype=float)
+
+
+def mean_matrix(mats: List[Optional[np.ndarray]]) -> Optional[np.ndarray]:
+    """Element-wise mean over seeds, NaN where no seed has a value; None when there is none."""
+    mats = [m for m in mats if m is not None]
+    if not mats:
+        return None
+    mats = [m for m in mats if m.shape == mats[0].shape]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN cells stay NaN
+        return np.nanmean(np.stack(mats), axis=0)
+
+
+def finite(x: float) -> bool:
+    return x is not None and not (isinstance(x, float) and (math.isnan(x) or math.isinf(x)))

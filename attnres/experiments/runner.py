@@ -1,0 +1,407 @@
+"""Run an experiment: every planned run is a normal Trainer run in ``<runs>/NAME/<hash>/``.
+
+A run directory holds what ``attnres train`` writes (config.json, metrics.jsonl,
+tokenizer.json, checkpoint/) plus:
+
+``run.json``      the experiment, labels, seed, hash, the hashed payload, and one
+                  entry per invocation that worked on it (command, machine, commit,
+                  wall time)
+``probes.json``   measurements of the final model (``attnres.experiments.probes``)
+``summary.json``  the Trainer's summary plus ``config_hash``: written last, so a run
+                  is finished exactly when its summary carries the hash
+``diverged.json`` when the loss became NaN/inf (a result too: not retried unless asked)
+
+States: ``done``; ``partial`` (a checkpoint at step k < steps: resumed); ``missing``;
+``reusable`` (the same hash finished in another experiment's directory: copied, no
+training); ``diverged``. Runs execute sequentially in one process.
+"""
+from __future__ import annotations
+
+import copy
+import fnmatch
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+from attnres.experiments.env import git_commit, machine
+from attnres.experiments.spec import ExperimentSpec, PlannedRun, expand, hash_payload, payload_compatible
+from attnres.train.trainer import TrainingInterrupted
+
+DEFAULT_RUNS_ROOT = "runs/experiments"
+RUN_FILE = "run.json"
+SUMMARY_FILE = "summary.json"
+PROBES_FILE = "probes.json"
+DIVERGED_FILE = "diverged.json"
+MANIFEST_FILE = "manifest.json"
+CHECKPOINT_DIR = "checkpoint"
+STATES = ("done", "diverged", "partial", "reusable", "missing")
+
+
+def _read_json(path: Path) -> Optional[dict]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _write_json(path: Path, obj) -> None:
+    """Atomic: a reader never sees half a file."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, allow_nan=True) + "\n")
+    os.replace(tmp, path)
+
+
+@dataclass
+class RunStatus:
+    run: PlannedRun
+    dir: Path
+    state: str
+    step: int = 0  # steps done (partial), or steps at divergence
+    source: Optional[Path] = None  # reusable: the finished directory to copy
+
+    @property
+    def finished(self) -> bool:
+        return self.state in ("done", "diverged")
+
+
+def experiment_dir(runs_root, name: str) -> Path:
+    return Path(runs_root) / name
+
+
+def is_done(run_dir: Path, hash_: str) -> bool:
+    summary = _read_json(run_dir / SUMMARY_FILE)
+    return bool(summary) and summary.get("config_hash") == hash_ and (run_dir / PROBES_FILE).is_file()
+
+
+def _checkpoint_step(run_dir: Path) -> Optional[int]:
+    state = _read_json(run_dir / CHECKPOINT_DIR / "state.json")
+    return state.get("step") if isinstance(state, dict) else None
+
+
+def _finished_index(exp_dir: Path) -> List[tuple]:
+    """(hashed payload, directory) of every finished run in an experiment directory."""
+    out = []
+    if exp_dir.is_dir():
+        for d in sorted(exp_dir.iterdir()):
+            info = _read_json(d / RUN_FILE) if d.is_dir() else None
+            if info and is_done(d, d.name):
+                out.append((info.get("hashed_config"), d))
+    return out
+
+
+def status_of(run: PlannedRun, runs_root, name: str, index: Optional[List[tuple]] = None) -> RunStatus:
+    """The state of one planned run. A finished run whose hash differs only because the library has
+    since added config fields (at their defaults) counts as done, in its own directory."""
+    run_dir = experiment_dir(runs_root, name) / run.hash
+    if is_done(run_dir, run.hash):
+        return RunStatus(run, run_dir, "done", run.train.steps)
+    if not run_dir.exists():
+        payload = hash_payload(run.model, run.train)
+        for stored, d in index if index is not None else _finished_index(experiment_dir(runs_root, name)):
+            if d.name != run.hash and payload_compatible(stored, payload):
+                return RunStatus(run, d, "done", run.train.steps)
+    div = _read_json(run_dir / DIVERGED_FILE)
+    if div and div.get("config_hash") == run.hash:
+        return RunStatus(run, run_dir, "diverged", int(div.get("step", 0)))
+    step = _checkpoint_step(run_dir)
+    if step is not None:
+        return RunStatus(run, run_dir, "partial", int(step))
+    root = Path(runs_root)
+    if root.is_dir():
+        for other in sorted(root.iterdir()):
+            cand = other / run.hash
+            if other.name != name and is_done(cand, run.hash):
+                return RunStatus(run, run_dir, "reusable", run.train.steps, source=cand)
+    return RunStatus(run, run_dir, "missing")
+
+
+def plan_status(spec: ExperimentSpec, runs_root=DEFAULT_RUNS_ROOT) -> List[RunStatus]:
+    """The state of every planned run (entries sharing a hash share a directory)."""
+    index = _finished_index(experiment_dir(runs_root, spec.name))
+    return [status_of(run, runs_root, spec.name, index) for run in expand(spec)]
+
+
+def matches(run: PlannedRun, pattern: Optional[str]) -> bool:
+    """--only: a glob over ``run.name`` and the hash; plain text matches as a substring."""
+    if not pattern:
+        return True
+    if not any(c in pattern for c in "*?["):
+        pattern = f"*{pattern}*"
+    return fnmatch.fnmatch(run.name, pattern) or fnmatch.fnmatch(run.hash, pattern)
+
+
+def _unique(statuses: List[RunStatus]) -> List[RunStatus]:
+    seen, out = set(), []
+    for s in statuses:
+        if s.run.hash not in seen:
+            seen.add(s.run.hash)
+            out.append(s)
+    return out
+
+
+def estimated_seconds(s: RunStatus) -> float:
+    if s.state in ("done", "diverged", "reusable"):
+        return 0.0
+    return s.run.estimated_seconds(s.step)
+
+
+def planned_elsewhere(spec: ExperimentSpec) -> Dict[str, List[str]]:
+    """hash -> the other experiments (specs beside this one) that plan a run with that config."""
+    from attnres.experiments.spec import ExperimentError, available, load_spec
+
+    out: Dict[str, List[str]] = {}
+    for name in available(spec.path.parent):
+        if name == spec.name:
+            continue
+        try:
+            runs = expand(load_spec(name, spec.path.parent))
+        except ExperimentError:
+            continue  # reported when that experiment is run
+        for r in runs:
+            names = out.setdefault(r.hash, [])
+            if name not in names:
+                names.append(name)
+    return out
+
+
+def format_plan(spec: ExperimentSpec, statuses: List[RunStatus], pattern: Optional[str] = None,
+                shared: Optional[Dict[str, List[str]]] = None) -> str:
+    """The --dry-run table: every unique run, its state and the CPU time it still needs. ``shared``
+    (from ``planned_elsewhere``) marks missing runs that other experiments plan too."""
+    shared = shared or {}
+    unique = [s for s in _unique(statuses) if matches(s.run, pattern)]
+    lines = [f"experiment {spec.name}: {spec.description}".rstrip(": "),
+             f"spec {spec.path}; runs in {unique[0].dir.parent if unique else '-'}", ""]
+    width = max([len(s.run.name) for s in unique] + [3])
+    states = []
+    for s in unique:
+        state = s.state if s.state != "partial" else f"partial {s.step}/{s.run.train.steps}"
+        if s.state == "reusable":
+            state = f"reusable ({s.source.parent.name})"
+        elif s.state in ("missing", "partial") and s.run.hash in shared:
+            state += f" (also in {', '.join(shared[s.run.hash])})"
+        states.append(state)
+    sw = max([len(x) for x in states] + [5])
+    lines.append(f"{'run':<{width}}  {'hash':<12}  {'state':<{sw}}  {'tokens':>10}  {'est. min':>8}")
+    for s, state in zip(unique, states):
+        lines.append(f"{s.run.name:<{width}}  {s.run.hash:<12}  {state:<{sw}}  {s.run.tokens:>10,}  "
+                     f"{estimated_seconds(s) / 60:>8.1f}")
+    counts = {k: sum(1 for s in unique if s.state == k) for k in STATES}
+    total = sum(s.run.estimated_seconds(0) for s in unique)
+    left = sum(estimated_seconds(s) for s in unique)
+    lines += ["", f"{len(unique)} unique runs ({len(statuses)} planned entries, identical configs share "
+              "a run): " + ", ".join(f"{v} {k}" for k, v in counts.items() if v),
+              f"estimated CPU time: {left / 3600:.2f} h still to run, {total / 3600:.2f} h for the whole "
+              f"experiment" + (f" (stated budget {spec.budget_cpu_hours:g} h)" if spec.budget_cpu_hours
+                               else "")]
+    common = [s for s in unique if s.state in ("missing", "partial") and s.run.hash in shared]
+    if common:
+        others = sorted({n for s in common for n in shared[s.run.hash]})
+        lines.append(f"{len(common)} of the runs still to run ({sum(estimated_seconds(s) for s in common) / 3600:.2f} h) "
+                     f"are also planned by {', '.join(others)}: whichever experiment trains them first, the "
+                     "others copy them")
+    factor = _measured_speed_factor(unique)
+    if factor is not None and left > 0:
+        lines.append(f"the finished runs trained at {factor:.2f}x the stated throughput: at that pace the "
+                     f"rest takes about {left / factor / 3600:.2f} h")
+    if spec.budget_note:
+        lines.append(f"budget: {spec.budget_note}")
+    return "\n".join(lines)
+
+
+def _measured_speed_factor(statuses: List[RunStatus]) -> Optional[float]:
+    """Measured over stated throughput, from the optimizer-step time of the finished runs."""
+    stated = measured = 0.0
+    for s in statuses:
+        if s.state != "done":
+            continue
+        summary = _read_json(s.dir / SUMMARY_FILE) or {}
+        secs = summary.get("train_seconds")
+        if secs:
+            stated += s.run.tokens / s.run.tokens_per_second
+            measured += float(secs)
+    return stated / measured if measured > 0 else None
+
+
+# ----------------------------------------------------------------------------- execution
+
+
+def write_manifest(spec: ExperimentSpec, statuses: List[RunStatus], runs_root) -> Path:
+    d = experiment_dir(runs_root, spec.name)
+    d.mkdir(parents=True, exist_ok=True)
+    manifest = {
+        "experiment": spec.name, "spec": str(spec.path), "spec_sha256": spec.sha256,
+        "updated": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "runs": [{"hash": s.run.hash, "labels": s.run.labels, "seed": s.run.seed, "state": s.state,
+                  "dir": s.dir.name} for s in statuses],
+    }
+    _write_json(d / MANIFEST_FILE, manifest)
+    return d / MANIFEST_FILE
+
+
+def _command() -> str:
+    """The command line of this process (the CLI passes its own reconstruction instead)."""
+    argv = list(sys.argv)
+    if argv and Path(argv[0]).name in ("attnres", "__main__.py", "cli.py"):
+        return "attnres " + " ".join(argv[1:])
+    return " ".join(argv)
+
+
+def _record_invocation(run_dir: Path, spec: ExperimentSpec, run: PlannedRun, entry: dict) -> None:
+    info = _read_json(run_dir / RUN_FILE) or {}
+    info.update({"experiment": spec.name, "labels": run.labels, "seed": run.seed, "config_hash": run.hash,
+                 "hashed_config": hash_payload(run.model, run.train)})
+    info.setdefault("invocations", []).append(entry)
+    _write_json(run_dir / RUN_FILE, info)
+
+
+def _clear_outputs(run_dir: Path) -> None:
+    """Before a fresh start: drop files of an older attempt so metrics do not mix."""
+    for p in list(run_dir.iterdir()) if run_dir.is_dir() else []:
+        if p.name == RUN_FILE:
+            continue
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+
+
+def train_seconds(run_dir: Path) -> float:
+    """Sum of optimizer-step times in metrics.jsonl (resumes included, evaluation excluded)."""
+    total = 0.0
+    path = run_dir / "metrics.jsonl"
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if row.get("kind") == "train":
+                total += float(row.get("step_seconds", 0.0))
+    return total
+
+
+def _reuse(s: RunStatus, spec: ExperimentSpec, log, command: str) -> None:
+    if s.dir.exists():
+        shutil.rmtree(s.dir)
+    shutil.copytree(s.source, s.dir, ignore=shutil.ignore_patterns(CHECKPOINT_DIR, ".*"))
+    # the copy's own history is the copy; where and how the run was trained moves to source_invocations
+    info = _read_json(s.dir / RUN_FILE) or {}
+    origin = info.get("source_invocations") or [i for i in info.get("invocations", []) if "reused_from" not in i]
+    info.update(source_invocations=origin, invocations=[])
+    _write_json(s.dir / RUN_FILE, info)
+    _record_invocation(s.dir, spec, s.run, {"reused_from": str(s.source), "command": command,
+                                            "time": time.strftime("%Y-%m-%d %H:%M:%S")})
+    log(f"[{s.run.name}] reused the finished run {s.source} (same config hash)")
+
+
+def execute_one(s: RunStatus, spec: ExperimentSpec, *, progress: bool = True, threads: Optional[int] = None,
+                log: Callable[[str], None] = print, command: Optional[str] = None) -> str:
+    """Train (or resume) one run, probe the final model, write the summary. Returns the new state."""
+    from attnres.experiments.probes import run_probes
+    from attnres.train.checkpoint import CheckpointError
+    from attnres.train.trainer import Trainer, TrainingDiverged
+
+    run, run_dir = s.run, s.dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    model_cfg = copy.deepcopy(run.model)
+    train_cfg = copy.deepcopy(run.train)
+    train_cfg.out_dir = str(run_dir)
+    train_cfg.progress = progress
+    if threads:
+        train_cfg.threads = threads
+    started = time.time()
+    entry = {"command": command or _command(), "machine": machine(), "commit": git_commit(),
+             "started": time.strftime("%Y-%m-%d %H:%M:%S"), "from_step": 0}
+    resume = s.state == "partial"
+    if resume:
+        try:
+            trainer = Trainer(model_cfg, train_cfg, resume=True, log=log)
+            entry["from_step"] = trainer.step
+        except (CheckpointError, ValueError) as e:
+            log(f"[{run.name}] cannot resume ({e}); training from scratch")
+            resume = False
+    if not resume:
+        _clear_outputs(run_dir)
+        model_cfg, train_cfg = copy.deepcopy(run.model), train_cfg
+        trainer = Trainer(model_cfg, train_cfg, resume=False, log=log)
+    log(f"[{run.name}] {trainer.model.num_params():,} parameters, {run.train.steps} steps x "
+        f"{run.train.batch_size}x{run.train.seq_len} tokens -> {run_dir}"
+        + (f" (resuming at step {trainer.step})" if resume else ""))
+    try:
+        result = trainer.run()
+    except TrainingDiverged as e:
+        _write_json(run_dir / DIVERGED_FILE, {"config_hash": run.hash, "step": trainer.step, "error": str(e)})
+        entry["wall_seconds"] = time.time() - started
+        entry["outcome"] = "diverged"
+        _record_invocation(run_dir, spec, run, entry)
+        log(f"[{run.name}] diverged at step {trainer.step}: recorded, moving on")
+        return "diverged"
+    except BaseException:
+        entry["wall_seconds"] = time.time() - started
+        entry["outcome"] = "interrupted"
+        _record_invocation(run_dir, spec, run, entry)
+        raise
+    probes = run_probes(trainer.model, trainer.data.val, seq_len=run.train.seq_len)
+    _write_json(run_dir / PROBES_FILE, probes)
+    entry["wall_seconds"] = time.time() - started
+    entry["outcome"] = "done"
+    _record_invocation(run_dir, spec, run, entry)
+    info = _read_json(run_dir / RUN_FILE) or {}
+    summary = {**result.__dict__, "config_hash": run.hash, "experiment": spec.name, "labels": run.labels,
+               "seed": run.seed, "train_seconds": train_seconds(run_dir),
+               "wall_seconds_total": sum(i.get("wall_seconds", 0.0) for i in info.get("invocations", []))}
+    _write_json(run_dir / SUMMARY_FILE, summary)
+    if not spec.keep_checkpoint:
+        shutil.rmtree(run_dir / CHECKPOINT_DIR, ignore_errors=True)
+    log(f"[{run.name}] val loss {result.val_loss:.4f} in {summary['train_seconds']:.0f} s of training")
+    return "done"
+
+
+def run_experiment(spec: ExperimentSpec, runs_root=DEFAULT_RUNS_ROOT, *, max_runs: Optional[int] = None,
+                   only: Optional[str] = None, retry_diverged: bool = False, progress: bool = True,
+                   threads: Optional[int] = None, log: Callable[[str], None] = print,
+                   command: Optional[str] = None) -> Dict[str, int]:
+    """Execute the missing runs (sequentially), at most ``max_runs`` trainings. Returns counts of
+    what happened: trained, resumed, reused, diverged, skipped (already finished), left."""
+    command = command or _command()
+    statuses = plan_status(spec, runs_root)
+    counts = {"trained": 0, "resumed": 0, "reused": 0, "diverged": 0, "skipped": 0, "left": 0}
+    write_manifest(spec, statuses, runs_root)
+    trained = 0
+    for s in _unique(statuses):
+        if not matches(s.run, only):
+            continue
+        s = status_of(s.run, runs_root, spec.name)  # fresh: an earlier entry may have produced it
+        if s.state == "done" or (s.state == "diverged" and not retry_diverged):
+            counts["skipped"] += 1
+            continue
+        if s.state == "reusable":
+            _reuse(s, spec, log, command)
+            counts["reused"] += 1
+            continue
+        if max_runs is not None and trained >= max_runs:
+            counts["left"] += 1
+            continue
+        if s.state == "diverged":  # a retry starts from scratch: resuming would diverge again
+            shutil.rmtree(s.dir, ignore_errors=True)
+            s = status_of(s.run, runs_root, spec.name)
+        trained += 1
+        try:
+            outcome = execute_one(s, spec, progress=progress, threads=threads, log=log, command=command)
+        except TrainingInterrupted as e:
+            raise TrainingInterrupted(
+                f"{s.run.name}: {str(e).split(';')[0]}; its checkpoint is in {s.dir}. Run "
+                f"`attnres experiment {spec.name}` again to resume it and continue the suite") from None
+        finally:
+            write_manifest(spec, plan_status(spec, runs_root), runs_root)
+        if outcome == "diverged":
+            counts["diverged"] += 1
+        else:
+            counts["resumed" if s.state == "partial" else "trained"] += 1
+    return counts

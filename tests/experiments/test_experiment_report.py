@@ -1,0 +1,250 @@
+"""Reports from cached runs: every report kind on tiny finished experiments, partial suites, the CLI."""
+import re
+
+import pytest
+
+from attnres.cli import main
+from attnres.experiments import load_spec, run_experiment
+from attnres.experiments.report import write_report
+from attnres.train.trainer import Trainer
+
+SPECS = {
+    "scaling": """
+        [experiment]
+        name = "scaling"
+        seeds = [0, 1]
+        baseline = "prenorm"
+        {base}
+        [[axis.size]]
+        label = "s1"
+        n_layers = 1
+        steps = 4
+        [[axis.size]]
+        label = "s2"
+        n_layers = 2
+        steps = 6
+        [[axis.scheme]]
+        label = "prenorm"
+        residual = "prenorm"
+        [[axis.scheme]]
+        label = "block"
+        residual = "block"
+    """,
+    "dynamics": """
+        [experiment]
+        name = "dynamics"
+        seeds = [0, 1]
+        {base}
+        [[axis.scheme]]
+        label = "prenorm"
+        residual = "prenorm"
+        [[axis.scheme]]
+        label = "block"
+        residual = "block"
+        attnres_block_size = 2
+        [[axis.scheme]]
+        label = "full"
+        residual = "full"
+        [[axis.scheme]]
+        label = "highway"
+        residual = "highway"
+        seeds = [0]
+    """,
+    "block-size": """
+        [experiment]
+        name = "block-size"
+        seeds = [0, 1]
+        baseline = "prenorm"
+        {base}
+        [[axis.variant]]
+        label = "prenorm"
+        residual = "prenorm"
+        paper_loss = 1.766
+        [[axis.variant]]
+        label = "S1"
+        residual = "full"
+        paper_loss = 1.737
+        [[axis.variant]]
+        label = "S2"
+        residual = "block"
+        attnres_block_size = 2
+        paper_loss = 1.746
+        [[axis.variant]]
+        label = "S4"
+        residual = "block"
+        attnres_block_size = 4
+    """,
+    "arena": """
+        [experiment]
+        name = "arena"
+        seeds = [0, 1]
+        {base}
+        [[axis.scheme]]
+        label = "prenorm"
+        residual = "prenorm"
+        [[axis.scheme]]
+        label = "mudd"
+        residual = "mudd"
+        [[axis.budget]]
+        label = "equal-tokens"
+        [[axis.budget]]
+        label = "equal-time"
+        tags = { note = "steps from speed" }
+    """,
+    "arch-sweep": """
+        [experiment]
+        name = "arch-sweep"
+        seeds = [0, 1]
+        {base}
+        [[axis.shape]]
+        label = "wide"
+        d_model = 48
+        n_layers = 1
+        [[axis.shape]]
+        label = "mid"
+        d_model = 32
+        n_layers = 2
+        [[axis.shape]]
+        label = "deep"
+        d_model = 24
+        n_heads = 2
+        n_layers = 4
+        [[axis.scheme]]
+        label = "prenorm"
+        residual = "prenorm"
+        [[axis.scheme]]
+        label = "block"
+        residual = "block"
+    """,
+    "ablations": """
+        [experiment]
+        name = "ablations"
+        description = "Table 4 rows, tiny"
+        seeds = [0, 1]
+        baseline = "prenorm"
+        headline = ["prenorm", "full"]
+        budget_cpu_hours = 0.01
+        budget_note = "seconds"
+        {base}
+        [[axis.variant]]
+        label = "prenorm"
+        residual = "prenorm"
+        paper_loss = 1.766
+        seeds = [0, 1, 2]
+        [[axis.variant]]
+        label = "full"
+        residual = "full"
+        paper_loss = 1.737
+        seeds = [0, 1, 2]
+        [[axis.variant]]
+        label = "sigmoid"
+        residual = "full"
+        attnres_kernel = "sigmoid"
+        paper_loss = 1.741
+    """,
+}
+
+
+def quiet(_msg):
+    pass
+
+
+@pytest.fixture(scope="module")
+def suite(tmp_path_factory, tiny_base):
+    """Every report kind's tiny experiment, finished (ablations only half: a partial suite)."""
+    root = tmp_path_factory.mktemp("suite")
+    specs, runs = root / "specs", root / "runs"
+    specs.mkdir()
+    import textwrap
+
+    for name, body in SPECS.items():
+        (specs / f"{name}.toml").write_text(textwrap.dedent(body).replace("{base}", tiny_base()))
+    for name in SPECS:
+        run_experiment(load_spec(name, specs), runs, progress=False, log=quiet,
+                       max_runs=1 if name == "ablations" else None)
+    return specs, runs, root
+
+
+def _report(suite, name, monkeypatch):
+    specs, runs, root = suite
+
+    def no_training(self):
+        raise AssertionError("report must not train")
+
+    monkeypatch.setattr(Trainer, "run", no_training)
+    path = write_report(load_spec(name, specs), runs, root / "reports" / name, command=f"attnres report {name}")
+    text = path.read_text()
+    for png in re.findall(r"\]\(([^)]+\.png)\)", text):
+        assert (path.parent / png).stat().st_size > 1000, png
+    assert "could not be drawn" not in text
+    return text, path.parent
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("scaling", ["## Power-law fits", "Compute multiplier at the largest budget", "scaling.png",
+                 "per-seed fits", "PF-days", "Δ block − prenorm"]),
+    ("dynamics", ["Figure 5", "dynamics.png", "depth_weights_full.png", "depth_weights_block.png",
+                  "mixing_matrices.png", "| highway | 1 |", "best scalar fit", "Δ gradient CV"]),
+    ("block-size", ["block_size.png", "| S2 | 2 | 2 | 3 |", "Δ vs S1 (paired)"]),
+    ("arena", ["## budget: equal-tokens", "## budget: equal-time", "arena_curves.png", "tokens/s"]),
+    ("arch-sweep", ["arch_sweep.png", "| wide | 48 | 1 | 48.0 |", "parabola vertex", "lower mean loss than"]),
+])
+def test_each_report_kind_from_cached_runs(suite, monkeypatch, name, expected):
+    text, out = _report(suite, name, monkeypatch)
+    assert "**Status: complete.**" in text
+    if name == "arena":  # mudd draws random numbers in its constructor: its pairs share only the data
+        assert re.search(r"\| mudd \|.*†", text)
+    for piece in expected:
+        assert piece in text, piece
+    assert f"Report: `attnres report {name}`" in text
+    assert re.search(r"Machine: .*cores visible", text)
+    assert re.search(r"runs at commit `([0-9a-f]{40}(\+dirty)?|unknown)`", text)
+    assert re.search(r"Wall time of the finished runs: \d+\.\d\d h", text)
+    assert "exceeds seed noise when the paired t-statistic" in text
+
+
+def test_a_partial_suite_gives_a_marked_partial_report(suite, monkeypatch):
+    text, out = _report(suite, "ablations", monkeypatch)
+    assert "PARTIAL REPORT: 5 of 8 planned runs finished" in text
+    assert "`variant=sigmoid/seed=1`" in text and "Planned budget: 0.01 CPU-hours (seconds)" in text
+    assert "| prenorm (headline) | 1.766 |" in text
+    assert "3 seeds for prenorm, full; 2 seeds for sigmoid" in text
+
+
+def test_cli_experiment_report_and_errors(tmp_path, write_spec, tiny_base, capsys):
+    specs, runs = tmp_path / "specs", tmp_path / "runs"
+    write_spec(specs, "cli", f"""
+        [experiment]
+        name = "cli"
+        seeds = [0, 1]
+        baseline = "prenorm"
+        {tiny_base()}
+        [[axis.scheme]]
+        label = "prenorm"
+        residual = "prenorm"
+        [[axis.scheme]]
+        label = "full"
+        residual = "full"
+    """)
+    common = ["--specs", str(specs), "--runs", str(runs)]
+    assert main(["experiment", "cli", "--dry-run", *common]) == 0
+    assert "4 missing" in capsys.readouterr().out
+    assert main(["experiment", "cli", "--no-progress", "--max-runs", "2", *common]) == 0
+    assert "2 trained" in capsys.readouterr().out
+    assert main(["experiment", "cli", "--no-progress", *common]) == 0
+    out_dir = tmp_path / "report"
+    assert main(["report", "cli", *common, "--out", str(out_dir)]) == 0
+    text = (out_dir / "REPORT.md").read_text()
+    assert f"attnres report cli --runs {runs} --specs {specs} --out {out_dir}" in text
+    assert f"`attnres experiment cli --max-runs 2 --runs {runs} --specs {specs}`" in text
+    assert (out_dir / "loss_curves.png").exists() and "Δ vs prenorm" in text
+
+    assert main(["experiment", *common]) == 0
+    assert "experiments: cli" in capsys.readouterr().out
+    assert main(["experiment", "nope", *common]) == 2
+    err = capsys.readouterr().err
+    assert "unknown experiment 'nope'" in err and "cli" in err
+    write_spec(specs, "broken", '[experiment]\nname = "broken"\n[base]\nlr = "fast"\n')
+    assert main(["report", "broken", *common]) == 2
+    err = capsys.readouterr().err
+    assert "broken.toml" in err and "lr" in err

@@ -1,0 +1,205 @@
+"""The runner: finished runs are skipped, interrupted ones resume exactly, identical configs run once."""
+import json
+import os
+import signal
+
+import pytest
+
+from attnres.experiments import load_spec, plan_status, run_experiment
+from attnres.experiments.report import shares_sublayer_init
+from attnres.experiments.runner import DIVERGED_FILE, PROBES_FILE, RUN_FILE, SUMMARY_FILE
+from attnres.train import trainer as trainer_module
+from attnres.train.trainer import Trainer, TrainingInterrupted
+
+
+def quiet(_msg):
+    pass
+
+
+@pytest.fixture
+def two_by_two(tmp_path, write_spec, tiny_base):
+    write_spec(tmp_path / "specs", "pair", f"""
+        [experiment]
+        name = "pair"
+        seeds = [0, 1]
+        {tiny_base(steps=6)}
+        [[axis.scheme]]
+        label = "prenorm"
+        residual = "prenorm"
+        [[axis.scheme]]
+        label = "block"
+        residual = "block"
+    """)
+    return load_spec("pair", tmp_path / "specs"), tmp_path / "runs"
+
+
+def states(spec, root):
+    return [s.state for s in plan_status(spec, root)]
+
+
+def train_losses(run_dir):
+    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l]
+    return [r["loss"] for r in rows if r["kind"] == "train"]
+
+
+def test_runs_in_slices_then_skips_what_is_finished(two_by_two):
+    spec, root = two_by_two
+    counts = run_experiment(spec, root, max_runs=1, progress=False, log=quiet)
+    assert counts["trained"] == 1 and counts["left"] == 3
+    assert states(spec, root) == ["done", "missing", "missing", "missing"]
+    counts = run_experiment(spec, root, only="scheme=block", progress=False, log=quiet)
+    assert counts["trained"] == 2 and counts["skipped"] == 0
+    assert states(spec, root) == ["done", "missing", "done", "done"]
+    counts = run_experiment(spec, root, progress=False, log=quiet)
+    assert counts["trained"] == 1 and counts["skipped"] == 3
+    counts = run_experiment(spec, root, progress=False, log=quiet)
+    assert counts["trained"] == 0 and counts["skipped"] == 4
+
+    status = plan_status(spec, root)[0]
+    run_dir = status.dir
+    assert run_dir == root / "pair" / status.run.hash
+    summary = json.loads((run_dir / SUMMARY_FILE).read_text())
+    assert summary["config_hash"] == status.run.hash and summary["labels"] == {"scheme": "prenorm"}
+    assert summary["train_seconds"] > 0 and summary["steps"] == 6
+    info = json.loads((run_dir / RUN_FILE).read_text())
+    assert info["hashed_config"]["train"]["seed"] == 0 and info["invocations"][0]["commit"]
+    probes = json.loads((run_dir / PROBES_FILE).read_text())
+    assert len(probes["output_rms"]) == 4 and len(probes["block_grad_norm"]) == 2
+    assert probes["depth_weights"] is None and probes["mixing"][1][:2] == pytest.approx([1.0, 1.0], abs=1e-6)
+    assert not (run_dir / "checkpoint").exists()  # keep_checkpoint = false
+    manifest = json.loads((root / "pair" / "manifest.json").read_text())
+    assert [r["state"] for r in manifest["runs"]] == ["done"] * 4
+
+
+def test_an_interrupted_run_resumes_from_its_checkpoint_exactly(two_by_two, monkeypatch):
+    spec, root = two_by_two
+    original = Trainer.train_step
+
+    def interrupting(self):
+        loss = original(self)
+        if self.step == 3:
+            os.kill(os.getpid(), signal.SIGINT)  # a real Ctrl-C, handled between steps
+        return loss
+
+    monkeypatch.setattr(Trainer, "train_step", interrupting)
+    with pytest.raises(TrainingInterrupted, match=r"scheme=block/seed=1: interrupted at step 3.*"
+                                                  r"`attnres experiment pair` again to resume"):
+        run_experiment(spec, root, only="block/seed=1", progress=False, log=quiet)
+    monkeypatch.setattr(Trainer, "train_step", original)
+    status = [s for s in plan_status(spec, root) if s.run.name == "scheme=block/seed=1"][0]
+    assert status.state == "partial" and status.step == 3
+    assert len(train_losses(status.dir)) == 3
+
+    counts = run_experiment(spec, root, only="block/seed=1", progress=False, log=quiet)
+    assert counts["resumed"] == 1
+    resumed = train_losses(status.dir)
+    info = json.loads((status.dir / RUN_FILE).read_text())
+    assert [i["outcome"] for i in info["invocations"]] == ["interrupted", "done"]
+    assert info["invocations"][1]["from_step"] == 3
+
+    other = root.parent / "uninterrupted"
+    run_experiment(spec, other, only="block/seed=1", progress=False, log=quiet)
+    assert train_losses(other / "pair" / status.run.hash) == resumed  # bitwise
+
+
+def test_identical_configs_share_a_run_and_other_experiments_reuse_it(tmp_path, write_spec, tiny_base):
+    specs, root = tmp_path / "specs", tmp_path / "runs"
+    write_spec(specs, "first", f"""
+        [experiment]
+        name = "first"
+        {tiny_base()}
+        [[axis.budget]]
+        label = "short"
+        [[axis.budget]]
+        label = "same"
+    """)
+    first = load_spec("first", specs)
+    assert len({s.run.hash for s in plan_status(first, root)}) == 1
+    counts = run_experiment(first, root, progress=False, log=quiet)
+    assert counts["trained"] == 1 and states(first, root) == ["done", "done"]
+
+    write_spec(specs, "second", f"""
+        [experiment]
+        name = "second"
+        {tiny_base()}
+    """)
+    second = load_spec("second", specs)
+    assert states(second, root) == ["reusable"]
+    counts = run_experiment(second, root, progress=False, log=quiet)
+    assert counts == {**counts, "reused": 1, "trained": 0}
+    (s,) = plan_status(second, root)
+    assert s.state == "done" and s.dir.parent.name == "second"
+    info = json.loads((s.dir / RUN_FILE).read_text())
+    assert "first" in info["invocations"][-1]["reused_from"]
+
+
+def test_divergence_is_recorded_and_not_retried_unless_asked(two_by_two, monkeypatch):
+    spec, root = two_by_two
+
+    def nan_loss(logits, targets):
+        return logits.sum() * float("nan")
+
+    monkeypatch.setattr(trainer_module, "lm_loss", nan_loss)
+    counts = run_experiment(spec, root, only="prenorm/seed=0", progress=False, log=quiet)
+    assert counts["diverged"] == 1
+    status = plan_status(spec, root)[0]
+    assert status.state == "diverged"
+    assert json.loads((status.dir / DIVERGED_FILE).read_text())["step"] == 0
+    assert run_experiment(spec, root, only="prenorm/seed=0", progress=False, log=quiet)["skipped"] == 1
+    monkeypatch.undo()
+    counts = run_experiment(spec, root, only="prenorm/seed=0", retry_diverged=True, progress=False, log=quiet)
+    assert counts["trained"] == 1 and plan_status(spec, root)[0].state == "done"
+
+
+def test_keep_checkpoint_and_same_seed_same_sublayer_init(tmp_path, write_spec, tiny_base):
+    write_spec(tmp_path, "keep", f"""
+        [experiment]
+        name = "keep"
+        keep_checkpoint = true
+        {tiny_base(steps=2)}
+        [[axis.scheme]]
+        label = "prenorm"
+        residual = "prenorm"
+        [[axis.scheme]]
+        label = "full"
+        residual = "full"
+    """)
+    spec = load_spec("keep", tmp_path)
+    run_experiment(spec, tmp_path / "runs", progress=False, log=quiet)
+    statuses = plan_status(spec, tmp_path / "runs")
+    assert all((s.dir / "checkpoint" / "state.json").exists() for s in statuses)
+    # one seed: the same sublayer initialisation for every scheme, except where a scheme's constructor
+    # draws random numbers before the shared initialisation (mudd): the report marks those pairs
+    prenorm, full = (s.run.model.to_dict() for s in statuses)
+    assert shares_sublayer_init(prenorm, full)
+    assert not shares_sublayer_init(prenorm, {**prenorm, "residual": "mudd"})
+
+
+def test_runs_stay_finished_when_the_library_adds_config_fields(two_by_two):
+    """A run made before a new ModelConfig/TrainConfig field existed (its payload lacks the field) still
+    counts as done while the new field is at its default; a missing field set otherwise does not."""
+    spec, root = two_by_two
+    run_experiment(spec, root, only="prenorm/seed=0", progress=False, log=quiet)
+    status = plan_status(spec, root)[0]
+
+    def as_older_library(dropped, name):
+        old_dir = status.dir.parent / name
+        status.dir.rename(old_dir)
+        info = json.loads((old_dir / RUN_FILE).read_text())
+        del info["hashed_config"]["model"][dropped]
+        (old_dir / RUN_FILE).write_text(json.dumps(info))
+        summary = json.loads((old_dir / SUMMARY_FILE).read_text())
+        (old_dir / SUMMARY_FILE).write_text(json.dumps({**summary, "config_hash": name}))
+        return old_dir
+
+    old_dir = as_older_library("highway_rank", "0123456789ab")  # None: the default
+    first = plan_status(spec, root)[0]
+    assert first.state == "done" and first.dir == old_dir
+    assert run_experiment(spec, root, only="prenorm/seed=0", progress=False, log=quiet)["skipped"] == 1
+
+    old_dir.rename(status.dir)
+    info = json.loads((status.dir / RUN_FILE).read_text())
+    info["hashed_config"]["model"]["highway_rank"] = None
+    (status.dir / RUN_FILE).write_text(json.dumps(info))
+    as_older_library("d_model", "ba9876543210")  # 32 here, not the default 128: a different run
+    assert plan_status(spec, root)[0].state == "missing"
