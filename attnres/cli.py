@@ -5,7 +5,6 @@ import argparse
 import ast
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -143,21 +142,6 @@ def cmd_sample(args) -> int:
     return 0
 
 
-def _machine() -> str:
-    import torch
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return (f"{cpu}, {os.cpu_count()} cores visible, torch {torch.__version__} "
-            f"({torch.get_num_threads()} threads), Python {platform.python_version()}")
-
-
 def _summary_if_complete(run_dir: Path, model_cfg, train_cfg) -> Optional[dict]:
     """A finished run with exactly these configs, or None."""
     try:
@@ -246,13 +230,15 @@ def _demo_table(rows) -> str:
 
 def _write_demo_report(out: Path, table: str, heatmaps: dict, curves: str, wall: float, args,
                        train_cfg, model_cfg) -> None:
+    from attnres.experiments.env import machine
+
     cmd = "attnres " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("attnres") \
         else "attnres demo"
     lines = [
         "# attnres demo",
         "",
         f"Command: `{cmd}`  ",
-        f"Machine: {_machine()}  ",
+        f"Machine: {machine()}  ",
         f"Wall time (this invocation, including data preparation and reused runs): {wall / 60:.1f} min",
         "",
         f"Model: {model_cfg.n_layers} Transformer blocks ({model_cfg.n_sublayers} sublayers), "
