@@ -111,7 +111,10 @@ class AttnResLM(nn.Module):
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.d_model)
         self.blocks = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layers))
-        self.residual = build_residual(config)
+        # the scheme may draw random numbers (e.g. MUDD, low-rank Highway); on a forked RNG so that,
+        # for one seed, every scheme gets the same embedding and sublayer weights as prenorm
+        with torch.random.fork_rng(devices=[]):
+            self.residual = build_residual(config)
         self.norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_embeddings:

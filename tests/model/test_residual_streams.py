@@ -214,3 +214,13 @@ def test_scaled_norm_eps_makes_the_equivalence_exact_at_default_eps(residual, ov
     unscaled = make(residual, **overrides)
     unscaled.load_state_dict(base.state_dict(), strict=False)
     assert (unscaled(x) - base(x)).abs().max() > 1e-6  # without it the default eps shows
+
+
+def test_every_scheme_gets_the_same_sublayer_weights_for_one_seed():
+    """Paired comparisons across schemes need the same init: the scheme's own draws must not shift it."""
+    base = {k: v for k, v in make("prenorm").state_dict().items()}
+    for residual in RESIDUALS:
+        extra = {"highway_rank": 4} if residual == "highway" else {}
+        state = make(residual, **extra).state_dict()
+        for name, value in base.items():
+            assert torch.equal(state[name], value), (residual, name)
