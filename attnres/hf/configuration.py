@@ -58,8 +58,8 @@ class AttnResConfig(PretrainedConfig):
             fields[name] = value
         # validated and completed (n_kv_heads, d_ff defaults) by ModelConfig itself
         resolved = ModelConfig(**{**_DEFAULTS, **fields}).to_dict()
-        # no KV cache yet: generate() recomputes the prefix (see AttnResForCausalLM)
-        use_cache = kwargs.pop("use_cache", False)
+        # generate() decodes through attnres.inference.KVCache (see AttnResForCausalLM)
+        use_cache = kwargs.pop("use_cache", True)
         super().__init__(**kwargs)
         self.use_cache = use_cache
         for name, value in resolved.items():

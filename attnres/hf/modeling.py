@@ -6,9 +6,10 @@ nothing to its arithmetic: ``model(input_ids).logits`` is exactly
 ``model.`` prefix (``model.embed.weight``, ``model.blocks.3.attn.q_proj.weight``,
 ``model.residual.queries``, ...), which is what ``save_pretrained`` writes.
 
-Generation has no KV cache yet: every step feeds the whole sequence (cropped
-to ``max_seq_len``, like :func:`attnres.sampling.generate`). The cache plugs in
-at two marked places, ``prepare_inputs_for_generation`` and ``_run``.
+Generation runs through our KV cache (``attnres.inference.KVCache``): the
+first step prefills the prompt, each later step feeds one token; past
+``max_seq_len`` the last ``max_seq_len`` tokens are re-prefilled each step,
+like :func:`attnres.sampling.generate`.
 """
 from __future__ import annotations
 
@@ -174,17 +175,9 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
 
     # ------------------------------------------------------------------ forward
     def _run(self, input_ids: Tensor, cache=None) -> Tensor:
-        """The one place the wrapped AttnResLM runs.
-
-        KV-cache plug-in point: once ``AttnResLM.forward(input_ids, cache=...)`` exists, call it
-        here with the cache (which then holds the earlier positions, so ``input_ids`` are only
-        the new tokens) and return the cache in ``forward``'s output as well.
-        """
-        if cache is not None:
-            raise NotImplementedError(
-                "AttnResForCausalLM has no KV cache yet: pass the whole sequence with cache=None "
-                "(generate() already does: it recomputes the prefix at every step)")
-        return self.model(input_ids)
+        """The one place the wrapped AttnResLM runs. With ``cache`` (an ``attnres.inference.KVCache``)
+        ``input_ids`` are the tokens after the cached positions."""
+        return self.model(input_ids, cache=cache)
 
     def forward(
         self,
@@ -202,7 +195,7 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         ``labels`` follow the HF convention (same positions as ``input_ids``, shifted inside,
         ``-100`` ignored). ``attention_mask`` may only mark every position (no padding: AttnResLM
         has no padding mask). Not supported: ``inputs_embeds``, ``output_attentions``,
-        ``output_hidden_states``, and (for now) a KV cache.
+        ``output_hidden_states``. ``cache``: an ``attnres.inference.KVCache`` (returned as ``output.cache``).
         """
         cache = cache if cache is not None else kwargs.pop("past_key_values", None)
         if inputs_embeds is not None:
@@ -225,24 +218,36 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         if not return_dict:
             return (logits,) if loss is None else (loss, logits)
-        return CausalLMOutputWithPast(loss=loss, logits=logits)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache)
 
     # ------------------------------------------------------------------ generation
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
-        # no KV cache yet: generate() must not create a transformers Cache for this model
+        # generate() must not create a transformers DynamicCache: ours is made on the first step
         return False
 
     def prepare_inputs_for_generation(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None,
-                                      **kwargs) -> dict:
-        """Without a KV cache every step runs the whole sequence, cropped to the last
-        ``max_seq_len`` tokens like :func:`attnres.sampling.generate`.
+                                      cache=None, use_cache: Optional[bool] = None, **kwargs) -> dict:
+        """Feed generate() through our KV cache (``attnres.inference.KVCache``, created on the first
+        step; forward returns it as ``output.cache`` and generate() hands it back here): the first
+        step prefills the prompt, later steps feed only the new token. Once the sequence reaches
+        ``max_seq_len`` the model sees the last ``max_seq_len`` tokens (each step re-prefills that
+        window), exactly like :func:`attnres.sampling.generate`. ``use_cache=False`` recomputes the
+        cropped sequence every step."""
+        from attnres.inference.cache import KVCache
 
-        KV-cache plug-in point: when a cache is in ``kwargs`` ("cache", "past_key_values" in older
-        transformers), pass it on and keep only the tokens it does not hold yet.
-        """
         limit = self.config.max_seq_len
-        inputs = {"input_ids": input_ids[:, -limit:]}
+        if use_cache is False:
+            cache = None
+            new = input_ids[:, -limit:]
+        else:
+            if cache is None:
+                cache = KVCache.for_model(self.model, input_ids.shape[0])
+            new = input_ids[:, cache.length:]
+            if input_ids.shape[1] > limit or cache.room() < new.shape[1]:
+                cache.reset()
+                new = input_ids[:, -limit:]
+        inputs = {"input_ids": new, "cache": cache}
         if attention_mask is not None:
-            inputs["attention_mask"] = attention_mask[:, -limit:]
+            inputs["attention_mask"] = attention_mask[:, -new.shape[1]:]
         return inputs

@@ -79,5 +79,9 @@ class KVCache:
     def reset(self) -> None:
         self.length = 0
 
+    def get_seq_length(self, layer: int = 0) -> int:
+        """Cached positions (the name transformers' generate() asks a cache for)."""
+        return self.length
+
     def nbytes(self) -> int:
         return sum(x.numel() * x.element_size() for x in self.keys + self.values)

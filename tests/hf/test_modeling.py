@@ -135,8 +135,6 @@ def test_forward_rejects_what_attnres_lm_cannot_do():
         model(inputs_embeds=torch.zeros(1, 3, 32))
     with pytest.raises(NotImplementedError, match="output_hidden_states"):
         model(ids, output_hidden_states=True)
-    with pytest.raises(NotImplementedError, match="KV cache"):
-        model(ids, cache=object())
 
 
 @pytest.mark.parametrize("residual", ["block", "full"])
@@ -149,6 +147,29 @@ def test_greedy_generate_equals_native_sampler(residual):
     ours = list(native_generate(model.model, prompt, 44, temperature=0))
     assert out.shape == (1, 50) and torch.equal(out[0, :6], prompt[0])
     assert out[0, 6:].tolist() == ours
+
+
+def test_generate_runs_through_the_kv_cache():
+    from attnres.inference import KVCache
+
+    torch.manual_seed(0)
+    model = perturbed(AttnResForCausalLM(tiny_config(residual="block"))).eval()
+    fed = []
+    inner = model.model.forward
+    model.model.forward = lambda ids, **kw: (fed.append(ids.shape[1]), inner(ids, **kw))[1]
+    prompt = torch.randint(0, 97, (1, 6))
+    out = model.generate(prompt, max_new_tokens=5, do_sample=False)
+    assert fed == [6, 1, 1, 1, 1]  # prefill once, then one token per step
+    del model.model.forward
+    uncached = model.generate(prompt, max_new_tokens=5, do_sample=False, use_cache=False)
+    assert torch.equal(out, uncached)
+    # forward with a cache continues the sequence and returns the cache
+    cache = KVCache.for_model(model.model, 1)
+    first = model(prompt[:, :4], cache=cache)
+    second = model(prompt[:, 4:], cache=cache)
+    assert second.cache is cache and cache.get_seq_length() == 6
+    torch.testing.assert_close(torch.cat([first.logits, second.logits], 1), model(prompt).logits,
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_generate_batch_and_eos():
