@@ -19,6 +19,11 @@ RIVAL_OPTIONS = {
 }
 
 
+def _positive_int(value) -> bool:
+    """An int >= 1 (bools are ints to Python, not to a config)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 def _bad(field: str, value, allowed: str) -> ValueError:
     return ValueError(f"ModelConfig.{field}={value!r} is invalid: {allowed}")
 
@@ -170,7 +175,7 @@ class ModelConfig:
                     "max_seq_len", "attnres_heads")
         for name in positive:
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not _positive_int(value):
                 raise _bad(name, value, "must be a positive integer")
         for name in ("rope_theta", "norm_eps", "init_std"):
             value = getattr(self, name)
@@ -209,7 +214,7 @@ class ModelConfig:
                        "give either attnres_blocks (N) or attnres_block_size (S), not both")
         if self.attnres_blocks is not None:
             n = self.attnres_blocks
-            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            if not _positive_int(n):
                 raise _bad("attnres_blocks", n, "must be a positive integer")
             if n > L:
                 raise _bad("attnres_blocks", n,
@@ -222,7 +227,7 @@ class ModelConfig:
                            f"{math.ceil(L / s)} blocks)")
         if self.attnres_block_size is not None:
             s = self.attnres_block_size
-            if isinstance(s, bool) or not isinstance(s, int) or s < 1:
+            if not _positive_int(s):
                 raise _bad("attnres_block_size", s, "must be an integer >= 1 (sublayers per block)")
             if s > L:
                 raise _bad("attnres_block_size", s,
@@ -238,7 +243,7 @@ class ModelConfig:
                        "applies to residual='full' or 'block' only")
         if self.attnres_group_size is not None:
             g = self.attnres_group_size
-            if isinstance(g, bool) or not isinstance(g, int) or g < 1:
+            if not _positive_int(g):
                 raise _bad("attnres_group_size", g, "must be a positive integer (sublayers per group)")
             if self.residual != "full":
                 raise _bad("attnres_group_size", g,
@@ -246,7 +251,7 @@ class ModelConfig:
                            "groups by its depth blocks)")
         if self.attnres_window is not None:
             w = self.attnres_window
-            if isinstance(w, bool) or not isinstance(w, int) or w < 1:
+            if not _positive_int(w):
                 raise _bad("attnres_window", w, "must be a positive integer (sources kept)")
             if self.residual != "full":
                 raise _bad("attnres_window", w,
@@ -257,7 +262,7 @@ class ModelConfig:
         """Options of the rival schemes: well formed, and set only for their own scheme."""
         def positive_int(name, what, upper=None):
             value = getattr(self, name)
-            bad = isinstance(value, bool) or not isinstance(value, int) or value < 1
+            bad = not _positive_int(value)
             if upper is None and bad:
                 raise _bad(name, value, f"must be a positive integer ({what})")
             if upper is not None and (bad or value > upper):

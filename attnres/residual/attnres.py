@@ -209,16 +209,17 @@ class DepthAttentionStream(Stream):
         if self.two_phase:
             return self._two_phase(l)
         query, key_weight = self._query(l), self._key_weight(l)
-        self._io(l, len(self._producers(l)), 1)  # every source read, h written
+        producers = self._producers(l)
+        self._io(l, len(producers), 1)  # every source read, h written
         if self.fused:
             segments = [self.buffer[:, :, a:b] for a, b in self._source_rows(l)]
             if self.partial is not None:
                 segments.append(self.partial.unsqueeze(2))
             return fused_depth_attention(
-                segments, self._producers(l), query, key_weight,
+                segments, producers, query, key_weight,
                 eps=s.eps, kernel=s.kernel, normalize_keys=s.key_norm,
             )
-        stacked = torch.stack(self._producers(l))
+        stacked = torch.stack(producers)
         return depth_attention_reference(
             stacked, query, key_weight, eps=s.eps, kernel=s.kernel, normalize_keys=s.key_norm
         ).h

@@ -3,21 +3,12 @@ import textwrap
 
 import pytest
 import torch
-
-WORDS = ("the quick brown fox jumps over a lazy dog while seven kings of old sing about "
-         "rain and wind upon the hills where shepherds keep their flocks by night").split()
-
+from corpora import write_pseudo_english
 
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory):
     """Six small 'works' of pseudo-English text, deterministic."""
-    root = tmp_path_factory.mktemp("corpus")
-    g = torch.Generator().manual_seed(0)
-    for i in range(6):
-        idx = torch.randint(0, len(WORDS), (1500,), generator=g).tolist()
-        lines = [" ".join(WORDS[j] for j in idx[k:k + 12]) for k in range(0, len(idx), 12)]
-        (root / f"work_{i}.txt").write_text("\n".join(lines) + "\n")
-    return str(root)
+    return write_pseudo_english(tmp_path_factory.mktemp("corpus"), works=6, words_per_work=1500)
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -5,26 +5,17 @@ import signal
 from pathlib import Path
 
 import pytest
-import torch
+
+from corpora import write_pseudo_english
 
 from attnres.cli import main
 from attnres.train.config import build_configs
 from attnres.train.trainer import Trainer, TrainingDiverged, TrainingInterrupted
 
-WORDS = ("the quick brown fox jumps over a lazy dog while seven kings of old sing about "
-         "rain and wind upon the hills where shepherds keep their flocks by night").split()
-
-
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     """Eight small 'works' of pseudo-English text, deterministic."""
-    root = tmp_path_factory.mktemp("corpus")
-    g = torch.Generator().manual_seed(0)
-    for i in range(8):
-        idx = torch.randint(0, len(WORDS), (3000,), generator=g).tolist()
-        lines = [" ".join(WORDS[j] for j in idx[k:k + 12]) for k in range(0, len(idx), 12)]
-        (root / f"work_{i}.txt").write_text("\n".join(lines) + "\n")
-    return str(root)
+    return write_pseudo_english(tmp_path_factory.mktemp("corpus"), works=8, words_per_work=3000)
 
 
 @pytest.fixture(autouse=True)
