@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from attnres.parallel import PIPELINE_SCHEDULES
+
 DEMO_SCHEMES = ("prenorm", "block", "full")
 
 
@@ -44,10 +46,17 @@ def _collect_overrides(args) -> Dict[str, Any]:
         key, value = item.split("=", 1)
         overrides[key.strip().replace("-", "_")] = _parse_value(value.strip())
     for key in ("preset", "residual", "steps", "data", "lr", "optimizer", "device", "precision", "seed",
-                "batch_size", "seq_len", "tokenizer", "schedule"):
+                "batch_size", "seq_len", "tokenizer", "schedule", "dp", "pp", "vpp", "microbatches",
+                "pp_schedule"):
         value = getattr(args, key, None)
         if value is not None:
             overrides[key] = value
+    if overrides.get("schedule") in PIPELINE_SCHEDULES:  # --schedule names either kind of schedule
+        overrides["pp_schedule"] = overrides.pop("schedule")
+    if getattr(args, "fsdp", False):
+        overrides["fsdp"] = True
+    if getattr(args, "no_pp_cache", False):
+        overrides["pp_cache"] = False
     if getattr(args, "out", None):
         overrides["out_dir"] = args.out
     if getattr(args, "no_progress", False):
@@ -69,7 +78,9 @@ def _add_run_options(p: argparse.ArgumentParser, *, preset_default: Optional[str
     p.add_argument("--steps", type=int, help="optimizer steps")
     p.add_argument("--lr", type=float, help="learning rate (AdamW and Muon)")
     p.add_argument("--optimizer", choices=("muon", "adamw"))
-    p.add_argument("--schedule", choices=("wsd", "cosine", "constant"))
+    p.add_argument("--schedule", choices=("wsd", "cosine", "constant") + PIPELINE_SCHEDULES,
+                   help="learning-rate schedule (wsd, cosine, constant) or, with --pp, the pipeline "
+                        f"schedule ({', '.join(PIPELINE_SCHEDULES)})")
     p.add_argument("--batch-size", dest="batch_size", type=int)
     p.add_argument("--seq-len", dest="seq_len", type=int)
     p.add_argument("--tokenizer", choices=("bpe", "byte"))
@@ -88,12 +99,28 @@ def cmd_train(args) -> int:
 
     model_cfg, train_cfg = build_configs("demo", _collect_overrides(args))
     trainer = Trainer(model_cfg, train_cfg, resume=args.resume)
-    print(f"model: {model_cfg.residual}, {trainer.model.num_params():,} parameters, "
-          f"{model_cfg.n_layers} blocks x d={model_cfg.d_model}; data: "
-          f"{len(trainer.data.train_names)} train / {len(trainer.data.val_names)} validation documents")
+    say = print if trainer.is_main else (lambda *a, **k: None)
+    layout = ""
+    if train_cfg.pp > 1:
+        layout = (f"; pipeline pp={train_cfg.pp} vpp={train_cfg.vpp} {train_cfg.pp_schedule}, "
+                  f"{train_cfg.pipeline_microbatches} microbatches, caching {'on' if train_cfg.pp_cache else 'off'}")
+    elif train_cfg.dp > 1:
+        layout = f"; data parallel dp={train_cfg.dp} ({'FSDP2' if train_cfg.fsdp else 'DDP'})"
+    say(f"model: {model_cfg.residual}, {trainer.n_params:,} parameters, "
+        f"{model_cfg.n_layers} blocks x d={model_cfg.d_model}; data: "
+        f"{len(trainer.data.train_names)} train / {len(trainer.data.val_names)} validation documents{layout}")
     result = trainer.run()
-    print(f"step {result.steps}: val loss {result.val_loss:.4f} nats/token, "
-          f"{result.val_bpb:.4f} bits/byte, {result.tokens_per_second:,.0f} tokens/s -> {result.out_dir}")
+    if train_cfg.pp > 1:
+        from attnres.parallel.report import gather_traffic, traffic_table
+
+        pipe = trainer.strategy.pipeline
+        mode = "cached" if train_cfg.pp_cache else "naive"
+        measured = gather_traffic(pipe)
+        if pipe.steps_run:
+            say(traffic_table({mode: pipe.layout}, {mode: measured}, steps=pipe.steps_run,
+                              microbatches=pipe.microbatches))
+    say(f"step {result.steps}: val loss {result.val_loss:.4f} nats/token, "
+        f"{result.val_bpb:.4f} bits/byte, {result.tokens_per_second:,.0f} tokens/s -> {result.out_dir}")
     return 0
 
 
@@ -281,6 +308,10 @@ def cmd_bench(args) -> int:
         from attnres.bench import decode as bench
 
         cfg = bench.DecodeBenchConfig.quick() if args.quick else bench.DecodeBenchConfig()
+    elif args.what == "pipeline":
+        from attnres.bench import pipeline as bench
+
+        cfg = bench.PipelineBenchConfig.quick() if args.quick else bench.PipelineBenchConfig()
     else:
         from attnres.bench import op as bench
 
@@ -298,6 +329,8 @@ def cmd_bench(args) -> int:
         cfg.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     cfg.device = args.device
     result = bench.run(cfg, memory=not args.no_memory) if args.what == "train" else bench.run(cfg)
+    if not result.get("is_main", True):  # other torchrun ranks: rank 0 reports
+        return 0
     print(bench.format_table(result))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -464,6 +497,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--residual", help="a residual scheme: see `attnres schemes`")
     p.add_argument("--out", help="run directory (checkpoint, metrics, tokenizer, summary)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
+    g = p.add_argument_group("parallelism (launch with torchrun --nproc-per-node K -m attnres train ...)")
+    g.add_argument("--dp", type=int, help="data-parallel ranks (DDP; the global batch is split over them)")
+    g.add_argument("--fsdp", action="store_true", help="with --dp: shard with FSDP2 instead of DDP")
+    g.add_argument("--pp", type=int, help="pipeline-parallel ranks")
+    g.add_argument("--vpp", type=int, help="virtual pipeline stages per rank (Interleaved1F1B, LoopedBFS)")
+    g.add_argument("--pp-schedule", dest="pp_schedule", choices=PIPELINE_SCHEDULES,
+                   help="pipeline schedule (also accepted as --schedule NAME)")
+    g.add_argument("--microbatches", type=int, help="pipeline microbatches per batch (default pp * vpp)")
+    g.add_argument("--no-pp-cache", dest="no_pp_cache", action="store_true",
+                   help="send the whole block history at every stage transition (no cross-stage caching)")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("eval", help="validation loss of a trained run", description=(
@@ -509,7 +552,7 @@ def build_parser() -> argparse.ArgumentParser:
         "variant. bench op: the depth-attention op alone against this machine's copy bandwidth. bench "
         "decode: KV-cached prefill throughput and per-token decode latency, and the residual I/O per "
         "sublayer beside SPEC Table 1."))
-    p.add_argument("what", choices=("train", "op", "decode"))
+    p.add_argument("what", choices=("train", "op", "decode", "pipeline"))
     p.add_argument("--quick", action="store_true", help="a smaller config (under 2 minutes on 2 cores)")
     p.add_argument("--variants", help="comma list, e.g. prenorm,block,full,block:reference,block:fused")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="benchmark option, e.g. d_model=512")

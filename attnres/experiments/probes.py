@@ -45,7 +45,7 @@ def _nan_to_none(matrix) -> Optional[list]:
 
 def gradient_probe(model, x: torch.Tensor, y: torch.Tensor) -> dict:
     """One forward (with the depth record) and backward pass: magnitudes per depth."""
-    from attnres.train.trainer import lm_loss
+    from attnres.model.llama import lm_loss
 
     grads: List[Optional[float]] = [None] * (2 * len(model.blocks))
     handles = []

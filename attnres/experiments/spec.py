@@ -56,11 +56,12 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from attnres.model.config import ModelConfig
-from attnres.train.config import TrainConfig, build_configs, split_overrides
+from attnres.train.config import PARALLEL_FIELDS, TrainConfig, build_configs, split_overrides
 
 HASH_VERSION = 1
 # TrainConfig fields that cannot change what a run computes; everything else is hashed.
-UNHASHED_TRAIN_FIELDS = frozenset({"out_dir", "progress", "threads", "cache_dir", "checkpoint_every"})
+UNHASHED_TRAIN_FIELDS = frozenset({"out_dir", "progress", "threads", "cache_dir", "checkpoint_every"}) \
+    | PARALLEL_FIELDS
 RESERVED_POINT_KEYS = frozenset({"label", "seeds", "tags", "paper_loss", "tokens_per_second", "speed", "by"})
 EXPERIMENT_KEYS = frozenset({"name", "description", "report", "seeds", "budget_cpu_hours", "budget_note",
                              "tokens_per_second", "keep_checkpoint", "baseline", "headline"})

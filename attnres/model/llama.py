@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, Iterable, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -92,8 +92,37 @@ class TransformerBlock(nn.Module):
         self.mlp_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
         self.mlp = SwiGLU(config)
 
+    def forward(self, stream, index: int, cos: Tensor, sin: Tensor, cache=None) -> None:
+        """Block ``index`` reads its two inputs from the stream and writes its two outputs back.
+        A module call (not a loop over sublayers) so wrappers such as FSDP2 see one unit per block."""
+        h = stream.read(2 * index)
+        stream.write(2 * index, self.attn(self.attn_norm(h), cos, sin, cache=cache, layer=index))
+        h = stream.read(2 * index + 1)
+        stream.write(2 * index + 1, self.mlp(self.mlp_norm(h)))
+
 
 # ----------------------------------------------------------------------------- model
+
+
+def run_blocks(stream, blocks: Iterable[Tuple[int, TransformerBlock]], cos: Tensor, sin: Tensor,
+               cache=None) -> None:
+    """Drive ``stream`` through Transformer blocks given as (index, block): the model's forward
+    runs all of them, a pipeline chunk runs its own slice."""
+    for i, block in blocks:
+        block(stream, i, cos, sin, cache)
+
+
+def lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
+    """Mean next-token cross-entropy; half-precision logits are upcast, float64 stays float64."""
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def output_logits(norm: nn.Module, lm_head: nn.Module, y: Tensor) -> Tensor:
+    """Final norm and LM head, in at least float32 (the loss wants full-precision logits)."""
+    logits = lm_head(norm(y))
+    return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
 
 
 @dataclass
@@ -173,16 +202,10 @@ class AttnResLM(nn.Module):
         record = DepthRecord() if return_record else None
         cos, sin = self.rope_cos[start:start + t], self.rope_sin[start:start + t]
         stream = self.residual.begin(self.embed(input_ids), record=record)
-        for i, block in enumerate(self.blocks):
-            h = stream.read(2 * i)
-            stream.write(2 * i, block.attn(block.attn_norm(h), cos, sin, cache=cache, layer=i))
-            h = stream.read(2 * i + 1)
-            stream.write(2 * i + 1, block.mlp(block.mlp_norm(h)))
+        run_blocks(stream, enumerate(self.blocks), cos, sin, cache=cache)
         if cache is not None:
             cache.advance(t)
-        logits = self.lm_head(self.norm(stream.end()))
-        if logits.dtype in (torch.float16, torch.bfloat16):
-            logits = logits.float()  # the loss wants full-precision logits
+        logits = output_logits(self.norm, self.lm_head, stream.end())
         return LMOutput(logits, record) if return_record else logits
 
     # ------------------------------------------------------------------ bookkeeping

@@ -101,6 +101,15 @@ class DepthAttentionResidual(ResidualScheme):
     def begin(self, embedding: Tensor, record: Optional[DepthRecord] = None) -> Stream:
         return DepthAttentionStream(self, embedding, record)
 
+    def _resume(self, history, state, record):
+        stream = DepthAttentionStream(self, history[0], record)
+        for row, v in enumerate(history[1:], start=1):
+            if stream.buffer is not None:
+                stream._store(row, v)
+        stream.sources = history
+        stream.partial = state[0] if state else None
+        return stream
+
 
 class DepthAttentionStream(Stream):
     def __init__(self, scheme: DepthAttentionResidual, embedding: Tensor,
@@ -259,6 +268,9 @@ class DepthAttentionStream(Stream):
 
     def _end(self) -> Tensor:
         return self._aggregate(self.n_sublayers)
+
+    def _export(self):
+        return list(self.sources), ([self.partial] if self.partial is not None else [])
 
     def _record_weights(self, l: int) -> None:
         s = self.scheme

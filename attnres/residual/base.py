@@ -12,11 +12,20 @@ starts one forward pass and returns a ``Stream`` that the model drives:
 The model never asks which scheme it holds. Streams must be driven in this
 order; they check it, because a silently skipped write would corrupt the
 depth history.
+
+Between two sublayers a stream can be handed to another pipeline stage:
+``stream.export()`` returns ``(history, state)``, and on the receiving side
+``scheme.resume(l, history, state)`` continues at sublayer l. ``history`` is
+the append-only part of the depth state (the embedding and completed block
+representations): every later sublayer reads it and nothing changes it, so a
+stage that already holds a prefix of it need not receive that prefix again
+(SPEC §7's cross-stage caching). ``state`` is the running part (a partial
+block sum, the hidden state, the extra streams), sent at every transition.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -87,6 +96,12 @@ class Stream:
             self._record_weights(self.n_sublayers)
         return self._end()
 
+    def export(self) -> Tuple[List[Tensor], List[Tensor]]:
+        """(history, state) between two sublayers, for a pipeline transition (see the module doc)."""
+        if self._reading:
+            raise RuntimeError(f"stream.export() between read({self._next}) and its write")
+        return self._export()
+
     def state_bytes(self) -> int:
         """Bytes of depth history this stream keeps beyond the one running state every scheme
         has (block representations, Full AttnRes' sources, block outputs, extra streams);
@@ -103,6 +118,9 @@ class Stream:
     def _end(self) -> Tensor:
         raise NotImplementedError
 
+    def _export(self) -> Tuple[List[Tensor], List[Tensor]]:
+        raise NotImplementedError
+
     def _record_weights(self, l: int) -> None:
         """Append the depth weights used by sublayer l (L = final) to the record."""
         self.record.weights.append(None)
@@ -113,6 +131,16 @@ class ResidualScheme(nn.Module):
     """Base class of residual schemes: owns parameters, starts streams."""
 
     def begin(self, embedding: Tensor, record: Optional[DepthRecord] = None) -> Stream:
+        raise NotImplementedError
+
+    def resume(self, at: int, history: Sequence[Tensor], state: Sequence[Tensor],
+               record: Optional[DepthRecord] = None) -> Stream:
+        """Continue, at sublayer ``at``, a stream that another stage exported after sublayer at - 1."""
+        stream = self._resume(list(history), list(state), record)
+        stream._next = at
+        return stream
+
+    def _resume(self, history: List[Tensor], state: List[Tensor], record: Optional[DepthRecord]) -> Stream:
         raise NotImplementedError
 
     def no_weight_decay(self) -> List[str]:

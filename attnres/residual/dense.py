@@ -78,6 +78,9 @@ class _BlockOutputStream(Stream):
     def _end(self) -> Tensor:
         return self.h
 
+    def _export(self):
+        return list(self.outputs), [self.h]
+
     def state_bytes(self) -> int:
         return sum(x.numel() * x.element_size() for x in self.outputs)
 
@@ -94,6 +97,11 @@ class _BlockAveraging(ResidualScheme):
 
     def begin(self, embedding: Tensor, record: Optional[DepthRecord] = None) -> Stream:
         return _BlockOutputStream(self, embedding, record)
+
+    def _resume(self, history, state, record):
+        stream = _BlockOutputStream(self, state[0], record)
+        stream.outputs = history
+        return stream
 
 
 class DenseFormerResidual(_BlockAveraging):

@@ -120,6 +120,9 @@ class MultiStream(Stream):
     def _end(self) -> Tensor:
         return self.H.sum(0)
 
+    def _export(self):
+        return [], [self.H]
+
     def state_bytes(self) -> int:
         # n streams, of which one stands for the running state every scheme has
         one = self.H[0]
@@ -141,6 +144,11 @@ class _MultiStreamScheme(ResidualScheme):
 
     def begin(self, embedding: Tensor, record: Optional[DepthRecord] = None) -> Stream:
         return MultiStream(self, embedding, record)
+
+    def _resume(self, history, state, record):
+        stream = MultiStream(self, state[0][0], record)
+        stream.H = state[0]
+        return stream
 
 
 class HyperConnectionResidual(_MultiStreamScheme):

@@ -23,6 +23,9 @@ class PreNormStream(Stream):
     def _end(self) -> Tensor:
         return self.h
 
+    def _export(self):
+        return [], [self.h]
+
 
 class PreNormResidual(ResidualScheme):
     def __init__(self, config):
@@ -31,3 +34,6 @@ class PreNormResidual(ResidualScheme):
 
     def begin(self, embedding: Tensor, record: Optional[DepthRecord] = None) -> Stream:
         return PreNormStream(embedding, self.n_sublayers, record)
+
+    def _resume(self, history, state, record):
+        return PreNormStream(state[0], self.n_sublayers, record)

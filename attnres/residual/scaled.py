@@ -66,6 +66,9 @@ class _SingleStateStream(Stream):
     def _end(self) -> Tensor:
         return self.h
 
+    def _export(self):
+        return [], [self.h]
+
 
 class _SingleStateScheme(ResidualScheme):
     def __init__(self, config):
@@ -79,6 +82,9 @@ class _SingleStateScheme(ResidualScheme):
 
     def begin(self, embedding: Tensor, record: Optional[DepthRecord] = None) -> Stream:
         return _SingleStateStream(self, embedding, record)
+
+    def _resume(self, history, state, record):
+        return _SingleStateStream(self, state[0], record)
 
 
 class ReZeroResidual(_SingleStateScheme):

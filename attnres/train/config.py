@@ -9,6 +9,9 @@ from typing import Any, Dict, Optional, Tuple
 from attnres.model.config import ModelConfig
 
 PRECISIONS = ("fp32", "bf16")
+# how a run is spread over processes: not what it computes (checkpoints move between layouts)
+PARALLEL_FIELDS = frozenset({"dp", "fsdp", "pp", "vpp", "pp_schedule", "microbatches", "pp_cache",
+                             "dist_timeout"})
 TOKENIZERS = ("bpe", "byte")
 
 
@@ -44,6 +47,15 @@ class TrainConfig:
     threads: Optional[int] = None
     progress: bool = True
     cache_dir: Optional[str] = None
+    # parallelism (under torchrun; see attnres.parallel): results do not depend on it
+    dp: int = 1  # data-parallel ranks (each computes B / dp rows of every batch)
+    fsdp: bool = False  # data parallel with FSDP2 (fully_shard) instead of DDP
+    pp: int = 1  # pipeline-parallel ranks
+    vpp: int = 1  # virtual stages per pipeline rank (chunks = pp * vpp)
+    pp_schedule: str = "1F1B"  # GPipe | 1F1B | Interleaved1F1B | LoopedBFS
+    microbatches: Optional[int] = None  # pipeline microbatches per batch (None: pp * vpp)
+    pp_cache: bool = True  # cross-stage caching of block representations (SPEC §7)
+    dist_timeout: float = 600.0  # seconds a collective may wait before the job fails
 
     def __post_init__(self):
         self.validate()
@@ -82,8 +94,27 @@ class TrainConfig:
             raise bad("optimizer", f"choose one of {tuple(OPTIMIZER_NAMES)}")
         if self.schedule not in SCHEDULE_NAMES:
             raise bad("schedule", f"choose one of {tuple(SCHEDULE_NAMES)}")
+        for name in ("dp", "pp", "vpp"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise bad(name, "must be a positive integer")
+        if self.fsdp and self.dp < 2:
+            raise bad("fsdp", "shards over data-parallel ranks: set dp >= 2 as well")
+        if not (isinstance(self.dist_timeout, (int, float)) and self.dist_timeout > 0):
+            raise bad("dist_timeout", "must be a positive number of seconds")
+        if self.pp > 1 or self.vpp > 1 or self.microbatches is not None:
+            from attnres.parallel.pipeline import check_pipeline_options
+
+            if self.pp == 1:
+                raise bad("vpp" if self.vpp > 1 else "microbatches", "applies to pipeline parallelism: set pp >= 2")
+            check_pipeline_options(self.pp, self.vpp, self.pp_schedule, self.pipeline_microbatches,
+                                   n_layers=None, batch_size=self.batch_size)
         if not (self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda")):
             raise bad("device", "use auto, cpu, cuda or cuda:N")
+
+    @property
+    def pipeline_microbatches(self) -> int:
+        return self.microbatches if self.microbatches is not None else self.pp * self.vpp
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -91,7 +122,7 @@ class TrainConfig:
 
 # Fields that may change when a run resumes without changing what has been computed so far.
 RESUMABLE_CHANGES = {"steps", "eval_every", "checkpoint_every", "progress", "threads", "out_dir",
-                     "device", "cache_dir"}
+                     "device", "cache_dir"} | PARALLEL_FIELDS
 
 
 # ----------------------------------------------------------------------------- presets

@@ -19,9 +19,15 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import torch
-import torch.nn.functional as F
+import torch.distributed as dist
+
 
 from attnres.model import AttnResLM, ModelConfig
+from attnres.model.llama import lm_loss
+from attnres.parallel.runtime import (
+    DataParallel, PipelineParallel, SingleProcess, check_layout, init_distributed,
+)
+from attnres.parallel.state import load_full_model_state, load_named_optimizer_state, named_optimizer_state
 from attnres.train.checkpoint import load_checkpoint, read_checkpoint_state, save_checkpoint
 from attnres.train.config import RESUMABLE_CHANGES, TrainConfig
 from attnres.train.metrics import MetricsLogger
@@ -62,24 +68,25 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-
-
 @torch.no_grad()
 def evaluate(model, split, *, batch_size: int, seq_len: int, max_batches: Optional[int] = None,
-             autocast=nullcontext) -> dict:
-    """Validation loss (nats/token) and bits per byte over the split's first windows."""
+             autocast=nullcontext, loss_of: Optional[Callable] = None) -> dict:
+    """Validation loss (nats/token) and bits per byte over the split's first windows.
+
+    ``loss_of(x, y) -> float`` (mean loss of a batch) replaces ``model(x)`` for parallel runs."""
     from attnres.data import bits_per_byte, eval_batches
 
     device = next(model.parameters()).device
+    if loss_of is None:
+        def loss_of(x, y):
+            with autocast():
+                return lm_loss(model(x), y).item()
     was_training = model.training
     model.eval()
     total, n = 0.0, 0
     for x, y in eval_batches(split.tokens, batch_size, seq_len, max_batches=max_batches):
         x, y = x.to(device), y.to(device)
-        with autocast():
-            total += lm_loss(model(x), y).item() * x.numel()
+        total += loss_of(x, y) * x.numel()
         n += x.numel()
     model.train(was_training)
     loss = total / n
@@ -123,25 +130,48 @@ class Trainer:
         if train_config.threads:
             torch.set_num_threads(train_config.threads)
         self.device = resolve_device(train_config.device)
+        c = train_config
+        world = check_layout(c.dp, c.pp)
+        if world > 1:
+            if self.device.type == "cuda":
+                self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+            init_distributed(self.device, c.dist_timeout)
+        self.is_main = not dist.is_initialized() or dist.get_rank() == 0
 
         from attnres.data import check_length, prepare_data
 
-        self.data = prepare_data(
-            data=train_config.data, tokenizer=train_config.tokenizer,
-            vocab_size=train_config.vocab_size, val_fraction=train_config.val_fraction,
-            cache_dir=train_config.cache_dir,
-        )
-        check_length(self.data.train, train_config.seq_len)
-        check_length(self.data.val, train_config.seq_len)
+        def data():
+            return prepare_data(data=c.data, tokenizer=c.tokenizer, vocab_size=c.vocab_size,
+                                val_fraction=c.val_fraction, cache_dir=c.cache_dir)
+
+        if world > 1:  # rank 0 fills the tokenizer and token caches, the others then read them
+            if self.is_main:
+                self.data = data()
+            dist.barrier()
+            if not self.is_main:
+                self.data = data()
+        else:
+            self.data = data()
+        check_length(self.data.train, c.seq_len)
+        check_length(self.data.val, c.seq_len)
         model_config.vocab_size = self.data.tokenizer.vocab_size
         model_config.validate()
         self.model_config = model_config
 
-        torch.manual_seed(train_config.seed)
-        self.model = AttnResLM(model_config).to(self.device)
-        c = train_config
-        self.optimizer = build_optimizer(self.model, c.optimizer, lr=c.lr, weight_decay=c.weight_decay,
-                                         betas=(c.beta1, c.beta2), muon_lr=c.muon_lr)
+        torch.manual_seed(c.seed)
+        model = AttnResLM(model_config).to(self.device)
+        self.n_params = model.num_params()
+        if c.pp > 1:
+            self.strategy = PipelineParallel(
+                model, self._autocast, pp=c.pp, vpp=c.vpp, schedule=c.pp_schedule,
+                microbatches=c.pipeline_microbatches, batch_size=c.batch_size, seq_len=c.seq_len,
+                cache=c.pp_cache)
+        elif c.dp > 1:
+            self.strategy = DataParallel(model, self._autocast, shard=c.fsdp)
+        else:
+            self.strategy = SingleProcess(model, self._autocast)
+        self.model = self.strategy.model  # this rank's parameters, under their full-model names
+        self.optimizer = self._build_optimizer(self.model)
         options = {"decay_fraction": c.decay_fraction} if c.schedule == "wsd" else {}
         self.schedule = make_schedule(c.schedule, total_steps=c.steps, warmup_steps=c.warmup_steps,
                                       **options)
@@ -149,6 +179,17 @@ class Trainer:
         self.state = {"tokens": 0, "elapsed": 0.0, "train_loss": float("nan")}
         if resume:
             self._resume()
+
+    def _build_optimizer(self, model):
+        c = self.cfg
+        return build_optimizer(model, c.optimizer, lr=c.lr, weight_decay=c.weight_decay,
+                               betas=(c.beta1, c.beta2), muon_lr=c.muon_lr)
+
+    def _full_copy(self):
+        """A single-process model and optimizer on CPU: what a checkpoint holds, whatever the layout."""
+        with torch.random.fork_rng(devices=[]):
+            model = AttnResLM(self.model_config)
+        return model, self._build_optimizer(model)
 
     # ------------------------------------------------------------------ checkpoints
     @property
@@ -172,17 +213,33 @@ class Trainer:
                 f"--resume: the training options differ from the checkpoint in {path}: "
                 + "; ".join(diffs) + ". Fix: resume with the run's original options, or start a new run"
             )
-        state = load_checkpoint(path, model=self.model, optimizer=self.optimizer)
+        if self.strategy.distributed:  # load the full checkpoint, keep this rank's part
+            model, optimizer = self._full_copy()
+            state = load_checkpoint(path, model=model, optimizer=optimizer)
+            self.strategy.scatter(model.state_dict(), named_optimizer_state(optimizer), self.optimizer)
+        else:
+            state = load_checkpoint(path, model=self.model, optimizer=self.optimizer)
         self.step = state["step"]
         self.state.update(state["train_state"])
         self.log(f"resumed {self.out_dir} at step {self.step}")
 
     def save(self) -> Path:
-        return save_checkpoint(
-            self.checkpoint_path, model=self.model, optimizer=self.optimizer, step=self.step,
-            train_state=self.state, model_config=self.model_config.to_dict(),
-            train_config=self.cfg.to_dict(),
-        )
+        """Write the checkpoint (in the single-process format; rank 0 writes, all ranks take part)."""
+        model, optimizer = self.model, self.optimizer
+        if self.strategy.distributed:
+            gathered = self.strategy.gather(self.optimizer)
+            if gathered is not None:
+                model, optimizer = self._full_copy()
+                load_full_model_state(model, gathered[0])
+                load_named_optimizer_state(optimizer, gathered[1], model)
+        if self.is_main:
+            save_checkpoint(
+                self.checkpoint_path, model=model, optimizer=optimizer, step=self.step,
+                train_state=self.state, model_config=self.model_config.to_dict(),
+                train_config=self.cfg.to_dict(),
+            )
+        self.strategy.barrier()
+        return self.checkpoint_path
 
     # ------------------------------------------------------------------ evaluation
     def _autocast(self):
@@ -193,7 +250,7 @@ class Trainer:
     def evaluate(self) -> dict:
         return evaluate(self.model, self.data.val, batch_size=self.cfg.batch_size,
                         seq_len=self.cfg.seq_len, max_batches=self.cfg.eval_batches,
-                        autocast=self._autocast)
+                        loss_of=self.strategy.eval_loss)
 
     # ------------------------------------------------------------------ training
     def train_step(self) -> float:
@@ -205,19 +262,17 @@ class Trainer:
         for micro in range(c.grad_accum):
             x, y = sample_batch(self.data.train.tokens, c.batch_size, c.seq_len,
                                 seed=batch_seed(c.seed, self.step, micro))
-            x, y = x.to(self.device), y.to(self.device)
-            with self._autocast():
-                loss = lm_loss(self.model(x), y)
-            if not torch.isfinite(loss):
+            loss = self.strategy.forward_backward(x.to(self.device), y.to(self.device), 1.0 / c.grad_accum)
+            if not math.isfinite(loss):
                 raise TrainingDiverged(
-                    f"loss is {loss.item()} at step {self.step} (micro-batch {micro}); the last good "
+                    f"loss is {loss} at step {self.step} (micro-batch {micro}); the last good "
                     f"checkpoint in {self.checkpoint_path} is kept. Fix: lower --lr, raise --warmup_steps "
                     "or use --grad_clip"
                 )
-            (loss / c.grad_accum).backward()
-            loss_sum += loss.item()
+            loss_sum += loss
+        self.strategy.reduce_gradients()
         if c.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), c.grad_clip)
+            self.strategy.clip_grad_norm(c.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
@@ -226,15 +281,20 @@ class Trainer:
 
     def run(self) -> TrainResult:
         c = self.cfg
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        (self.out_dir / "config.json").write_text(json.dumps(
-            {"model": self.model_config.to_dict(), "train": c.to_dict()}, indent=2))
-        self.data.tokenizer.save(str(self.out_dir / "tokenizer.json"))
+        if self.is_main:  # one writer: rank 0 owns the run directory
+            if self.out_dir.exists() and not self.out_dir.is_dir():
+                raise ValueError(f"TrainConfig.out_dir={str(self.out_dir)!r} is a file, not a run directory; "
+                                 "pass --out with a directory path")
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            (self.out_dir / "config.json").write_text(json.dumps(
+                {"model": self.model_config.to_dict(), "train": c.to_dict()}, indent=2))
+            self.data.tokenizer.save(str(self.out_dir / "tokenizer.json"))
         tokens_per_step = c.batch_size * c.seq_len * c.grad_accum
-        metrics = MetricsLogger(self.out_dir, resume_step=self.step if self.resume else None)
+        metrics = MetricsLogger(self.out_dir, resume_step=self.step if self.resume else None) \
+            if self.is_main else None
         step_times = []
         bar = None
-        if c.progress:
+        if c.progress and self.is_main:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=c.steps, initial=self.step, desc=self.out_dir.name, unit="step",
@@ -254,9 +314,11 @@ class Trainer:
                            "step_seconds": dt, "tokens_per_second": tokens_per_step / dt}
                     if self.step % c.eval_every == 0 or self.step == c.steps:
                         ev = self.evaluate()
-                        metrics.log({**ev, "tokens": self.state["tokens"]}, step=self.step, kind="eval")
+                        if metrics is not None:
+                            metrics.log({**ev, "tokens": self.state["tokens"]}, step=self.step, kind="eval")
                         self.state.update(ev)
-                    metrics.log(row, step=self.step, kind="train")
+                    if metrics is not None:
+                        metrics.log(row, step=self.step, kind="train")
                     if bar is not None:
                         bar.update(1)
                         post = {"loss": f"{loss:.3f}", "tok/s": f"{tokens_per_step / dt:,.0f}"}
@@ -265,7 +327,7 @@ class Trainer:
                         bar.set_postfix(post)
                     if self.step % c.checkpoint_every == 0 or self.step == c.steps:
                         self.save()
-                    if interrupt.requested:
+                    if self.strategy.any_rank(interrupt.requested):  # all ranks stop at the same step
                         path = self.save()
                         raise TrainingInterrupted(
                             f"interrupted at step {self.step}; checkpoint written to {path}; "
@@ -274,7 +336,8 @@ class Trainer:
         finally:
             if bar is not None:
                 bar.close()
-            metrics.close()
+            if metrics is not None:
+                metrics.close()
 
         if "val_loss" not in self.state:  # resumed a finished run
             self.state.update(self.evaluate())
@@ -282,11 +345,12 @@ class Trainer:
         result = TrainResult(
             steps=self.step, tokens=self.state["tokens"], val_loss=self.state["val_loss"],
             val_bpb=self.state["val_bpb"], train_loss=self.state["train_loss"],
-            params=self.model.num_params(), wall_seconds=time.perf_counter() - start_wall,
+            params=self.n_params, wall_seconds=time.perf_counter() - start_wall,
             step_seconds=median, tokens_per_second=tokens_per_step / median if step_times else float("nan"),
             out_dir=str(self.out_dir),
         )
-        (self.out_dir / SUMMARY_FILE).write_text(json.dumps(result.__dict__, indent=2))
+        if self.is_main:
+            (self.out_dir / SUMMARY_FILE).write_text(json.dumps(result.__dict__, indent=2))
         return result
 
 

@@ -8,7 +8,7 @@ import pytest
 from attnres.experiments import load_spec, plan_status, run_experiment
 from attnres.experiments.report import shares_sublayer_init
 from attnres.experiments.runner import DIVERGED_FILE, PROBES_FILE, RUN_FILE, SUMMARY_FILE
-from attnres.train import trainer as trainer_module
+from attnres.parallel import runtime as runtime_module
 from attnres.train.trainer import Trainer, TrainingInterrupted
 
 
@@ -139,7 +139,7 @@ def test_divergence_is_recorded_and_not_retried_unless_asked(two_by_two, monkeyp
     def nan_loss(logits, targets):
         return logits.sum() * float("nan")
 
-    monkeypatch.setattr(trainer_module, "lm_loss", nan_loss)
+    monkeypatch.setattr(runtime_module, "lm_loss", nan_loss)
     counts = run_experiment(spec, root, only="prenorm/seed=0", progress=False, log=quiet)
     assert counts["diverged"] == 1
     status = plan_status(spec, root)[0]

@@ -10,6 +10,7 @@ import attnres.hf  # noqa: F401  (registers the model type)
 from attnres import AttnResLM, ModelConfig
 from attnres.hf import AttnResConfig, AttnResForCausalLM
 from attnres.sampling import generate as native_generate
+from reference import randomize
 
 
 def tiny_config(**kw):
@@ -19,10 +20,7 @@ def tiny_config(**kw):
 
 def perturbed(model, seed=1):
     """Move the zero-initialised depth parameters so that round trips test them for real."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.model.residual.named_parameters():
-            p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.5)
+    randomize(model.model.residual, seed=seed)
     return model
 
 

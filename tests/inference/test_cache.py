@@ -6,6 +6,7 @@ from attnres import AttnResLM, ModelConfig
 from attnres.inference import KVCache, chunked_prefill
 from attnres.residual import RESIDUALS
 from attnres.sampling import generate
+from reference import randomize
 
 SCHEMES = sorted(RESIDUALS)
 
@@ -15,10 +16,7 @@ def model_for(residual, dtype, seed=0, **overrides):
     cfg = ModelConfig(**{"vocab_size": 61, "d_model": 32, "n_layers": 3, "n_heads": 4, "n_kv_heads": 2,
                          "max_seq_len": 24, "residual": residual, **overrides})
     model = AttnResLM(cfg).to(dtype).eval()
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():  # move every residual parameter off its initialisation
-        for p in model.residual.parameters():
-            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.3)
+    randomize(model.residual, seed=seed + 1, scale=0.3)
     return model
 
 

@@ -9,6 +9,7 @@ import torch.multiprocessing as mp
 
 from attnres import AttnResLM, ModelConfig
 from attnres.inference import sharded_prefill
+from reference import randomize
 
 CONFIGS = {
     "block": dict(residual="block", attnres_blocks=3),
@@ -22,10 +23,7 @@ def build(name):
     cfg = ModelConfig(vocab_size=53, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, max_seq_len=32,
                       **CONFIGS[name])
     model = AttnResLM(cfg).double().eval()
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in model.residual.parameters():
-            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.3)
+    randomize(model.residual, seed=1, scale=0.3)
     return model
 
 

@@ -12,6 +12,7 @@ import torch
 from attnres import AttnResLM, ModelConfig
 from attnres.residual import RESIDUALS, build_residual, sinkhorn
 from attnres.residual.table import DEMO_MODEL, base_params, scheme_config, schemes_table
+from reference import randomize
 
 BASE = dict(vocab_size=50, d_model=16, n_layers=3, n_heads=2, max_seq_len=16)
 RIVALS = ("rezero", "layerscale", "highway", "denseformer", "mudd", "hyper", "mhc")
@@ -43,14 +44,6 @@ def config(residual, **overrides):
 def make(residual, seed=0, **overrides):
     torch.manual_seed(seed)
     return AttnResLM(config(residual, **overrides)).double()
-
-
-def randomize(module, seed=1, scale=0.5):
-    """Move every parameter away from its initialisation (kept as the centre)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * scale)
 
 
 def prenorm_overrides(overrides):

@@ -69,9 +69,9 @@ def test_ctrl_c_then_resume_reproduces_an_uninterrupted_run(corpus, tmp_path, mo
 
 
 def test_nan_loss_stops_with_the_step_and_keeps_the_last_checkpoint(corpus, tmp_path, monkeypatch):
-    import attnres.train.trainer as trainer_mod
+    import attnres.parallel.runtime as runtime_mod
 
-    real = trainer_mod.lm_loss
+    real = runtime_mod.lm_loss
     calls = {"n": 0}
 
     def poisoned(logits, targets):
@@ -79,7 +79,7 @@ def test_nan_loss_stops_with_the_step_and_keeps_the_last_checkpoint(corpus, tmp_
         loss = real(logits, targets)
         return loss * float("nan") if calls["n"] == 25 else loss
 
-    monkeypatch.setattr(trainer_mod, "lm_loss", poisoned)
+    monkeypatch.setattr(runtime_mod, "lm_loss", poisoned)
     model_cfg, train_cfg = configs(corpus, tmp_path / "run", eval_every=100)
     with pytest.raises(TrainingDiverged, match="at step 24"):
         Trainer(model_cfg, train_cfg).run()

@@ -1,0 +1,209 @@
+"""How the Trainer runs a step: in one process, data parallel (DDP or FSDP2), or pipeline parallel.
+
+Each strategy takes the *global* batch every rank samples alike (same seed) and
+returns the global mean loss, so a run's numbers do not depend on its layout:
+
+- ``SingleProcess``: the plain model.
+- ``DataParallel``: rank r computes rows [r B/K, (r+1) B/K) of the batch; DDP
+  (or FSDP2's reduce-scatter) averages gradients, which equals the gradient of
+  the global-batch mean.
+- ``PipelineParallel``: ``attnres.parallel.pipeline`` with cross-stage caching;
+  residual-scheme parameters exist on every rank and their gradients are summed.
+
+Checkpoints are always the single-process format (``attnres.parallel.state``):
+``gather`` collects the pieces on rank 0, ``scatter`` hands each rank its own.
+"""
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from attnres.model.llama import AttnResLM, lm_loss
+from attnres.parallel.state import (
+    full_model_state, load_full_model_state, load_named_optimizer_state, named_optimizer_state,
+)
+
+
+def launched_by_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+
+
+def init_distributed(device: torch.device, timeout_s: float) -> None:
+    """Join torchrun's process group (gloo on CPU, NCCL on GPUs) with a timeout, so a rank that dies
+    leaves the others an error instead of a hang."""
+    if dist.is_initialized():
+        return
+    if device.type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+
+
+def check_layout(dp: int, pp: int) -> int:
+    """The world size this run needs; raises a clear error when the launch does not provide it."""
+    need = dp * pp
+    if dp > 1 and pp > 1:
+        raise ValueError(f"TrainConfig.dp={dp} with pp={pp}: data and pipeline parallelism together are not "
+                         "supported yet; use one of them")
+    world = int(os.environ.get("WORLD_SIZE", "1")) if launched_by_torchrun() else 1
+    if need > 1 and not launched_by_torchrun():
+        flag = f"--dp {dp}" if dp > 1 else f"--pp {pp}"
+        raise ValueError(f"{flag} needs {need} processes: launch with "
+                         f"`torchrun --nproc-per-node {need} -m attnres train ... {flag}`")
+    if world != need:
+        raise ValueError(f"torchrun started {world} processes but dp * pp = {need}; pass --nproc-per-node "
+                         f"{need} or set --dp / --pp to match")
+    return need
+
+
+class SingleProcess:
+    """One process, the whole model."""
+
+    is_main = True
+    distributed = False
+
+    def __init__(self, model: AttnResLM, autocast: Callable):
+        self.model = model  # the parameters this rank optimizes, under their full-model names
+        self.autocast = autocast
+
+    def forward_backward(self, x: Tensor, y: Tensor, scale: float) -> float:
+        with self.autocast():
+            loss = lm_loss(self.model(x), y)
+        if torch.isfinite(loss):
+            (loss * scale).backward()
+        return loss.item()
+
+    @torch.no_grad()
+    def eval_loss(self, x: Tensor, y: Tensor) -> float:
+        with self.autocast():
+            return lm_loss(self.model(x), y).item()
+
+    def reduce_gradients(self) -> None:
+        pass
+
+    def clip_grad_norm(self, max_norm: float) -> None:
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+
+    def any_rank(self, flag: bool) -> bool:
+        return flag
+
+    def gather(self, optimizer) -> Optional[Tuple[Dict[str, Tensor], dict]]:
+        return full_model_state(self.model), named_optimizer_state(optimizer)
+
+    def scatter(self, model_state: Dict[str, Tensor], optim_state: dict, optimizer) -> None:
+        load_full_model_state(self.model, model_state)
+        load_named_optimizer_state(optimizer, optim_state, self.model)
+
+    def barrier(self) -> None:
+        pass
+
+
+class _Distributed(SingleProcess):
+    distributed = True
+
+    @property
+    def is_main(self) -> bool:
+        return dist.get_rank() == 0
+
+    def _device(self) -> torch.device:
+        return next(iter(self.model.parameters())).device
+
+    def _sum(self, value: float) -> float:
+        t = torch.tensor(value, dtype=torch.float64, device=self._device())
+        dist.all_reduce(t)
+        return float(t)
+
+    def any_rank(self, flag: bool) -> bool:
+        """True on every rank when it is True on one (Ctrl-C reaches ranks at different steps)."""
+        return self._sum(float(flag)) > 0
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+
+class DataParallel(_Distributed):
+    """DDP, or FSDP2 (``fully_shard`` per attention and MLP sublayer, then the root) with ``shard``."""
+
+    def __init__(self, model: AttnResLM, autocast: Callable, *, shard: bool = False):
+        super().__init__(model, autocast)
+        self.world, self.rank, self.shard = dist.get_world_size(), dist.get_rank(), shard
+        if shard:
+            from torch.distributed.fsdp import fully_shard
+
+            # the sublayers are the tensor-in, tensor-out units; a Transformer block's forward takes the
+            # residual stream, which FSDP's backward hooks cannot see
+            for block in model.blocks:
+                fully_shard(block.attn)
+                fully_shard(block.mlp)
+            fully_shard(model)
+            self.wrapped = model
+        else:
+            self.wrapped = nn.parallel.DistributedDataParallel(model)
+
+    def _rows(self, x: Tensor) -> slice:
+        b = x.shape[0]
+        if b % self.world:
+            raise ValueError(f"TrainConfig.batch_size={b} is not divisible by dp={self.world}; use a multiple")
+        n = b // self.world
+        return slice(self.rank * n, (self.rank + 1) * n)
+
+    def forward_backward(self, x: Tensor, y: Tensor, scale: float) -> float:
+        rows = self._rows(x)
+        with self.autocast():
+            loss = lm_loss(self.wrapped(x[rows]), y[rows])
+        (loss * scale).backward()  # every rank must join the gradient reduction, finite or not
+        return self._sum(loss.item()) / self.world
+
+    @torch.no_grad()
+    def eval_loss(self, x: Tensor, y: Tensor) -> float:
+        rows = self._rows(x)
+        with self.autocast():
+            loss = lm_loss(self.wrapped(x[rows]), y[rows])
+        return self._sum(loss.item()) / self.world
+
+    def gather(self, optimizer):
+        state = full_model_state(self.model), named_optimizer_state(optimizer)  # collective under FSDP2
+        return state if self.is_main else None
+
+
+class PipelineParallel(_Distributed):
+    """``attnres.parallel.pipeline`` on ``pp`` ranks; ``self.model`` is this rank's part."""
+
+    def __init__(self, model: AttnResLM, autocast: Callable, *, pp: int, vpp: int, schedule: str,
+                 microbatches: int, batch_size: int, seq_len: int, cache: bool = True):
+        from attnres.parallel.pipeline import build_pipeline
+
+        self.pipeline = build_pipeline(model, pp=pp, vpp=vpp, schedule=schedule, microbatches=microbatches,
+                                       batch_size=batch_size, seq_len=seq_len, cache=cache,
+                                       autocast=autocast)
+        super().__init__(self.pipeline.model, autocast)
+
+    def forward_backward(self, x: Tensor, y: Tensor, scale: float) -> float:
+        return self.pipeline.train_step(x, y, scale=scale)
+
+    def eval_loss(self, x: Tensor, y: Tensor) -> float:
+        return self.pipeline.eval_loss(x, y)
+
+    def reduce_gradients(self) -> None:
+        self.pipeline.reduce_shared_gradients()
+
+    def clip_grad_norm(self, max_norm: float) -> None:
+        self.pipeline.clip_grad_norm_(max_norm)
+
+    def gather(self, optimizer):
+        local = (full_model_state(self.model), named_optimizer_state(optimizer))
+        pieces = [None] * dist.get_world_size() if self.is_main else None
+        dist.gather_object(local, pieces, dst=0)
+        if not self.is_main:
+            return None
+        model_state, optim_state = {}, {}
+        for m, o in pieces:  # shared (residual) entries are equal on every rank: any copy will do
+            model_state.update(m)
+            for key, by_name in o.items():
+                optim_state.setdefault(key, {}).update(by_name)
+        return model_state, optim_state

@@ -1,0 +1,76 @@
+"""Optimizer and model state keyed by parameter name, so checkpoints move between layouts.
+
+A checkpoint always holds the single-process format; parallel runs gather their
+pieces into it (rank 0 writes) and every rank takes its own pieces back out on
+resume. That is what lets a run resume with another ``--dp`` / ``--pp``.
+"""
+from __future__ import annotations
+
+from typing import Dict
+
+import torch
+from torch import Tensor, nn
+
+NamedOptimizerState = Dict[str, Dict[str, Dict[str, object]]]  # optimizer key -> param name -> state
+
+
+def full_tensor(t):
+    """A DTensor's global value (collective: every rank of its mesh must call); other values as they are."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def named_optimizer_state(optimizer) -> NamedOptimizerState:
+    """The per-parameter state of a CombinedOptimizer, keyed by parameter name (DTensors gathered)."""
+    out: NamedOptimizerState = {}
+    for key, opt in optimizer.optimizers.items():
+        sd = opt.state_dict()
+        by_name = {}
+        for group in sd["param_groups"]:
+            for idx, name in zip(group["params"], group["param_names"]):
+                if idx in sd["state"]:
+                    by_name[name] = {k: full_tensor(v) for k, v in sd["state"][idx].items()}
+        out[key] = by_name
+    return out
+
+
+def load_named_optimizer_state(optimizer, named: NamedOptimizerState, model: nn.Module) -> None:
+    """Load the entries of ``named`` that belong to ``optimizer``'s parameters; a value shaped like a
+    sharded (DTensor) parameter is sharded the same way."""
+    params = dict(model.named_parameters())
+    for key, opt in optimizer.optimizers.items():
+        sd = opt.state_dict()
+        state = {}
+        for group in sd["param_groups"]:
+            for idx, name in zip(group["params"], group["param_names"]):
+                saved = named.get(key, {}).get(name)
+                if saved is not None:
+                    state[idx] = {k: _like_param(v, params[name]) for k, v in saved.items()}
+        sd["state"] = state
+        opt.load_state_dict(sd)
+
+
+def _like_param(value, param: Tensor):
+    if not isinstance(value, Tensor) or not hasattr(param, "device_mesh") or value.shape != param.shape:
+        return value
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(value.to(param.device_mesh.device_type), param.device_mesh, param.placements)
+
+
+def full_model_state(model: nn.Module) -> Dict[str, Tensor]:
+    """state_dict with DTensors gathered (collective under FSDP2), on CPU."""
+    return {k: full_tensor(v).detach().cpu() for k, v in model.state_dict().items()}
+
+
+@torch.no_grad()
+def load_full_model_state(model: nn.Module, state: Dict[str, Tensor]) -> None:
+    """Copy the entries of a full state dict into ``model``'s parameters and buffers (which may be a
+    pipeline rank's subset or FSDP2-sharded); every entry of ``model`` must be present."""
+    for name, t in model.state_dict().items():
+        if name not in state:
+            raise KeyError(f"checkpoint lacks {name}")
+        src = _like_param(state[name], t) if hasattr(t, "device_mesh") else state[name]
+        if hasattr(t, "device_mesh"):
+            t.to_local().copy_(src.to_local())
+        else:
+            t.copy_(src)
