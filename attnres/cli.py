@@ -103,7 +103,8 @@ def cmd_train(args) -> int:
     layout = ""
     if train_cfg.pp > 1:
         layout = (f"; pipeline pp={train_cfg.pp} vpp={train_cfg.vpp} {train_cfg.pp_schedule}, "
-                  f"{train_cfg.pipeline_microbatches} microbatches, caching {'on' if train_cfg.pp_cache else 'off'}")
+                  f"{train_cfg.pipeline_microbatches} microbatches, caching {'on' if train_cfg.pp_cache else 'off'}"
+                  + (f", {train_cfg.dp} replicas" if train_cfg.dp > 1 else ""))
     elif train_cfg.dp > 1:
         layout = f"; data parallel dp={train_cfg.dp} ({'FSDP2' if train_cfg.fsdp else 'DDP'})"
     say(f"model: {model_cfg.residual}, {trainer.n_params:,} parameters, "

@@ -47,12 +47,9 @@ def init_distributed(device: torch.device, timeout_s: float) -> None:
 def check_layout(dp: int, pp: int) -> int:
     """The world size this run needs; raises a clear error when the launch does not provide it."""
     need = dp * pp
-    if dp > 1 and pp > 1:
-        raise ValueError(f"TrainConfig.dp={dp} with pp={pp}: data and pipeline parallelism together are not "
-                         "supported yet; use one of them")
     world = int(os.environ.get("WORLD_SIZE", "1")) if launched_by_torchrun() else 1
     if need > 1 and not launched_by_torchrun():
-        flag = f"--dp {dp}" if dp > 1 else f"--pp {pp}"
+        flag = " ".join(f"--{k} {v}" for k, v in (("dp", dp), ("pp", pp)) if v > 1)
         raise ValueError(f"{flag} needs {need} processes: launch with "
                          f"`torchrun --nproc-per-node {need} -m attnres train ... {flag}`")
     if world != need:
@@ -172,33 +169,71 @@ class DataParallel(_Distributed):
 
 
 class PipelineParallel(_Distributed):
-    """``attnres.parallel.pipeline`` on ``pp`` ranks; ``self.model`` is this rank's part."""
+    """``attnres.parallel.pipeline`` on ``pp`` ranks, optionally replicated ``dp`` times (a (dp, pp)
+    device mesh: replica i holds global ranks i*pp .. i*pp+pp-1 and computes rows
+    [i B/dp, (i+1) B/dp) of every batch; gradients are averaged over replicas). ``self.model`` is this
+    rank's part of the model."""
 
     def __init__(self, model: AttnResLM, autocast: Callable, *, pp: int, vpp: int, schedule: str,
-                 microbatches: int, batch_size: int, seq_len: int, cache: bool = True):
+                 microbatches: int, batch_size: int, seq_len: int, cache: bool = True, dp: int = 1):
         from attnres.parallel.pipeline import build_pipeline
 
+        self.dp, self.pp_group, self.dp_group, self.dp_rank = dp, None, None, 0
+        if dp > 1:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            if batch_size % dp:
+                raise ValueError(f"TrainConfig.batch_size={batch_size} is not divisible by dp={dp}; use a multiple")
+            device = next(model.parameters()).device
+            mesh = init_device_mesh(device.type, (dp, pp), mesh_dim_names=("dp", "pp"))
+            self.pp_group, self.dp_group = mesh.get_group("pp"), mesh.get_group("dp")
+            self.dp_rank = mesh.get_local_rank("dp")
         self.pipeline = build_pipeline(model, pp=pp, vpp=vpp, schedule=schedule, microbatches=microbatches,
-                                       batch_size=batch_size, seq_len=seq_len, cache=cache,
-                                       autocast=autocast)
+                                       batch_size=batch_size // dp, seq_len=seq_len, cache=cache,
+                                       group=self.pp_group, autocast=autocast)
         super().__init__(self.pipeline.model, autocast)
 
+    def _rows(self, x: Tensor) -> slice:
+        n = x.shape[0] // self.dp
+        return slice(self.dp_rank * n, (self.dp_rank + 1) * n)
+
+    def _replica_mean(self, value: float) -> float:
+        if self.dp == 1:
+            return value
+        t = torch.tensor(value, dtype=torch.float64, device=self._device())
+        dist.all_reduce(t, group=self.dp_group)
+        return float(t) / self.dp
+
     def forward_backward(self, x: Tensor, y: Tensor, scale: float) -> float:
-        return self.pipeline.train_step(x, y, scale=scale)
+        rows = self._rows(x)
+        return self._replica_mean(self.pipeline.train_step(x[rows], y[rows], scale=scale))
 
     def eval_loss(self, x: Tensor, y: Tensor) -> float:
-        return self.pipeline.eval_loss(x, y)
+        rows = self._rows(x)
+        return self._replica_mean(self.pipeline.eval_loss(x[rows], y[rows]))
 
+    @torch.no_grad()
     def reduce_gradients(self) -> None:
         self.pipeline.reduce_shared_gradients()
+        if self.dp > 1:  # average over replicas: the gradient of the global-batch mean
+            params = list(self.model.parameters())
+            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                              for p in params])
+            dist.all_reduce(flat, group=self.dp_group)
+            flat /= self.dp
+            offset = 0
+            for p in params:
+                p.grad = flat[offset:offset + p.numel()].view_as(p).clone()
+                offset += p.numel()
 
     def clip_grad_norm(self, max_norm: float) -> None:
-        self.pipeline.clip_grad_norm_(max_norm)
+        self.pipeline.clip_grad_norm_(max_norm)  # replicas hold equal gradients: their norm is global
 
     def gather(self, optimizer):
         local = (full_model_state(self.model), named_optimizer_state(optimizer))
-        pieces = [None] * dist.get_world_size() if self.is_main else None
-        dist.gather_object(local, pieces, dst=0)
+        first = dist.get_rank(self.pp_group) == 0
+        pieces = [None] * dist.get_world_size(self.pp_group) if first else None
+        dist.gather_object(local, pieces, group=self.pp_group, group_dst=0)
         if not self.is_main:
             return None
         model_state, optim_state = {}, {}

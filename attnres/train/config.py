@@ -100,6 +100,8 @@ class TrainConfig:
                 raise bad(name, "must be a positive integer")
         if self.fsdp and self.dp < 2:
             raise bad("fsdp", "shards over data-parallel ranks: set dp >= 2 as well")
+        if self.fsdp and self.pp > 1:
+            raise bad("fsdp", "with pp > 1 the pipeline replicas average gradients by all-reduce; drop fsdp")
         if not (isinstance(self.dist_timeout, (int, float)) and self.dist_timeout > 0):
             raise bad("dist_timeout", "must be a positive number of seconds")
         if self.pp > 1 or self.vpp > 1 or self.microbatches is not None:
@@ -107,8 +109,10 @@ class TrainConfig:
 
             if self.pp == 1:
                 raise bad("vpp" if self.vpp > 1 else "microbatches", "applies to pipeline parallelism: set pp >= 2")
+            if self.batch_size % self.dp:
+                raise bad("batch_size", f"must be divisible by dp={self.dp}")
             check_pipeline_options(self.pp, self.vpp, self.pp_schedule, self.pipeline_microbatches,
-                                   n_layers=None, batch_size=self.batch_size)
+                                   n_layers=None, batch_size=self.batch_size // self.dp)
         if not (self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda")):
             raise bad("device", "use auto, cpu, cuda or cuda:N")
 

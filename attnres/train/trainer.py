@@ -165,7 +165,7 @@ class Trainer:
             self.strategy = PipelineParallel(
                 model, self._autocast, pp=c.pp, vpp=c.vpp, schedule=c.pp_schedule,
                 microbatches=c.pipeline_microbatches, batch_size=c.batch_size, seq_len=c.seq_len,
-                cache=c.pp_cache)
+                cache=c.pp_cache, dp=c.dp)
         elif c.dp > 1:
             self.strategy = DataParallel(model, self._autocast, shard=c.fsdp)
         else:

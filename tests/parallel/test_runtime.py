@@ -74,6 +74,14 @@ def test_pipeline_training_equals_one_process_and_resumes_in_another_layout(corp
     assert losses(tmp_path / "pp")[0] == pytest.approx(one_train, rel=1e-5)
 
 
+def test_pipeline_replicated_over_data_parallel_equals_one_process(corpus, tmp_path):
+    """A (dp=2, pp=2) mesh: two pipeline replicas of two ranks, each replica on half the batch."""
+    single(corpus, tmp_path / "one", MODEL, steps=4)
+    parallel(corpus, tmp_path / "2d", MODEL, 4, dp=2, pp=2, vpp=2, pp_schedule="Interleaved1F1B",
+             microbatches=2, steps=4)
+    assert_same_run(tmp_path / "one", tmp_path / "2d", rel=1e-5)
+
+
 def test_torchrun_job_fails_fast_and_names_the_problem(corpus, tmp_path):
     """Rank 0 rejects --out (a file); rank 1 is already waiting in a collective: torchrun ends both."""
     out = tmp_path / "not-a-directory"
@@ -92,7 +100,9 @@ def test_torchrun_job_fails_fast_and_names_the_problem(corpus, tmp_path):
 @pytest.mark.parametrize("extra, match", [
     (dict(dp=2), "torchrun --nproc-per-node 2"),
     (dict(pp=2), "torchrun --nproc-per-node 2"),
-    (dict(dp=2, pp=2), "not supported yet"),
+    (dict(dp=2, pp=2), "torchrun --nproc-per-node 4"),
+    (dict(dp=2, pp=2, fsdp=True), "drop fsdp"),
+    (dict(dp=3, pp=2), "divisible by dp=3"),
     (dict(fsdp=True), "set dp >= 2"),
     (dict(vpp=2), "set pp >= 2"),
     (dict(pp=2, pp_schedule="ZBVZeroBubble"), "split-backward"),
