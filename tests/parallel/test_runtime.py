@@ -36,8 +36,8 @@ def single(corpus, out, model, **extra):
     return Trainer(model_cfg, train_cfg).run()
 
 
-def parallel(corpus, out, model, world, **extra):
-    spawn(trainer_run, world, model, overrides(corpus, out, **extra), False, str(out) + ".pt")
+def parallel(corpus, out, model, world, resume=False, **extra):
+    spawn(trainer_run, world, model, overrides(corpus, out, **extra), resume, str(out) + ".pt")
     return torch.load(str(out) + ".pt", weights_only=False)
 
 
@@ -56,8 +56,12 @@ def test_ddp_and_fsdp_equal_one_process_at_the_same_global_batch(corpus, tmp_pat
     parallel(corpus, tmp_path / "ddp", MODEL, 2, dp=2)
     assert_same_run(tmp_path / "one", tmp_path / "ddp", rel=1e-5)
     parallel(corpus, tmp_path / "fsdp", MODEL, 2, dp=2, fsdp=True, steps=3)
-    one = losses(tmp_path / "one")[0][:3]
-    assert losses(tmp_path / "fsdp")[0] == pytest.approx(one, rel=1e-5)
+    one = losses(tmp_path / "one")[0]
+    assert losses(tmp_path / "fsdp")[0] == pytest.approx(one[:3], rel=1e-5)
+    # resume the sharded run from its (gathered, single-process format) checkpoint: the optimizer
+    # moments are re-sharded like their parameters
+    parallel(corpus, tmp_path / "fsdp", MODEL, 2, resume=True, dp=2, fsdp=True)
+    assert_same_run(tmp_path / "one", tmp_path / "fsdp", rel=1e-5)
 
 
 def test_pipeline_training_equals_one_process_and_resumes_in_another_layout(corpus, tmp_path):
