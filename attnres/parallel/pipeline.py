@@ -153,8 +153,10 @@ class PipelineLayout:
             row = {"transition": c, "src_rank": self.rank_of(c), "dst_rank": self.rank_of(c + 1),
                    "embedding": int(0 in sent), "blocks": sum(1 for i in sent if i > 0),
                    "state": len(self.state[c])}
-            row["bytes"] = (sum(self.history[c][i].bytes for i in sent)
-                            + sum(s.bytes for s in self.state[c]))
+            row["embedding_bytes"] = self.history[c][0].bytes if 0 in sent else 0
+            row["block_bytes"] = sum(self.history[c][i].bytes for i in sent if i > 0)
+            row["state_bytes"] = sum(s.bytes for s in self.state[c])
+            row["bytes"] = row["embedding_bytes"] + row["block_bytes"] + row["state_bytes"]
             rows.append(row)
         return rows
 

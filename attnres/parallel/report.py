@@ -37,13 +37,8 @@ def blocks_per_chunk(layout: PipelineLayout) -> Optional[int]:
 def expected(layout: PipelineLayout) -> Dict[str, int]:
     """Per microbatch and direction: bytes the layout sends, split by kind (from the layout itself)."""
     rows = layout.traffic()
-    entry = layout.history[0][0].bytes if layout.history[0] else 0
-    return {
-        "embedding": sum(r["embedding"] for r in rows) * entry,
-        "blocks": sum(r["blocks"] for r in rows) * entry,
-        "state": sum(r["bytes"] for r in rows) - sum(r["embedding"] + r["blocks"] for r in rows) * entry,
-        "total": sum(r["bytes"] for r in rows),
-    }
+    return {"embedding": sum(r["embedding_bytes"] for r in rows), "blocks": sum(r["block_bytes"] for r in rows),
+            "state": sum(r["state_bytes"] for r in rows), "total": sum(r["bytes"] for r in rows)}
 
 
 def formula(layout: PipelineLayout) -> Optional[Dict[str, int]]:
