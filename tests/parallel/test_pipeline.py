@@ -139,3 +139,23 @@ def test_bad_pipeline_options_are_clear_errors(kwargs, match):
     options.update(kwargs)
     with pytest.raises(ValueError, match=match):
         check_pipeline_options(**options)
+
+
+@pytest.mark.parametrize("pp, vpp, n_p", [(2, 1, 1), (2, 3, 1), (3, 2, 2), (4, 2, 1), (4, 3, 2), (8, 2, 1)])
+def test_layout_block_counts_equal_spec_formula(pp, vpp, n_p):
+    """SPEC §7's closed forms against the transitions the layout plans, for any P, V and N_p (one
+    process: the layout comes from a probe of the full model)."""
+    from attnres import AttnResLM, ModelConfig
+    from attnres.parallel.pipeline import probe_layout
+
+    chunks = pp * vpp
+    model = AttnResLM(ModelConfig(vocab_size=20, d_model=8, n_layers=chunks * n_p, n_heads=2, max_seq_len=4,
+                                  residual="block", attnres_block_size=2))  # one depth block per Transformer block
+    naive, cached = spec_block_traffic(pp, vpp, n_p)
+    for cache, want in ((False, naive), (True, cached)):
+        rows = probe_layout(model, pp, vpp, 1, 4, cache=cache).traffic()
+        assert sum(r["blocks"] for r in rows) == want
+        assert sum(r["embedding"] for r in rows) == (min(pp, chunks - 1) if cache else chunks - 1)
+        # peak: O(C) naive, O(P) cached
+        assert max(r["blocks"] for r in rows) == ((pp * n_p if vpp > 1 else (pp - 1) * n_p) if cache
+                                                 else (chunks - 1) * n_p)
