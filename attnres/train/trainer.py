@@ -21,7 +21,6 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-
 from attnres.model import AttnResLM, ModelConfig
 from attnres.model.llama import lm_loss
 from attnres.parallel.runtime import (
@@ -221,7 +220,8 @@ class Trainer:
             state = load_checkpoint(path, model=self.model, optimizer=self.optimizer)
         self.step = state["step"]
         self.state.update(state["train_state"])
-        self.log(f"resumed {self.out_dir} at step {self.step}")
+        if self.is_main:
+            self.log(f"resumed {self.out_dir} at step {self.step}")
 
     def save(self) -> Path:
         """Write the checkpoint (in the single-process format; rank 0 writes, all ranks take part)."""
