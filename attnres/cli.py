@@ -325,7 +325,7 @@ def cmd_bench(args) -> int:
             raise CLIError(f"--set {key}: unknown benchmark option; known: {sorted(cfg.__dict__)}")
         setattr(cfg, key, _parse_value(value))
     if args.variants:
-        if args.what == "op":
+        if args.what in ("op", "pipeline"):
             raise CLIError("--variants applies to `attnres bench train` and `attnres bench decode`")
         cfg.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     cfg.device = args.device

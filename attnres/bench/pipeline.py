@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Dict, List
 
 import torch
@@ -44,7 +44,6 @@ class PipelineBenchConfig:
     steps: int = 10
     warmup: int = 2
     device: str = "cpu"
-    variants: List[str] = field(default_factory=list)  # unused (the CLI's shared flag)
 
     @classmethod
     def quick(cls) -> "PipelineBenchConfig":

@@ -261,6 +261,23 @@ class PipelineChunk(nn.Module):
 # ----------------------------------------------------------------------------- stages
 
 
+@torch.no_grad()
+def all_reduce_gradients(params: List[nn.Parameter], group: Optional[dist.ProcessGroup],
+                         divide: int = 1) -> None:
+    """Sum (then divide) the gradients of ``params`` over ``group`` in one flat all-reduce; a missing
+    gradient takes part as zeros."""
+    if not params:
+        return
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+    dist.all_reduce(flat, group=group)
+    if divide != 1:
+        flat /= divide
+    offset = 0
+    for p in params:
+        p.grad = flat[offset:offset + p.numel()].view_as(p).clone()
+        offset += p.numel()
+
+
 class CountingStage:
     """Mixin over PipelineStage: tallies the bytes of every P2P send, per transition and direction."""
 
@@ -365,17 +382,7 @@ class Pipeline:
     @torch.no_grad()
     def reduce_shared_gradients(self) -> None:
         """Sum the shared parameters' gradients over the ranks, so every copy takes the same step."""
-        shared = self.shared_parameters()
-        if not shared:
-            return
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in shared]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=self.group)
-        offset = 0
-        for p in shared:
-            n = p.numel()
-            p.grad = flat[offset:offset + n].view_as(p).clone()
-            offset += n
+        all_reduce_gradients(self.shared_parameters(), self.group)
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> float:

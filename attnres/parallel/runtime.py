@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from attnres.model.llama import AttnResLM, lm_loss
+from attnres.parallel.pipeline import all_reduce_gradients, build_pipeline
 from attnres.parallel.state import (
     full_model_state, load_full_model_state, load_named_optimizer_state, named_optimizer_state,
 )
@@ -176,8 +177,6 @@ class PipelineParallel(_Distributed):
 
     def __init__(self, model: AttnResLM, autocast: Callable, *, pp: int, vpp: int, schedule: str,
                  microbatches: int, batch_size: int, seq_len: int, cache: bool = True, dp: int = 1):
-        from attnres.parallel.pipeline import build_pipeline
-
         self.dp, self.pp_group, self.dp_group, self.dp_rank = dp, None, None, 0
         if dp > 1:
             from torch.distributed.device_mesh import init_device_mesh
@@ -216,15 +215,7 @@ class PipelineParallel(_Distributed):
     def reduce_gradients(self) -> None:
         self.pipeline.reduce_shared_gradients()
         if self.dp > 1:  # average over replicas: the gradient of the global-batch mean
-            params = list(self.model.parameters())
-            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                              for p in params])
-            dist.all_reduce(flat, group=self.dp_group)
-            flat /= self.dp
-            offset = 0
-            for p in params:
-                p.grad = flat[offset:offset + p.numel()].view_as(p).clone()
-                offset += p.numel()
+            all_reduce_gradients(list(self.model.parameters()), self.dp_group, divide=self.dp)
 
     def clip_grad_norm(self, max_norm: float) -> None:
         self.pipeline.clip_grad_norm_(max_norm)  # replicas hold equal gradients: their norm is global
