@@ -447,21 +447,22 @@ def cmd_convert(args) -> int:
 
 def cmd_experiment(args) -> int:
     """Run (or with --dry-run, list) the runs of a named experiment spec; finished runs are skipped."""
-    from attnres.experiments import available, format_plan, load_spec, plan_status, run_experiment
+    from attnres.experiments import DEFAULT_RUNS_ROOT, available, format_plan, load_spec, plan_status, run_experiment
     from attnres.experiments.runner import planned_elsewhere
 
     if not args.name:
         print("experiments: " + (", ".join(available(args.specs)) or "none found"))
         return 0
     spec = load_spec(args.name, args.specs)
+    runs = args.runs or DEFAULT_RUNS_ROOT
     if args.dry_run:
-        print(format_plan(spec, plan_status(spec, args.runs), args.only, planned_elsewhere(spec)))
+        print(format_plan(spec, plan_status(spec, runs), args.only, planned_elsewhere(spec)))
         return 0
     flags = [("--max-runs", args.max_runs), ("--only", args.only), ("--threads", args.threads),
-             ("--runs", args.runs if args.runs != "runs/experiments" else None), ("--specs", args.specs)]
+             ("--runs", args.runs), ("--specs", args.specs)]
     command = " ".join(["attnres experiment", args.name] + [f"{k} {v}" for k, v in flags if v is not None]
                        + (["--retry-diverged"] if args.retry_diverged else []))
-    counts = run_experiment(spec, args.runs, max_runs=args.max_runs, only=args.only,
+    counts = run_experiment(spec, runs, max_runs=args.max_runs, only=args.only,
                             retry_diverged=args.retry_diverged, progress=not args.no_progress,
                             threads=args.threads, command=command)
     print(f"{spec.name}: " + ", ".join(f"{v} {k}" for k, v in counts.items())
@@ -471,14 +472,13 @@ def cmd_experiment(args) -> int:
 
 def cmd_report(args) -> int:
     """Write reports/NAME/REPORT.md and its figures from the cached runs (no training)."""
-    from attnres.experiments import load_spec
+    from attnres.experiments import DEFAULT_RUNS_ROOT, load_spec
     from attnres.experiments.report import write_report
 
     spec = load_spec(args.name, args.specs)
-    flags = [("--runs", args.runs if args.runs != "runs/experiments" else None), ("--specs", args.specs),
-             ("--out", args.out)]
+    flags = [("--runs", args.runs), ("--specs", args.specs), ("--out", args.out)]
     command = " ".join(["attnres report", args.name] + [f"{k} {v}" for k, v in flags if v is not None])
-    print(f"report: {write_report(spec, args.runs, args.out, command=command)}")
+    print(f"report: {write_report(spec, args.runs or DEFAULT_RUNS_ROOT, args.out, command=command)}")
     return 0
 
 
@@ -600,7 +600,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="list the runs, their state and estimated CPU time")
     p.add_argument("--max-runs", dest="max_runs", type=int, default=None, help="train at most K runs")
     p.add_argument("--only", help="only runs whose name (e.g. scheme=full/seed=1) or hash matches this glob")
-    p.add_argument("--runs", default="runs/experiments", help="runs directory (default runs/experiments)")
+    p.add_argument("--runs", default=None, help="runs directory (default experiments/runs, where the finished runs are committed)")
     p.add_argument("--specs", default=None, help="spec directory (default ./experiments)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (not part of the run hash)")
     p.add_argument("--retry-diverged", dest="retry_diverged", action="store_true",
@@ -614,7 +614,7 @@ def build_parser() -> argparse.ArgumentParser:
         "PNG figures, statistics over seeds, the commands, machine, wall time and git commit. A partial "
         "suite gives a report marked partial."))
     p.add_argument("name", help="experiment name (a spec in experiments/) or a .toml path")
-    p.add_argument("--runs", default="runs/experiments", help="runs directory (default runs/experiments)")
+    p.add_argument("--runs", default=None, help="runs directory (default experiments/runs, where the finished runs are committed)")
     p.add_argument("--specs", default=None, help="spec directory (default ./experiments)")
     p.add_argument("--out", default=None, help="report directory (default reports/NAME)")
     p.set_defaults(func=cmd_report)

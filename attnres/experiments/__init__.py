@@ -1,7 +1,7 @@
 """The paper's experiments at CPU scale: specs, a resumable runner, statistics, fits and reports.
 
 ``attnres experiment NAME`` expands ``experiments/NAME.toml`` into run configs, hashes
-each, and trains the missing ones into ``runs/experiments/NAME/<hash>/`` (finished
+each, and trains the missing ones into ``experiments/runs/NAME/<hash>/`` (finished
 runs are skipped, interrupted ones resume from their checkpoint). ``attnres report
 NAME`` turns the cached runs into ``reports/NAME/REPORT.md`` with figures.
 """

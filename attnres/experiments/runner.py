@@ -32,7 +32,9 @@ from attnres.experiments.env import git_commit, machine
 from attnres.experiments.spec import ExperimentSpec, PlannedRun, expand, hash_payload, payload_compatible
 from attnres.train.trainer import TrainingInterrupted
 
-DEFAULT_RUNS_ROOT = "runs/experiments"
+# inside the repository: finished runs (everything but checkpoints and the tokenizer, see .gitignore)
+# are committed, so every report regenerates from a fresh clone
+DEFAULT_RUNS_ROOT = "experiments/runs"
 RUN_FILE = "run.json"
 SUMMARY_FILE = "summary.json"
 PROBES_FILE = "probes.json"

@@ -223,7 +223,7 @@ def _check_overrides(overrides: Dict[str, Any], path: Path, where: str) -> None:
     for key in ("out_dir", "seed"):
         if key in overrides:
             raise _err(path, f"{where} {key}",
-                       "is set by the runner (runs/experiments/NAME/<hash>/ and the seeds list); drop it")
+                       "is set by the runner (experiments/runs/NAME/<hash>/ and the seeds list); drop it")
 
 
 def _point(raw: Any, axis: str, index: int, path: Path) -> Point:

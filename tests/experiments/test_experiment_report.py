@@ -1,5 +1,8 @@
 """Reports from cached runs: every report kind on tiny finished experiments, partial suites, the CLI."""
+import fnmatch
 import re
+import shutil
+from pathlib import Path
 
 import pytest
 
@@ -162,7 +165,24 @@ def suite(tmp_path_factory, tiny_base):
     for name in SPECS:
         run_experiment(load_spec(name, specs), runs, progress=False, log=quiet,
                        max_runs=1 if name == "ablations" else None)
+    _as_committed(runs)
     return specs, runs, root
+
+
+def _as_committed(runs: Path) -> None:
+    """Delete what the repository's .gitignore keeps out of experiments/runs/: the reports must
+    rebuild from the committed files alone, as they do in a fresh clone."""
+    gitignore = Path(__file__).resolve().parents[2] / ".gitignore"
+    prefix = "experiments/runs/"
+    patterns = [line[len(prefix):].rstrip("/").replace("**", "*")
+                for line in gitignore.read_text().splitlines() if line.startswith(prefix)]
+    assert any("checkpoint" in p for p in patterns) and not any("summary" in p for p in patterns), patterns
+    removed = 0
+    for path in sorted(runs.rglob("*"), reverse=True):  # children before their folders
+        if path.exists() and any(fnmatch.fnmatch(path.relative_to(runs).as_posix(), p) for p in patterns):
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+            removed += 1
+    assert removed and not list(runs.rglob("tokenizer.json"))
 
 
 def _report(suite, name, monkeypatch):
