@@ -332,6 +332,7 @@ def execute_one(s: RunStatus, spec: ExperimentSpec, *, progress: bool = True, th
         _clear_outputs(run_dir)
         model_cfg, train_cfg = copy.deepcopy(run.model), train_cfg
         trainer = Trainer(model_cfg, train_cfg, resume=False, log=log)
+    entry["machine"] = machine()  # again: the Trainer has applied train_cfg.threads by now
     log(f"[{run.name}] {trainer.model.num_params():,} parameters, {run.train.steps} steps x "
         f"{run.train.batch_size}x{run.train.seq_len} tokens -> {run_dir}"
         + (f" (resuming at step {trainer.step})" if resume else ""))

@@ -4,6 +4,7 @@ import os
 import signal
 
 import pytest
+import torch
 
 from attnres.experiments import load_spec, plan_status, run_experiment
 from attnres.experiments.report import shares_sublayer_init
@@ -69,6 +70,18 @@ def test_runs_in_slices_then_skips_what_is_finished(two_by_two):
     assert not (run_dir / "checkpoint").exists()  # keep_checkpoint = false
     manifest = json.loads((root / "pair" / "manifest.json").read_text())
     assert [r["state"] for r in manifest["runs"]] == ["done"] * 4
+
+
+def test_the_run_record_names_the_thread_count_it_trained_with(two_by_two):
+    spec, root = two_by_two
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)  # the process default; --threads 1 applies when the Trainer starts
+        run_experiment(spec, root, only="prenorm/seed=0", threads=1, progress=False, log=quiet)
+    finally:
+        torch.set_num_threads(before)
+    info = json.loads((plan_status(spec, root)[0].dir / RUN_FILE).read_text())
+    assert "(1 threads)" in info["invocations"][0]["machine"]
 
 
 def test_an_interrupted_run_resumes_from_its_checkpoint_exactly(two_by_two, monkeypatch):
