@@ -184,7 +184,8 @@ def _provenance(col: Collected, command: str, report_seconds: float) -> List[str
                 v = inv.get(key)
                 if v and v not in bag:
                     bag.append(v)
-        if r.done and not elsewhere:
+        copied = elsewhere or any("reused_from" in inv for inv in r.info.get("invocations", []))
+        if r.done and not copied:  # a copy's time (wall and steps alike) counts where it was trained
             wall += r.wall_seconds
             train += r.train_seconds if finite(r.train_seconds) else 0.0
     plural = reused > 1

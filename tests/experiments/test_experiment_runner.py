@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from attnres.experiments import load_spec, plan_status, run_experiment
-from attnres.experiments.report import shares_sublayer_init
+from attnres.experiments.report import shares_sublayer_init, write_report
 from attnres.experiments.runner import DIVERGED_FILE, PROBES_FILE, RUN_FILE, SUMMARY_FILE
 from attnres.parallel import runtime as runtime_module
 from attnres.train.trainer import Trainer, TrainingInterrupted
@@ -144,6 +144,13 @@ def test_identical_configs_share_a_run_and_other_experiments_reuse_it(tmp_path, 
     assert s.state == "done" and s.dir.parent.name == "second"
     info = json.loads((s.dir / RUN_FILE).read_text())
     assert "first" in info["invocations"][-1]["reused_from"]
+
+    # the copy's time counts in the experiment that trained it, optimizer steps and wall time alike
+    summary = json.loads((s.dir / SUMMARY_FILE).read_text())
+    (s.dir / SUMMARY_FILE).write_text(json.dumps({**summary, "train_seconds": 7200.0}))
+    text = write_report(second, root, tmp_path / "report").read_text()
+    assert "Wall time of the finished runs: 0.00 h in all (0.00 h in optimizer steps" in text
+    assert "1 run comes from identical runs of first (their time counts there)" in text
 
 
 def test_divergence_is_recorded_and_not_retried_unless_asked(two_by_two, monkeypatch):
