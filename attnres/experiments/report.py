@@ -171,12 +171,13 @@ def _provenance(col: Collected, command: str, report_seconds: float) -> List[str
     for r in col.unique:
         if not r.info:
             continue
-        elsewhere = r.done and r.dir.parent.name != spec.name  # finished by another experiment, read there
-        if elsewhere:
+        is_copy = r.done and r.dir.parent.name != spec.name  # finished by another experiment, read there
+        if is_copy:
             reused += 1
             sources.add(r.dir.parent.name)
         for inv in r.info.get("invocations", []) + r.info.get("source_invocations", []):
             if "reused_from" in inv:
+                is_copy = True
                 reused += 1
                 sources.add(Path(inv["reused_from"]).parent.name)
                 continue
@@ -184,8 +185,7 @@ def _provenance(col: Collected, command: str, report_seconds: float) -> List[str
                 v = inv.get(key)
                 if v and v not in bag:
                     bag.append(v)
-        copied = elsewhere or any("reused_from" in inv for inv in r.info.get("invocations", []))
-        if r.done and not copied:  # a copy's time (wall and steps alike) counts where it was trained
+        if r.done and not is_copy:  # a copy's time (wall and steps alike) counts where it was trained
             wall += r.wall_seconds
             train += r.train_seconds if finite(r.train_seconds) else 0.0
     plural = reused > 1

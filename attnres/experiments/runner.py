@@ -318,7 +318,7 @@ def execute_one(s: RunStatus, spec: ExperimentSpec, *, progress: bool = True, th
     if threads:
         train_cfg.threads = threads
     started = time.time()
-    entry = {"command": command or _command(), "machine": machine(), "commit": git_commit(),
+    entry = {"command": command or _command(), "commit": git_commit(),
              "started": time.strftime("%Y-%m-%d %H:%M:%S"), "from_step": 0}
     resume = s.state == "partial"
     if resume:
@@ -332,7 +332,7 @@ def execute_one(s: RunStatus, spec: ExperimentSpec, *, progress: bool = True, th
         _clear_outputs(run_dir)
         model_cfg, train_cfg = copy.deepcopy(run.model), train_cfg
         trainer = Trainer(model_cfg, train_cfg, resume=False, log=log)
-    entry["machine"] = machine()  # again: the Trainer has applied train_cfg.threads by now
+    entry["machine"] = machine()  # only now: the Trainer applies train_cfg.threads
     log(f"[{run.name}] {trainer.model.num_params():,} parameters, {run.train.steps} steps x "
         f"{run.train.batch_size}x{run.train.seq_len} tokens -> {run_dir}"
         + (f" (resuming at step {trainer.step})" if resume else ""))
