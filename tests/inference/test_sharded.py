@@ -5,10 +5,10 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from attnres import AttnResLM, ModelConfig
 from attnres.inference import sharded_prefill
+from distributed_workers import spawn
 from reference import randomize
 
 CONFIGS = {
@@ -31,24 +31,20 @@ def tokens():
     return torch.randint(0, 53, (2, 16), generator=torch.Generator().manual_seed(2))
 
 
-def _worker(rank, world, init_file, out_dir, name):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        logits, state = sharded_prefill(build(name), tokens())
-        parts = [torch.empty_like(logits) for _ in range(world)]
-        dist.all_gather(parts, logits.contiguous())
-        if rank == 0:
-            torch.save(torch.cat(parts, dim=1), os.path.join(out_dir, "logits.pt"))
-        with open(os.path.join(out_dir, f"state{rank}.json"), "w") as f:
-            json.dump({"state_bytes": state}, f)
-    finally:
-        dist.destroy_process_group()
+def _worker(rank, world, out_dir, name):
+    logits, state = sharded_prefill(build(name), tokens())
+    parts = [torch.empty_like(logits) for _ in range(world)]
+    dist.all_gather(parts, logits.contiguous())
+    if rank == 0:
+        torch.save(torch.cat(parts, dim=1), os.path.join(out_dir, "logits.pt"))
+    with open(os.path.join(out_dir, f"state{rank}.json"), "w") as f:
+        json.dump({"state_bytes": state}, f)
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_two_rank_sharded_prefill_equals_single_process(tmp_path, name):
     world = 2
-    mp.spawn(_worker, args=(world, str(tmp_path / "init"), str(tmp_path), name), nprocs=world, join=True)
+    spawn(_worker, world, str(tmp_path), name)
     model = build(name)
     with torch.no_grad():
         want = model(tokens())
@@ -63,18 +59,14 @@ def test_two_rank_sharded_prefill_equals_single_process(tmp_path, name):
         assert per_rank * world == full_bytes > 0
 
 
-def test_length_must_divide(tmp_path):
-    mp.spawn(_run_length_check, args=(2, str(tmp_path / "init")), nprocs=2, join=True)
+def test_length_must_divide():
+    spawn(_run_length_check, 2)
 
 
-def _run_length_check(rank, world, init_file):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+def _run_length_check(rank, world):
     try:
-        try:
-            sharded_prefill(build("block"), tokens()[:, :15])
-        except ValueError as e:
-            assert "not divisible by the 2 ranks" in str(e)
-        else:
-            raise AssertionError("expected a ValueError")
-    finally:
-        dist.destroy_process_group()
+        sharded_prefill(build("block"), tokens()[:, :15])
+    except ValueError as e:
+        assert "not divisible by the 2 ranks" in str(e)
+    else:
+        raise AssertionError("expected a ValueError")

@@ -101,6 +101,22 @@ def test_torchrun_job_fails_fast_and_names_the_problem(corpus, tmp_path):
     assert time.perf_counter() - start < 200
 
 
+def test_cli_leaves_the_process_group_it_ran_under(tmp_path):
+    """Under torchrun a command joins a process group; the CLI leaves it before the interpreter shuts
+    down, so the backend's threads are not torn down by static destructors."""
+    import torch.distributed as dist
+
+    from attnres.cli import main
+
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{tmp_path / 'store'}")
+    try:
+        assert main(["schemes"]) == 0
+        assert not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("extra, match", [
     (dict(dp=2), "torchrun --nproc-per-node 2"),
     (dict(pp=2), "torchrun --nproc-per-node 2"),
