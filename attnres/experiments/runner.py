@@ -13,20 +13,25 @@ tokenizer.json, checkpoint/) plus:
 
 States: ``done``; ``partial`` (a checkpoint at step k < steps: resumed); ``missing``;
 ``reusable`` (the same hash finished in another experiment's directory: copied, no
-training); ``diverged``. Runs execute sequentially in one process.
+training); ``diverged``. Runs execute sequentially in one process; several processes may work on
+the same suites side by side: a process trains a config only while it holds that config hash's lock
+(``<runs>/.locks/<hash>``, an flock the kernel releases when the process dies) and skips what
+another process holds.
 """
 from __future__ import annotations
 
 import copy
+import errno
 import fnmatch
 import json
 import os
 import shutil
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional
 
 from attnres.experiments.env import git_commit, machine
 from attnres.experiments.spec import ExperimentSpec, PlannedRun, expand, hash_payload, payload_compatible
@@ -41,6 +46,7 @@ PROBES_FILE = "probes.json"
 DIVERGED_FILE = "diverged.json"
 MANIFEST_FILE = "manifest.json"
 CHECKPOINT_DIR = "checkpoint"
+LOCK_DIR = ".locks"
 STATES = ("done", "diverged", "partial", "reusable", "missing")
 
 
@@ -187,6 +193,10 @@ def format_plan(spec: ExperimentSpec, statuses: List[RunStatus], pattern: Option
             state = f"reusable ({s.source.parent.name})"
         elif s.state in ("missing", "partial") and s.run.hash in shared:
             state += f" (also in {', '.join(shared[s.run.hash])})"
+        if s.state in ("missing", "partial"):
+            holder = lock_holder(s.dir.parent.parent, s.run.hash)
+            if holder:
+                state += f" (training now: {holder.split(':')[0]})"
         states.append(state)
     sw = max([len(x) for x in states] + [5])
     lines.append(f"{'run':<{width}}  {'hash':<12}  {'state':<{sw}}  {'tokens':>10}  {'est. min':>8}")
@@ -231,6 +241,51 @@ def _measured_speed_factor(statuses: List[RunStatus]) -> Optional[float]:
 
 
 # ----------------------------------------------------------------------------- execution
+
+
+@contextmanager
+def config_lock(runs_root, hash_: str) -> Iterator[Optional[str]]:
+    """Hold the lock of one config hash (every experiment's copy of it). Yields None when this process
+    holds it, else who does ("pid N: command"), and then this process must leave the run alone."""
+    try:
+        import fcntl
+    except ImportError:  # no flock (Windows): one process at a time, as before
+        yield None
+        return
+    d = Path(runs_root) / LOCK_DIR
+    d.mkdir(parents=True, exist_ok=True)
+    with open(d / hash_, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EACCES):
+                raise
+            f.seek(0)
+            yield f.read().strip() or "another process"
+            return
+        try:
+            f.seek(0)
+            f.truncate()
+            f.write(f"pid {os.getpid()}: {_command()}\n")
+            f.flush()
+            yield None
+        finally:
+            f.truncate(0)
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def lock_holder(runs_root, hash_: str) -> Optional[str]:
+    """Who trains this config right now, or None. Reads the lock file without taking the lock (a probe
+    that took it could make a training process skip the run)."""
+    try:
+        text = (Path(runs_root) / LOCK_DIR / hash_).read_text().strip()
+        pid = int(text.split(":")[0].split()[1])
+        os.kill(pid, 0)  # the lock dies with its process; a stale file names a process that is gone
+    except PermissionError:  # alive, another user's
+        return text
+    except (OSError, ValueError, IndexError):
+        return None
+    return text
 
 
 def write_manifest(spec: ExperimentSpec, statuses: List[RunStatus], runs_root) -> Path:
@@ -371,40 +426,55 @@ def run_experiment(spec: ExperimentSpec, runs_root=DEFAULT_RUNS_ROOT, *, max_run
                    threads: Optional[int] = None, log: Callable[[str], None] = print,
                    command: Optional[str] = None) -> Dict[str, int]:
     """Execute the missing runs (sequentially), at most ``max_runs`` trainings. Returns counts of
-    what happened: trained, resumed, reused, diverged, skipped (already finished), left."""
+    what happened: trained, resumed, reused, diverged, skipped (already finished), busy (another process
+    holds it), left."""
     command = command or _command()
     statuses = plan_status(spec, runs_root)
-    counts = {"trained": 0, "resumed": 0, "reused": 0, "diverged": 0, "skipped": 0, "left": 0}
+    counts = {"trained": 0, "resumed": 0, "reused": 0, "diverged": 0, "skipped": 0, "busy": 0, "left": 0}
     write_manifest(spec, statuses, runs_root)
     trained = 0
     for s in _unique(statuses):
         if not matches(s.run, only):
             continue
-        s = status_of(s.run, runs_root, spec.name)  # fresh: an earlier entry may have produced it
-        if s.state == "done" or (s.state == "diverged" and not retry_diverged):
-            counts["skipped"] += 1
-            continue
-        if s.state == "reusable":
-            _reuse(s, spec, log, command)
-            counts["reused"] += 1
-            continue
-        if max_runs is not None and trained >= max_runs:
-            counts["left"] += 1
-            continue
-        if s.state == "diverged":  # a retry starts from scratch: resuming would diverge again
-            shutil.rmtree(s.dir, ignore_errors=True)
-            s = status_of(s.run, runs_root, spec.name)
-        trained += 1
-        try:
-            outcome = execute_one(s, spec, progress=progress, threads=threads, log=log, command=command)
-        except TrainingInterrupted as e:
-            raise TrainingInterrupted(
-                f"{s.run.name}: {str(e).split(';')[0]}; its checkpoint is in {s.dir}. Run "
-                f"`attnres experiment {spec.name}` again to resume it and continue the suite") from None
-        finally:
-            write_manifest(spec, plan_status(spec, runs_root), runs_root)
-        if outcome == "diverged":
-            counts["diverged"] += 1
-        else:
-            counts["resumed" if s.state == "partial" else "trained"] += 1
+        with config_lock(runs_root, s.run.hash) as holder:
+            if holder is not None:
+                log(f"[{s.run.name}] {holder} is training this config: left to it")
+                counts["busy"] += 1
+                continue
+            trained += _advance(s, spec, runs_root, counts, trained, max_runs=max_runs,
+                                retry_diverged=retry_diverged, progress=progress, threads=threads, log=log,
+                                command=command)
     return counts
+
+
+def _advance(s: RunStatus, spec: ExperimentSpec, runs_root, counts: Dict[str, int], trained: int, *,
+             max_runs: Optional[int], retry_diverged: bool, progress: bool, threads: Optional[int], log,
+             command: str) -> int:
+    """One planned run, under its config lock: skip, copy or train it. Returns 1 if it trained."""
+    s = status_of(s.run, runs_root, spec.name)  # fresh: an earlier entry or another process may have made it
+    if s.state == "done" or (s.state == "diverged" and not retry_diverged):
+        counts["skipped"] += 1
+        return 0
+    if s.state == "reusable":
+        _reuse(s, spec, log, command)
+        counts["reused"] += 1
+        return 0
+    if max_runs is not None and trained >= max_runs:
+        counts["left"] += 1
+        return 0
+    if s.state == "diverged":  # a retry starts from scratch: resuming would diverge again
+        shutil.rmtree(s.dir, ignore_errors=True)
+        s = status_of(s.run, runs_root, spec.name)
+    try:
+        outcome = execute_one(s, spec, progress=progress, threads=threads, log=log, command=command)
+    except TrainingInterrupted as e:
+        raise TrainingInterrupted(
+            f"{s.run.name}: {str(e).split(';')[0]}; its checkpoint is in {s.dir}. Run "
+            f"`attnres experiment {spec.name}` again to resume it and continue the suite") from None
+    finally:
+        write_manifest(spec, plan_status(spec, runs_root), runs_root)
+    if outcome == "diverged":
+        counts["diverged"] += 1
+    else:
+        counts["resumed" if s.state == "partial" else "trained"] += 1
+    return 1

@@ -223,3 +223,34 @@ def test_runs_stay_finished_when_the_library_adds_config_fields(two_by_two):
     (status.dir / RUN_FILE).write_text(json.dumps(info))
     as_older_library("d_model", "ba9876543210")  # 32 here, not the default 128: a different run
     assert plan_status(spec, root)[0].state == "missing"
+
+
+def test_a_config_another_process_trains_is_left_to_it(two_by_two):
+    """Two `attnres experiment` processes side by side: each config hash trains in one process only."""
+    import subprocess
+    import sys
+
+    from attnres.experiments.runner import config_lock, format_plan
+
+    spec, root = two_by_two
+    first = plan_status(spec, root)[0].run
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from attnres.experiments.runner import config_lock\n"
+        f"with config_lock({str(root)!r}, {first.hash!r}) as h:\n"
+        "    assert h is None; print('held', flush=True); sys.stdin.readline()")],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert f"training now: pid {holder.pid}" in format_plan(spec, plan_status(spec, root))
+        with config_lock(root, first.hash) as h:  # what a second process sees
+            assert h.startswith(f"pid {holder.pid}: ")
+        logged = []
+        counts = run_experiment(spec, root, only="scheme=prenorm", progress=False, log=logged.append)
+        assert counts["busy"] == 1 and counts["trained"] == 1
+        assert states(spec, root) == ["missing", "done", "missing", "missing"]
+        assert any("is training this config: left to it" in m for m in logged)
+    finally:
+        holder.communicate("\n", timeout=60)
+    assert "training now" not in format_plan(spec, plan_status(spec, root))  # released with its holder
+    counts = run_experiment(spec, root, only="scheme=prenorm", progress=False, log=quiet)
+    assert counts["busy"] == 0 and counts["trained"] == 1 and counts["skipped"] == 1
