@@ -40,6 +40,11 @@ def scaling_plot(series: Dict[str, dict], path: str, title: str) -> str:
                     label=f"{name}: {fit.A:.3g}·C^-{fit.alpha:.3f}")
     ax.set_xscale("log")
     ax.set_yscale("log")
+    # losses span less than a decade: plain numbers, not 4.2 x 10^0
+    from matplotlib.ticker import ScalarFormatter
+
+    for axis_ticks in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
+        axis_ticks(ScalarFormatter())
     ax.set_xlabel("training compute C (PFLOP/s-days)")
     ax.set_ylabel("validation loss (nats/token)")
     ax.grid(alpha=0.3, which="both")

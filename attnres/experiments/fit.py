@@ -87,3 +87,11 @@ def compute_multiplier(baseline: PowerLaw, variant: PowerLaw, C: float) -> float
     """How much more compute the baseline needs to match the variant's fitted loss at C
     (the paper: Block AttnRes matches a baseline trained with 1.25x compute)."""
     return baseline.inverse(variant(C)) / C
+
+
+def measured_multiplier(baseline_loss: float, variant_loss: float, alpha: float) -> float:
+    """The compute multiplier of two losses measured at the same compute, through the baseline's
+    fitted slope: on L = A C^-alpha, going from baseline_loss down to variant_loss takes
+    (baseline_loss / variant_loss)^(1/alpha) times the compute. Unlike reading a measured loss off the
+    baseline's fitted curve, the baseline's own residual at that compute does not enter."""
+    return (baseline_loss / variant_loss) ** (1.0 / alpha)

@@ -31,7 +31,7 @@ import numpy as np
 from attnres.experiments import figures
 from attnres.experiments.env import git_commit, machine
 from attnres.experiments.fit import (FLOPS_FORMULA, PFLOPS_DAY, compute_multiplier, fit_power_law,
-                                     flops_per_token, matmul_params)
+                                     flops_per_token, matmul_params, measured_multiplier)
 from attnres.experiments.results import Collected, Result, collect, finite, mean_matrix, nan_matrix
 from attnres.experiments.spec import ExperimentSpec
 from attnres.experiments.stats import NOISE_RULE, fmt_mean_std, mean_std, paired, ranks, spearman
@@ -363,9 +363,12 @@ def _scaling(rep: Report) -> None:
                 mrows.append([s, "—", "—", "—"])
                 continue
             from_fit = compute_multiplier(fits[base], fits[s], C_max)
-            obs = col.losses(size=largest, scheme=s)
-            m_obs = mean_std(obs.values())[0]
-            from_point = fits[base].inverse(m_obs) / C_max if finite(m_obs) else float("nan")
+            obs, base_obs = col.losses(size=largest, scheme=s), col.losses(size=largest, scheme=base)
+            paired = [measured_multiplier(base_obs[k], obs[k], fits[base].alpha)
+                      for k in sorted(set(obs) & set(base_obs)) if finite(obs[k]) and finite(base_obs[k])]
+            mp = mean_std(paired)
+            from_point = (f"{mp[0]:.2f}× ± {mp[1]:.2f} ({mp[2]} seeds)" if mp[2] > 1
+                          else (f"{mp[0]:.2f}× (1 seed)" if mp[2] == 1 else "—"))
             seeds_mult = []
             for seed, (Cs, Ls) in per_seed[s].items():
                 bC, bL = per_seed[base].get(seed, ([], []))
@@ -374,12 +377,14 @@ def _scaling(rep: Report) -> None:
             ms = mean_std(seeds_mult)
             per = (f"{ms[0]:.2f}× ± {ms[1]:.2f} ({ms[2]} seeds)" if ms[2] > 1
                    else (f"{ms[0]:.2f}× (1 seed)" if ms[2] == 1 else "—"))
-            mrows.append([s, f"{from_fit:.2f}×", f"{from_point:.2f}×" if finite(from_point) else "—", per])
-        rep.add(*lines, md_table(["scheme", "from the fits", f"from the mean loss at {largest}",
+            mrows.append([s, f"{from_fit:.2f}×", from_point, per])
+        rep.add(*lines, md_table(["scheme", "from the fits", f"from the losses measured at {largest}",
                                   "per-seed fits (mean ± std)"], mrows), "",
-                "Per-seed fits pair each seed's curve of a scheme with the same seed's baseline curve; "
-                "their spread is the honest error bar of the multiplier. With a small compute range a "
-                "small difference in α moves the multiplier a lot.", "")
+                f"From the losses measured at {largest}: each seed's loss ratio to the same seed's {base} "
+                f"run, turned into compute through {base}'s fitted slope, (L_{base} / L)^(1/α), so the fitted "
+                f"curves' residuals at {largest} do not enter. Per-seed fits pair each seed's curve of a "
+                "scheme with the same seed's baseline curve. With a small compute range a small difference "
+                "in α moves the fitted multiplier a lot.", "")
     if any(series[s]["C"] for s in schemes):
         rep.figure("scaling.png", "Figure 4 analogue: validation loss against training compute, "
                    "mean ± std over seeds, with the fitted power laws.",

@@ -5,7 +5,7 @@ import random
 import pytest
 
 from attnres.experiments.fit import (PFLOPS_DAY, PowerLaw, compute_multiplier, fit_power_law, flops_per_token,
-                                     matmul_params)
+                                     matmul_params, measured_multiplier)
 from attnres.experiments.stats import NOISE_RULE, fmt_mean_std, mean_std, paired, ranks, spearman, t_pvalue
 from attnres.model import AttnResLM, ModelConfig
 
@@ -88,6 +88,19 @@ def test_compute_multiplier():
     for C in (1e-4, 1.0):
         assert compute_multiplier(base, variant, C) == pytest.approx(1.25)
     assert compute_multiplier(base, base, 3.0) == pytest.approx(1.0)
+
+
+def test_measured_multiplier_ignores_the_baseline_fit_residual():
+    base = PowerLaw(A=2.3, alpha=0.042, r2=1, n=4)
+    C = 3.1e-7
+    # a variant that reaches, at C, the loss the baseline curve reaches at 1.2 C
+    assert measured_multiplier(base(C), base(1.2 * C), base.alpha) == pytest.approx(1.2)
+    # the same loss ratio, with the baseline's measured point 1% above its fitted curve: still 1.2x,
+    # while reading the variant's loss off the baseline's fitted curve would give far less
+    off = 1.01
+    assert measured_multiplier(off * base(C), off * base(1.2 * C), base.alpha) == pytest.approx(1.2)
+    assert base.inverse(off * base(1.2 * C)) / C < 1.0
+    assert measured_multiplier(4.3, 4.3, base.alpha) == 1.0
 
 
 def test_flop_count_matches_the_model():
