@@ -645,21 +645,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("(set ATTNRES_DEBUG=1 for the full traceback)", file=sys.stderr)
         return 2
     finally:
-        _leave_process_group()
+        from attnres.parallel.runtime import leave_process_group
 
-
-def _leave_process_group() -> None:
-    """A command run under torchrun (train, bench pipeline) joined a process group: leave it while the
-    interpreter is alive. FSDP and DDP state sits in reference cycles that still hold the group, so
-    collect them first; otherwise the group's last reference, and gloo's worker threads with it, dies
-    during interpreter shutdown, which can abort the process."""
-    import gc
-
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        gc.collect()
-        dist.destroy_process_group()
+        leave_process_group()  # a command run under torchrun joined one
 
 
 if __name__ == "__main__":

@@ -3,7 +3,6 @@
 Each worker joins a gloo group, runs its cases and writes its results with torch.save;
 the test process compares them against a single-process float64 reference.
 """
-import gc
 import os
 import socket
 import sys
@@ -36,10 +35,9 @@ def _entry(rank, fn, world, port, args):
     try:
         fn(rank, world, *args)
     finally:
-        # free the reference cycles (FSDP/DDP state) that hold the group, so it and gloo's threads are
-        # torn down here and not during interpreter shutdown
-        gc.collect()
-        dist.destroy_process_group()
+        from attnres.parallel.runtime import leave_process_group
+
+        leave_process_group()
     # The results are written. Skip interpreter shutdown: a background thread (gloo's, autograd's) that
     # drops a tensor while the interpreter finalizes takes the GIL and aborts the process with
     # "terminate called without an active exception" (pytorch/pytorch#190489), failing a passed test.

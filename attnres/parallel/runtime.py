@@ -45,6 +45,18 @@ def init_distributed(device: torch.device, timeout_s: float) -> None:
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
 
 
+def leave_process_group() -> None:
+    """Leave the process group, if any, while the interpreter is alive. FSDP and DDP state sits in
+    reference cycles that still hold the group, so collect them first; otherwise the group's last
+    reference, and gloo's worker threads with it, dies during interpreter shutdown, which can abort
+    the process (pytorch/pytorch#190489)."""
+    import gc
+
+    if dist.is_available() and dist.is_initialized():
+        gc.collect()
+        dist.destroy_process_group()
+
+
 def check_layout(dp: int, pp: int) -> int:
     """The world size this run needs; raises a clear error when the launch does not provide it."""
     need = dp * pp
