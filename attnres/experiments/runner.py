@@ -441,27 +441,26 @@ def run_experiment(spec: ExperimentSpec, runs_root=DEFAULT_RUNS_ROOT, *, max_run
                 log(f"[{s.run.name}] {holder} is training this config: left to it")
                 counts["busy"] += 1
                 continue
-            trained += _advance(s, spec, runs_root, counts, trained, max_runs=max_runs,
-                                retry_diverged=retry_diverged, progress=progress, threads=threads, log=log,
-                                command=command)
+            outcome = _advance(s, spec, runs_root, may_train=max_runs is None or trained < max_runs,
+                               retry_diverged=retry_diverged, progress=progress, threads=threads, log=log,
+                               command=command)
+            counts[outcome] += 1
+            trained += outcome in ("trained", "resumed", "diverged")
     return counts
 
 
-def _advance(s: RunStatus, spec: ExperimentSpec, runs_root, counts: Dict[str, int], trained: int, *,
-             max_runs: Optional[int], retry_diverged: bool, progress: bool, threads: Optional[int], log,
-             command: str) -> int:
-    """One planned run, under its config lock: skip, copy or train it. Returns 1 if it trained."""
+def _advance(s: RunStatus, spec: ExperimentSpec, runs_root, *, may_train: bool, retry_diverged: bool,
+             progress: bool, threads: Optional[int], log, command: str) -> str:
+    """One planned run, under its config lock: skip, copy or train it. Returns what happened (a key of
+    run_experiment's counts)."""
     s = status_of(s.run, runs_root, spec.name)  # fresh: an earlier entry or another process may have made it
     if s.state == "done" or (s.state == "diverged" and not retry_diverged):
-        counts["skipped"] += 1
-        return 0
+        return "skipped"
     if s.state == "reusable":
         _reuse(s, spec, log, command)
-        counts["reused"] += 1
-        return 0
-    if max_runs is not None and trained >= max_runs:
-        counts["left"] += 1
-        return 0
+        return "reused"
+    if not may_train:
+        return "left"
     if s.state == "diverged":  # a retry starts from scratch: resuming would diverge again
         shutil.rmtree(s.dir, ignore_errors=True)
         s = status_of(s.run, runs_root, spec.name)
@@ -474,7 +473,5 @@ def _advance(s: RunStatus, spec: ExperimentSpec, runs_root, counts: Dict[str, in
     finally:
         write_manifest(spec, plan_status(spec, runs_root), runs_root)
     if outcome == "diverged":
-        counts["diverged"] += 1
-    else:
-        counts["resumed" if s.state == "partial" else "trained"] += 1
-    return 1
+        return "diverged"
+    return "resumed" if s.state == "partial" else "trained"
