@@ -548,7 +548,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="benchmarks: train (step time, memory), op (bandwidth), decode",
                        description=(
-        "bench train: step time (forward + backward + AdamW) of prenorm, Block and Full AttnRes on one "
+        "bench train: step time (forward + backward + AdamW step; --set optimizer=muon for the "
+        "trainer's Muon) of prenorm, Block and Full AttnRes (or any schemes in --variants) on one "
         "config in one process, with ratios to prenorm, and peak memory from a fresh process per "
         "variant. bench op: the depth-attention op alone against this machine's copy bandwidth. bench "
         "decode: KV-cached prefill throughput and per-token decode latency, and the residual I/O per "

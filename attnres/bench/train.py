@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from attnres.model import AttnResLM, ModelConfig
+from attnres.train.optim import build_optimizer
 
 DEFAULT_VARIANTS = ("prenorm", "block", "full", "block:reference", "full:reference")
 
@@ -40,7 +41,8 @@ class BenchConfig:
     seq_len: int = 256
     batch_size: int = 8
     vocab_size: int = 4096
-    blocks: int = 8  # Block AttnRes N
+    blocks: Optional[int] = 8  # Block AttnRes N (None: the model's default)
+    optimizer: str = "adamw"  # or "muon": the trainer's default, whose Newton-Schulz step costs more
     warmup: int = 2
     repeats: int = 7
     steps_per_repeat: int = 2
@@ -63,7 +65,7 @@ def parse_variant(name: str):
 def variant_config(variant: str, *, blocks: int, **sizes) -> ModelConfig:
     """The model of one benchmark variant ('block', 'full:reference', ...); Block gets N = blocks."""
     residual, impl = parse_variant(variant)
-    extra = {"attnres_blocks": blocks} if residual == "block" else {}
+    extra = {"attnres_blocks": blocks} if residual == "block" and blocks is not None else {}
     return ModelConfig(residual=residual, attnres_impl=impl, **sizes, **extra)
 
 
@@ -76,7 +78,8 @@ def _setup(cfg: BenchConfig, variant: str):
     torch.manual_seed(cfg.seed)
     device = torch.device(cfg.device)
     model = AttnResLM(model_config(cfg, variant)).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    # The trainer's grouping (Muon on matrices, AdamW on the rest); the lr is irrelevant to timing.
+    opt = build_optimizer(model, cfg.optimizer, lr=1e-4, weight_decay=0.0)
     g = torch.Generator().manual_seed(cfg.seed)
     x = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.seq_len), generator=g).to(device)
     y = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.seq_len), generator=g).to(device)
@@ -195,7 +198,7 @@ def format_table(result: dict) -> str:
     c = result["config"]
     lines = [
         f"bench train: d={c['d_model']}, {c['n_layers']} blocks, T={c['seq_len']}, batch={c['batch_size']}, "
-        f"block N={c['blocks']}, device={c['device']}, {result['threads']} threads, torch {result['torch']}; "
+        f"block N={c['blocks'] or 'default'}, {c.get('optimizer', 'adamw')}, device={c['device']}, {result['threads']} threads, torch {result['torch']}; "
         f"{c['repeats']} repeats x {c['steps_per_repeat']} steps after {c['warmup']} warm-up",
         "",
         "| variant | step ms (median) | p25-p75 | vs prenorm | tokens/s | peak MiB | vs prenorm | "

@@ -3,9 +3,10 @@ import json
 
 from attnres.cli import main
 
-TINY_TRAIN = ["--set", "d_model=32", "--set", "n_layers=2", "--set", "seq_len=16", "--set", "batch_size=2",
+TINY_SIZES = ["--set", "d_model=32", "--set", "n_layers=2", "--set", "seq_len=16", "--set", "batch_size=2",
               "--set", "repeats=2", "--set", "steps_per_repeat=1", "--set", "warmup=1",
-              "--set", "vocab_size=64", "--set", "blocks=2"]
+              "--set", "vocab_size=64"]
+TINY_TRAIN = [*TINY_SIZES, "--set", "blocks=2"]
 
 
 def test_bench_train_table_json_and_memory(tmp_path, capsys):
@@ -20,6 +21,25 @@ def test_bench_train_table_json_and_memory(tmp_path, capsys):
     for r in rows.values():
         assert r["step_ms_median"] > 0 and r["peak_mib"] > 0 and r["peak_ratio"] > 0
     assert rows["block"]["params"] > rows["prenorm"]["params"]
+
+
+def test_bench_train_times_any_scheme_under_the_trainers_optimizer(capsys):
+    """The arena calibrates its equal-time budgets with this: rival schemes, Muon, default Block N."""
+    import torch
+
+    from attnres.bench.train import BenchConfig, _setup
+
+    assert main(["bench", "train", "--no-memory", *TINY_SIZES, "--set", "blocks=none", "--set", "optimizer=muon",
+                 "--variants", "block,mhc,hyper"]) == 0
+    text = capsys.readouterr().out
+    assert "block N=default, muon" in text
+    for v in ("prenorm", "block", "mhc", "hyper"):
+        assert f"| {v} |" in text
+    cfg = BenchConfig(d_model=32, n_layers=2, seq_len=16, batch_size=2, vocab_size=64, blocks=None,
+                      optimizer="muon")
+    model, opt, _, _ = _setup(cfg, "block")
+    assert model.config.attnres_blocks is None
+    assert any(isinstance(o, torch.optim.Muon) for o in opt.optimizers.values())
 
 
 def test_bench_op_table(capsys):

@@ -216,7 +216,9 @@ def test_the_shipped_specs_parse_expand_and_fit_the_suite_budget():
         assert min(len(s) for s in groups.values()) >= (1 if name == "dynamics" else 2), name
         for label in spec.headline:
             assert all(len(s) >= 3 for g, s in groups.items() if label in dict(g).values()), (name, label)
-    assert 5.0 <= total_budget <= 6.5, total_budget
+    # "about 6 CPU-hours" (issue 6); the arena's share is at one-thread throughput, the threads its
+    # equal-time calibration has to match, the others' at two threads
+    assert 5.0 <= total_budget <= 7.0, total_budget
 
 
 def test_shared_rows_of_the_shipped_specs_have_identical_hashes():
