@@ -198,7 +198,8 @@ def format_table(result: dict) -> str:
     c = result["config"]
     lines = [
         f"bench train: d={c['d_model']}, {c['n_layers']} blocks, T={c['seq_len']}, batch={c['batch_size']}, "
-        f"block N={c['blocks'] or 'default'}, {c.get('optimizer', 'adamw')}, device={c['device']}, {result['threads']} threads, torch {result['torch']}; "
+        f"block N={c['blocks'] or 'default'}, {c['optimizer']}, device={c['device']}, "
+        f"{result['threads']} threads, torch {result['torch']}; "
         f"{c['repeats']} repeats x {c['steps_per_repeat']} steps after {c['warmup']} warm-up",
         "",
         "| variant | step ms (median) | p25-p75 | vs prenorm | tokens/s | peak MiB | vs prenorm | "

@@ -290,6 +290,14 @@ def _generic(rep: Report) -> None:
 # ----------------------------------------------------------------------------- scaling
 
 
+def _fmt_multipliers(values: List[float]) -> str:
+    """Per-seed compute multipliers as 'mean× ± std (n seeds)'."""
+    m, sd, n = mean_std(values)
+    if n == 0:
+        return "—"
+    return f"{m:.2f}× (1 seed)" if n == 1 else f"{m:.2f}× ± {sd:.2f} ({n} seeds)"
+
+
 def _scaling(rep: Report) -> None:
     col = rep.col
     base = col.spec.baseline or "prenorm"
@@ -364,20 +372,14 @@ def _scaling(rep: Report) -> None:
                 continue
             from_fit = compute_multiplier(fits[base], fits[s], C_max)
             obs, base_obs = col.losses(size=largest, scheme=s), col.losses(size=largest, scheme=base)
-            paired = [measured_multiplier(base_obs[k], obs[k], fits[base].alpha)
-                      for k in sorted(set(obs) & set(base_obs)) if finite(obs[k]) and finite(base_obs[k])]
-            mp = mean_std(paired)
-            from_point = (f"{mp[0]:.2f}× ± {mp[1]:.2f} ({mp[2]} seeds)" if mp[2] > 1
-                          else (f"{mp[0]:.2f}× (1 seed)" if mp[2] == 1 else "—"))
+            from_point = [measured_multiplier(base_obs[k], obs[k], fits[base].alpha)
+                          for k in sorted(set(obs) & set(base_obs)) if finite(obs[k]) and finite(base_obs[k])]
             seeds_mult = []
             for seed, (Cs, Ls) in per_seed[s].items():
                 bC, bL = per_seed[base].get(seed, ([], []))
                 if len(Cs) >= 2 and len(bC) >= 2 and len(set(Cs)) >= 2 and len(set(bC)) >= 2:
                     seeds_mult.append(compute_multiplier(fit_power_law(bC, bL), fit_power_law(Cs, Ls), C_max))
-            ms = mean_std(seeds_mult)
-            per = (f"{ms[0]:.2f}× ± {ms[1]:.2f} ({ms[2]} seeds)" if ms[2] > 1
-                   else (f"{ms[0]:.2f}× (1 seed)" if ms[2] == 1 else "—"))
-            mrows.append([s, f"{from_fit:.2f}×", from_point, per])
+            mrows.append([s, f"{from_fit:.2f}×", _fmt_multipliers(from_point), _fmt_multipliers(seeds_mult)])
         rep.add(*lines, md_table(["scheme", "from the fits", f"from the losses measured at {largest}",
                                   "per-seed fits (mean ± std)"], mrows), "",
                 f"From the losses measured at {largest}: each seed's loss ratio to the same seed's {base} "
