@@ -342,7 +342,7 @@ def cmd_bench(args) -> int:
 
 def cmd_schemes(args) -> int:
     from attnres.model import ModelConfig
-    from attnres.residual.table import schemes_table
+    from attnres.model.schemes_table import schemes_table
     from attnres.train.config import PRESETS
 
     overrides = {}

@@ -3,7 +3,7 @@
 Each registry entry says what the scheme is, where it sits in the paper's
 Table 5 classification (weight type: fixed / static / dynamic; source: single
 state / multi-stream / cross-layer), how many parameters it adds, and how much
-depth state it keeps per token (``attnres.residual.table`` renders them all).
+depth state it keeps per token (``attnres.model.schemes_table`` renders them all).
 
 - prenorm.py: the PreNorm baseline; attnres.py: Full and Block AttnRes;
 - scaled.py: single-state rivals (ReZero, LayerScale, Highway);
@@ -68,7 +68,7 @@ class SchemeInfo:
     (every PreNorm-like scheme) counts 0; schemes that hold more count every
     d-vector they hold (n streams, or each stored source / block output).
     ``options``: the ModelConfig fields this scheme reads and schemes outside its
-    family ignore (``attnres.residual.table`` resets them for the other rows).
+    family ignore (``attnres.model.schemes_table`` resets them for the other rows).
     """
 
     name: str

@@ -11,7 +11,7 @@ import torch
 
 from attnres import AttnResLM, ModelConfig
 from attnres.residual import RESIDUALS, build_residual, sinkhorn
-from attnres.residual.table import DEMO_MODEL, base_params, scheme_config, schemes_table
+from attnres.model.schemes_table import DEMO_MODEL, base_params, scheme_config, schemes_table
 from reference import randomize
 
 BASE = dict(vocab_size=50, d_model=16, n_layers=3, n_heads=2, max_seq_len=16)
