@@ -5,8 +5,9 @@ and variant, one prefill of the prompt, then ``decode_tokens`` single-token
 steps. We report the median prefill throughput, the median per-token decode
 latency and their ratios to `prenorm`.
 
-Residual I/O. Each stream counts the d-vectors per token its residual
-mechanism reads and writes (see the ``_io`` calls in ``attnres/residual``):
+Residual I/O. An ``IOCounter`` observer (``attnres.residual.observe``) counts the
+d-vectors per token the residual mechanism reads and writes, one rule per tensor
+operation of the stream:
 
 - prenorm: h = h + f reads h and f and writes h: 3 per sublayer.
 - two-phase Block AttnRes: Phase 1 reads the n completed blocks once per depth
@@ -34,6 +35,7 @@ import torch
 from attnres.bench.train import variant_config
 from attnres.inference.cache import KVCache
 from attnres.model import AttnResLM, ModelConfig
+from attnres.residual import IOCounter, observing
 
 DEFAULT_VARIANTS = ("prenorm", "block", "block:fused", "full")
 
@@ -80,24 +82,12 @@ def formula(config: ModelConfig) -> str:
 
 def residual_io(model, prompt: torch.Tensor) -> Dict[str, float]:
     """Average d-vectors per token read / written by the residual mechanism per sublayer."""
-    streams = []
-    begin = model.residual.begin
-
-    def tracking(*args, **kwargs):
-        streams.append(begin(*args, **kwargs))
-        return streams[-1]
-
-    model.residual.begin = tracking
-    try:
-        with torch.no_grad():
-            model(prompt[:, :1])
-    finally:
-        del model.residual.begin
-    s = streams[-1]
+    with observing(model.residual, IOCounter()) as counter, torch.no_grad():
+        model(prompt[:, :1])
     L = model.config.n_sublayers
-    reads, writes = sum(s.io_reads[:L]) / L, sum(s.io_writes[:L]) / L
+    reads, writes = sum(counter.reads[:L]) / L, sum(counter.writes[:L]) / L
     return {"reads": reads, "writes": writes, "total": reads + writes,
-            "final_aggregation": s.io_reads[L] + s.io_writes[L]}
+            "final_aggregation": counter.reads[L] + counter.writes[L]}
 
 
 def run(cfg: DecodeBenchConfig) -> dict:

@@ -148,17 +148,12 @@ class AttnResLM(nn.Module):
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
-        if config.attnres_scale_norm_eps:
-            # at init each norm reads c * (sum of its K sources), c = 1/K (softmax) or 1/2 (sigmoid);
-            # RMSNorm(c S) with eps c^2 equals RMSNorm(S) with eps: the PreNorm function exactly
-            def scaled_eps(l: int) -> float:
-                c = 0.5 if config.attnres_kernel == "sigmoid" else 1.0 / self.residual.num_sources(l)
-                return config.norm_eps * c * c
-
-            for i, block in enumerate(self.blocks):
-                block.attn_norm.eps = scaled_eps(2 * i)
-                block.mlp_norm.eps = scaled_eps(2 * i + 1)
-            self.norm.eps = scaled_eps(config.n_sublayers)
+        # a scheme that rescales what a norm reads says by how much its eps must follow (AttnRes'
+        # attnres_scale_norm_eps: exact PreNorm equivalence at init); 1 for every other scheme
+        for i, block in enumerate(self.blocks):
+            block.attn_norm.eps = config.norm_eps * self.residual.norm_eps_scale(2 * i)
+            block.mlp_norm.eps = config.norm_eps * self.residual.norm_eps_scale(2 * i + 1)
+        self.norm.eps = config.norm_eps * self.residual.norm_eps_scale(config.n_sublayers)
         cos, sin = rope_tables(config.head_dim, config.max_seq_len, config.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)

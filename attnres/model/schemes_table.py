@@ -63,11 +63,8 @@ def schemes_table(config: Optional[ModelConfig] = None) -> str:
     for name, info in RESIDUALS.items():
         cfg = scheme_config(config, name)
         extra = info.extra_params(cfg)
-        weight_type = info.weight_type
-        if name == "hyper" and not cfg.hyper_dynamic:
-            weight_type = "static"
         lines.append(
-            f"| {name} | {weight_type} | {info.source} | {extra:,} | {100 * extra / base:.2f}% "
+            f"| {name} | {info.weight_type_of(cfg)} | {info.source} | {extra:,} | {100 * extra / base:.2f}% "
             f"| {info.depth_state(cfg)} | {info.description} |"
         )
     lines += [

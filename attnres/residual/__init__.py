@@ -3,8 +3,14 @@
 Each registry entry says what the scheme is, where it sits in the paper's
 Table 5 classification (weight type: fixed / static / dynamic; source: single
 state / multi-stream / cross-layer), how many parameters it adds, and how much
-depth state it keeps per token (``attnres.model.schemes_table`` renders them all).
+depth state it keeps per token (``attnres.model.schemes_table`` renders them all),
+which ``ModelConfig`` fields it reads and how they are checked. ``ModelConfig`` asks
+this registry about schemes and names none itself: a new scheme is one module and one
+entry here.
 
+- base.py: the interface (``ResidualScheme``, ``Stream``, ``StreamOps``);
+- options.py: scheme options and their validation; observe.py: observers (the depth
+  record, residual I/O counting), kept out of the streams' arithmetic;
 - prenorm.py: the PreNorm baseline; attnres.py: Full and Block AttnRes;
 - scaled.py: single-state rivals (ReZero, LayerScale, Highway);
 - dense.py: cross-layer rivals over block outputs (DenseFormer, MUDD);
@@ -12,18 +18,21 @@ depth state it keeps per token (``attnres.model.schemes_table`` renders them all
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Dict, Tuple
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Mapping, Union
 
-from attnres.residual.attnres import DepthAttentionResidual, source_plan
-from attnres.residual.base import DepthRecord, ResidualScheme, Stream
-from attnres.residual.dense import (DenseFormerResidual, MUDDResidual, denseformer_params,
+from attnres.residual.attnres import (BLOCK_OPTIONS, FULL_OPTIONS, DepthAttentionResidual, block_size,
+                                      group_size, source_plan)
+from attnres.residual.base import ResidualScheme, Stream, StreamOps
+from attnres.residual.dense import (DENSEFORMER_OPTIONS, DenseFormerResidual, MUDDResidual, denseformer_params,
                                     denseformer_state, mudd_params)
-from attnres.residual.hyper import (HyperConnectionResidual, ManifoldHyperConnectionResidual,
-                                    hyper_params, mhc_params, sinkhorn)
+from attnres.residual.hyper import (HYPER_OPTIONS, MHC_OPTIONS, HyperConnectionResidual,
+                                    ManifoldHyperConnectionResidual, hyper_params, mhc_params, sinkhorn)
+from attnres.residual.observe import DepthRecord, DepthRecorder, IOCounter, StreamObserver, observing
+from attnres.residual.options import Option, bad_option, check_scheme_options
 from attnres.residual.prenorm import PreNormResidual
-from attnres.residual.scaled import (HighwayResidual, LayerScaleResidual, ReZeroResidual,
-                                     highway_params, layerscale_params, rezero_params)
+from attnres.residual.scaled import (HIGHWAY_OPTIONS, LAYERSCALE_OPTIONS, HighwayResidual, LayerScaleResidual,
+                                     ReZeroResidual, highway_params, layerscale_params, rezero_params)
 
 
 def _attnres_params(config) -> int:
@@ -55,30 +64,44 @@ def _no_state(config) -> int:
     return 0
 
 
-_ATTNRES_SHARED = ("attnres_weights", "attnres_kernel", "attnres_key_norm", "attnres_heads",
-                   "attnres_impl")
+def _one_block(config) -> int:
+    return config.n_sublayers
+
+
+def _no_groups(config) -> int:
+    return 1
 
 
 @dataclass(frozen=True)
 class SchemeInfo:
-    """A registry entry.
+    """A registry entry: everything the rest of the library knows about a scheme.
 
-    ``depth_state(config)``: the depth state the stream keeps alive between
-    sublayers, per token, in units of d floats. A single running hidden state
-    (every PreNorm-like scheme) counts 0; schemes that hold more count every
-    d-vector they hold (n streams, or each stored source / block output).
-    ``options``: the ModelConfig fields this scheme reads and schemes outside its
-    family ignore (``attnres.model.schemes_table`` resets them for the other rows).
+    ``weight_type``: fixed | static | dynamic (or a function of the config, when an option
+    changes it). ``source``: single state | multi-stream | cross-layer.
+    ``extra_params(config)``: parameters added to the PreNorm model.
+    ``depth_state(config)``: the depth state the stream keeps alive between sublayers, per
+    token, in units of d floats. A single running hidden state (every PreNorm-like scheme)
+    counts 0; schemes that hold more count every d-vector they hold (n streams, or each stored
+    source / block output).
+    ``options``: the ModelConfig fields this scheme reads, each with its check
+    (``attnres.residual.options``); ModelConfig validates through them.
+    ``block_size(config)`` / ``group_size(config)``: S, the sublayers per depth block (L for
+    schemes without blocks), and G, the sublayers sharing one Phase-1 pass (1 without).
     """
 
     name: str
     factory: Callable
     description: str
-    weight_type: str  # fixed | static | dynamic
-    source: str  # single state | multi-stream | cross-layer
-    extra_params: Callable  # config -> int
-    depth_state: Callable = _no_state  # config -> int (d floats per token)
-    options: Tuple[str, ...] = ()
+    weight_type: Union[str, Callable]
+    source: str
+    extra_params: Callable
+    depth_state: Callable = _no_state
+    options: Mapping[str, Option] = field(default_factory=dict)
+    block_size: Callable = _one_block
+    group_size: Callable = _no_groups
+
+    def weight_type_of(self, config) -> str:
+        return self.weight_type(config) if callable(self.weight_type) else self.weight_type
 
 
 RESIDUALS: Dict[str, SchemeInfo] = {
@@ -90,14 +113,14 @@ RESIDUALS: Dict[str, SchemeInfo] = {
     "full": SchemeInfo(
         "full", DepthAttentionResidual,
         "Full AttnRes: softmax attention over the embedding and every earlier sublayer output",
-        "dynamic", "cross-layer", _attnres_params, _full_state,
-        _ATTNRES_SHARED + ("attnres_window",),
+        "dynamic", "cross-layer", _attnres_params, _full_state, FULL_OPTIONS,
+        block_size=lambda config: 1, group_size=group_size,
     ),
     "block": SchemeInfo(
         "block", DepthAttentionResidual,
         "Block AttnRes: attention over N depth-block sums plus the running partial sum",
-        "dynamic", "cross-layer", _attnres_params, lambda config: config.num_blocks + 1,
-        _ATTNRES_SHARED + ("attnres_blocks", "attnres_block_size"),
+        "dynamic", "cross-layer", _attnres_params, lambda config: config.num_blocks + 1, BLOCK_OPTIONS,
+        block_size=block_size,
     ),
     "rezero": SchemeInfo(
         "rezero", ReZeroResidual,
@@ -107,19 +130,18 @@ RESIDUALS: Dict[str, SchemeInfo] = {
     "layerscale": SchemeInfo(
         "layerscale", LayerScaleResidual,
         "LayerScale: h <- h + diag(lambda_l) f, per-channel scales (CaiT init by depth)",
-        "static", "single state", layerscale_params, options=("layerscale_init",),
+        "static", "single state", layerscale_params, options=LAYERSCALE_OPTIONS,
     ),
     "highway": SchemeInfo(
         "highway", HighwayResidual,
         "Highway: h <- (1 - g) h + g f, per-channel gate g = sigmoid(W_g rms(h) + b_g), "
         "b_g = -2",
-        "dynamic", "single state", highway_params, options=("highway_rank",),
+        "dynamic", "single state", highway_params, options=HIGHWAY_OPTIONS,
     ),
     "denseformer": SchemeInfo(
         "denseformer", DenseFormerResidual,
         "DenseFormer: learned scalar depth-weighted average of block outputs after each block",
-        "static", "cross-layer", denseformer_params, denseformer_state,
-        ("denseformer_dilation", "denseformer_period"),
+        "static", "cross-layer", denseformer_params, denseformer_state, DENSEFORMER_OPTIONS,
     ),
     "mudd": SchemeInfo(
         "mudd", MUDDResidual,
@@ -130,16 +152,27 @@ RESIDUALS: Dict[str, SchemeInfo] = {
         "hyper", HyperConnectionResidual,
         "Hyper-Connections: n streams, learned read/mix/write (dynamic DHC; static SHC "
         "with hyper_dynamic=False)",
-        "dynamic", "multi-stream", hyper_params, lambda config: config.hyper_streams,
-        ("hyper_streams", "hyper_dynamic"),
+        lambda config: "dynamic" if config.hyper_dynamic else "static",
+        "multi-stream", hyper_params, lambda config: config.hyper_streams, HYPER_OPTIONS,
     ),
     "mhc": SchemeInfo(
         "mhc", ManifoldHyperConnectionResidual,
         "mHC: hyper-connections with sigmoid read/write and a Sinkhorn doubly stochastic mixer",
-        "dynamic", "multi-stream", mhc_params, lambda config: config.mhc_streams,
-        ("mhc_streams", "mhc_sinkhorn_iters"),
+        "dynamic", "multi-stream", mhc_params, lambda config: config.mhc_streams, MHC_OPTIONS,
     ),
 }
+
+
+def scheme_options() -> Dict[str, Option]:
+    """Every option of every registered scheme (the ModelConfig fields that belong to schemes)."""
+    return {name: option for info in RESIDUALS.values() for name, option in info.options.items()}
+
+
+def validate_scheme(config) -> None:
+    """``config.residual`` names a registered scheme and its options pass their checks."""
+    if config.residual not in RESIDUALS:
+        raise bad_option("residual", config.residual, f"choose one of {sorted(RESIDUALS)}")
+    check_scheme_options(config, RESIDUALS)
 
 
 def build_residual(config) -> ResidualScheme:
@@ -147,8 +180,9 @@ def build_residual(config) -> ResidualScheme:
 
 
 __all__ = [
-    "DenseFormerResidual", "DepthAttentionResidual", "DepthRecord", "HighwayResidual",
-    "HyperConnectionResidual", "LayerScaleResidual", "MUDDResidual",
-    "ManifoldHyperConnectionResidual", "PreNormResidual", "RESIDUALS", "ReZeroResidual",
-    "ResidualScheme", "SchemeInfo", "Stream", "build_residual", "sinkhorn", "source_plan",
+    "DenseFormerResidual", "DepthAttentionResidual", "DepthRecord", "DepthRecorder", "HighwayResidual",
+    "HyperConnectionResidual", "IOCounter", "LayerScaleResidual", "MUDDResidual",
+    "ManifoldHyperConnectionResidual", "Option", "PreNormResidual", "RESIDUALS", "ReZeroResidual",
+    "ResidualScheme", "SchemeInfo", "Stream", "StreamObserver", "StreamOps", "build_residual",
+    "observing", "scheme_options", "sinkhorn", "source_plan", "validate_scheme",
 ]

@@ -20,20 +20,111 @@ Three implementations (``ModelConfig.attnres_impl``), equal to rounding:
   sublayer one Phase-1 op attends all S pseudo-queries of the block to the
   completed blocks at once (its backward also runs once per block); each
   sublayer then merges the partial sum by online softmax. Needs input-independent
-  queries, so input-dependent queries, scalar mixing and windows use ``fused``.
+  queries over every completed source, so input-dependent queries and windows use
+  ``fused``; scalar mixing (no query at all) is a plain weighted sum under any impl.
 - ``fused``: one custom-autograd depth attention per sublayer over buffer views.
 - ``reference``: plain autograd over a stacked source list.
 """
 from __future__ import annotations
 
+import math
 from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 
-from attnres.ops.depth_attention import depth_attention_reference, fused_depth_attention
-from attnres.ops.two_phase import inverse_rms, merge_outputs, merge_partial, phase1_outputs
-from attnres.residual.base import DepthRecord, ResidualScheme, Stream
+from attnres.ops.depth_attention import depth_attention_reference
+from attnres.ops.two_phase import inverse_rms
+from attnres.residual.base import ResidualScheme, Stream
+from attnres.residual.options import Option, boolean, is_positive_int, one_of, positive_int
+
+WEIGHTS = ("pseudo_query", "input_query", "scalar")
+KERNELS = ("softmax", "sigmoid")
+IMPLS = ("two_phase", "fused", "reference")
+DEFAULT_TARGET_BLOCKS = 8  # the paper's N ≈ 8
+
+
+# ----------------------------------------------------------------------------- geometry
+
+
+def block_size(config) -> int:
+    """S for Block AttnRes: ``attnres_block_size``, else ceil(L / ``attnres_blocks``), else the
+    smallest even S giving at most 8 depth blocks (boundaries before attention, the paper's default)."""
+    L = config.n_sublayers
+    if config.attnres_block_size is not None:
+        return config.attnres_block_size
+    if config.attnres_blocks is not None:
+        return math.ceil(L / config.attnres_blocks)
+    s = 2
+    while math.ceil(L / s) > DEFAULT_TARGET_BLOCKS:
+        s += 2
+    return min(s, L)
+
+
+def group_size(config) -> int:
+    """G for Full AttnRes' two-phase schedule: ``attnres_group_size``, else round(sqrt(L))."""
+    if config.attnres_group_size is not None:
+        return config.attnres_group_size
+    return max(1, round(math.sqrt(config.n_sublayers)))
+
+
+# ----------------------------------------------------------------------------- options
+
+
+def _heads(value, config):
+    if not is_positive_int(value):
+        return "must be a positive integer"
+    if config.d_model % value:
+        return f"must divide d_model={config.d_model}"
+    if value > 1 and config.attnres_weights == "scalar":
+        return "scalar mixing has no query to split into heads; use attnres_heads=1"
+    return None
+
+
+def _blocks(n, config):
+    L = config.n_sublayers
+    if config.attnres_block_size is not None:
+        return "give either attnres_blocks (N) or attnres_block_size (S), not both"
+    if not is_positive_int(n):
+        return "must be a positive integer"
+    if n > L:
+        return f"exceeds the number of sublayers L={L} (2 * n_layers); use at most {L}"
+    s = math.ceil(L / n)
+    if math.ceil(L / s) != n:
+        return (f"cannot split L={L} sublayers into {n} blocks of {s} with only the last one shorter; "
+                f"set attnres_block_size instead (S={s} gives {math.ceil(L / s)} blocks)")
+    return None
+
+
+def _block_size(s, config):
+    L = config.n_sublayers
+    if not is_positive_int(s):
+        return "must be an integer >= 1 (sublayers per block)"
+    if s > L:
+        return f"exceeds the number of sublayers L={L}; use at most {L}"
+    return None
+
+
+# read by Full and Block AttnRes; the first five are ignored by every other scheme (so one
+# --set attnres_kernel=sigmoid can apply to a whole prenorm/block/full comparison)
+SHARED_OPTIONS = {
+    "attnres_weights": Option(one_of(*WEIGHTS), exclusive=False),
+    "attnres_kernel": Option(one_of(*KERNELS), exclusive=False),
+    "attnres_key_norm": Option(boolean, exclusive=False),
+    "attnres_heads": Option(_heads, exclusive=False),
+    "attnres_impl": Option(one_of(*IMPLS), exclusive=False),
+    "attnres_scale_norm_eps": Option(boolean),
+}
+FULL_OPTIONS = {
+    **SHARED_OPTIONS,
+    "attnres_window": Option(positive_int("sources kept")),
+    "attnres_group_size": Option(positive_int("sublayers per group")),
+}
+BLOCK_OPTIONS = {
+    **SHARED_OPTIONS,
+    "attnres_blocks": Option(_blocks),
+    "attnres_block_size": Option(_block_size),
+}
 
 
 def source_plan(n_sublayers: int, block_size: int) -> List[Tuple[int, bool]]:
@@ -67,6 +158,7 @@ class DepthAttentionResidual(ResidualScheme):
         self.window = config.attnres_window
         self.eps = config.norm_eps
         self.impl = config.attnres_impl
+        self.scale_norm_eps = config.attnres_scale_norm_eps
         self.plan = source_plan(L, self.block_size)
         # the first sublayer of each sublayer's depth block (the final aggregation is its own block)
         self.block_start = []
@@ -98,11 +190,20 @@ class DepthAttentionResidual(ResidualScheme):
             return 1 + min(self.window, complete - 1)
         return complete + int(partial)
 
-    def begin(self, embedding: Tensor, record: Optional[DepthRecord] = None) -> Stream:
-        return DepthAttentionStream(self, embedding, record)
+    def norm_eps_scale(self, l: int) -> float:
+        """With ``attnres_scale_norm_eps``: c^2, where at init read l returns c times the residual
+        sum (c = 1/K_l for softmax over K_l sources, 1/2 for sigmoid). RMSNorm(c S) with eps c^2
+        is RMSNorm(S) with eps, so a zero-query model computes the PreNorm function exactly."""
+        if not self.scale_norm_eps:
+            return 1.0
+        c = 0.5 if self.kernel == "sigmoid" else 1.0 / self.num_sources(l)
+        return c * c
 
-    def _resume(self, history, state, record):
-        stream = DepthAttentionStream(self, history[0], record)
+    def _begin(self, embedding: Tensor) -> Stream:
+        return DepthAttentionStream(self, embedding)
+
+    def _resume(self, history, state):
+        stream = DepthAttentionStream(self, history[0])
         for row, v in enumerate(history[1:], start=1):
             if stream.buffer is not None:
                 stream._store(row, v)
@@ -112,9 +213,8 @@ class DepthAttentionResidual(ResidualScheme):
 
 
 class DepthAttentionStream(Stream):
-    def __init__(self, scheme: DepthAttentionResidual, embedding: Tensor,
-                 record: Optional[DepthRecord]):
-        super().__init__(scheme.n_sublayers, record)
+    def __init__(self, scheme: DepthAttentionResidual, embedding: Tensor):
+        super().__init__(scheme.n_sublayers)
         self.scheme = scheme
         self.sources: List[Tensor] = [embedding]
         self.partial: Optional[Tensor] = None
@@ -141,9 +241,9 @@ class DepthAttentionStream(Stream):
 
     def _store(self, row: int, v: Tensor) -> None:
         """Write a completed source into the buffer (values, and its inverse RMS once for all readers)."""
-        with torch.no_grad():
-            self.buffer[:, :, row].copy_(v)
-            if self.inv_rms is not None:
+        self.ops.store(self.buffer, row, v)
+        if self.inv_rms is not None:
+            with torch.no_grad():
                 self.inv_rms[:, :, row].copy_(inverse_rms(v, self.scheme.eps))
 
     # ------------------------------------------------------------------ which sources
@@ -188,10 +288,9 @@ class DepthAttentionStream(Stream):
                 queries = queries.view(stop - start, s.heads, -1)
             key_weights = s.key_norm_weight[start:stop] if s.key_norm else None
             inv = self.inv_rms[:, :, :n] if self.inv_rms is not None else None
-            h1, lse = phase1_outputs(self.buffer[:, :, :n], inv, queries, key_weights,
-                                     self.sources[:n], kernel=s.kernel)
+            h1, lse = self.ops.phase1(self.buffer[:, :, :n], inv, queries, key_weights,
+                                      self.sources[:n], kernel=s.kernel)
             self._phase1 = (start, h1, lse)
-            self._io(l, n, stop - start)  # each source read once; one output per query
         _, h1, lse = self._phase1
         i = l - start
         h, lse = h1[i], lse[:, :, i]
@@ -202,14 +301,13 @@ class DepthAttentionStream(Stream):
                 q = q.view(1, s.heads, -1)
             kw = s.key_norm_weight[l:l + 1] if s.key_norm else None
             inv = self.inv_rms[:, :, n:m] if self.inv_rms is not None else None
-            (h2,), lse2 = phase1_outputs(self.buffer[:, :, n:m], inv, q, kw, self.sources[n:m],
-                                         kernel=s.kernel)
-            h, lse = merge_outputs(h, lse, h2, lse2[:, :, 0], s.kernel)
-            self._io(l, (m - n) + 2, 2)  # intra-group sources; both outputs -> merged h
+            (h2,), lse2 = self.ops.phase1(self.buffer[:, :, n:m], inv, q, kw, self.sources[n:m],
+                                          kernel=s.kernel)
+            h, lse = self.ops.merge(h, lse, h2, lse2[:, :, 0], s.kernel)
         if self.partial is None:
             return h.to(self.sources[0].dtype)
-        self._io(l, 2, 1)  # h1 and the partial sum -> h
-        return merge_partial(h, lse, self.partial, s.queries[l], self._key_weight(l), s.eps, s.kernel)
+        return self.ops.merge_partial(h, lse, self.partial, s.queries[l], self._key_weight(l), s.eps,
+                                      s.kernel)
 
     def _aggregate(self, l: int) -> Tensor:
         s = self.scheme
@@ -219,17 +317,16 @@ class DepthAttentionStream(Stream):
             return self._two_phase(l)
         query, key_weight = self._query(l), self._key_weight(l)
         producers = self._producers(l)
-        self._io(l, len(producers), 1)  # every source read, h written
         if self.fused:
             segments = [self.buffer[:, :, a:b] for a, b in self._source_rows(l)]
             if self.partial is not None:
                 segments.append(self.partial.unsqueeze(2))
-            return fused_depth_attention(
+            return self.ops.attend(
                 segments, producers, query, key_weight,
                 eps=s.eps, kernel=s.kernel, normalize_keys=s.key_norm,
             )
         stacked = torch.stack(producers)
-        return depth_attention_reference(
+        return self.ops.attend_reference(
             stacked, query, key_weight, eps=s.eps, kernel=s.kernel, normalize_keys=s.key_norm
         ).h
 
@@ -255,14 +352,11 @@ class DepthAttentionStream(Stream):
         return self._aggregate(l)
 
     def _write(self, l: int, f: Tensor) -> None:
-        if self.partial is not None:
-            self._io(l, 2, 1)  # read the partial sum and f, write the new partial sum
-        self.partial = f if self.partial is None else self.partial + f
+        self.partial = f if self.partial is None else self.ops.accumulate(self.partial, f)
         complete, _ = self.scheme.plan[l + 1]
         if complete > len(self.sources):  # the depth block just closed
             if self.buffer is not None:
                 self._store(len(self.sources), self.partial)
-                self._io(l, 1, 1)  # the block sum copied into the buffer
             self.sources.append(self.partial)
             self.partial = None
 
@@ -272,7 +366,7 @@ class DepthAttentionStream(Stream):
     def _export(self):
         return list(self.sources), ([self.partial] if self.partial is not None else [])
 
-    def _record_weights(self, l: int) -> None:
+    def depth_weights(self, l: int):
         s = self.scheme
         names = [("emb" if i == 0 else (f"v{i}" if s.block_size == 1 else f"b{i}"))
                  for a, b in self._source_rows(l) for i in range(a, b)]
@@ -287,5 +381,4 @@ class DepthAttentionStream(Stream):
                     torch.stack(self._producers(l)), self._query(l), self._key_weight(l),
                     eps=s.eps, kernel=s.kernel, normalize_keys=s.key_norm,
                 ).weights
-        self.record.weights.append(weights.detach().float().cpu())
-        self.record.sources.append(names)
+        return weights, names

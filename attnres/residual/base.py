@@ -19,65 +19,76 @@ Between two sublayers a stream can be handed to another pipeline stage:
 the append-only part of the depth state (the embedding and completed block
 representations): every later sublayer reads it and nothing changes it, so a
 stage that already holds a prefix of it need not receive that prefix again
-(SPEC §7's cross-stage caching). ``state`` is the running part (a partial
+(docs/method.md §7's cross-stage caching). ``state`` is the running part (a partial
 block sum, the hidden state, the extra streams), sent at every transition.
+
+Measurement stays out of the arithmetic: a stream only computes. Observers
+(``attnres.residual.observe``: the depth record, residual I/O counting) attach
+to it and see each read, write and end, and may wrap the tensor operations in
+``stream.ops`` to count what they move.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Tuple
+import operator
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
 
+from attnres.ops.depth_attention import depth_attention_reference, fused_depth_attention
+from attnres.ops.two_phase import merge_outputs, merge_partial, phase1_outputs
 
-@dataclass
-class DepthRecord:
-    """What a stream saw during one forward pass, for analysis (filled when requested).
 
-    ``weights[l]``: depth weights of sublayer l over its sources, [K_l, B, T]
-    (or [K_l, B, T, H] for multi-head); index L is the final aggregation.
-    None for schemes without depth weights. ``sources[l]`` names those
-    sources ("emb", "v3", "b2", "b2~" for a partial block sum).
-    ``input_rms[l]`` / ``output_rms[l]``: root-mean-square of the sublayer's
-    input h_l and output f_l over batch and tokens.
+def store_row(buffer: Tensor, row: int, v: Tensor) -> None:
+    """buffer[:, :, row] = v, outside autograd (the buffer is a read-only view for the ops)."""
+    with torch.no_grad():
+        buffer[:, :, row].copy_(v)
+
+
+@dataclass(frozen=True)
+class StreamOps:
+    """The tensor operations a stream's arithmetic is made of, as one table an observer can wrap.
+
+    ``accumulate(s, f)``: a running sum s + f. ``store(buffer, row, v)``: a completed source copied
+    into a preallocated buffer. The rest are the depth-attention ops of ``attnres.ops``.
     """
 
-    weights: List[Optional[Tensor]] = field(default_factory=list)
-    sources: List[Optional[List[str]]] = field(default_factory=list)
-    input_rms: List[float] = field(default_factory=list)
-    output_rms: List[float] = field(default_factory=list)
+    accumulate: Callable = operator.add
+    store: Callable = store_row
+    phase1: Callable = phase1_outputs
+    merge: Callable = merge_outputs
+    merge_partial: Callable = merge_partial
+    attend: Callable = fused_depth_attention
+    attend_reference: Callable = depth_attention_reference
 
 
-def _rms(x: Tensor) -> float:
-    return x.detach().float().pow(2).mean().sqrt().item()
+PLAIN_OPS = StreamOps()
 
 
 class Stream:
-    """One forward pass through a residual scheme. Subclasses implement _read/_write/_end."""
+    """One forward pass through a residual scheme. Subclasses implement _read/_write/_end/_export.
 
-    def __init__(self, n_sublayers: int, record: Optional[DepthRecord] = None):
+    ``at``: the sublayer being read or written (L during the final aggregation), for observers.
+    """
+
+    ops: StreamOps = PLAIN_OPS
+
+    def __init__(self, n_sublayers: int):
         self.n_sublayers = n_sublayers
-        self.record = record
+        self.observers: List = []
+        self.at = 0
         self._next = 0
         self._reading = False
-        # memory traffic of the residual mechanism, in d-vectors per token, per sublayer (index L:
-        # the final aggregation); see attnres.bench.decode for the counting rules
-        self.io_reads = [0] * (n_sublayers + 1)
-        self.io_writes = [0] * (n_sublayers + 1)
-
-    def _io(self, l: int, reads: int, writes: int) -> None:
-        self.io_reads[l] += reads
-        self.io_writes[l] += writes
 
     def read(self, l: int) -> Tensor:
         if l != self._next or self._reading:
             raise RuntimeError(f"stream.read({l}) out of order: expected read({self._next})")
         self._reading = True
+        self.at = l
         h = self._read(l)
-        if self.record is not None:
-            self.record.input_rms.append(_rms(h))
-            self._record_weights(l)
+        for observer in self.observers:
+            observer.after_read(self, l, h)
         return h
 
     def write(self, l: int, f: Tensor) -> None:
@@ -85,15 +96,17 @@ class Stream:
             raise RuntimeError(f"stream.write({l}) out of order: expected read({self._next}) first")
         self._reading = False
         self._next += 1
-        if self.record is not None:
-            self.record.output_rms.append(_rms(f))
+        self.at = l
+        for observer in self.observers:
+            observer.before_write(self, l, f)
         self._write(l, f)
 
     def end(self) -> Tensor:
         if self._next != self.n_sublayers:
             raise RuntimeError(f"stream.end() after {self._next} of {self.n_sublayers} sublayers")
-        if self.record is not None:
-            self._record_weights(self.n_sublayers)
+        self.at = self.n_sublayers
+        for observer in self.observers:
+            observer.before_end(self)
         return self._end()
 
     def export(self) -> Tuple[List[Tensor], List[Tensor]]:
@@ -108,6 +121,12 @@ class Stream:
         0 for single-state schemes."""
         return 0
 
+    def depth_weights(self, l: int) -> Optional[Tuple[Tensor, List[str]]]:
+        """The depth weights sublayer l (L = the final aggregation) reads its sources with, [K, B, T]
+        (or [K, B, T, H]), and the sources' names; None for schemes without depth weights. Called
+        between read(l) and write(l), or just before end()."""
+        return None
+
     # -- to implement
     def _read(self, l: int) -> Tensor:
         raise NotImplementedError
@@ -121,27 +140,48 @@ class Stream:
     def _export(self) -> Tuple[List[Tensor], List[Tensor]]:
         raise NotImplementedError
 
-    def _record_weights(self, l: int) -> None:
-        """Append the depth weights used by sublayer l (L = final) to the record."""
-        self.record.weights.append(None)
-        self.record.sources.append(None)
-
 
 class ResidualScheme(nn.Module):
-    """Base class of residual schemes: owns parameters, starts streams."""
+    """Base class of residual schemes: owns parameters, starts streams.
 
-    def begin(self, embedding: Tensor, record: Optional[DepthRecord] = None) -> Stream:
-        raise NotImplementedError
+    Subclasses implement ``_begin(embedding)`` and ``_resume(history, state)``; ``begin`` and
+    ``resume`` attach the observers (``record``, and those registered with
+    ``attnres.residual.observe.observing``).
+    """
 
-    def resume(self, at: int, history: Sequence[Tensor], state: Sequence[Tensor],
-               record: Optional[DepthRecord] = None) -> Stream:
+    def __init__(self):
+        super().__init__()
+        self.observers: List = []  # attached to every stream this scheme starts
+
+    def begin(self, embedding: Tensor, record=None) -> Stream:
+        """Start a forward pass at the embedding. ``record``: a ``DepthRecord`` to fill."""
+        return self._observed(self._begin(embedding), record)
+
+    def resume(self, at: int, history: Sequence[Tensor], state: Sequence[Tensor], record=None) -> Stream:
         """Continue, at sublayer ``at``, a stream that another stage exported after sublayer at - 1."""
-        stream = self._resume(list(history), list(state), record)
-        stream._next = at
+        stream = self._resume(list(history), list(state))
+        stream._next = stream.at = at
+        return self._observed(stream, record)
+
+    def _observed(self, stream: Stream, record) -> Stream:
+        from attnres.residual.observe import DepthRecorder
+
+        for observer in self.observers:
+            observer.attach(stream)
+        if record is not None:
+            DepthRecorder(record).attach(stream)
         return stream
 
-    def _resume(self, history: List[Tensor], state: List[Tensor], record: Optional[DepthRecord]) -> Stream:
+    def _begin(self, embedding: Tensor) -> Stream:
         raise NotImplementedError
+
+    def _resume(self, history: List[Tensor], state: List[Tensor]) -> Stream:
+        raise NotImplementedError
+
+    def norm_eps_scale(self, l: int) -> float:
+        """Factor on the eps of the norm that reads sublayer l's input (l = L: the final norm); 1
+        unless a scheme rescales its reads (AttnRes' ``attnres_scale_norm_eps``)."""
+        return 1.0
 
     def no_weight_decay(self) -> List[str]:
         """Names (relative to this module) of parameters the trainer must not decay: all of ours."""

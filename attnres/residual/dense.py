@@ -36,14 +36,22 @@ with Y_{L_b} (the last block's average), which goes to the final norm.
 from __future__ import annotations
 
 import math
-from typing import List, Optional
+from typing import List
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnres.residual.base import DepthRecord, ResidualScheme, Stream
+from attnres.residual.base import ResidualScheme, Stream
+from attnres.residual.options import Option, positive_int
 from attnres.residual.scaled import unit_rms
+
+DENSEFORMER_OPTIONS = {
+    "denseformer_dilation": Option(positive_int("blocks between connected outputs",
+                                                lambda c: c.n_layers, "n_layers")),
+    "denseformer_period": Option(positive_int("blocks between two averagings",
+                                              lambda c: c.n_layers, "n_layers")),
+}
 
 
 def dwa_blocks(config) -> List[int]:
@@ -60,8 +68,8 @@ def dwa_sources(block: int, dilation: int) -> List[int]:
 class _BlockOutputStream(Stream):
     """Running state plus the list of block outputs; the scheme averages after each block."""
 
-    def __init__(self, scheme: "_BlockAveraging", embedding: Tensor, record: Optional[DepthRecord]):
-        super().__init__(scheme.n_sublayers, record)
+    def __init__(self, scheme: "_BlockAveraging", embedding: Tensor):
+        super().__init__(scheme.n_sublayers)
         self.scheme = scheme
         self.h = embedding
         self.outputs: List[Tensor] = [embedding]  # X_0, X_1, …
@@ -95,11 +103,11 @@ class _BlockAveraging(ResidualScheme):
     def average(self, block: int, outputs: List[Tensor]) -> Tensor:
         raise NotImplementedError
 
-    def begin(self, embedding: Tensor, record: Optional[DepthRecord] = None) -> Stream:
-        return _BlockOutputStream(self, embedding, record)
+    def _begin(self, embedding: Tensor) -> Stream:
+        return _BlockOutputStream(self, embedding)
 
-    def _resume(self, history, state, record):
-        stream = _BlockOutputStream(self, state[0], record)
+    def _resume(self, history, state):
+        stream = _BlockOutputStream(self, state[0])
         stream.outputs = history
         return stream
 

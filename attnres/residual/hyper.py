@@ -62,16 +62,20 @@ step 0 computes exactly the ``prenorm`` function (up to norm eps).
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import Tensor, nn
 
-from attnres.residual.base import DepthRecord, ResidualScheme, Stream
+from attnres.residual.base import ResidualScheme, Stream
+from attnres.residual.options import Option, boolean, positive_int
 from attnres.residual.scaled import unit_rms
 
 HC_DYNAMIC_SCALE_INIT = 0.01
 MHC_INIT = dict(alpha=0.01, pre_on=2.0, pre_off=-2.0, post=0.0, res_diag=0.0, res_off=-2.0)
+
+HYPER_OPTIONS = {"hyper_streams": Option(positive_int("number of residual streams")),
+                 "hyper_dynamic": Option(boolean)}
+MHC_OPTIONS = {"mhc_streams": Option(positive_int("number of residual streams")),
+               "mhc_sinkhorn_iters": Option(positive_int("Sinkhorn-Knopp iterations"))}
 
 
 def sinkhorn(logits: Tensor, iters: int) -> Tensor:
@@ -92,8 +96,8 @@ def sinkhorn(logits: Tensor, iters: int) -> Tensor:
 class MultiStream(Stream):
     """n streams [n, B, T, D]; the scheme supplies per-sublayer coefficients."""
 
-    def __init__(self, scheme: "_MultiStreamScheme", embedding: Tensor, record: Optional[DepthRecord]):
-        super().__init__(scheme.n_sublayers, record)
+    def __init__(self, scheme: "_MultiStreamScheme", embedding: Tensor):
+        super().__init__(scheme.n_sublayers)
         self.scheme = scheme
         self.H = embedding.unsqueeze(0).expand(scheme.n_streams, *embedding.shape)
         self._coeffs = None
@@ -142,11 +146,11 @@ class _MultiStreamScheme(ResidualScheme):
         [B, T, n, n] with res[k, j] = weight of old stream j in new stream k."""
         raise NotImplementedError
 
-    def begin(self, embedding: Tensor, record: Optional[DepthRecord] = None) -> Stream:
-        return MultiStream(self, embedding, record)
+    def _begin(self, embedding: Tensor) -> Stream:
+        return MultiStream(self, embedding)
 
-    def _resume(self, history, state, record):
-        stream = MultiStream(self, state[0][0], record)
+    def _resume(self, history, state):
+        stream = MultiStream(self, state[0][0])
         stream.H = state[0]
         return stream
 

@@ -23,14 +23,31 @@ sublayer's own pre-norm stays in the model.
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 from torch import Tensor, nn
 
-from attnres.residual.base import DepthRecord, ResidualScheme, Stream
+from attnres.residual.base import ResidualScheme, Stream
+from attnres.residual.options import Option
 
 HIGHWAY_BIAS_INIT = -2.0
+
+
+def _layerscale_init(v, config):
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
+        return "must be a positive number (or None for CaiT's depth rule)"
+    return None
+
+
+def _highway_rank(r, config):
+    if isinstance(r, bool) or not isinstance(r, int) or not 1 <= r < config.d_model:
+        return (f"must be an integer in [1, {config.d_model - 1}] (below d_model={config.d_model}); "
+                "use None for a full-rank gate")
+    return None
+
+
+LAYERSCALE_OPTIONS = {"layerscale_init": Option(_layerscale_init)}
+HIGHWAY_OPTIONS = {"highway_rank": Option(_highway_rank)}
 
 
 def layerscale_init_value(config) -> float:
@@ -52,8 +69,8 @@ def unit_rms(x: Tensor, eps: float) -> Tensor:
 class _SingleStateStream(Stream):
     """One running state h; ``update(l, h, f)`` returns the new state."""
 
-    def __init__(self, scheme: "ResidualScheme", embedding: Tensor, record: Optional[DepthRecord]):
-        super().__init__(scheme.n_sublayers, record)
+    def __init__(self, scheme: "ResidualScheme", embedding: Tensor):
+        super().__init__(scheme.n_sublayers)
         self.scheme = scheme
         self.h = embedding
 
@@ -80,11 +97,11 @@ class _SingleStateScheme(ResidualScheme):
     def update(self, l: int, h: Tensor, f: Tensor) -> Tensor:
         raise NotImplementedError
 
-    def begin(self, embedding: Tensor, record: Optional[DepthRecord] = None) -> Stream:
-        return _SingleStateStream(self, embedding, record)
+    def _begin(self, embedding: Tensor) -> Stream:
+        return _SingleStateStream(self, embedding)
 
-    def _resume(self, history, state, record):
-        return _SingleStateStream(self, state[0], record)
+    def _resume(self, history, state):
+        return _SingleStateStream(self, state[0])
 
 
 class ReZeroResidual(_SingleStateScheme):

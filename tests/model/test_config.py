@@ -17,7 +17,7 @@ BAD = [
     ({"attnres_block_size": 0}, "attnres_block_size", ">= 1"),
     ({"attnres_block_size": 17}, "attnres_block_size", "exceeds"),
     ({"attnres_blocks": 4, "attnres_block_size": 4}, "attnres_blocks", "not both"),
-    ({"residual": "full", "attnres_blocks": 4}, "residual", "only apply to residual='block'"),
+    ({"residual": "full", "attnres_blocks": 4}, "attnres_blocks", "residual='block' only"),
     ({"attnres_window": 4}, "attnres_window", "residual='full' only"),
     ({"residual": "full", "attnres_window": 0}, "attnres_window", "positive integer"),
     ({"attnres_heads": 3}, "attnres_heads", "divide d_model"),
@@ -68,3 +68,30 @@ def test_model_validates_a_mutated_config():
     cfg.residual = "nope"
     with pytest.raises(ValueError, match="ModelConfig.residual='nope'"):
         AttnResLM(cfg)
+
+
+def test_scheme_options_are_config_fields_and_the_config_names_no_scheme():
+    """The registry defines a scheme's options; ModelConfig only asks it (no scheme names in config.py)."""
+    import ast
+    import dataclasses
+    import inspect
+
+    import attnres.model.config as config_module
+    from attnres.residual import RESIDUALS, scheme_options
+
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    assert set(scheme_options()) <= fields
+    functions = [node for node in ast.walk(ast.parse(inspect.getsource(config_module)))
+                 if isinstance(node, ast.FunctionDef)]
+    literals = {node.value for f in functions for node in ast.walk(f)
+                if isinstance(node, ast.Constant) and isinstance(node.value, str)}
+    assert not literals & set(RESIDUALS), "ModelConfig's code names a scheme: ask the registry instead"
+
+
+def test_an_option_shared_by_two_schemes_names_both():
+    with pytest.raises(ValueError, match="applies to residual='full' or 'block' only"):
+        ModelConfig(residual="prenorm", attnres_scale_norm_eps=True)
+    # the shared behaviour options are ignored (not rejected) by other schemes, but still checked
+    assert ModelConfig(residual="prenorm", attnres_kernel="sigmoid").attnres_kernel == "sigmoid"
+    with pytest.raises(ValueError, match="ModelConfig.attnres_kernel='relu'"):
+        ModelConfig(residual="prenorm", attnres_kernel="relu")

@@ -192,14 +192,16 @@ def test_registry_lists_every_scheme():
     assert set(RIVALS) | {"prenorm", "full", "block"} == set(RESIDUALS)
     for name, info in RESIDUALS.items():
         assert info.name == name and info.description
-        assert info.weight_type in ("fixed", "static", "dynamic")
+        assert info.weight_type_of(ModelConfig(residual=name)) in ("fixed", "static", "dynamic")
         assert info.source in ("single state", "multi-stream", "cross-layer")
     table5 = {"rezero": ("static", "single state"), "layerscale": ("static", "single state"),
               "highway": ("dynamic", "single state"), "denseformer": ("static", "cross-layer"),
               "mudd": ("dynamic", "cross-layer"), "hyper": ("dynamic", "multi-stream"),
               "mhc": ("dynamic", "multi-stream")}
     for name, (weight, source) in table5.items():
-        assert (RESIDUALS[name].weight_type, RESIDUALS[name].source) == (weight, source)
+        info = RESIDUALS[name]
+        assert (info.weight_type_of(ModelConfig(residual=name)), info.source) == (weight, source)
+    assert RESIDUALS["hyper"].weight_type_of(ModelConfig(residual="hyper", hyper_dynamic=False)) == "static"
 
 
 @pytest.mark.parametrize("residual,overrides", VARIANTS, ids=IDS)

@@ -1,0 +1,153 @@
+"""Observers: what is measured about a residual stream, kept out of its arithmetic.
+
+An observer attaches to a stream (``attach``) and is called after each read, before each
+write and before the end. Two ship with the library:
+
+- ``DepthRecorder`` fills a ``DepthRecord`` (depth weights, source names, input/output RMS):
+  ``model(ids, return_record=True)`` uses it.
+- ``IOCounter`` counts the residual mechanism's memory traffic, in d-vectors per token, per
+  sublayer, by wrapping the stream's tensor operations (``Stream.ops``). The rules, one per
+  operation, are those of paper Table 1 (docs/method.md §6):
+
+  ======================  ===================================  =========================
+  operation               reads                                writes
+  ======================  ===================================  =========================
+  accumulate (s + f)      2 (s and f)                          1
+  store (into a buffer)   1                                    1
+  phase1                  the n completed sources, once        one output per query (S)
+  merge (two outputs)     2                                    1
+  merge_partial           2 (the Phase-1 output, the partial)  1
+  attend (one query)      every source it reads                1
+  ======================  ===================================  =========================
+
+  Counts land on the sublayer being read or written (index L: the final aggregation).
+
+``with observing(model.residual, IOCounter()) as counter: model(x)`` attaches observers to
+every stream the scheme starts inside the block.
+"""
+from __future__ import annotations
+
+import dataclasses
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
+
+from torch import Tensor
+
+
+@dataclass
+class DepthRecord:
+    """What a stream saw during one forward pass, for analysis (filled when requested).
+
+    ``weights[l]``: depth weights of sublayer l over its sources, [K_l, B, T]
+    (or [K_l, B, T, H] for multi-head); index L is the final aggregation.
+    None for schemes without depth weights. ``sources[l]`` names those
+    sources ("emb", "v3", "b2", "b2~" for a partial block sum).
+    ``input_rms[l]`` / ``output_rms[l]``: root-mean-square of the sublayer's
+    input h_l and output f_l over batch and tokens.
+    """
+
+    weights: List[Optional[Tensor]] = field(default_factory=list)
+    sources: List[Optional[List[str]]] = field(default_factory=list)
+    input_rms: List[float] = field(default_factory=list)
+    output_rms: List[float] = field(default_factory=list)
+
+
+def _rms(x: Tensor) -> float:
+    return x.detach().float().pow(2).mean().sqrt().item()
+
+
+class StreamObserver:
+    """Base class: every hook does nothing."""
+
+    def attach(self, stream) -> None:
+        stream.observers.append(self)
+
+    def after_read(self, stream, l: int, h: Tensor) -> None:
+        pass
+
+    def before_write(self, stream, l: int, f: Tensor) -> None:
+        pass
+
+    def before_end(self, stream) -> None:
+        pass
+
+
+class DepthRecorder(StreamObserver):
+    """Fills ``record`` with the stream's depth weights and the RMS of every sublayer input/output."""
+
+    def __init__(self, record: DepthRecord):
+        self.record = record
+
+    def _weights(self, stream, l: int) -> None:
+        found = stream.depth_weights(l)
+        weights, names = found if found is not None else (None, None)
+        self.record.weights.append(None if weights is None else weights.detach().float().cpu())
+        self.record.sources.append(names)
+
+    def after_read(self, stream, l, h):
+        self.record.input_rms.append(_rms(h))
+        self._weights(stream, l)
+
+    def before_write(self, stream, l, f):
+        self.record.output_rms.append(_rms(f))
+
+    def before_end(self, stream):
+        self._weights(stream, stream.n_sublayers)
+
+
+def _vectors(t: Tensor) -> int:
+    """d-vectors per token in a source tensor: [B, T, D] is 1, [B, T, n, D] is n."""
+    return 1 if t.dim() == 3 else t.shape[2]
+
+
+# operation name -> (args, kwargs) -> (reads, writes), in d-vectors per token
+IO_RULES: Dict[str, Callable[..., Tuple[int, int]]] = {
+    "accumulate": lambda s, f: (2, 1),
+    "store": lambda buffer, row, v: (1, 1),
+    "phase1": lambda values, inv_rms, queries, *rest, **kw: (_vectors(values), queries.shape[0]),
+    "merge": lambda *args, **kw: (2, 1),
+    "merge_partial": lambda *args, **kw: (2, 1),
+    "attend": lambda segments, producers, *rest, **kw: (len(producers), 1),
+    "attend_reference": lambda sources, *rest, **kw: (sources.shape[0], 1),
+}
+
+
+class IOCounter(StreamObserver):
+    """Residual I/O per sublayer (``reads[l]``, ``writes[l]``; index L: the final aggregation),
+    in d-vectors per token, of the last stream it was attached to."""
+
+    def __init__(self):
+        self.reads: List[int] = []
+        self.writes: List[int] = []
+
+    def attach(self, stream) -> None:
+        super().attach(stream)
+        self.reads = [0] * (stream.n_sublayers + 1)
+        self.writes = [0] * (stream.n_sublayers + 1)
+        wrapped = {f.name: self._counting(stream, f.name, getattr(stream.ops, f.name))
+                   for f in dataclasses.fields(stream.ops)}
+        stream.ops = dataclasses.replace(stream.ops, **wrapped)
+
+    def _counting(self, stream, name: str, op: Callable) -> Callable:
+        rule = IO_RULES[name]
+
+        def counted(*args, **kwargs):
+            reads, writes = rule(*args, **kwargs)
+            self.reads[stream.at] += reads
+            self.writes[stream.at] += writes
+            return op(*args, **kwargs)
+
+        return counted
+
+
+@contextmanager
+def observing(scheme, *observers: StreamObserver) -> Iterator:
+    """Attach ``observers`` to every stream ``scheme`` starts inside the block; yields the first one
+    (or all of them, given several)."""
+    scheme.observers.extend(observers)
+    try:
+        yield observers[0] if len(observers) == 1 else observers
+    finally:
+        for observer in observers:
+            scheme.observers.remove(observer)
