@@ -18,7 +18,7 @@ def add_parser(sub) -> None:
         "config in one process, with ratios to prenorm, and peak memory from a fresh process per "
         "variant. bench op: the depth-attention op alone against this machine's copy bandwidth. bench "
         "decode: KV-cached prefill throughput and per-token decode latency, and the residual I/O per "
-        "sublayer beside SPEC Table 1. bench pipeline (under torchrun): pipeline traffic and step time "
+        "sublayer beside the paper's Table 1 (docs/method.md §6). bench pipeline (under torchrun): pipeline traffic and step time "
         "with and without cross-stage caching."))
     p.add_argument("what", choices=tuple(BENCHES))
     p.add_argument("--quick", action="store_true", help="a smaller config (under 2 minutes on 2 cores)")

@@ -11,7 +11,7 @@ no ``trust_remote_code``:
 - :class:`AttnResConfig`, :class:`AttnResForCausalLM`: the config and the causal LM
   (``save_pretrained`` / ``from_pretrained`` / ``generate``), wrapping ``attnres.AttnResLM``;
 - :func:`convert_to_attnres`: retrofit a pretrained LLaMA / Mistral / Qwen2 causal LM into
-  AttnRes with the same logits (zero-initialised queries, SPEC §3);
+  AttnRes with the same logits (zero-initialised queries, docs/method.md §3);
 - :func:`native_to_hf` / :func:`hf_to_native`: the trainer's checkpoints <-> this format;
 - :func:`source_kind` / :func:`convert_directory`: what a model directory holds, and converting it
   (the ``attnres convert`` command).

@@ -1,6 +1,6 @@
 """Retrofitting: pretrained LLaMA-family causal LMs -> AttnRes; and native tokenizers as HF ones.
 
-Retrofitting (SPEC §3). With zero pseudo-queries every depth weight is
+Retrofitting (docs/method.md §3). With zero pseudo-queries every depth weight is
 uniform, so sublayer l reads the mean S_l / K_l of its K_l sources, where S_l
 is exactly the PreNorm residual sum of the source model. The sublayer's
 RMSNorm removes the 1/K_l:

@@ -55,7 +55,7 @@ class TrainConfig:
     vpp: int = 1  # virtual stages per pipeline rank (chunks = pp * vpp)
     pp_schedule: str = "1F1B"  # GPipe | 1F1B | Interleaved1F1B | LoopedBFS
     microbatches: Optional[int] = None  # pipeline microbatches per batch (None: pp * vpp)
-    pp_cache: bool = True  # cross-stage caching of block representations (SPEC §7)
+    pp_cache: bool = True  # cross-stage caching of block representations (docs/method.md §7)
     dist_timeout: float = 600.0  # seconds a collective may wait before the job fails
 
     def __post_init__(self):

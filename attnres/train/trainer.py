@@ -201,7 +201,7 @@ class Trainer:
                 f"{len(self.data.train_names)} train / {len(self.data.val_names)} validation documents{layout}")
 
     def pipeline_traffic(self) -> Optional[str]:
-        """The pipeline's bytes on the wire next to SPEC §7 (``attnres.parallel.report``); None without a
+        """The pipeline's bytes on the wire next to docs/method.md §7 (``attnres.parallel.report``); None without a
         pipeline or before any step. Collective: every rank of a pipeline run calls it."""
         if self.cfg.pp == 1:
             return None
