@@ -28,12 +28,13 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List
+from typing import Dict, List, Union
 
 import torch
 
-from attnres.bench.train import variant_config
+from attnres.bench.train import COMPILED, split_compiled, variant_config
 from attnres.inference.cache import KVCache
+from attnres.inference.compiled import CompiledDecoder
 from attnres.model import AttnResLM, ModelConfig
 from attnres.residual import IOCounter, observing
 
@@ -54,6 +55,9 @@ class DecodeBenchConfig:
     seed: int = 0
     device: str = "cpu"
     variants: List[str] = field(default_factory=lambda: list(DEFAULT_VARIANTS))
+    # with compile (true: inductor, or a backend name) every variant also decodes through a compiled
+    # step over a static KV cache (attnres.inference.compiled), as the row "VARIANT compiled"
+    compile: Union[bool, str] = False
 
     @classmethod
     def quick(cls) -> "DecodeBenchConfig":
@@ -97,44 +101,62 @@ def run(cfg: DecodeBenchConfig) -> dict:
     g = torch.Generator().manual_seed(cfg.seed)
     prompt = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.prompt_len), generator=g).to(device)
     nxt = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.decode_tokens), generator=g).to(device)
-    models = {}
+    models, decoders = {}, {}
     for v in cfg.variants:
         torch.manual_seed(cfg.seed)
         models[v] = AttnResLM(model_config(cfg, v)).to(device).eval()
-    prefill: Dict[str, List[float]] = {v: [] for v in cfg.variants}
-    decode: Dict[str, List[float]] = {v: [] for v in cfg.variants}
+        if cfg.compile:  # the same weights, decoded through a compiled step
+            decoders[v + COMPILED] = CompiledDecoder(models[v], cfg.batch_size, setting=cfg.compile)
+    rows_timed = list(models) + list(decoders)
+    prefill: Dict[str, List[float]] = {v: [] for v in rows_timed}
+    decode: Dict[str, List[float]] = {v: [] for v in rows_timed}
+    warmup: Dict[str, float] = {}
+
+    def session(v):
+        """(the cache to reset, the callable that runs tokens through it) of a row."""
+        if v in decoders:
+            return decoders[v].cache, decoders[v]
+        cache = KVCache.for_model(models[v], cfg.batch_size)
+        return cache, (lambda ids, model=models[v], cache=cache: model(ids, cache=cache))
 
     def sync():
         if device.type == "cuda":
             torch.cuda.synchronize()
 
     with torch.no_grad():
-        for rep in range(cfg.repeats + 1):  # the first round warms up
-            for v, model in models.items():
-                cache = KVCache.for_model(model, cfg.batch_size)
+        for rep in range(cfg.repeats + 1):  # the first round warms up (and compiles)
+            for v in rows_timed:
+                cache, step = session(v)
+                cache.reset()
                 sync()
                 t0 = time.perf_counter()
-                model(prompt, cache=cache)
+                step(prompt)
                 sync()
                 t1 = time.perf_counter()
                 steps = []
                 for i in range(cfg.decode_tokens):
                     s0 = time.perf_counter()
-                    model(nxt[:, i:i + 1], cache=cache)
+                    step(nxt[:, i:i + 1])
                     sync()
                     steps.append(time.perf_counter() - s0)
                 if rep:
                     prefill[v].append(t1 - t0)
                     decode[v].extend(steps)
-    base_prefill = statistics.median(prefill["prenorm"])
-    base_decode = statistics.median(decode["prenorm"])
+                else:
+                    warmup[v] = time.perf_counter() - t0
+
+    def baseline(v):  # eager rows against eager prenorm, compiled against compiled
+        return "prenorm" + (COMPILED if split_compiled(v)[1] else "")
+
     rows = {}
-    for v, model in models.items():
+    for v in rows_timed:
+        model = models[split_compiled(v)[0]]
         p, d = statistics.median(prefill[v]), statistics.median(decode[v])
         q = statistics.quantiles(decode[v], n=4)
         rows[v] = {"prefill_ms": p * 1e3, "prefill_tokens_per_s": cfg.batch_size * cfg.prompt_len / p,
-                   "prefill_ratio": p / base_prefill, "decode_ms": d * 1e3, "decode_ms_p25": q[0] * 1e3,
-                   "decode_ms_p75": q[2] * 1e3, "decode_ratio": d / base_decode,
+                   "prefill_ratio": p / statistics.median(prefill[baseline(v)]), "decode_ms": d * 1e3,
+                   "decode_ms_p25": q[0] * 1e3, "decode_ms_p75": q[2] * 1e3,
+                   "decode_ratio": d / statistics.median(decode[baseline(v)]), "warmup_s": warmup[v],
                    "io": residual_io(model, prompt), "io_formula": formula(model.config)}
     return {"config": cfg.__dict__, "threads": torch.get_num_threads(), "torch": torch.__version__,
             "rows": rows}
@@ -149,15 +171,21 @@ def format_table(result: dict) -> str:
         f"{c['repeats']} repeats",
         "",
         "| variant | prefill tokens/s | prefill time vs prenorm | decode ms/token (p25-p75) | decode vs prenorm | "
-        "residual I/O per sublayer (reads + writes, d/token) | Table 1 formula |",
-        "|---|---:|---:|---:|---:|---:|---|",
+        "warm-up s | residual I/O per sublayer (reads + writes, d/token) | Table 1 formula |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for v, r in result["rows"].items():
         io = r["io"]
         lines.append(
             f"| {v} | {r['prefill_tokens_per_s']:,.0f} | {r['prefill_ratio']:.3f} | {r['decode_ms']:.2f} "
             f"({r['decode_ms_p25']:.2f}-{r['decode_ms_p75']:.2f}) | {r['decode_ratio']:.3f} | "
+            f"{r.get('warmup_s', float('nan')):.1f} | "
             f"{io['reads']:.2f} + {io['writes']:.2f} = {io['total']:.2f} | {r['io_formula']} |")
     lines += ["", "`block` is two-phase (the default); `block:fused` attends per sublayer over every "
-              "source (naive). I/O counting rules: attnres/bench/decode.py."]
+              "source (naive). I/O counting rules: attnres/bench/decode.py. Warm-up: the first (untimed) "
+              "prefill and decode round."]
+    if c.get("compile"):
+        lines.append("`X compiled`: prefill and one-token steps through one compiled forward over a static KV "
+                     "cache (attnres.inference.compiled), compared with compiled prenorm; its warm-up "
+                     "includes the two compilations (prompt shape, one token).")
     return "\n".join(lines)

@@ -22,12 +22,13 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 
 from attnres.model import AttnResLM, ModelConfig
+from attnres.model.compile import compile_model
 from attnres.train.optim import build_optimizer
 
 DEFAULT_VARIANTS = ("prenorm", "block", "full", "block:reference", "full:reference")
@@ -50,6 +51,10 @@ class BenchConfig:
     device: str = "cpu"
     variants: List[str] = field(default_factory=lambda: list(DEFAULT_VARIANTS))
     memory: bool = True  # measure peak memory (one fresh process per variant)
+    # with compile (true: inductor, or a backend name) every variant also runs compiled, in the same
+    # process and round-robin, as the row "VARIANT compiled" (ratios: compiled to compiled prenorm)
+    compile: Union[bool, str] = False
+    activation_checkpointing: str = "none"  # none | block | sublayer, for every variant
 
     @classmethod
     def quick(cls) -> "BenchConfig":
@@ -75,10 +80,27 @@ def model_config(cfg: BenchConfig, variant: str) -> ModelConfig:
                           n_layers=cfg.n_layers, n_heads=cfg.n_heads, max_seq_len=cfg.seq_len)
 
 
-def _setup(cfg: BenchConfig, variant: str):
+COMPILED = " compiled"  # the suffix of a compiled variant's row
+
+
+def split_compiled(row: str) -> Tuple[str, bool]:
+    """'block compiled' -> ('block', True); 'block' -> ('block', False)."""
+    return (row[:-len(COMPILED)], True) if row.endswith(COMPILED) else (row, False)
+
+
+def rows_of(cfg: BenchConfig) -> List[str]:
+    """The timed rows: every variant eager, then (with compile) every variant compiled."""
+    return list(cfg.variants) + ([v + COMPILED for v in cfg.variants] if cfg.compile else [])
+
+
+def _setup(cfg: BenchConfig, row: str):
+    variant, compiled = split_compiled(row)
     torch.manual_seed(cfg.seed)
     device = torch.device(cfg.device)
     model = AttnResLM(model_config(cfg, variant)).to(device)
+    model.set_activation_checkpointing(cfg.activation_checkpointing)
+    if compiled:
+        compile_model(model, cfg.compile)
     # The trainer's grouping (Muon on matrices, AdamW on the rest); the lr is irrelevant to timing.
     opt = build_optimizer(model, cfg.optimizer, lr=1e-4, weight_decay=0.0)
     g = torch.Generator().manual_seed(cfg.seed)
@@ -99,12 +121,18 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def time_variants(cfg: BenchConfig) -> Dict[str, List[float]]:
-    setups = {v: _setup(cfg, v) for v in cfg.variants}
+def time_variants(cfg: BenchConfig) -> Tuple[Dict[str, List[float]], Dict[str, float]]:
+    """Step times per row (round-robin repeats) and each row's warm-up seconds (for a compiled row:
+    compilation, in the first step, and the second step's recompilation if any)."""
+    setups = {v: _setup(cfg, v) for v in rows_of(cfg)}
+    warmup: Dict[str, float] = {}
     for v, (model, opt, x, y) in setups.items():
+        t0 = time.perf_counter()
         for _ in range(cfg.warmup):
             _step(model, opt, x, y)
-    times: Dict[str, List[float]] = {v: [] for v in cfg.variants}
+        _sync(cfg.device)
+        warmup[v] = time.perf_counter() - t0
+    times: Dict[str, List[float]] = {v: [] for v in setups}
     for _ in range(cfg.repeats):
         for v, (model, opt, x, y) in setups.items():
             _sync(cfg.device)
@@ -113,7 +141,7 @@ def time_variants(cfg: BenchConfig) -> Dict[str, List[float]]:
                 _step(model, opt, x, y)
             _sync(cfg.device)
             times[v].append((time.perf_counter() - t0) / cfg.steps_per_repeat)
-    return times
+    return times, warmup
 
 
 def _rss_mib() -> float:
@@ -157,10 +185,19 @@ def memory_probe(cfg: BenchConfig, variant: str) -> dict:
                 "step_peak_mib": peak - base}
     base = _rss_mib()
     base_hwm = _peak_rss_mib()
+    method = "VmHWM, peak resident set of a fresh process"
+    if split_compiled(variant)[1]:
+        # compilation's own peak is not a step's: compile, then restart the high-water mark
+        # (Linux: writing 5 to clear_refs resets VmHWM to the current resident set)
+        for _ in range(cfg.warmup):
+            _step(model, opt, x, y)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        method += " (compiled rows: reset after compilation; compiled code and caches stay resident)"
     for _ in range(3):
         _step(model, opt, x, y)
     peak = _peak_rss_mib()
-    return {"method": "VmHWM, peak resident set of a fresh process", "baseline_mib": base,
+    return {"method": method, "baseline_mib": base,
             "baseline_hwm_mib": base_hwm, "peak_mib": peak, "step_peak_mib": peak - base}
 
 
@@ -176,21 +213,27 @@ def measure_memory(cfg: BenchConfig, variant: str) -> dict:
 def run(cfg: BenchConfig) -> dict:
     if "prenorm" not in cfg.variants:
         cfg.variants = ["prenorm"] + list(cfg.variants)
-    times = time_variants(cfg)
-    base = statistics.median(times["prenorm"])
+    times, warmup = time_variants(cfg)
+
+    def baseline(v):  # the prenorm row a row is compared with: eager to eager, compiled to compiled
+        return "prenorm" + (COMPILED if split_compiled(v)[1] else "")
+
     rows = {}
     for v, ts in times.items():
         q = statistics.quantiles(ts, n=4) if len(ts) > 1 else [ts[0]] * 3
         med = statistics.median(ts)
         rows[v] = {"step_ms_median": med * 1e3, "step_ms_p25": q[0] * 1e3, "step_ms_p75": q[2] * 1e3,
-                   "step_ratio": med / base, "tokens_per_s": cfg.batch_size * cfg.seq_len / med,
-                   "params": AttnResLM(model_config(cfg, v)).num_params()}
+                   "step_ratio": med / statistics.median(times[baseline(v)]),
+                   "tokens_per_s": cfg.batch_size * cfg.seq_len / med, "warmup_s": warmup[v],
+                   "params": AttnResLM(model_config(cfg, split_compiled(v)[0])).num_params()}
+        if split_compiled(v)[1]:
+            rows[v]["vs_eager"] = med / statistics.median(times[split_compiled(v)[0]])
     if cfg.memory:
-        mem = {v: measure_memory(cfg, v) for v in cfg.variants}
-        for v in cfg.variants:
+        mem = {v: measure_memory(cfg, v) for v in rows}
+        for v in rows:
             rows[v].update({k: mem[v][k] for k in ("peak_mib", "step_peak_mib", "method")})
-            rows[v]["peak_ratio"] = mem[v]["peak_mib"] / mem["prenorm"]["peak_mib"]
-            rows[v]["step_peak_ratio"] = mem[v]["step_peak_mib"] / mem["prenorm"]["step_peak_mib"]
+            rows[v]["peak_ratio"] = mem[v]["peak_mib"] / mem[baseline(v)]["peak_mib"]
+            rows[v]["step_peak_ratio"] = mem[v]["step_peak_mib"] / mem[baseline(v)]["step_peak_mib"]
     return {"config": cfg.__dict__, "threads": torch.get_num_threads(), "torch": torch.__version__,
             "rows": rows}
 
@@ -201,18 +244,26 @@ def format_table(result: dict) -> str:
         f"bench train: d={c['d_model']}, {c['n_layers']} blocks, T={c['seq_len']}, batch={c['batch_size']}, "
         f"block N={c['blocks'] or 'default'}, {c['optimizer']}, device={c['device']}, "
         f"{result['threads']} threads, torch {result['torch']}; "
-        f"{c['repeats']} repeats x {c['steps_per_repeat']} steps after {c['warmup']} warm-up",
+        f"{c['repeats']} repeats x {c['steps_per_repeat']} steps after {c['warmup']} warm-up"
+        + (f"; activation checkpointing {c['activation_checkpointing']}"
+           if c.get("activation_checkpointing", "none") != "none" else ""),
         "",
-        "| variant | step ms (median) | p25-p75 | vs prenorm | tokens/s | peak MiB | vs prenorm | "
-        "step peak MiB | vs prenorm |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| variant | step ms (median) | p25-p75 | vs prenorm | vs eager | warm-up s | tokens/s | peak MiB | "
+        "vs prenorm | step peak MiB | vs prenorm |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for v, r in result["rows"].items():
         mem = (f"{r['peak_mib']:.0f} | {r['peak_ratio']:.3f} | {r['step_peak_mib']:.0f} | "
                f"{r['step_peak_ratio']:.3f}") if "peak_mib" in r else "- | - | - | -"
+        vs_eager = f"{r['vs_eager']:.3f}" if "vs_eager" in r else "-"
         lines.append(f"| {v} | {r['step_ms_median']:.1f} | {r['step_ms_p25']:.1f}-{r['step_ms_p75']:.1f} | "
-                     f"{r['step_ratio']:.3f} | {r['tokens_per_s']:,.0f} | {mem} |")
+                     f"{r['step_ratio']:.3f} | {vs_eager} | {r.get('warmup_s', float('nan')):.1f} | "
+                     f"{r['tokens_per_s']:,.0f} | {mem} |")
     lines.append("")
+    if c.get("compile"):
+        lines.append("`X compiled`: torch.compile of the whole model (attnres.model.compile), compared with "
+                     "compiled prenorm; 'vs eager' is the compiled step over the same variant's eager one; "
+                     f"warm-up s: the {c['warmup']} warm-up steps, compilation included.")
     lines.append("variant `X` is the default implementation (two_phase where it applies); "
                  "`X:reference` is plain autograd. Peak memory: "
                  + next(iter(result["rows"].values())).get("method", "not measured")

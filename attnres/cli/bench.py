@@ -6,7 +6,7 @@ import json
 import torch
 
 from attnres.bench import BENCHES, bench_config
-from attnres.cli.options import CLIError, add_set_option, parse_set
+from attnres.cli.options import CLIError, add_compile_option, add_set_option, parse_set
 from attnres.files import atomic_write_text
 
 
@@ -25,6 +25,7 @@ def add_parser(sub) -> None:
     p.add_argument("--variants", help="comma list, e.g. prenorm,block,full,block:reference,block:fused")
     add_set_option(p, "benchmark option, e.g. d_model=512")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
+    add_compile_option(p, "every variant as well (train, decode: eager and compiled rows side by side)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--json", help="also write the results here")
@@ -48,6 +49,9 @@ def run(args) -> int:
     if args.no_memory:
         _only_for("--no-memory", "memory", args.what)
         options["memory"] = False
+    if args.compile:
+        _only_for("--compile", "compile", args.what)
+        options.setdefault("compile", True)
     options["device"] = args.device
     bench = BENCHES[args.what]
     result = bench.run(bench_config(args.what, quick=args.quick, **options))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 
+from attnres.cli.options import add_compile_option
 from attnres.train.trainer import evaluate_run
 
 
@@ -13,9 +14,11 @@ def add_parser(sub) -> None:
     p.add_argument("--data", help="evaluate on this data's validation split instead")
     p.add_argument("--batches", type=int, default=None, help="number of validation batches (default: all)")
     p.add_argument("--device", default="cpu")
+    add_compile_option(p)
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
-    print(json.dumps(evaluate_run(args.run, data=args.data, max_batches=args.batches, device=args.device)))
+    print(json.dumps(evaluate_run(args.run, data=args.data, max_batches=args.batches, device=args.device,
+                                    compile=args.compile)))
     return 0

@@ -68,6 +68,12 @@ def add_run_options(p: argparse.ArgumentParser, *, preset_default: str) -> None:
     p.add_argument("--device", help="auto, cpu, cuda, cuda:N")
     p.add_argument("--precision", choices=("fp32", "bf16"))
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_compile_option(p)
+
+
+def add_compile_option(p: argparse.ArgumentParser, what: str = "the model") -> None:
+    p.add_argument("--compile", action="store_true",
+                   help=f"torch.compile {what} (inductor; the first steps wait for the compilation)")
 
 
 def run_overrides(args: argparse.Namespace) -> Dict[str, Any]:
@@ -84,6 +90,8 @@ def run_overrides(args: argparse.Namespace) -> Dict[str, Any]:
         overrides["pp_schedule"] = overrides.pop("schedule")
     if getattr(args, "fsdp", False):
         overrides["fsdp"] = True
+    if getattr(args, "compile", False) and not overrides.get("compile"):  # keeps a --set compile=BACKEND
+        overrides["compile"] = True
     if getattr(args, "no_pp_cache", False):
         overrides["pp_cache"] = False
     return overrides

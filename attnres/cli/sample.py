@@ -4,7 +4,7 @@ from __future__ import annotations
 import sys
 
 from attnres.checkpoint import load_model
-from attnres.cli.options import CLIError
+from attnres.cli.options import CLIError, add_compile_option
 from attnres.files import TOKENIZER_FILE
 from attnres.inference.sampling import stream_text
 
@@ -21,6 +21,7 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stop", default=None, help="stop after this string appears")
     p.add_argument("--device", default="cpu")
+    add_compile_option(p, "the decoding step (over a static KV cache)")
     p.set_defaults(func=run)
 
 
@@ -31,7 +32,8 @@ def run(args) -> int:
     sys.stdout.write(args.prompt)
     sys.stdout.flush()
     for piece in stream_text(model, tokenizer, args.prompt, args.max_new_tokens, stop=args.stop,
-                             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed):
+                             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                             compile=args.compile):
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")

@@ -36,11 +36,13 @@ class KVCache:
 
     def __init__(self, n_layers: int, batch_size: int, n_kv_heads: int, head_dim: int, max_len: int,
                  *, dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None):
-        shape = (batch_size, n_kv_heads, max_len, head_dim)
+        self._allocate(n_layers, (batch_size, n_kv_heads, max_len, head_dim), dtype, device)
+        self.length = 0  # positions already cached
+
+    def _allocate(self, n_layers: int, shape: tuple, dtype: torch.dtype, device) -> None:
         self.keys: List[Tensor] = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.values: List[Tensor] = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.max_len = max_len
-        self.length = 0  # positions already cached
+        self.max_len = shape[2]
 
     @classmethod
     def for_model(cls, model, batch_size: int, max_len: Optional[int] = None) -> "KVCache":
@@ -49,9 +51,9 @@ class KVCache:
         return cls(c.n_layers, batch_size, c.n_kv_heads, c.head_dim, max_len or c.max_seq_len,
                    dtype=p.dtype, device=p.device)
 
-    @property
-    def position_offset(self) -> int:
-        return self.length
+    def positions(self, t: int) -> slice:
+        """The absolute positions of the next t tokens."""
+        return slice(self.length, self.length + t)
 
     def room(self) -> int:
         return self.max_len - self.length
@@ -85,3 +87,47 @@ class KVCache:
 
     def nbytes(self) -> int:
         return sum(x.numel() * x.element_size() for x in self.keys + self.values)
+
+
+class StaticKVCache(KVCache):
+    """A KV cache whose every shape is fixed and whose position is a tensor: what a compiled decoding
+    step needs in order to compile once (``attnres.inference.compiled``).
+
+    ``KVCache`` slices its buffers by a Python int (the cached length), which a compiled step would
+    specialise on and recompile for at every token. Here a step writes its keys and values at
+    ``position + arange(t)`` (``index_copy_``) and attends over all ``max_len`` slots with a mask
+    that lets query position p see slots 0..p; the position is a 0-d int64 tensor advanced in place.
+    Masked slots weigh exactly zero, so the result is the sliced attention's up to rounding order.
+    """
+
+    def __init__(self, n_layers: int, batch_size: int, n_kv_heads: int, head_dim: int, max_len: int,
+                 *, dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None):
+        self._allocate(n_layers, (batch_size, n_kv_heads, max_len, head_dim), dtype, device)
+        self.position = torch.zeros((), dtype=torch.long, device=device)
+        self.slots = torch.arange(max_len, device=device)
+
+    @property
+    def length(self) -> int:
+        """Cached positions, read on the host (a device sync: for the caller, not the compiled step)."""
+        return int(self.position)
+
+    def positions(self, t: int) -> Tensor:
+        return self.position + self.slots[:t]
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, repeat: int) -> Tensor:
+        """Store this step's keys/values of ``layer`` at their positions and attend over the cache.
+        No bounds check here (it would read the position on the host): callers check ``room()``."""
+        at = self.positions(k.shape[2])
+        self.keys[layer].index_copy_(2, at, k)
+        self.values[layer].index_copy_(2, at, v)
+        keys, values = self.keys[layer], self.values[layer]
+        if repeat > 1:
+            keys, values = keys.repeat_interleave(repeat, dim=1), values.repeat_interleave(repeat, dim=1)
+        visible = self.slots[None, :] <= at[:, None]  # [t, max_len]: causal over the written slots
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=visible)
+
+    def advance(self, t: int) -> None:
+        self.position.add_(t)
+
+    def reset(self) -> None:
+        self.position.zero_()

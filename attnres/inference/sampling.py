@@ -8,11 +8,12 @@ step re-prefills that window.
 """
 from __future__ import annotations
 
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Union
 
 import torch
 
 from attnres.inference.cache import KVCache
+from attnres.inference.compiled import CompiledDecoder
 
 
 def filter_logits(logits: torch.Tensor, top_k: Optional[int] = None,
@@ -34,8 +35,11 @@ def filter_logits(logits: torch.Tensor, top_k: Optional[int] = None,
 @torch.no_grad()
 def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
              top_k: Optional[int] = None, top_p: Optional[float] = None,
-             seed: Optional[int] = None, use_cache: bool = True) -> Iterator[int]:
-    """Yield new token ids one at a time (batch of one). temperature 0 = greedy."""
+             seed: Optional[int] = None, use_cache: bool = True,
+             compile: Union[bool, str] = False) -> Iterator[int]:
+    """Yield new token ids one at a time (batch of one). temperature 0 = greedy. ``compile``: decode
+    with a compiled step over a static KV cache (``attnres.inference.compiled``; True: inductor, or a
+    torch.compile backend name); the first tokens wait for the compilation."""
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"generate takes one prompt [1, T]; got shape {tuple(input_ids.shape)}")
     if temperature < 0:
@@ -46,7 +50,15 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, temperature
     gen.manual_seed(seed if seed is not None else torch.seed())
     ids = input_ids.to(device)
     limit = model.config.max_seq_len
-    cache = KVCache.for_model(model, 1) if use_cache else None
+    if compile and not use_cache:
+        raise ValueError("compile=True decodes through a static KV cache: drop use_cache=False")
+    cache = None
+    if compile:
+        step = CompiledDecoder(model, 1, setting=compile)
+        cache = step.cache
+    elif use_cache:
+        cache = KVCache.for_model(model, 1)
+        step = lambda tokens: model(tokens, cache=cache)  # noqa: E731
     pending = ids[:, -limit:]  # tokens the model has not seen yet
     for _ in range(max_new_tokens):
         if cache is None:
@@ -55,7 +67,7 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, temperature
             if cache.room() < pending.shape[1]:  # full: slide the window, as the uncached path does
                 cache.reset()
                 pending = ids[:, -limit:]
-            logits = model(pending, cache=cache)[:, -1]
+            logits = step(pending)[:, -1]
         logits = logits.float()
         if temperature == 0:
             nxt = logits.argmax(-1, keepdim=True)

@@ -30,6 +30,10 @@ class ShardedAttention:
         self.position_offset = self.rank * local_len
         self.gathered_bytes = 0
 
+    def positions(self, t: int) -> slice:
+        """This rank's positions (the attention context interface the model reads them from)."""
+        return slice(self.position_offset, self.position_offset + t)
+
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, repeat: int) -> Tensor:
         keys = [torch.empty_like(k) for _ in range(self.world)]
         values = [torch.empty_like(v) for _ in range(self.world)]

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnres.model.checkpointing import check_checkpointing, checkpointed, run_segments, segment_layers
 from attnres.model.config import ModelConfig
 from attnres.residual import DepthRecord, build_residual
 
@@ -91,14 +92,24 @@ class TransformerBlock(nn.Module):
         self.attn = Attention(config)
         self.mlp_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
         self.mlp = SwiGLU(config)
+        self.checkpoint_sublayers = False  # recompute each sublayer in backward (activation_checkpointing)
+
+    def attention_sublayer(self, h: Tensor, cos: Tensor, sin: Tensor, cache=None, layer: int = 0) -> Tensor:
+        return self.attn(self.attn_norm(h), cos, sin, cache=cache, layer=layer)
+
+    def mlp_sublayer(self, h: Tensor) -> Tensor:
+        return self.mlp(self.mlp_norm(h))
 
     def forward(self, stream, index: int, cos: Tensor, sin: Tensor, cache=None) -> None:
         """Block ``index`` reads its two inputs from the stream and writes its two outputs back.
         A module call (not a loop over sublayers) so wrappers such as FSDP2 see one unit per block."""
+        attention, mlp = self.attention_sublayer, self.mlp_sublayer
+        if self.checkpoint_sublayers and cache is None and torch.is_grad_enabled():
+            attention, mlp = checkpointed(attention), checkpointed(mlp)
         h = stream.read(2 * index)
-        stream.write(2 * index, self.attn(self.attn_norm(h), cos, sin, cache=cache, layer=index))
+        stream.write(2 * index, attention(h, cos, sin, cache=cache, layer=index))
         h = stream.read(2 * index + 1)
-        stream.write(2 * index + 1, self.mlp(self.mlp_norm(h)))
+        stream.write(2 * index + 1, mlp(h))
 
 
 # ----------------------------------------------------------------------------- model
@@ -157,7 +168,17 @@ class AttnResLM(nn.Module):
         cos, sin = rope_tables(config.head_dim, config.max_seq_len, config.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.activation_checkpointing = "none"  # a training setting, not part of the model's function
         self.reset_parameters()
+
+    def set_activation_checkpointing(self, mode: str) -> None:
+        """What backward recomputes instead of keeping (``attnres.model.checkpointing``): "none",
+        "block" (keep only the embedding and completed depth-block representations between depth
+        blocks) or "sublayer" (recompute inside each attention and MLP sublayer). Results are unchanged."""
+        check_checkpointing(mode)
+        self.activation_checkpointing = mode
+        for block in self.blocks:
+            block.checkpoint_sublayers = mode == "sublayer"
 
     def reset_parameters(self) -> None:
         """Normal(0, init_std) weights; the two projections that write into the residual
@@ -188,16 +209,22 @@ class AttnResLM(nn.Module):
         source names and the RMS of the sublayer inputs and outputs.
         """
         b, t = input_ids.shape
-        start = cache.position_offset if cache is not None else 0
-        if start + t > self.config.max_seq_len:
+        # a slice of positions, or (a static cache, for compiled decoding) a tensor of them, so that
+        # the position is data rather than a Python int a compiled step would specialise on
+        positions = cache.positions(t) if cache is not None else slice(0, t)
+        if isinstance(positions, slice) and positions.stop > self.config.max_seq_len:
             raise ValueError(
-                f"positions {start}..{start + t - 1} exceed ModelConfig.max_seq_len="
+                f"positions {positions.start}..{positions.stop - 1} exceed ModelConfig.max_seq_len="
                 f"{self.config.max_seq_len}; use shorter inputs or a model built with a larger max_seq_len"
             )
         record = DepthRecord() if return_record else None
-        cos, sin = self.rope_cos[start:start + t], self.rope_sin[start:start + t]
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         stream = self.residual.begin(self.embed(input_ids), record=record)
-        run_blocks(stream, enumerate(self.blocks), cos, sin, cache=cache)
+        if (self.activation_checkpointing == "block" and torch.is_grad_enabled() and cache is None
+                and record is None):
+            stream = run_segments(stream, self.residual, self.blocks, segment_layers(self.config), cos, sin)
+        else:
+            run_blocks(stream, enumerate(self.blocks), cos, sin, cache=cache)
         if cache is not None:
             cache.advance(t)
         logits = output_logits(self.norm, self.lm_head, stream.end())

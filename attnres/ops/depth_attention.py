@@ -32,6 +32,7 @@ Two implementations compute the same thing:
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple, Optional, Sequence
 
 import torch
@@ -158,6 +159,35 @@ def depth_attention_reference(
 # ----------------------------------------------------------------------------- fused
 
 
+def autocast_off(backward):
+    """A Function's backward run with autocast off, as its forward is: compiled training traces the
+    backward together with the forward, inside the caller's autocast, which would otherwise
+    recast the backward's products (bf16 mixed with our float32 statistics fails)."""
+    @functools.wraps(backward)
+    def run(ctx, *grads):
+        device = next(g.device.type for g in grads if g is not None)
+        with torch.autocast(device, enabled=False):
+            return backward(ctx, *grads)
+
+    return run
+
+
+class _Unrecorded:
+    """The autograd context a Function's forward gets when nothing is recorded for backward."""
+
+    def save_for_backward(self, *tensors) -> None:
+        pass
+
+
+def apply_function(function, *args):
+    """``function.apply(*args)``, or with grad mode off its forward called directly: nothing is
+    recorded then anyway, and dynamo (torch 2.13) mis-passes the arguments when it inlines some
+    Functions' forward under no_grad (a compiled decoding step failed with unpacking errors)."""
+    if torch.is_grad_enabled():
+        return function.apply(*args)
+    return function.forward(_Unrecorded(), *args)
+
+
 class _FusedDepthAttention(torch.autograd.Function):
     """Depth attention that keeps only [B, T, K]-sized tensors for backward.
 
@@ -216,6 +246,7 @@ class _FusedDepthAttention(torch.autograd.Function):
         return h.to(segments[0].dtype)
 
     @staticmethod
+    @autocast_off
     def backward(ctx, gh):
         query, key_weight, alpha, s, r = ctx.saved_tensors
         eps, kernel, normalize_keys, heads, per_token, cd, producer_shapes = ctx.opts
@@ -356,8 +387,8 @@ def fused_depth_attention(
                 segments, producers, query, key_weight,
                 eps=eps, kernel=kernel, normalize_keys=normalize_keys,
             )
-    return _FusedDepthAttention.apply(
-        query, key_weight, tuple(segments), (eps, kernel, normalize_keys), *producers
+    return apply_function(
+        _FusedDepthAttention, query, key_weight, tuple(segments), (eps, kernel, normalize_keys), *producers
     )
 
 

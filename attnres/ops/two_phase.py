@@ -26,7 +26,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from attnres.ops.depth_attention import _compute_dtype
+from attnres.ops.depth_attention import _compute_dtype, apply_function, autocast_off
 
 
 def inverse_rms(v: Tensor, eps: float) -> Tensor:
@@ -89,6 +89,7 @@ class _Phase1(torch.autograd.Function):
         return (*h1.view(b, t, s_count, d).unbind(2), lse.view(b, t, s_count, heads))
 
     @staticmethod
+    @autocast_off
     def backward(ctx, *grads_out):
         *g_h1s, g_lse = grads_out
         queries, key_weights, alpha, dots = ctx.saved_tensors
@@ -177,7 +178,7 @@ def phase1_outputs(values: Tensor, inv_rms: Optional[Tensor], queries: Tensor,
     if values.shape[2] != len(producers):
         raise ValueError(f"values hold {values.shape[2]} sources but {len(producers)} producers were given")
     heads = 1 if queries.dim() == 2 else queries.shape[1]
-    *h1s, lse = _Phase1.apply(queries, key_weights, values, inv_rms, (kernel, heads), *producers)
+    *h1s, lse = apply_function(_Phase1, queries, key_weights, values, inv_rms, (kernel, heads), *producers)
     return tuple(h1s), lse
 
 
@@ -202,6 +203,7 @@ class _MergePartial(torch.autograd.Function):
             return h.to(partial.dtype)
 
     @staticmethod
+    @autocast_off
     def backward(ctx, gh):
         h1, partial, query, key_weight, s, r, w = ctx.saved_tensors
         cd = s.dtype
@@ -231,7 +233,7 @@ def merge_partial(h1: Tensor, lse1: Tensor, partial: Tensor, query: Tensor,
     """
     heads = lse1.shape[-1]
     if heads == 1 and kernel == "softmax" and key_weight is not None:
-        return _MergePartial.apply(h1, lse1, partial, query.reshape(-1), key_weight, eps)
+        return apply_function(_MergePartial, h1, lse1, partial, query.reshape(-1), key_weight, eps)
     d = partial.shape[-1]
     cd = _compute_dtype(partial.dtype)
     u = query.to(cd).reshape(d)

@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from attnres.model.compile import compile_backend as compile_model_backend
+from attnres.model.compile import compile_model
 from attnres.model.llama import AttnResLM, lm_loss
 from attnres.parallel.pipeline import all_reduce_gradients, build_pipeline
 from attnres.parallel.state import (
@@ -80,6 +82,11 @@ class SingleProcess:
     def __init__(self, model: AttnResLM, autocast: Callable):
         self.model = model  # the parameters this rank optimizes, under their full-model names
         self.autocast = autocast
+
+    def compile(self, setting) -> str:
+        """torch.compile what this strategy runs, in place (parameter names unchanged); returns how."""
+        compile_model(self.model, setting)
+        return "whole model"
 
     def forward_backward(self, x: Tensor, y: Tensor, scale: float) -> float:
         with self.autocast():
@@ -155,6 +162,13 @@ class DataParallel(_Distributed):
         else:
             self.wrapped = nn.parallel.DistributedDataParallel(model)
 
+    def compile(self, setting) -> str:
+        if self.shard:  # per unit that fully_shard wraps, its hooks outside the graph
+            compile_model(self.model, setting, granularity="sublayer")
+            return "per attention/MLP sublayer (FSDP2 units; the residual stream stays eager)"
+        self.wrapped.compile(backend=compile_model_backend(setting))  # DDP: dynamo splits at buckets
+        return "whole model under DDP"
+
     def _rows(self, x: Tensor) -> slice:
         b = x.shape[0]
         if b % self.world:
@@ -203,6 +217,12 @@ class PipelineParallel(_Distributed):
                                        batch_size=batch_size // dp, seq_len=seq_len, cache=cache,
                                        group=self.pp_group, autocast=autocast)
         super().__init__(self.pipeline.model, autocast)
+
+    def compile(self, setting) -> str:
+        # a stage's forward takes the microbatch index and a history cache (Python state, one graph
+        # break each); its sublayers are the tensor-in, tensor-out part
+        compile_model(self.model, setting, granularity="sublayer")
+        return "per attention/MLP sublayer (pipeline stages; the residual stream stays eager)"
 
     def _rows(self, x: Tensor) -> slice:
         n = x.shape[0] // self.dp

@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple, Union
 
 from attnres.files import parse_toml
 from attnres.model.config import ModelConfig
@@ -57,6 +57,9 @@ class TrainConfig:
     microbatches: Optional[int] = None  # pipeline microbatches per batch (None: pp * vpp)
     pp_cache: bool = True  # cross-stage caching of block representations (docs/method.md §7)
     dist_timeout: float = 600.0  # seconds a collective may wait before the job fails
+    # speed and memory knobs that leave the arithmetic as it is (a run may resume with them changed)
+    compile: Union[bool, str] = False  # torch.compile: true (inductor) or a backend name, e.g. "aot_eager"
+    activation_checkpointing: str = "none"  # none | block | sublayer (attnres.model.checkpointing)
 
     def __post_init__(self):
         self.validate()
@@ -114,6 +117,15 @@ class TrainConfig:
                 raise bad("batch_size", f"must be divisible by dp={self.dp}")
             check_pipeline_options(self.pp, self.vpp, self.pp_schedule, self.pipeline_microbatches,
                                    n_layers=None, batch_size=self.batch_size // self.dp)
+        from attnres.model.checkpointing import CHECKPOINTING
+        from attnres.model.compile import check_compile_setting
+
+        check_compile_setting(self.compile)
+        if self.activation_checkpointing not in CHECKPOINTING:
+            raise bad("activation_checkpointing", f"choose one of {CHECKPOINTING}")
+        if self.activation_checkpointing == "block" and self.pp > 1:
+            raise bad("activation_checkpointing", "'block' runs whole-model segments, which pipeline stages "
+                      "split; with pp > 1 use 'sublayer' or 'none'")
         if not (self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda")):
             raise bad("device", "use auto, cpu, cuda or cuda:N")
 
@@ -127,7 +139,7 @@ class TrainConfig:
 
 # Fields that may change when a run resumes without changing what has been computed so far.
 RESUMABLE_CHANGES = {"steps", "eval_every", "checkpoint_every", "progress", "threads", "out_dir",
-                     "device", "cache_dir"} | PARALLEL_FIELDS
+                     "device", "cache_dir", "compile", "activation_checkpointing"} | PARALLEL_FIELDS
 
 
 # ----------------------------------------------------------------------------- presets

@@ -16,7 +16,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -24,6 +24,7 @@ import torch.distributed as dist
 from attnres.checkpoint import load_checkpoint, load_model, read_checkpoint_state, resolve_device, save_checkpoint
 from attnres.files import CHECKPOINT_DIR, CONFIG_FILE, SUMMARY_FILE, TOKENIZER_FILE, atomic_write_text
 from attnres.model import AttnResLM, ModelConfig
+from attnres.model.compile import compile_backend, compile_model
 from attnres.model.llama import lm_loss
 from attnres.parallel.runtime import (
     DataParallel, PipelineParallel, SingleProcess, check_layout, init_distributed,
@@ -87,12 +88,14 @@ def evaluate(model, split, *, batch_size: int, seq_len: int, max_batches: Option
 
 
 def evaluate_run(run_or_checkpoint: str, *, data: Optional[str] = None, max_batches: Optional[int] = None,
-                 device: str = "cpu") -> dict:
+                 device: str = "cpu", compile: Union[bool, str] = False) -> dict:
     """Validation loss of a trained run on its own validation split (or on ``data``'s): the
-    checkpoint's step plus :func:`evaluate`'s numbers, with the run's batch shape and tokenizer."""
+    checkpoint's step plus :func:`evaluate`'s numbers, with the run's batch shape and tokenizer.
+    ``compile``: torch.compile the model first (True: inductor, or a backend name)."""
     from attnres.data import prepare_data
 
     model, _, state = load_model(run_or_checkpoint, device=device)
+    compile_model(model, compile)
     tc = state["train_config"]
     split = prepare_data(data=data if data else tc["data"], tokenizer=tc["tokenizer"],
                          vocab_size=tc["vocab_size"], val_fraction=tc["val_fraction"],
@@ -168,6 +171,7 @@ class Trainer:
 
         torch.manual_seed(c.seed)
         model = AttnResLM(model_config).to(self.device)
+        model.set_activation_checkpointing(c.activation_checkpointing)
         self.n_params = model.num_params()
         if c.pp > 1:
             self.strategy = PipelineParallel(
@@ -178,6 +182,7 @@ class Trainer:
             self.strategy = DataParallel(model, self._autocast, shard=c.fsdp)
         else:
             self.strategy = SingleProcess(model, self._autocast)
+        self.compiled = self.strategy.compile(c.compile) if c.compile else None  # in place: names unchanged
         self.model = self.strategy.model  # this rank's parameters, under their full-model names
         self.optimizer = self._build_optimizer(self.model)
         options = {"decay_fraction": c.decay_fraction} if c.schedule == "wsd" else {}
@@ -197,6 +202,10 @@ class Trainer:
                       f"caching {'on' if c.pp_cache else 'off'}" + (f", {c.dp} replicas" if c.dp > 1 else ""))
         elif c.dp > 1:
             layout = f"; data parallel dp={c.dp} ({'FSDP2' if c.fsdp else 'DDP'})"
+        if self.compiled:
+            layout += f"; torch.compile {compile_backend(c.compile)} ({self.compiled})"
+        if c.activation_checkpointing != "none":
+            layout += f"; activation checkpointing: {c.activation_checkpointing}"
         return (f"model: {m.residual}, {self.n_params:,} parameters, {m.n_layers} blocks x d={m.d_model}; data: "
                 f"{len(self.data.train_names)} train / {len(self.data.val_names)} validation documents{layout}")
 

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from attnres import AttnResLM, ModelConfig
-from attnres.inference import KVCache, chunked_prefill
+from attnres.inference import KVCache, StaticKVCache, chunked_prefill
 from attnres.residual import RESIDUALS
 from attnres.inference.sampling import generate
 from reference import randomize
@@ -26,12 +26,13 @@ def tokens(t, seed=0):
 
 @pytest.mark.parametrize("residual", SCHEMES)
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 1e-5)])
-def test_prefill_then_decode_equals_full_forward(residual, dtype, tol):
+@pytest.mark.parametrize("cache_class", [KVCache, StaticKVCache])
+def test_prefill_then_decode_equals_full_forward(residual, dtype, tol, cache_class):
     model = model_for(residual, dtype)
     x = tokens(18)
     with torch.no_grad():
         full = model(x)
-        cache = KVCache.for_model(model, batch_size=2)
+        cache = cache_class.for_model(model, batch_size=2)
         steps = [model(x[:, :6], cache=cache)]
         steps += [model(x[:, t:t + 1], cache=cache) for t in range(6, 18)]
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=tol, atol=tol)

@@ -216,3 +216,47 @@ def test_bf16_autocast_training_runs(corpus, tmp_path):
     result = Trainer(*configs(corpus, tmp_path / "run", residual="block", precision="bf16", steps=4,
                               warmup_steps=1)).run()
     assert result.steps == 4 and math.isfinite(result.val_loss)
+
+
+@pytest.mark.parametrize("optimizer,precision", [("muon", "fp32"), ("adamw", "bf16")])
+def test_eager_checkpoint_resumes_compiled_and_back(corpus, tmp_path, optimizer, precision):
+    """compile is a speed setting: a run may change it at resume, the checkpoint names stay eager's,
+    and the compiled steps follow the eager run (fp32: to rounding; bf16 autocast: loosely)."""
+    import torch
+    from safetensors import safe_open
+
+    common = dict(residual="block", optimizer=optimizer, precision=precision, steps=9, eval_every=3,
+                  checkpoint_every=3, warmup_steps=1, threads=1)
+    Trainer(*configs(corpus, tmp_path / "eager", **common)).run()
+    run = tmp_path / "mixed"
+    Trainer(*configs(corpus, run, **{**common, "steps": 3})).run()
+    names = set(safe_open(str(run / "checkpoint" / "model.safetensors"), "pt").keys())
+    torch._dynamo.reset()
+    compiled = Trainer(*configs(corpus, run, **{**common, "steps": 6, "compile": "aot_eager",
+                                                "activation_checkpointing": "block"}), resume=True)
+    assert "torch.compile aot_eager (whole model)" in compiled.describe()
+    compiled.run()
+    assert set(safe_open(str(run / "checkpoint" / "model.safetensors"), "pt").keys()) == names
+    Trainer(*configs(corpus, run, **common), resume=True).run()  # and back to eager
+    tol = 1e-4 if precision == "fp32" else 2e-2
+    assert losses(run) == pytest.approx(losses(tmp_path / "eager"), rel=tol, abs=tol)
+
+
+@pytest.mark.parametrize("overrides,match", [
+    ({"compile": "nope"}, r"TrainConfig.compile='nope' is not a torch.compile backend"),
+    ({"activation_checkpointing": "all"}, r"TrainConfig.activation_checkpointing='all' is invalid: choose one"),
+])
+def test_compile_and_checkpointing_options_are_checked(corpus, tmp_path, overrides, match):
+    with pytest.raises(ValueError, match=match):
+        configs(corpus, tmp_path / "run", **overrides)
+
+
+def test_cli_train_takes_compile(corpus, tmp_path, capsys):
+    import torch
+
+    torch._dynamo.reset()
+    assert main(["train", "--preset", "tiny", "--data", corpus, "--out", str(tmp_path / "run"), "--steps", "2",
+                 "--compile", "--set", "compile=aot_eager", "--set", "eval_every=2", "--set", "warmup_steps=1",
+                 "--set", "activation_checkpointing=sublayer", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "torch.compile aot_eager (whole model)" in out and "activation checkpointing: sublayer" in out

@@ -1,0 +1,80 @@
+"""Activation checkpointing at depth-block boundaries (or per sublayer).
+
+Block AttnRes' structure says what to keep: between depth blocks the residual stream is the
+embedding and the completed block representations b_0..b_n and nothing else (no partial sum: a
+block boundary is where it is folded into b_{n+1}). ``"block"`` therefore runs each depth block
+under ``torch.utils.checkpoint`` with exactly that as input: backward recomputes one depth block at a
+time from the kept history, so the activations kept for backward grow with the number of depth
+blocks N, not with the number of sublayers L.
+
+The segments go through the stream interface every scheme implements (``export`` /
+``resume``, the pipeline's hand-over), so every scheme can be checkpointed; for schemes without depth
+blocks (PreNorm and the rivals) "block" uses the boundaries Block AttnRes would have with its
+default geometry. Segments are whole Transformer blocks: an odd S puts a boundary every
+lcm(S, 2) sublayers. Full AttnRes (S = 1) keeps every source by definition: "block" there is one
+segment per Transformer block and its kept state still grows with L.
+
+``"sublayer"`` recomputes the inside of each attention and MLP sublayer (norm included) and keeps
+the stream's own tensors, the usual per-layer checkpointing.
+
+Recomputation repeats the forward's exact operations, so gradients equal the plain path's
+(tested in float64).
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, List, Sequence
+
+from torch.utils.checkpoint import checkpoint
+
+CHECKPOINTING = ("none", "block", "sublayer")
+
+
+def check_checkpointing(mode: str) -> None:
+    if mode not in CHECKPOINTING:
+        raise ValueError(f"activation_checkpointing={mode!r} is invalid: choose one of {CHECKPOINTING}")
+
+
+def segment_layers(config) -> List[range]:
+    """The Transformer blocks of each checkpointed segment under "block": runs that end where a
+    depth block ends (for schemes without depth blocks: Block AttnRes' default boundaries)."""
+    from attnres.residual import block_size
+
+    s = config.block_size  # S: 1 for Full AttnRes, L for schemes without depth blocks
+    if s == config.n_sublayers:
+        s = block_size(config)  # Block AttnRes' default boundaries (no Block option is set here)
+    per = (s * 2 // math.gcd(s, 2)) // 2  # Transformer blocks per segment: lcm(S, 2) / 2
+    return [range(i, min(i + per, config.n_layers)) for i in range(0, config.n_layers, per)]
+
+
+def run_segments(stream, scheme, blocks: Sequence, segments: Sequence[range], cos, sin):
+    """Drive ``stream`` through ``blocks`` (all of the model's, by index), one checkpointed segment
+    per entry of ``segments``; returns the stream positioned after the last block (call ``end()``).
+
+    What crosses a segment boundary is the stream's (history, state) from ``export()``; each
+    segment resumes a fresh stream from it, runs its blocks and exports the new history entries
+    and the new state, which are all that the checkpoint keeps from inside."""
+    history, state = stream.export()
+    for seg in segments:
+        n_hist, grown = len(history), []
+
+        def run(*tensors, seg=seg, n_hist=n_hist, grown=grown):
+            inner = scheme.resume(2 * seg.start, tensors[:n_hist], tensors[n_hist:])
+            for i in seg:
+                blocks[i](inner, i, cos, sin)
+            new_history, new_state = inner.export()
+            grown[:] = [len(new_history) - n_hist]  # the same on recomputation
+            return (*new_history[n_hist:], *new_state)
+
+        out = checkpoint(run, *history, *state, use_reentrant=False)
+        history = list(history) + list(out[:grown[0]])
+        state = list(out[grown[0]:])
+    return scheme.resume(2 * segments[-1].stop, history, state)
+
+
+def checkpointed(sublayer: Callable) -> Callable:
+    """``sublayer`` (a callable on tensors) recomputed in backward instead of keeping its insides."""
+    def run(*args, **kwargs):
+        return checkpoint(sublayer, *args, use_reentrant=False, **kwargs)
+
+    return run

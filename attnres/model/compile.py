@@ -1,0 +1,66 @@
+"""torch.compile for AttnResLM, applied in place so that parameter and state-dict names stay an
+eager model's (a checkpoint written compiled loads eagerly and back; no ``_orig_mod.`` prefixes).
+
+Two granularities:
+
+- ``"model"``: the whole forward (embedding, every block, the residual stream's depth attention,
+  head) as one graph. The residual arithmetic is where compiling pays: a dozen small memory-bound
+  ``[B, T, D]`` passes per sublayer fuse into a few loops.
+- ``"sublayer"``: each attention and MLP sublayer's ``forward`` on its own; the residual stream
+  stays eager. For wrappers whose hooks must stay outside the graph (FSDP2 shards per sublayer,
+  pipeline stages send tensors between sublayer groups): only the sublayer's ``forward`` method is
+  compiled, so the module's ``__call__`` and its hooks run eagerly around it, as PyTorch recommends
+  for FSDP2 (compile per unit that ``fully_shard`` wraps).
+"""
+from __future__ import annotations
+
+from typing import Union
+
+import torch
+from torch import nn
+
+DEFAULT_BACKEND = "inductor"
+GRANULARITIES = ("model", "sublayer")
+
+
+def compile_backend(setting: Union[bool, str]) -> str | None:
+    """The torch.compile backend a ``compile`` setting asks for: None for False, inductor for True,
+    else the named backend (e.g. "aot_eager", which traces and runs autograd ahead of time without
+    generating code: for finding graph breaks quickly)."""
+    if setting is False or setting is None:
+        return None
+    return DEFAULT_BACKEND if setting is True else setting
+
+
+def check_compile_setting(setting, field: str = "TrainConfig.compile") -> None:
+    """False, True, or the name of a torch.compile backend; a one-line error otherwise."""
+    if isinstance(setting, bool):
+        return
+    if isinstance(setting, str):
+        import torch._dynamo
+
+        known = torch._dynamo.list_backends(exclude_tags=()) + [DEFAULT_BACKEND]
+        if setting in known:
+            return
+        raise ValueError(f"{field}={setting!r} is not a torch.compile backend; use true (inductor) or one of "
+                         f"{sorted(set(known))}")
+    raise ValueError(f"{field}={setting!r} is invalid: use true, false, or a torch.compile backend name")
+
+
+def compile_model(model: nn.Module, setting: Union[bool, str] = True, *, granularity: str = "model",
+                  fullgraph: bool = False) -> nn.Module:
+    """Compile ``model`` (an AttnResLM) in place and return it; ``setting`` as in
+    :func:`compile_backend` (False: leave it eager)."""
+    backend = compile_backend(setting)
+    if backend is None:
+        return model
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity={granularity!r} is invalid: choose one of {GRANULARITIES}")
+    if granularity == "model":
+        model.compile(backend=backend, fullgraph=fullgraph)
+    else:
+        for block in model.blocks:
+            for sublayer in (block.attn, block.mlp):
+                # the bound method, not the module: hooks on the module (FSDP2's) stay eager
+                sublayer.forward = torch.compile(sublayer.forward, backend=backend, fullgraph=fullgraph)
+    return model

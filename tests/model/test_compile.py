@@ -1,0 +1,121 @@
+"""torch.compile: the forward traces without graph breaks, compiled equals eager, checkpoints keep
+eager names, and compiled decoding compiles once.
+
+Trace tests use the "aot_eager" backend (dynamo and AOT autograd, no code generation: seconds);
+one test runs inductor for real (marked compile_heavy: `pytest -m compile_heavy`). All models are
+tiny: compilation cost grows with the graph.
+"""
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from attnres import AttnResLM, ModelConfig
+from attnres.inference import CompiledDecoder, KVCache
+from attnres.inference.sampling import generate
+from attnres.model.compile import check_compile_setting, compile_model
+from reference import randomize
+
+
+def tiny(residual, impl="two_phase", dtype=torch.float32, **extra):
+    torch.manual_seed(0)
+    sizes = {"vocab_size": 61, "d_model": 32, "n_layers": 2, "n_heads": 2, "max_seq_len": 72, **extra}
+    cfg = ModelConfig(residual=residual, attnres_impl=impl, **sizes)
+    model = AttnResLM(cfg).to(dtype)
+    randomize(model.residual, seed=1, scale=0.5)  # non-zero queries: the depth weights are not uniform
+    return model
+
+
+def tokens(b, t, seed=0):
+    return torch.randint(0, 61, (b, t), generator=torch.Generator().manual_seed(seed))
+
+
+def grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("residual,impl", [("prenorm", "two_phase"), ("block", "two_phase"),
+                                           ("full", "two_phase"), ("block", "fused")])
+def test_forward_and_backward_compile_without_graph_breaks(residual, impl):
+    torch._dynamo.reset()
+    model = tiny(residual, impl)
+    x = tokens(2, 12)
+    model(x).square().mean().backward()
+    eager_out, eager_grads = model(x).detach(), grads(model)
+    model.zero_grad()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)  # a graph break raises here
+    out = compiled(x)
+    out.square().mean().backward()
+    torch.testing.assert_close(out.detach(), eager_out, rtol=1e-5, atol=1e-6)
+    for name, g in grads(model).items():
+        torch.testing.assert_close(g, eager_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.compile_heavy
+def test_inductor_compiles_block_attnres_training_step_equal_to_eager():
+    torch._dynamo.reset()
+    model = tiny("block", n_layers=1)  # one Transformer block: inductor's compile time grows with the graph
+    x = tokens(2, 12)
+    model(x).square().mean().backward()
+    eager_grads = grads(model)
+    model.zero_grad()
+    compile_model(model, True)  # inductor, in place
+    model(x).square().mean().backward()
+    for name, g in grads(model).items():
+        torch.testing.assert_close(g, eager_grads[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_compiling_in_place_keeps_state_dict_names():
+    model = tiny("block")
+    names = list(model.state_dict())
+    compile_model(model, "aot_eager")
+    assert list(model.state_dict()) == names
+    eager = tiny("block")
+    eager.load_state_dict(model.state_dict())  # strict: the same keys both ways
+    compile_model(model, "aot_eager", granularity="sublayer")
+    assert list(model.state_dict()) == names
+
+
+def test_compile_setting_errors_name_the_field_and_the_choices():
+    with pytest.raises(ValueError, match=r"TrainConfig.compile='nope' is not a torch.compile backend.*aot_eager"):
+        check_compile_setting("nope")
+    with pytest.raises(ValueError, match=r"TrainConfig.compile=3 is invalid"):
+        check_compile_setting(3)
+
+
+@pytest.mark.parametrize("residual", ["block", "full"])
+def test_compiled_decoding_compiles_once_and_equals_eager_tokens(residual):
+    model = tiny(residual).eval()
+    prompt = tokens(1, 8, seed=3)
+    eager = list(generate(model, prompt, 50, temperature=0))
+    torch._dynamo.reset()
+    decoder = CompiledDecoder(model, 1, setting="aot_eager")
+    with torch.no_grad():
+        ids = decoder(prompt).argmax(-1)[:, -1:]  # warm-up: the prompt's shape, then one token
+        compiled = [int(ids)]
+        ids = decoder(ids).argmax(-1)[:, -1:]
+        compiled.append(int(ids))
+        counters.clear()
+        for _ in range(48):
+            ids = decoder(ids).argmax(-1)[:, -1:]
+            compiled.append(int(ids))
+    assert counters["stats"]["unique_graphs"] == 0, dict(counters["stats"])  # no recompilation
+    assert compiled == eager
+    # and the sampling loop's compiled path gives the same tokens
+    assert list(generate(model, prompt, 50, temperature=0, compile="aot_eager")) == eager
+
+
+def test_compiled_decoding_logits_equal_the_kv_cache_in_float64():
+    model = tiny("block", dtype=torch.float64).eval()
+    x = tokens(2, 20, seed=5)
+    torch._dynamo.reset()
+    decoder = CompiledDecoder(model, 2, setting="aot_eager")
+    cache = KVCache.for_model(model, 2)
+    with torch.no_grad():
+        want = [model(x[:, :12], cache=cache)] + [model(x[:, t:t + 1], cache=cache) for t in range(12, 20)]
+        got = [decoder(x[:, :12])] + [decoder(x[:, t:t + 1]) for t in range(12, 20)]
+        full = model(x)
+    torch.testing.assert_close(torch.cat(got, 1), torch.cat(want, 1), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(torch.cat(got, 1), full, rtol=1e-10, atol=1e-10)
+    assert decoder.cache.length == 20 and decoder.room() == 72 - 20
+    with pytest.raises(ValueError, match="static KV cache has room for 52"):
+        decoder(tokens(2, 53))
