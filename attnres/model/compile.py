@@ -60,6 +60,8 @@ def compile_model(model: nn.Module, setting: Union[bool, str] = True, *, granula
         model.compile(backend=backend, fullgraph=fullgraph)
     else:
         for block in model.blocks:
+            if block is None:  # a pipeline rank's model holds only its own stages' blocks
+                continue
             for sublayer in (block.attn, block.mlp):
                 # the bound method, not the module: hooks on the module (FSDP2's) stay eager
                 sublayer.forward = torch.compile(sublayer.forward, backend=backend, fullgraph=fullgraph)

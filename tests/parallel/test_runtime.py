@@ -134,3 +134,13 @@ def test_parallel_options_without_a_fitting_launch_are_clear_errors(corpus, tmp_
     with pytest.raises(ValueError, match=match):
         model_cfg, train_cfg = build_configs("tiny", {**MODEL, **overrides(corpus, tmp_path / "x", **extra)})
         Trainer(model_cfg, train_cfg)
+
+
+@pytest.mark.compile_heavy
+@pytest.mark.parametrize("layout", [dict(dp=2), dict(dp=2, fsdp=True), dict(pp=2)])
+def test_compiled_parallel_layouts_equal_one_eager_process(corpus, tmp_path, layout):
+    """DDP compiles the whole model, FSDP2 and pipeline stages compile per sublayer (aot_eager: the
+    tracing and autograd of a real compile without inductor's code generation)."""
+    single(corpus, tmp_path / "one", MODEL, steps=4)
+    parallel(corpus, tmp_path / "compiled", MODEL, 2, steps=4, compile="aot_eager", **layout)
+    assert losses(tmp_path / "compiled")[0] == pytest.approx(losses(tmp_path / "one")[0], rel=1e-5)
