@@ -42,6 +42,6 @@ def run(args) -> int:
     counts = run_experiment(spec, runs, max_runs=args.max_runs, only=args.only,
                             retry_diverged=args.retry_diverged, progress=not args.no_progress,
                             threads=args.threads, command=command)
-    print(f"{spec.name}: " + ", ".join(f"{v} {k}" for k, v in counts.items())
-          + f"; report with `attnres report {args.name}`")
+    report = " ".join(["attnres report", args.name] + [f"{k} {v}" for k, v in flags[3:] if v is not None])
+    print(f"{spec.name}: " + ", ".join(f"{v} {k}" for k, v in counts.items()) + f"; report with `{report}`")
     return 0

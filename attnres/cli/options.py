@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import re
 import shlex
 from typing import Any, Dict, List, Optional
 
@@ -29,6 +30,15 @@ def parse_value(text: str) -> Any:
         return ast.literal_eval(text)
     except (ValueError, SyntaxError):
         return text
+
+
+ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}
+
+
+def unescape(text: str) -> str:
+    """A text flag typed in a shell: ``\\n``, ``\\t`` and ``\\\\`` become a newline, a tab and a backslash
+    (shells pass ``"\\n"`` as a backslash and an n); every other character stays as typed."""
+    return re.sub(r"\\([nt\\])", lambda m: ESCAPES[m.group(1)], text)
 
 
 def parse_set(items: Optional[List[str]]) -> Dict[str, Any]:

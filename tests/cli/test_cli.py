@@ -8,7 +8,7 @@ import pytest
 
 import attnres.cli
 from attnres.cli import build_parser, main
-from attnres.cli.options import CLIError, parse_set, run_overrides
+from attnres.cli.options import CLIError, parse_set, run_overrides, unescape
 
 
 def test_set_values_are_literals_booleans_none_or_text():
@@ -68,3 +68,10 @@ def test_python_dash_m_attnres_is_the_command():
     done = subprocess.run([sys.executable, "-m", "attnres", "--help"], capture_output=True, text=True,
                           cwd=root, env={"PYTHONPATH": str(root), "PATH": ""}, timeout=120)
     assert done.returncode == 0 and "experiment" in done.stdout and "convert" in done.stdout
+
+
+def test_text_flags_unescape_what_a_shell_passes_literally():
+    assert unescape(r"\n\n") == "\n\n" and unescape(r"a\tb\\n") == "a\tb\\n"
+    assert unescape("café \\x ✓") == "café \\x ✓"  # nothing else changes
+    args = build_parser().parse_args(["sample", "runs/x", "--stop", r"\n\n", "--prompt", r"ROMEO:\n"])
+    assert (args.stop, args.prompt) == ("\n\n", "ROMEO:\n")
