@@ -23,7 +23,7 @@ from typing import List, Optional
 
 from attnres.checkpoint import CheckpointError
 from attnres.cli import bench, convert, demo, evaluate, experiment, report, sample, schemes, train
-from attnres.cli.options import CLIError
+from attnres.cli.options import CLIError, HelpFormatter
 from attnres.train.trainer import TrainingDiverged, TrainingInterrupted
 
 VERBS = (train, evaluate, sample, demo, schemes, bench, convert, experiment, report)
@@ -35,7 +35,17 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for verb in VERBS:
         verb.add_parser(sub)
+    _format_help(parser)
     return parser
+
+
+def _format_help(parser: argparse.ArgumentParser) -> None:
+    """One help format for every verb (and the bench subcommands): defaults shown, examples kept."""
+    parser.formatter_class = HelpFormatter
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                _format_help(child)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

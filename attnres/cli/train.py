@@ -1,7 +1,7 @@
 """attnres train: one training run (attnres.train.Trainer), single process or under torchrun."""
 from __future__ import annotations
 
-from attnres.cli.options import add_run_options, run_overrides
+from attnres.cli.options import add_run_options, examples, run_overrides
 from attnres.parallel import PIPELINE_SCHEDULES
 from attnres.train.config import build_configs
 from attnres.train.trainer import Trainer
@@ -10,9 +10,13 @@ from attnres.train.trainer import Trainer
 def add_parser(sub) -> None:
     p = sub.add_parser("train", help="train a model", description=(
         "Train a decoder LM with a chosen residual scheme. Options come from a preset, then a TOML "
-        "--config, then flags and --set KEY=VALUE. Example: attnres train --preset demo --residual "
-        "block --out runs/block"))
+        "--config, then --set KEY=VALUE, then the flags."), epilog=examples(
+        "attnres train --preset demo --residual block --out runs/block",
+        "attnres train --preset tiny --residual full --steps 50 --warmup-steps 5 --eval-every 10 --out runs/t",
+        "attnres train --out runs/block --resume",
+        "torchrun --nproc-per-node 2 -m attnres train --preset small --pp 2 --pp-schedule 1F1B"))
     add_run_options(p, preset_default="demo")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--residual", help="a residual scheme: see `attnres schemes`")
     p.add_argument("--out", help="run directory (checkpoint, metrics, tokenizer, summary)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
@@ -22,7 +26,7 @@ def add_parser(sub) -> None:
     g.add_argument("--pp", type=int, help="pipeline-parallel ranks")
     g.add_argument("--vpp", type=int, help="virtual pipeline stages per rank (Interleaved1F1B, LoopedBFS)")
     g.add_argument("--pp-schedule", dest="pp_schedule", choices=PIPELINE_SCHEDULES,
-                   help="pipeline schedule (also accepted as --schedule NAME)")
+                   help="pipeline schedule (default: 1F1B)")
     g.add_argument("--microbatches", type=int, help="pipeline microbatches per batch (default pp * vpp)")
     g.add_argument("--no-pp-cache", dest="no_pp_cache", action="store_true",
                    help="send the whole block history at every stage transition (no cross-stage caching)")
