@@ -4,6 +4,7 @@ from __future__ import annotations
 from attnres.cli.options import add_run_options, examples, run_overrides
 from attnres.parallel import PIPELINE_SCHEDULES
 from attnres.train.config import build_configs
+from attnres.train.metrics import TRACKERS
 from attnres.train.trainer import Trainer
 
 
@@ -20,6 +21,10 @@ def add_parser(sub) -> None:
     p.add_argument("--residual", help="a residual scheme: see `attnres schemes`")
     p.add_argument("--out", help="run directory (checkpoint, metrics, tokenizer, summary)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
+    p.add_argument("--log", action="append", choices=tuple(TRACKERS), default=None,
+                   help="also log to TensorBoard (pip install 'attnres[tb]'; on whenever installed) or to "
+                        "Weights & Biases (pip install wandb; WANDB_MODE=offline works without a network); "
+                        "repeatable")
     g = p.add_argument_group("parallelism (launch with torchrun --nproc-per-node K -m attnres train ...)")
     g.add_argument("--dp", type=int, help="data-parallel ranks (DDP; the global batch is split over them)")
     g.add_argument("--fsdp", action="store_true", help="with --dp: shard with FSDP2 instead of DDP")
@@ -39,7 +44,7 @@ def run(args) -> int:
         overrides["out_dir"] = args.out
     if args.no_progress:
         overrides["progress"] = False
-    trainer = Trainer(*build_configs("demo", overrides), resume=args.resume)
+    trainer = Trainer(*build_configs("demo", overrides), resume=args.resume, trackers=args.log or ())
     say = print if trainer.is_main else (lambda *a, **k: None)  # under torchrun, rank 0 speaks
     say(trainer.describe())
     result = trainer.run()
@@ -47,4 +52,7 @@ def run(args) -> int:
     if traffic:
         say(traffic)
     say(result.describe())
+    figures = trainer.write_figures()
+    if figures:
+        say("figures: " + ", ".join(str(path) for path in figures) + f" (redraw: attnres plot {trainer.out_dir})")
     return 0

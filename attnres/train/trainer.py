@@ -16,7 +16,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -30,7 +30,7 @@ from attnres.parallel.runtime import (
 )
 from attnres.parallel.state import load_full_model_state, load_named_optimizer_state, named_optimizer_state
 from attnres.train.config import RESUMABLE_CHANGES, TrainConfig
-from attnres.train.metrics import MetricsLogger
+from attnres.train.metrics import MetricsLogger, check_trackers
 from attnres.train.optim import build_optimizer
 from attnres.train.schedule import make_schedule, set_lr
 
@@ -130,7 +130,11 @@ class _GracefulInterrupt:
 
 class Trainer:
     def __init__(self, model_config: ModelConfig, train_config: TrainConfig, *, resume: bool = False,
-                 log: Callable[[str], None] = print):
+                 log: Callable[[str], None] = print, trackers: Sequence[str] = ()):
+        """``trackers``: where the metrics go besides the run directory's files (``attnres.train.metrics.
+        TRACKERS``: "tensorboard", on anyway when installed; "wandb"); checked here, before any work."""
+        check_trackers(trackers)
+        self.trackers = tuple(trackers)
         self.cfg = train_config
         self.resume = resume
         self.log = log
@@ -326,8 +330,10 @@ class Trainer:
                 {"model": self.model_config.to_dict(), "train": c.to_dict()}, indent=2))
             self.data.tokenizer.save(str(self.out_dir / TOKENIZER_FILE))
         tokens_per_step = c.batch_size * c.seq_len * c.grad_accum
-        metrics = MetricsLogger(self.out_dir, resume_step=self.step if self.resume else None) \
-            if self.is_main else None
+        wandb_config = {"model": self.model_config.to_dict(), "train": c.to_dict()} \
+            if "wandb" in self.trackers else None
+        metrics = MetricsLogger(self.out_dir, resume_step=self.step if self.resume else None,
+                                wandb_config=wandb_config) if self.is_main else None
         step_times = []
         bar = None
         if c.progress and self.is_main:
@@ -388,4 +394,21 @@ class Trainer:
         if self.is_main:
             atomic_write_text(self.out_dir / SUMMARY_FILE, json.dumps(result.__dict__, indent=2))
         return result
+
+    def write_figures(self) -> List[Path]:
+        """Draw the run's figures into its directory (``attnres.analysis.plots.plot_run``): loss.png and,
+        for depth-attention schemes, depth_weights.png of the model now on the first validation batch.
+        Rank 0 draws; the depth weights need the whole model in one process (no DDP, FSDP2, pipeline)."""
+        if not self.is_main:
+            return []
+        from attnres.analysis.depth import write_depth_weights
+        from attnres.analysis.plots import plot_run
+        from attnres.data import eval_batches
+
+        if not self.strategy.distributed:
+            x, _ = next(iter(eval_batches(self.data.val.tokens, self.cfg.batch_size, self.cfg.seq_len,
+                                          max_batches=1)))
+            with self._autocast():
+                write_depth_weights(self.model, x.to(self.device), self.out_dir)
+        return plot_run(self.out_dir)
 
