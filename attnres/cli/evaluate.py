@@ -19,5 +19,6 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    print(json.dumps(evaluate_run(args.run, data=args.data, max_batches=args.batches, device=args.device)))
+    print(json.dumps(evaluate_run(args.run, data=args.data, max_batches=args.batches, device=args.device,
+                                  progress=True)))
     return 0

@@ -107,7 +107,8 @@ def add_run_options(p: argparse.ArgumentParser, *, preset_default: str) -> None:
     p.add_argument("--seed", type=int)
     p.add_argument("--device", help="auto, cpu, cuda, cuda:N")
     p.add_argument("--precision", choices=("fp32", "bf16"))
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no per-step output (a bar on a terminal, a log line every few steps elsewhere)")
 
 
 def run_overrides(args: argparse.Namespace) -> Dict[str, Any]:

@@ -106,9 +106,11 @@ def run_cli(*argv):
 def test_cli_train_eval_sample(corpus, tmp_path, capsys):
     out = tmp_path / "run"
     assert run_cli("train", "--preset", "tiny", "--data", corpus, "--out", out, "--steps", 12,
-                   "--warmup-steps", 2, "--eval-every", 6, "--residual", "full", "--no-progress") == 0
+                   "--warmup-steps", 2, "--eval-every", 6, "--residual", "full") == 0
     printed = capsys.readouterr().out
     assert "val loss" in printed and f"attnres plot {out}" in printed
+    # stdout is no terminal here: plain lines, no bar
+    assert "step 6/12  loss" in printed and "  val " in printed and "\r" not in printed
     # the run's figures, and the depth weights they draw: one row per sublayer and the output
     config = json.loads((out / "config.json").read_text())
     assert config["train"]["warmup_steps"] == 2 and config["train"]["eval_every"] == 6
