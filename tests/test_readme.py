@@ -46,7 +46,7 @@ def comment_after(code: str, expression: str) -> str:
 
 def test_the_readme_has_the_snippets_this_test_knows():
     python = blocks("python")
-    assert len(python) == 4, "a new ```python block in README.md: give it its inputs in this test"
+    assert len(python) == 5, "a new ```python block in README.md: give it its inputs in this test"
     assert len(commands()) >= 15
 
 
@@ -61,7 +61,7 @@ def test_every_readme_command_parses(argv):
 def test_the_python_snippets_of_use_it_run_and_state_what_they_compute(tmp_path, monkeypatch):
     import torch.distributed as dist
 
-    use_it, op, inference, _ = blocks("python")
+    use_it, op, inference = blocks("python")[:3]
     g = torch.Generator().manual_seed(0)
     namespace = {
         # the op alone: sources [K, B, T, D] and the parameters of one sublayer
@@ -93,31 +93,53 @@ def test_the_python_snippets_of_use_it_run_and_state_what_they_compute(tmp_path,
     assert namespace["logits"].shape == (2, 9, 4096)
 
 
-def test_the_hugging_face_snippet_runs(tmp_path, monkeypatch):
-    transformers = pytest.importorskip("transformers")
-
+def hf_directories(transformers):
+    """In the current directory, what the Hugging Face snippets name: a local LLaMA with 8 sublayers,
+    a run of attnres train (BPE tokenizer, a small local corpus) and its Hugging Face export."""
     from attnres import AttnResLM, ModelConfig
     from attnres.checkpoint import save_checkpoint
-    from attnres.data import ByteTokenizer
+    from attnres.data import train_bpe
     from attnres.hf import convert_directory
     from attnres.train.config import TrainConfig
 
-    hf_snippet = blocks("python")[3]
-    monkeypatch.chdir(tmp_path)
-    # the directories it names: a local LLaMA with 8 sublayers, a run of attnres train, its HF export
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
         max_position_embeddings=32)).save_pretrained("path/to/llama")
-    lm = AttnResLM(ModelConfig(vocab_size=256, d_model=32, n_layers=2, n_heads=4, max_seq_len=64))
+    Path("corpus").mkdir()
+    for i in range(5):
+        Path(f"corpus/work{i}.txt").write_text(f"ROMEO: work {i}, " + "soft light breaks. " * (10 + i))
+    texts = [p.read_text() for p in sorted(Path("corpus").iterdir())]
+    bpe = train_bpe(texts + ["x\n\n"] * 20, vocab_size=300)
+    lm = AttnResLM(ModelConfig(vocab_size=bpe.vocab_size, d_model=32, n_layers=2, n_heads=4, max_seq_len=64))
     save_checkpoint("runs/block/checkpoint", model=lm, optimizer=None, step=5, train_state={},
                     model_config=lm.config.to_dict(),
-                    train_config=TrainConfig(tokenizer="byte", out_dir="runs/block").to_dict())
-    ByteTokenizer().save("runs/block/tokenizer.json")
+                    train_config=TrainConfig(data="corpus", val_fraction=0.4, out_dir="runs/block").to_dict())
+    bpe.save("runs/block/tokenizer.json")
     convert_directory("runs/block", "out/block-hf", log=lambda line: None)
+    return lm
+
+
+def test_the_hugging_face_snippet_runs(tmp_path, monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    monkeypatch.chdir(tmp_path)
+    lm = hf_directories(transformers)
     namespace = {"input_ids": torch.randint(0, 96, (1, 5))}
-    exec(hf_snippet, namespace)
+    exec(blocks("python")[3], namespace)
     assert namespace["greedy"].shape[0] == 2 and namespace["beams"].shape[0] == 2
     assert len(namespace["texts"]) == 2
     assert len(namespace["hidden"]) == 2 * lm.config.n_layers + 1
     assert Path("runs/block-native/state.json").is_file() and Path("runs/block-native/tokenizer.json").is_file()
+
+
+def test_the_harness_snippet_runs(tmp_path, monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("lm_eval")
+    pytest.importorskip("accelerate")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    hf_directories(transformers)
+    namespace = {}
+    exec("import attnres.hf\n" + blocks("python")[4], namespace)  # the HF snippet above it imported attnres.hf
+    assert namespace["results"]["bits_per_byte,none"] > 0
