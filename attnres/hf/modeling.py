@@ -9,7 +9,9 @@ nothing to its arithmetic: ``model(input_ids).logits`` is exactly
 Generation runs through our KV cache (``attnres.inference.KVCache``): the
 first step prefills the prompt, each later step feeds one token; past
 ``max_seq_len`` the last ``max_seq_len`` tokens are re-prefilled each step,
-like :func:`attnres.inference.sampling.generate`.
+like :func:`attnres.inference.sampling.generate`. Padded batches (an
+``attention_mask`` with zeros, left padding for generation) give each row what
+its prompt gives alone; beam search reorders the cache (``KVCache.reorder_cache``).
 """
 from __future__ import annotations
 
@@ -243,7 +245,8 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         step prefills the prompt, later steps feed only the new token. Once the sequence reaches
         ``max_seq_len`` the model sees the last ``max_seq_len`` tokens (each step re-prefills that
         window), exactly like :func:`attnres.inference.sampling.generate`. ``use_cache=False`` recomputes the
-        cropped sequence every step."""
+        cropped sequence every step. The ``attention_mask`` travels whole (cached and new columns, as
+        AttnResLM takes it); the window counts columns, padding included."""
         from attnres.inference.cache import KVCache
 
         limit = self.config.max_seq_len
