@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional, Sequence
 
 from attnres.residual import RESIDUALS, validate_scheme
 from attnres.residual.options import bad_option as _bad
@@ -27,9 +27,16 @@ class ModelConfig:
       that yields at most 8 depth blocks (boundaries before attention, the
       paper's default). With N, S = ceil(L / N) and the last block is shorter
       when L is not divisible; an N that no such S can produce is an error.
+    - ``attnres_block_sizes``: explicit, possibly uneven, depth blocks for
+      "block": a list of sizes in sublayers that sums to L (instead of N or S).
     - ``attnres_weights``: "pseudo_query" (the method), "input_query"
-      (q_l = W_l h from the most recent source, W zero-init), or "scalar"
-      (input-independent mixing: a learned logit per (sublayer, source)).
+      (q_l = W_l h from the most recent source, W zero-init), "low_rank_query"
+      (q_l = w_l + U_l V_l h, h the most recent completed source, rank
+      ``attnres_query_rank``, U zero-init), or "scalar" (input-independent
+      mixing: a learned logit per (sublayer, source)).
+    - ``attnres_sources``: "outputs" (the paper: sublayer outputs / their block
+      sums) or "states" (running residual sums at block boundaries; not from
+      the paper, SPEC §5).
     - ``attnres_kernel``: "softmax" or "sigmoid".
     - ``attnres_key_norm``: RMSNorm on the keys (on by default).
     - ``attnres_heads``: per-head channel groups with their own weights.
@@ -67,6 +74,7 @@ class ModelConfig:
     - ``hyper_streams`` (n, default 4) and ``hyper_dynamic`` (default True:
       DHC; False: static SHC) for Hyper-Connections.
     - ``mhc_streams`` (n, default 4) and ``mhc_sinkhorn_iters`` (default 20).
+    - ``gated_heads`` (H, default 8): heads of the "gated" rival's depth attention.
     """
 
     vocab_size: int = 4096
@@ -92,6 +100,9 @@ class ModelConfig:
     attnres_group_size: Optional[int] = None
     attnres_scale_norm_eps: bool = False
     attnres_impl: str = "two_phase"
+    attnres_sources: str = "outputs"
+    attnres_block_sizes: Optional[Sequence[int]] = None
+    attnres_query_rank: Optional[int] = None
 
     layerscale_init: Optional[float] = None
     highway_rank: Optional[int] = None
@@ -101,6 +112,7 @@ class ModelConfig:
     hyper_dynamic: bool = True
     mhc_streams: int = 4
     mhc_sinkhorn_iters: int = 20
+    gated_heads: int = 8
 
     def __post_init__(self):
         if self.n_kv_heads is None:
@@ -120,9 +132,15 @@ class ModelConfig:
         return self.d_model // self.n_heads
 
     @property
+    def block_sizes(self) -> List[int]:
+        """Sublayers of each depth block, in order ("full": all 1; schemes without depth blocks: [L])."""
+        return RESIDUALS[self.residual].block_sizes(self)
+
+    @property
     def block_size(self) -> int:
-        """S: sublayers per depth block ("full" is S = 1; schemes without depth blocks: L)."""
-        return RESIDUALS[self.residual].block_size(self)
+        """S: sublayers per depth block ("full" is S = 1; schemes without depth blocks: L); with
+        uneven blocks (``attnres_block_sizes``) the largest."""
+        return max(self.block_sizes)
 
     @property
     def group_size(self) -> int:
@@ -131,8 +149,8 @@ class ModelConfig:
 
     @property
     def num_blocks(self) -> int:
-        """N: depth blocks, the last one possibly shorter."""
-        return math.ceil(self.n_sublayers / self.block_size)
+        """N: depth blocks (equal ones with the last possibly shorter, or ``attnres_block_sizes``)."""
+        return len(self.block_sizes)
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
