@@ -556,7 +556,8 @@ def build_parser() -> argparse.ArgumentParser:
         "sublayer beside SPEC Table 1."))
     p.add_argument("what", choices=("train", "op", "decode", "pipeline"))
     p.add_argument("--quick", action="store_true", help="a smaller config (under 2 minutes on 2 cores)")
-    p.add_argument("--variants", help="comma list, e.g. prenorm,block,full,block:reference,block:fused")
+    p.add_argument("--variants", help="comma list of NAME[:IMPL][:FIELD=VALUE]..., e.g. prenorm,block,full,"
+                   "block:reference,full:attnres_weights=low_rank_query:attnres_query_rank=8")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="benchmark option, e.g. d_model=512")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     p.add_argument("--device", default="cpu")

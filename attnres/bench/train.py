@@ -14,6 +14,7 @@ training step needs (activations, gradients, optimizer state).
 """
 from __future__ import annotations
 
+import ast
 import json
 import os
 import resource
@@ -22,7 +23,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -56,17 +57,40 @@ class BenchConfig:
                    steps_per_repeat=2)
 
 
-def parse_variant(name: str):
-    """'block' -> ('block', 'two_phase'); 'block:reference' -> ('block', 'reference')."""
-    residual, _, impl = name.partition(":")
-    return residual, impl or "two_phase"
+def _option_value(text: str):
+    if text.lower() in ("none", "true", "false"):
+        return {"none": None, "true": True, "false": False}[text.lower()]
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def parse_variant(name: str) -> Tuple[str, str, Dict[str, object]]:
+    """'NAME[:IMPL][:FIELD=VALUE]...' -> (residual, impl, ModelConfig options).
+
+    'block' -> ('block', 'two_phase', {}); 'block:reference' -> ('block', 'reference', {});
+    'full:attnres_weights=low_rank_query:attnres_query_rank=8' -> ('full', 'two_phase',
+    {'attnres_weights': 'low_rank_query', 'attnres_query_rank': 8}).
+    """
+    residual, *parts = name.split(":")
+    impl, options = "two_phase", {}
+    for part in parts:
+        if "=" in part:
+            key, value = part.split("=", 1)
+            options[key.strip()] = _option_value(value.strip())
+        else:
+            impl = part
+    return residual, impl, options
 
 
 def variant_config(variant: str, *, blocks: int, **sizes) -> ModelConfig:
-    """The model of one benchmark variant ('block', 'full:reference', ...); Block gets N = blocks."""
-    residual, impl = parse_variant(variant)
-    extra = {"attnres_blocks": blocks} if residual == "block" and blocks is not None else {}
-    return ModelConfig(residual=residual, attnres_impl=impl, **sizes, **extra)
+    """The model of one benchmark variant ('block', 'full:reference', 'full:attnres_weights=scalar', ...);
+    Block gets N = blocks unless the variant sets its own depth blocks."""
+    residual, impl, options = parse_variant(variant)
+    own_blocks = {"attnres_blocks", "attnres_block_size", "attnres_block_sizes"} & set(options)
+    extra = {"attnres_blocks": blocks} if residual == "block" and blocks is not None and not own_blocks else {}
+    return ModelConfig(**{"residual": residual, "attnres_impl": impl, **sizes, **extra, **options})
 
 
 def model_config(cfg: BenchConfig, variant: str) -> ModelConfig:
@@ -213,7 +237,7 @@ def format_table(result: dict) -> str:
                      f"{r['step_ratio']:.3f} | {r['tokens_per_s']:,.0f} | {mem} |")
     lines.append("")
     lines.append("variant `X` is the default implementation (two_phase where it applies); "
-                 "`X:reference` is plain autograd. Peak memory: "
+                 "`X:reference` is plain autograd; `:FIELD=VALUE` sets a ModelConfig option. Peak memory: "
                  + next(iter(result["rows"].values())).get("method", "not measured")
                  + "; 'step peak' is the peak above the memory held before the first step.")
     return "\n".join(lines)
