@@ -11,8 +11,12 @@ no ``trust_remote_code``:
 - :class:`AttnResConfig`, :class:`AttnResForCausalLM`: the config and the causal LM
   (``save_pretrained`` / ``from_pretrained`` / ``generate``), wrapping ``attnres.AttnResLM``;
 - :func:`convert_to_attnres`: retrofit a pretrained LLaMA / Mistral / Qwen2 causal LM into
-  AttnRes with the same logits (zero-initialised queries, SPEC §3);
-- :func:`native_to_hf` / :func:`hf_to_native`: the trainer's checkpoints <-> this format.
+  AttnRes with the same logits (zero-initialised queries, docs/method.md §3);
+- :func:`native_to_hf` / :func:`hf_to_native`: the trainer's checkpoints <-> this format;
+- :func:`source_kind` / :func:`convert_directory`: what a model directory holds, and converting it
+  (the ``attnres convert`` command).
+
+Modules import one way: ``directories`` -> ``convert`` -> ``modeling`` -> ``configuration``.
 """
 import transformers
 
@@ -23,12 +27,13 @@ if int(transformers.__version__.split(".")[0]) < 5:
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 from attnres.hf.configuration import AttnResConfig  # noqa: E402
-from attnres.hf.convert import (ConversionError, convert_to_attnres, hf_to_native, hf_tokenizer,
-                                native_to_hf)
-from attnres.hf.modeling import AttnResForCausalLM, AttnResPreTrainedModel  # noqa: E402
+from attnres.hf.convert import ConversionError, convert_to_attnres, hf_tokenizer  # noqa: E402
+from attnres.hf.directories import SOURCE_KINDS, convert_directory, source_kind  # noqa: E402
+from attnres.hf.modeling import AttnResForCausalLM, AttnResPreTrainedModel, hf_to_native, native_to_hf  # noqa: E402
 
 AutoConfig.register(AttnResConfig.model_type, AttnResConfig, exist_ok=True)
 AutoModelForCausalLM.register(AttnResConfig, AttnResForCausalLM, exist_ok=True)
 
-__all__ = ["AttnResConfig", "AttnResForCausalLM", "AttnResPreTrainedModel", "ConversionError",
-           "convert_to_attnres", "hf_to_native", "hf_tokenizer", "native_to_hf"]
+__all__ = ["AttnResConfig", "AttnResForCausalLM", "AttnResPreTrainedModel", "ConversionError", "SOURCE_KINDS",
+           "convert_directory", "convert_to_attnres", "hf_to_native", "hf_tokenizer", "native_to_hf",
+           "source_kind"]

@@ -18,7 +18,7 @@ class ModelConfig:
     Sizes count Transformer blocks (``n_layers`` = L_b); the residual schemes
     count sublayers (L = 2 * n_layers: one attention and one MLP each).
 
-    Residual options (SPEC §3-5):
+    Residual options (docs/method.md §3-5):
     - ``residual``: a name from ``attnres.residual.RESIDUALS``
       ("prenorm", "full", "block", and the rival schemes "rezero",
       "layerscale", "highway", "denseformer", "mudd", "hyper", "mhc").
@@ -36,7 +36,7 @@ class ModelConfig:
       mixing: a learned logit per (sublayer, source)).
     - ``attnres_sources``: "outputs" (the paper: sublayer outputs / their block
       sums) or "states" (running residual sums at block boundaries; not from
-      the paper, SPEC §5).
+      the paper, docs/method.md §5).
     - ``attnres_kernel``: "softmax" or "sigmoid".
     - ``attnres_key_norm``: RMSNorm on the keys (on by default).
     - ``attnres_heads``: per-head channel groups with their own weights.
@@ -44,7 +44,7 @@ class ModelConfig:
       sources only ("full" alone).
     - ``attnres_group_size``: for "full" with the two-phase implementation, the
       number G of consecutive sublayers whose queries share one Phase-1 pass
-      over the sources completed before them (SPEC §6's grouping; exact, it only
+      over the sources completed before them (docs/method.md §6's grouping; exact, it only
       changes speed). Default: round(sqrt(L)).
     - ``attnres_scale_norm_eps``: scale the eps of each sublayer's pre-norm (and
       of the final norm) by c^2, where c S is what it reads at init (c = 1/K_l
@@ -52,7 +52,7 @@ class ModelConfig:
       equals its PreNorm counterpart exactly instead of up to eps
       (RMSNorm(c S) with eps c^2 is RMSNorm(S) with eps); the retrofit of
       pretrained models turns it on. Full and Block only.
-    - ``attnres_impl``: "two_phase" (default: SPEC §6's batched Phase 1 per depth
+    - ``attnres_impl``: "two_phase" (default: docs/method.md §6's batched Phase 1 per depth
       block, in training too; falls back to "fused" where queries depend on
       the input or a window drops sources; scalar mixing is a plain weighted
       sum under every impl), "fused" (one memory-lean custom-autograd op per sublayer) or

@@ -179,7 +179,7 @@ HOLDS = [
 
 @pytest.mark.parametrize("residual,overrides", HOLDS)
 def test_zero_initialised_variant_equals_prenorm(residual, overrides):
-    """Uneven blocks and low-rank queries (U = 0, V random) keep SPEC §3's equivalence: exact up to eps,
+    """Uneven blocks and low-rank queries (U = 0, V random) keep docs/method.md §3's equivalence: exact up to eps,
     and to rounding with attnres_scale_norm_eps."""
     base = make("prenorm", norm_eps=1e-20)
     model = make(residual, norm_eps=1e-20, **overrides)
