@@ -14,7 +14,6 @@ training step needs (activations, gradients, optimizer state).
 """
 from __future__ import annotations
 
-import ast
 import json
 import os
 import resource
@@ -29,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from attnres.model import AttnResLM, ModelConfig
+from attnres.train.config import parse_value
 from attnres.train.optim import build_optimizer
 
 DEFAULT_VARIANTS = ("prenorm", "block", "full", "block:reference", "full:reference")
@@ -58,15 +58,6 @@ class BenchConfig:
                    steps_per_repeat=2)
 
 
-def _option_value(text: str):
-    if text.lower() in ("none", "true", "false"):
-        return {"none": None, "true": True, "false": False}[text.lower()]
-    try:
-        return ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-        return text
-
-
 def parse_variant(name: str) -> Tuple[str, str, Dict[str, object]]:
     """'NAME[:IMPL][:FIELD=VALUE]...' -> (residual, impl, ModelConfig options).
 
@@ -79,7 +70,7 @@ def parse_variant(name: str) -> Tuple[str, str, Dict[str, object]]:
     for part in parts:
         if "=" in part:
             key, value = part.split("=", 1)
-            options[key.strip()] = _option_value(value.strip())
+            options[key.strip()] = parse_value(value.strip())
         else:
             impl = part
     return residual, impl, options

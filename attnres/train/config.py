@@ -1,6 +1,7 @@
 """TrainConfig, named presets, and building a run's two configs from presets, files and flags."""
 from __future__ import annotations
 
+import ast
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
@@ -163,6 +164,20 @@ def _preset(name: str) -> Dict[str, Dict[str, Any]]:
 def preset_model(preset: Optional[str] = None, overrides: Optional[Dict[str, Any]] = None) -> ModelConfig:
     """The model of a named preset (default: demo) with ModelConfig ``overrides``; no training options."""
     return ModelConfig(**{**_preset(preset or "demo")["model"], **(overrides or {})})
+
+
+def parse_value(text: str) -> Any:
+    """An option value typed as text (``--set KEY=VALUE``, bench variants ``NAME:FIELD=VALUE``):
+    none/null, true/false (any case), a Python literal, else the text itself."""
+    lowered = text.lower()
+    if lowered in ("none", "null"):
+        return None
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
 
 
 def split_overrides(overrides: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, Any]]:
