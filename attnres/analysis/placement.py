@@ -35,21 +35,22 @@ programming over the last boundary:
 
 in O(N L^2) time after an O(L^2) table of block scores.
 
-    python -m attnres.analysis.placement experiments/runs/ablations/<hash> --blocks 8 [--max-size 8]
+    attnres placement experiments/runs/ablations/<hash> [<hash> ...] --blocks 8 [--max-size 8]
 
 prints the sizes as a line for an experiment spec or ``--set`` (``attnres_block_sizes = [...]``),
-``--objective fit`` for the second objective.
+from the mean weights of the runs given (e.g. the seeds of one config); ``--objective fit`` for the
+second objective.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import sys
 from pathlib import Path
 from typing import List, Optional, Sequence
 
 import numpy as np
+
+from attnres.residual.attnres import equal_block_sizes
 
 
 def _consumer_matrix(weights) -> np.ndarray:
@@ -179,42 +180,38 @@ def run_depth_weights(run_dir) -> np.ndarray:
     return np.array([[np.nan if v is None else v for v in row] for row in weights], dtype=float)
 
 
-def learned_block_sizes(run_dir, n_blocks: int, *, objective: str = "mass", min_size: int = 1,
+def runs_depth_weights(run_dirs: Sequence) -> np.ndarray:
+    """The mean of several Full AttnRes runs' depth-weight matrices (e.g. the seeds of one config)."""
+    if not run_dirs:
+        raise ValueError("no run directories given; pass at least one finished Full AttnRes run")
+    matrices = [run_depth_weights(d) for d in run_dirs]
+    shapes = {m.shape for m in matrices}
+    if len(shapes) > 1:
+        raise ValueError(f"the runs have depth-weight matrices of different shapes {sorted(shapes)}; "
+                         "pass runs of one model depth")
+    stacked = np.stack(matrices)
+    mean = np.full(stacked.shape[1:], np.nan)
+    read = ~np.isnan(stacked).all(0)
+    mean[read] = np.nanmean(stacked[:, read], axis=0)  # unread entries stay NaN (no empty-slice mean)
+    return mean
+
+
+def learned_block_sizes(run_dirs, n_blocks: int, *, objective: str = "mass", min_size: int = 1,
                         max_size: Optional[int] = None) -> List[int]:
-    """``best_block_sizes`` on the depth weights of a finished Full AttnRes run: the value for
-    ``attnres_block_sizes`` in an experiment spec."""
-    return best_block_sizes(run_depth_weights(run_dir), n_blocks, objective=objective, min_size=min_size,
+    """``best_block_sizes`` on the (mean) depth weights of finished Full AttnRes runs (one directory or
+    a list): the value for ``attnres_block_sizes`` in an experiment spec."""
+    dirs = [run_dirs] if isinstance(run_dirs, (str, Path)) else list(run_dirs)
+    return best_block_sizes(runs_depth_weights(dirs), n_blocks, objective=objective, min_size=min_size,
                             max_size=max_size)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m attnres.analysis.placement", description=(
-        "Depth-block sizes that keep the most attention mass of a trained Full AttnRes run inside blocks "
-        "(exact dynamic programming; docs/method.md §5)."))
-    p.add_argument("run_dir", help="a finished experiment run directory (config.json, probes.json)")
-    p.add_argument("--blocks", type=int, required=True, help="N, the number of depth blocks")
-    p.add_argument("--min-size", type=int, default=1)
-    p.add_argument("--max-size", type=int, default=None)
-    p.add_argument("--objective", choices=OBJECTIVES, default="mass",
-                   help="mass: attention mass kept inside blocks (default); fit: squared error of the best "
-                        "Block approximation of the weights")
-    args = p.parse_args(argv)
-    try:
-        matrix = run_depth_weights(args.run_dir)
-        sizes = best_block_sizes(matrix, args.blocks, objective=args.objective, min_size=args.min_size,
-                                 max_size=args.max_size)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    L = matrix.shape[0] - 1
-    size = math.ceil(L / args.blocks)
-    equal = [size] * (L // size) + ([L % size] if L % size else [])
-    print(f"attnres_block_sizes = {sizes}")
-    print(f"# mass inside blocks {block_mass(matrix, sizes):.3f}, fit error {block_fit_error(matrix, sizes):.4f}; "
-          f"equal blocks {equal}: {block_mass(matrix, equal):.3f}, {block_fit_error(matrix, equal):.4f}; "
-          f"total mass on sublayer outputs {np.nansum(matrix[:L, 1:]):.3f}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def describe_placement(weights, sizes: Sequence[int]) -> List[str]:
+    """The sizes as a spec / ``--set`` line, then both objectives for them and for equal blocks
+    (ceil(L / N), the last one shorter) as a comment line."""
+    a = _consumer_matrix(weights)
+    L = a.shape[0] - 1
+    equal = equal_block_sizes(L, math.ceil(L / len(sizes)))
+    return [f"attnres_block_sizes = {list(sizes)}",
+            f"# mass inside blocks {block_mass(weights, sizes):.3f}, fit error {block_fit_error(weights, sizes):.4f}; "
+            f"equal blocks {equal}: {block_mass(weights, equal):.3f}, {block_fit_error(weights, equal):.4f}; "
+            f"total mass on sublayer outputs {float(np.nansum(a[:L, 1:])):.3f}"]

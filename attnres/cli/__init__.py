@@ -9,6 +9,7 @@
     attnres convert      retrofit a Hugging Face LLaMA-family model; native <-> HF (attnres.hf)
     attnres experiment   run a named experiment, resumably (attnres.experiments)
     attnres report       an experiment's report from its cached runs
+    attnres placement    uneven depth blocks learned from trained Full AttnRes runs (attnres.analysis)
 
 Each verb module registers its subcommand (``add_parser``) and turns the parsed arguments into
 library calls (``run``); ``options`` holds what several verbs share. User errors print as one line,
@@ -22,11 +23,11 @@ import sys
 from typing import List, Optional
 
 from attnres.checkpoint import CheckpointError
-from attnres.cli import bench, convert, demo, evaluate, experiment, report, sample, schemes, train
+from attnres.cli import bench, convert, demo, evaluate, experiment, placement, report, sample, schemes, train
 from attnres.cli.options import CLIError
 from attnres.train.trainer import TrainingDiverged, TrainingInterrupted
 
-VERBS = (train, evaluate, sample, demo, schemes, bench, convert, experiment, report)
+VERBS = (train, evaluate, sample, demo, schemes, bench, convert, experiment, report, placement)
 
 
 def build_parser() -> argparse.ArgumentParser:

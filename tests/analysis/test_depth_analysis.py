@@ -10,7 +10,8 @@ import torch
 from attnres import AttnResLM, ModelConfig
 from attnres.analysis.depth import depth_weight_matrix, routing_sharpness
 from attnres.analysis.placement import (best_block_sizes, block_fit_error, block_mass, learned_block_sizes,
-                                        main)
+                                        runs_depth_weights)
+from attnres.cli import main
 from reference import randomize
 
 BASE = dict(vocab_size=50, d_model=16, n_layers=3, n_heads=2, max_seq_len=16)  # L = 6
@@ -164,17 +165,31 @@ def test_learned_block_sizes_from_a_run_directory(tmp_path, capsys):
         assert sizes == best_block_sizes(matrix, 3, objective=objective)
         cfg = ModelConfig(**BASE, residual="block", attnres_block_sizes=sizes)  # usable as it is
         assert cfg.num_blocks == 3
-    assert main([str(run), "--blocks", "3", "--max-size", "3"]) == 0
+    assert main(["placement", str(run), "--blocks", "3", "--max-size", "3"]) == 0
     line = capsys.readouterr().out.splitlines()[0]
     assert line == f"attnres_block_sizes = {best_block_sizes(matrix, 3, max_size=3)}"
+
+
+def test_placement_from_several_runs_uses_their_mean_weights(tmp_path, capsys):
+    one, a = write_run(tmp_path)
+    (tmp_path / "seed2").mkdir()
+    two, b = write_run(tmp_path / "seed2", attnres_kernel="sigmoid")  # other weights, same depth
+    mean = runs_depth_weights([one, two])
+    np.testing.assert_array_equal(np.isnan(mean), np.isnan(a))
+    np.testing.assert_allclose(mean[~np.isnan(a)], ((a + b) / 2)[~np.isnan(a)], rtol=1e-15)
+    assert learned_block_sizes([one, two], 3, objective="fit") == best_block_sizes(mean, 3, objective="fit")
+    assert main(["placement", str(one), str(two), "--blocks", "2", "--objective", "fit"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == \
+        f"attnres_block_sizes = {best_block_sizes(mean, 2, objective='fit')}"
 
 
 def test_placement_needs_a_full_outputs_run(tmp_path, capsys):
     run, _ = write_run(tmp_path, "block")
     with pytest.raises(ValueError, match="needs a Full AttnRes run over sublayer outputs"):
         learned_block_sizes(run, 3)
-    assert main([str(run), "--blocks", "3"]) == 2
-    assert "residual='block'" in capsys.readouterr().err
+    assert main(["placement", str(run), "--blocks", "3"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("attnres placement: error: ") and "residual='block'" in err[0]
     with pytest.raises(ValueError, match="not a finished experiment run"):
         learned_block_sizes(tmp_path / "missing", 3)
     with pytest.raises(ValueError, match="n_blocks=7 is invalid"):
