@@ -51,6 +51,9 @@ class BenchConfig:
     device: str = "cpu"
     variants: List[str] = field(default_factory=lambda: list(DEFAULT_VARIANTS))
     memory: bool = True  # measure peak memory (one fresh process per variant)
+    # "wall": elapsed time; "process": CPU time of this process, which other jobs on a shared machine
+    # do not inflate (it counts every thread's CPU time, so it equals step time only at one thread)
+    clock: str = "wall"
 
     @classmethod
     def quick(cls) -> "BenchConfig":
@@ -114,7 +117,14 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+CLOCKS = {"wall": time.perf_counter, "process": time.process_time}
+
+
 def time_variants(cfg: BenchConfig) -> Dict[str, List[float]]:
+    if cfg.clock not in CLOCKS:
+        raise ValueError(f"clock={cfg.clock!r} is invalid: choose one of {tuple(CLOCKS)} (wall: elapsed time; "
+                         "process: CPU time, for a shared machine at --threads 1)")
+    clock = CLOCKS[cfg.clock]
     setups = {v: _setup(cfg, v) for v in cfg.variants}
     for v, (model, opt, x, y) in setups.items():
         for _ in range(cfg.warmup):
@@ -123,11 +133,11 @@ def time_variants(cfg: BenchConfig) -> Dict[str, List[float]]:
     for _ in range(cfg.repeats):
         for v, (model, opt, x, y) in setups.items():
             _sync(cfg.device)
-            t0 = time.perf_counter()
+            t0 = clock()
             for _ in range(cfg.steps_per_repeat):
                 _step(model, opt, x, y)
             _sync(cfg.device)
-            times[v].append((time.perf_counter() - t0) / cfg.steps_per_repeat)
+            times[v].append((clock() - t0) / cfg.steps_per_repeat)
     return times
 
 
@@ -216,7 +226,8 @@ def format_table(result: dict) -> str:
         f"bench train: d={c['d_model']}, {c['n_layers']} blocks, T={c['seq_len']}, batch={c['batch_size']}, "
         f"block N={c['blocks'] or 'default'}, {c['optimizer']}, device={c['device']}, "
         f"{result['threads']} threads, torch {result['torch']}; "
-        f"{c['repeats']} repeats x {c['steps_per_repeat']} steps after {c['warmup']} warm-up",
+        f"{c['repeats']} repeats x {c['steps_per_repeat']} steps after {c['warmup']} warm-up"
+        + ("; step time is process CPU time" if c.get("clock") == "process" else ""),
         "",
         "| variant | step ms (median) | p25-p75 | vs prenorm | tokens/s | peak MiB | vs prenorm | "
         "step peak MiB | vs prenorm |",

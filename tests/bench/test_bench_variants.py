@@ -32,3 +32,17 @@ def test_bench_train_runs_option_variants(capsys):
                  "--variants", "block:attnres_weights=low_rank_query:attnres_query_rank=4,gated"]) == 0
     text = capsys.readouterr().out
     assert "| block:attnres_weights=low_rank_query:attnres_query_rank=4 |" in text and "| gated |" in text
+
+
+def test_bench_train_process_clock_is_stated_and_checked(capsys):
+    """clock=process times CPU time (for a shared machine); the table says so; a bad clock is one line."""
+    args = ["bench", "train", "--no-memory", "--threads", "1", "--set", "d_model=32", "--set", "n_layers=1",
+            "--set", "seq_len=8", "--set", "batch_size=2", "--set", "repeats=2", "--set", "steps_per_repeat=1",
+            "--set", "warmup=1", "--set", "vocab_size=64", "--set", "blocks=2", "--variants", "block"]
+    assert main(args + ["--set", "clock=process"]) == 0
+    text = capsys.readouterr().out
+    assert "; step time is process CPU time" in text and "| block |" in text
+    assert main(args + ["--set", "clock=cpu"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == ("attnres bench: error: clock='cpu' is invalid: choose one of ('wall', 'process') "
+                      "(wall: elapsed time; process: CPU time, for a shared machine at --threads 1)")
