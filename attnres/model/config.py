@@ -21,7 +21,7 @@ class ModelConfig:
     Residual options (docs/method.md §3-5):
     - ``residual``: a name from ``attnres.residual.RESIDUALS``
       ("prenorm", "full", "block", and the rival schemes "rezero",
-      "layerscale", "highway", "denseformer", "mudd", "hyper", "mhc").
+      "layerscale", "highway", "denseformer", "mudd", "hyper", "mhc", "gated").
     - ``attnres_blocks`` (N) or ``attnres_block_size`` (S, in sublayers) for
       "block". Give at most one. With neither, S is the smallest even size
       that yields at most 8 depth blocks (boundaries before attention, the
