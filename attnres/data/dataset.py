@@ -43,6 +43,7 @@ __all__ = [
     "token_dtype",
     "encode_documents",
     "prepare_data",
+    "documents_digest",
     "check_length",
     "batch_seed",
     "sample_batch",
@@ -109,9 +110,21 @@ class PreparedData(NamedTuple):
     val: TokenData
     train_names: list[str]
     val_names: list[str]
+    #: SHA-256 of the documents (names and texts): a resumed run checks it to notice changed data
+    data_digest: str = ""
 
 
 # --------------------------------------------------------------------------- encoding and caching
+
+
+def documents_digest(docs: Sequence[Document]) -> str:
+    """SHA-256 of the documents' names and texts, in order: equal digests mean the same data."""
+    h = hashlib.sha256(b"attnres-documents-v1\0")
+    for doc in docs:
+        for part in (doc.name.encode("utf-8"), doc.text.encode("utf-8")):
+            h.update(len(part).to_bytes(8, "little"))
+            h.update(part)
+    return h.hexdigest()
 
 
 def _tokens_cache_key(docs: Sequence[Document], tokenizer: Tokenizer) -> str:
@@ -256,7 +269,7 @@ def prepare_data(
     source = "the bundled Shakespeare corpus" if data is None else repr(os.fspath(data))
     train = encode_documents(train_docs, tok, "train", cache, source)
     val = encode_documents(val_docs, tok, "val", cache, source)
-    return PreparedData(tok, train, val, train.doc_names, val.doc_names)
+    return PreparedData(tok, train, val, train.doc_names, val.doc_names, documents_digest(docs))
 
 
 def check_length(token_data: TokenData, seq_len: int) -> None:
