@@ -81,6 +81,7 @@ class TokenData:
     doc_names: list[str] = field(default_factory=list)
     path: Path | None = None
     source: str = ""
+    docs_digest: str = ""  # documents_digest of the documents it encodes
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -110,8 +111,12 @@ class PreparedData(NamedTuple):
     val: TokenData
     train_names: list[str]
     val_names: list[str]
-    #: SHA-256 of the documents (names and texts): a resumed run checks it to notice changed data
-    data_digest: str = ""
+
+    @property
+    def data_digest(self) -> str:
+        """SHA-256 of both splits' documents (names and texts): a resumed run checks it to notice
+        changed data."""
+        return hashlib.sha256(f"{self.train.docs_digest}:{self.val.docs_digest}".encode()).hexdigest()
 
 
 # --------------------------------------------------------------------------- encoding and caching
@@ -222,7 +227,8 @@ def encode_documents(
             raise RuntimeError(f"the token cache {bin_path} was written but cannot be read back")
     else:
         log.info("reusing cached %s tokens %s", split, bin_path)
-    return TokenData(split=split, tokens=tokens, n_bytes=n_bytes, doc_names=names, path=bin_path, source=source)
+    return TokenData(split=split, tokens=tokens, n_bytes=n_bytes, doc_names=names, path=bin_path, source=source,
+                     docs_digest=documents_digest(docs))
 
 
 def _file_sha256(path: Path) -> str:
@@ -289,7 +295,7 @@ def prepare_data(
     source = "the bundled Shakespeare corpus" if data is None else repr(os.fspath(data))
     train = encode_documents(train_docs, tok, "train", cache, source)
     val = encode_documents(val_docs, tok, "val", cache, source)
-    return PreparedData(tok, train, val, train.doc_names, val.doc_names, documents_digest(docs))
+    return PreparedData(tok, train, val, train.doc_names, val.doc_names)
 
 
 def check_length(token_data: TokenData, seq_len: int) -> None:
