@@ -18,7 +18,8 @@ are never reported by :func:`latest_checkpoint`. If a crash hits the short
 window between the two renames, only ``.<name>.old-<id>`` exists:
 :func:`load_checkpoint` and :func:`latest_checkpoint` transparently use it and
 the next :func:`save_checkpoint` to that path renames it back / cleans up.
-One writer per checkpoint path is assumed.
+One writer per checkpoint path is assumed (``attnres train`` holds a lock on its run directory,
+``attnres.train.run_dir``).
 
 A run directory of ``attnres train`` holds its latest checkpoint in
 ``checkpoint/`` (``attnres.files.CHECKPOINT_DIR``); :func:`load_model` takes
