@@ -7,13 +7,14 @@ RMSNorm removes the 1/K_l:
 
     RMSNorm(S / K) = g * S / sqrt(mean(S^2) + K^2 eps)
 
-so the converted model equals the original except that each norm's eps is
-effectively multiplied by K_l^2 (the final norm likewise sees the mean of all
-N + 1 block sums). The relative change of a normalised vector is about
-(K^2 - 1) eps / (2 mean(S^2)): negligible once the residual stream has grown
-(mean(S^2) >> K^2 eps), visible in the first sublayers of a model whose
-embeddings are small, and zero for the first sublayer (K = 1). Everything
-else (weights, RoPE, GQA, SwiGLU, tied head) maps one to one.
+so with the same eps the converted model would equal the original except that
+each norm's eps is effectively multiplied by K_l^2 (the final norm likewise sees
+the mean of all N + 1 block sums). Conversion therefore turns on
+``attnres_scale_norm_eps`` (docs/method.md §3): each depth-mixed norm uses
+eps / K_l^2, which cancels that factor, and the converted model computes the
+source model's logits to floating-point rounding (`attnres convert` checks it on a
+sample batch unless told not to).
+Everything else (weights, RoPE, GQA, SwiGLU, tied head) maps one to one.
 
 What AttnResLM cannot express is rejected with a :class:`ConversionError`
 naming the feature and the config field, never silently approximated.
