@@ -42,7 +42,7 @@ def _clear_run(out: Path) -> None:
         (out / name).unlink(missing_ok=True)
 
 
-def claim_run_directory(out_dir, *, resume: bool, force: bool, holder: str = "") -> ExclusiveLock:
+def claim_run_directory(out_dir, *, resume: bool, force: bool) -> ExclusiveLock:
     """Create ``out_dir``, take its lock and check it may be written as asked; returns the held lock
     (release it when training ends). ``resume``: the directory must hold a run to continue.
     ``force``: delete the run it holds first. Raises :class:`RunDirectoryError`."""
@@ -55,7 +55,7 @@ def claim_run_directory(out_dir, *, resume: bool, force: bool, holder: str = "")
     lock = ExclusiveLock(out / LOCK_FILE)
     try:
         out.mkdir(parents=True, exist_ok=True)
-        busy = lock.acquire(holder or None)
+        busy = lock.acquire()
     except OSError as e:
         raise RunDirectoryError(f"TrainConfig.out_dir={str(out)!r} cannot be written ({e.strerror or e}); "
                                 "pass --out with a directory you can write to") from None

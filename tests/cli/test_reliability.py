@@ -1,12 +1,13 @@
 """Nothing lost, nothing silently wrong: the README's Reliability guarantees, one regression test per
-case of an adversarial probe (issue 19), on tiny runs through the command line (seconds each)."""
+case of an adversarial probe (issue 19), on tiny runs through the command line (seconds each). The
+library-level cases sit beside their modules: FIFOs and corrupt token caches in tests/data, the
+memory estimate in tests/train/test_memory.py, convert's in tests/hf/test_native.py."""
 import dataclasses
 import json
 import os
 import random
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from safetensors.torch import load_file
 import attnres.cli
 from attnres.checkpoint import load_model
 from attnres.cli import main
-from attnres.data import load_documents, load_tokenizer, prepare_data
+from attnres.data import load_tokenizer, prepare_data
 from attnres.inference.sampling import generate
 from attnres.model import ModelConfig
 from attnres.train.config import TrainConfig, build_configs
@@ -207,22 +208,12 @@ def test_resuming_with_fewer_steps_than_done_says_the_run_is_past_them(corpus, t
 # ----------------------------------------------------------------------------- hangs and resource exhaustion
 
 
-def test_a_fifo_in_a_data_directory_is_skipped_and_named(tmp_path, caplog):
-    data = tmp_path / "data"
-    data.mkdir()
-    (data / "a.txt").write_text("some text to train on\n" * 20)
-    fifo = data / "pipe.txt"
-    os.mkfifo(fifo)
-    found = []
-    reader = threading.Thread(target=lambda: found.append(load_documents(data)), daemon=True)
-    with caplog.at_level("WARNING"):
-        reader.start()
-        reader.join(timeout=60)
-    if reader.is_alive():  # blocked opening the FIFO: let it go, then fail
-        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
-        pytest.fail("load_documents blocked on a FIFO")
-    assert [d.name for d in found[0]] == ["a.txt"]
-    assert "pipe.txt (FIFO (named pipe))" in caplog.text
+def test_a_batch_that_cannot_fit_is_refused_in_one_line(corpus, tmp_path, capsys, monkeypatch):
+    import attnres.train.memory as memory
+
+    monkeypatch.setattr(memory, "available_memory", lambda device: 1000)
+    assert train(corpus, tmp_path / "run") == 2
+    assert "not even batch_size=1 fits" in one_line_error(capsys.readouterr().err)
 
 
 def test_a_device_or_directory_given_as_a_file_is_named_as_such(tmp_path, capsys):
@@ -254,38 +245,6 @@ def test_a_hostile_state_json_is_refused_before_the_model_is_allocated(corpus, t
     err = one_line_error(capsys.readouterr().err, "sample")
     assert "does not match the tensors in" in err and "embed.weight" in err
     assert capsys.readouterr().out == ""
-
-
-def test_a_batch_that_cannot_fit_is_refused_with_what_fits(corpus, tmp_path, capsys, monkeypatch):
-    import attnres.train.memory as memory
-
-    from attnres.train.memory import check_memory, estimate_step_memory
-
-    model, train_cfg = build_configs("tiny", {"batch_size": 100_000_000})
-    with pytest.raises(ValueError, match=r"batch_size=100000000 needs about [\d,.]+ GiB .* batch_size <= \d+ fits"):
-        check_memory(model, train_cfg, torch.device("cpu"), available=8 << 30)
-    fits = estimate_step_memory(model, 4, 32)
-    check_memory(model, build_configs("tiny")[1], torch.device("cpu"), available=fits)  # the tiny preset fits
-    monkeypatch.setattr(memory, "available_memory", lambda device: 1000)
-    assert train(corpus, tmp_path / "run") == 2
-    assert "not even batch_size=1 fits" in one_line_error(capsys.readouterr().err)
-
-
-def test_a_corrupted_token_cache_is_re_encoded(tmp_path, caplog):
-    text = tmp_path / "t.txt"
-    text.write_text("hello world, a small text\n" * 50)
-    first = prepare_data(text, tokenizer="byte", cache_dir=tmp_path / "c")
-    expected = [first.train.tokens.copy(), first.val.tokens.copy()]
-    shard = first.train.path
-    del first
-    raw = bytearray(shard.read_bytes())
-    raw[0:4] = b"\xff\xff\x00\x7f"  # ids 65535 and 32512: far outside the byte vocabulary, same size
-    shard.write_bytes(bytes(raw))
-    with caplog.at_level("WARNING"):
-        again = prepare_data(text, tokenizer="byte", cache_dir=tmp_path / "c")
-    assert "re-encoding" in caplog.text
-    assert again.train.tokens.max() < 256
-    assert (again.train.tokens == expected[0]).all() and (again.val.tokens == expected[1]).all()
 
 
 # ----------------------------------------------------------------------------- one clear line, never a traceback
