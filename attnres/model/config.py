@@ -140,10 +140,9 @@ class ModelConfig:
     mhc_sinkhorn_iters: int = 20
 
     def __post_init__(self):
-        check_field_types(self)  # the derived sizes below need numbers
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
-        if self.d_ff is None:
+        if self.d_ff is None and _positive_int(self.d_model):  # else validate() names d_model
             # SwiGLU with ~8/3 * d hidden units, rounded up to a multiple of 32
             self.d_ff = 32 * math.ceil(8 * self.d_model / 3 / 32)
         self.validate()
@@ -174,8 +173,8 @@ class ModelConfig:
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
-        """The decoder's own fields here; the residual scheme and its options by the registry."""
-        check_field_types(self)
+        """The decoder's own fields here; the residual scheme and its options by the registry; last,
+        every field's type (the checks above give the more specific messages first)."""
         positive = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len")
         for name in positive:
             value = getattr(self, name)
@@ -197,6 +196,7 @@ class ModelConfig:
         if not isinstance(self.tie_embeddings, bool):
             raise _bad("tie_embeddings", self.tie_embeddings, "must be True or False")
         validate_scheme(self)
+        check_field_types(self)
 
     # ------------------------------------------------------------------ (de)serialisation
     def to_dict(self) -> dict:

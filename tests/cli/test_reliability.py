@@ -283,7 +283,7 @@ def test_fuzz_wrong_types_for_every_config_field_are_one_line(field, value, tmp_
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["train", "--preset", "tiny", "--set", "d_model=abc"], "ModelConfig.d_model='abc' is invalid: must be an integer"),
+    (["train", "--preset", "tiny", "--set", "d_model=abc"], "ModelConfig.d_model='abc' is invalid: must be a positive integer"),
     (["schemes", "--set", "d_model=abc"], "ModelConfig.d_model='abc'"),
     (["schemes", "--preset", "bogus"], "unknown preset 'bogus'"),
     (["train", "--preset", "tiny", "--set", "threads=-3"], "TrainConfig.threads=-3"),
