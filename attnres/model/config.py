@@ -3,12 +3,49 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import typing
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Union
 
 from attnres.residual import RESIDUALS, validate_scheme
 from attnres.residual.options import bad_option as _bad
 from attnres.residual.options import is_positive_int as _positive_int
+
+
+_TYPE_NAMES = {int: "an integer", float: "a finite number", str: "a string", bool: "True or False"}
+
+
+def _has_type(value, kind) -> bool:
+    if kind is bool:
+        return isinstance(value, bool)
+    if isinstance(value, bool):  # bools are ints to Python, not to a config
+        return False
+    if kind is int:
+        return isinstance(value, int)
+    if kind is float:
+        return isinstance(value, (int, float)) and math.isfinite(value)
+    return isinstance(value, kind)
+
+
+def check_field_types(config) -> None:
+    """Every field of the dataclass ``config`` holds a value of its annotated type (int, float, str,
+    bool, or Optional of one; floats finite), before anything is derived from it: a wrong type is a
+    one-line ValueError naming the field, never a TypeError from the arithmetic that would follow.
+    Fields of other types are left to the config's own checks."""
+    hints = typing.get_type_hints(type(config))
+    for f in dataclasses.fields(config):
+        value, kind = getattr(config, f.name), hints[f.name]
+        optional = False
+        if typing.get_origin(kind) is Union:
+            args = [a for a in typing.get_args(kind) if a is not type(None)]
+            optional = len(args) < len(typing.get_args(kind))
+            if len(args) != 1:
+                continue
+            kind = args[0]
+        if kind not in _TYPE_NAMES or (optional and value is None) or _has_type(value, kind):
+            continue
+        raise ValueError(f"{type(config).__name__}.{f.name}={value!r} is invalid: must be {_TYPE_NAMES[kind]}"
+                         + (" or None" if optional else ""))
 
 
 @dataclass
@@ -117,7 +154,7 @@ class ModelConfig:
     def __post_init__(self):
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
-        if self.d_ff is None:
+        if self.d_ff is None and _positive_int(self.d_model):  # else validate() names d_model
             # SwiGLU with ~8/3 * d hidden units, rounded up to a multiple of 32
             self.d_ff = 32 * math.ceil(8 * self.d_model / 3 / 32)
         self.validate()
@@ -154,7 +191,8 @@ class ModelConfig:
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
-        """The decoder's own fields here; the residual scheme and its options by the registry."""
+        """The decoder's own fields here; the residual scheme and its options by the registry; last,
+        every field's type (the checks above give the more specific messages first)."""
         positive = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len")
         for name in positive:
             value = getattr(self, name)
@@ -176,6 +214,7 @@ class ModelConfig:
         if not isinstance(self.tie_embeddings, bool):
             raise _bad("tie_embeddings", self.tie_embeddings, "must be True or False")
         validate_scheme(self)
+        check_field_types(self)
 
     # ------------------------------------------------------------------ (de)serialisation
     def to_dict(self) -> dict:
