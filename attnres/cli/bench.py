@@ -21,7 +21,8 @@ def add_parser(sub) -> None:
                                epilog=f"example:\n  {bench.example}")
         b.add_argument("--quick", action="store_true", help="a smaller config (under 2 minutes on 2 cores)")
         if "variants" in bench.options:
-            b.add_argument("--variants", help="comma list, e.g. prenorm,block,full,block:reference,block:fused")
+            b.add_argument("--variants", help="comma list of NAME[:IMPL][:FIELD=VALUE]..., e.g. prenorm,block,full,"
+                           "block:reference,full:attnres_weights=low_rank_query:attnres_query_rank=8")
         add_set_option(b, f"benchmark option: {', '.join(sorted(bench.options))}")
         if "memory" in bench.options:
             b.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")

@@ -21,6 +21,8 @@ def add_parser(sub) -> None:
     p.add_argument("--residual", help="a residual scheme: see `attnres schemes`")
     p.add_argument("--out", help="run directory (checkpoint, metrics, tokenizer, summary)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
+    p.add_argument("--force", action="store_true",
+                   help="delete the run already in --out (checkpoint, metrics, summary) and start over")
     p.add_argument("--log", action="append", choices=tuple(TRACKERS), default=None,
                    help="also log to TensorBoard (pip install 'attnres[tb]'; on whenever installed) or to "
                         "Weights & Biases (pip install wandb; WANDB_MODE=offline works without a network); "
@@ -44,7 +46,8 @@ def run(args) -> int:
         overrides["out_dir"] = args.out
     if args.no_progress:
         overrides["progress"] = False
-    trainer = Trainer(*build_configs("demo", overrides), resume=args.resume, trackers=args.log or ())
+    trainer = Trainer(*build_configs("demo", overrides), resume=args.resume, force=args.force,
+                      trackers=args.log or ())
     say = print if trainer.is_main else (lambda *a, **k: None)  # under torchrun, rank 0 speaks
     say(trainer.describe())
     result = trainer.run()

@@ -175,7 +175,7 @@ def _ref_mhc(P, cfg, e, f, eps):
 
 
 def test_registry_lists_every_scheme():
-    assert set(RIVALS) | {"prenorm", "full", "block"} == set(RESIDUALS)
+    assert set(RIVALS) | {"prenorm", "full", "block", "gated"} == set(RESIDUALS)  # gated: tests/residual/test_gated.py
     for name, info in RESIDUALS.items():
         assert info.name == name and info.description
         assert info.weight_type_of(ModelConfig(residual=name)) in ("fixed", "static", "dynamic")
