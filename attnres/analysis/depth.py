@@ -1,19 +1,23 @@
 """Depth weights as a matrix: row = consumer (sublayer l, then the final aggregation), column = source."""
 from __future__ import annotations
 
-from typing import List, Optional
+import json
+from pathlib import Path
+from typing import Dict, List, Optional
 
 import numpy as np
 import torch
 
+from attnres.files import DEPTH_WEIGHTS_FILE, atomic_write_text
 from attnres.residual import DepthRecord
 
 
 def _column(name: str) -> int:
-    """Source name -> column: emb -> 0, v3 / b3 / b3~ (partial sum of block 3) -> 3."""
+    """Source name -> column: emb -> 0, v3 / b3 / b3~ (partial sum of block 3) -> 3, and the states
+    sources s3 / sb3 / sb3~ -> 3."""
     if name == "emb":
         return 0
-    return int(name.lstrip("vb").rstrip("~"))
+    return int(name.lstrip("vbs").rstrip("~"))
 
 
 def depth_weight_matrix(record: DepthRecord) -> Optional[np.ndarray]:
@@ -27,6 +31,27 @@ def depth_weight_matrix(record: DepthRecord) -> Optional[np.ndarray]:
         mean = w.float().flatten(1).mean(1) if w.dim() > 1 else w.float()
         for value, name in zip(mean.tolist(), names):
             out[row, _column(name)] = value
+    return out
+
+
+def routing_sharpness(record: DepthRecord) -> Optional[Dict[str, List[float]]]:
+    """How sharply each consumer routes over depth (sublayers 0 … L-1, then the final aggregation).
+
+    ``max_weight[l]``: the largest depth weight, max_i alpha_i, averaged over batch, tokens (and
+    heads); ``entropy[l]``: -sum_i p_i log p_i in nats, averaged the same way, with p = alpha for
+    softmax weights (sigmoid weights are first normalised to sum to 1); ``n_sources[l]``: K_l, so that
+    uniform routing reads max_weight = 1/K_l and entropy = log K_l. None for schemes without depth
+    weights (prenorm and the other single-state or multi-stream rivals).
+    """
+    if not record.weights or record.weights[0] is None:
+        return None
+    out: Dict[str, List[float]] = {"max_weight": [], "entropy": [], "n_sources": []}
+    for w in record.weights:
+        w = w.double()  # [K, B, T] or [K, B, T, H]
+        p = w / w.sum(0, keepdim=True)
+        out["max_weight"].append(w.amax(0).mean().item())
+        out["entropy"].append(-torch.special.xlogy(p, p).sum(0).mean().item())
+        out["n_sources"].append(w.shape[0])
     return out
 
 
@@ -44,3 +69,27 @@ def source_labels(record: DepthRecord) -> List[str]:
         for n in names:
             labels[_column(n)] = n.rstrip("~")
     return labels
+
+
+def write_depth_weights(model, input_ids: torch.Tensor, run_dir) -> Optional[Path]:
+    """Save the mean depth-weight matrix of ``model`` on ``input_ids`` and its source labels as
+    ``run_dir``/depth_weights.json (NaN written as null); None, writing nothing, for a scheme without
+    depth weights."""
+    record = record_on_batch(model, input_ids)
+    matrix = depth_weight_matrix(record)
+    if matrix is None:
+        return None
+    weights = [[None if np.isnan(v) else float(v) for v in row] for row in matrix]
+    path = Path(run_dir) / DEPTH_WEIGHTS_FILE
+    atomic_write_text(path, json.dumps({"weights": weights, "sources": source_labels(record)}))
+    return path
+
+
+def read_depth_weights(run_dir) -> Optional[tuple]:
+    """(matrix with NaN, source labels) from ``run_dir``/depth_weights.json; None if it has none."""
+    path = Path(run_dir) / DEPTH_WEIGHTS_FILE
+    if not path.is_file():
+        return None
+    saved = json.loads(path.read_text())
+    matrix = np.array([[np.nan if v is None else v for v in row] for row in saved["weights"]], dtype=float)
+    return matrix, saved["sources"]

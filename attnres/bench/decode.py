@@ -37,6 +37,7 @@ from attnres.inference.cache import KVCache
 from attnres.inference.compiled import CompiledDecoder
 from attnres.model import AttnResLM, ModelConfig
 from attnres.residual import IOCounter, observing
+from attnres.train.progress import progress_bar
 
 DEFAULT_VARIANTS = ("prenorm", "block", "block:fused", "full")
 
@@ -124,7 +125,8 @@ def run(cfg: DecodeBenchConfig) -> dict:
             torch.cuda.synchronize()
 
     with torch.no_grad():
-        for rep in range(cfg.repeats + 1):  # the first round warms up (and compiles)
+        # the first round warms up (and compiles)
+        for rep in progress_bar(range(cfg.repeats + 1), desc="bench decode", unit="round"):
             for v in rows_timed:
                 cache, step = session(v)
                 cache.reset()

@@ -29,7 +29,9 @@ import torch.nn.functional as F
 
 from attnres.model import AttnResLM, ModelConfig
 from attnres.model.compile import compile_model
+from attnres.train.config import parse_value
 from attnres.train.optim import build_optimizer
+from attnres.train.progress import progress_bar
 
 DEFAULT_VARIANTS = ("prenorm", "block", "full", "block:reference", "full:reference")
 
@@ -55,6 +57,9 @@ class BenchConfig:
     # process and round-robin, as the row "VARIANT compiled" (ratios: compiled to compiled prenorm)
     compile: Union[bool, str] = False
     activation_checkpointing: str = "none"  # none | block | sublayer, for every variant
+    # "wall": elapsed time; "process": CPU time of this process, which other jobs on a shared machine
+    # do not inflate (it counts every thread's CPU time, so it equals step time only at one thread)
+    clock: str = "wall"
 
     @classmethod
     def quick(cls) -> "BenchConfig":
@@ -62,17 +67,31 @@ class BenchConfig:
                    steps_per_repeat=2)
 
 
-def parse_variant(name: str):
-    """'block' -> ('block', 'two_phase'); 'block:reference' -> ('block', 'reference')."""
-    residual, _, impl = name.partition(":")
-    return residual, impl or "two_phase"
+def parse_variant(name: str) -> Tuple[str, str, Dict[str, object]]:
+    """'NAME[:IMPL][:FIELD=VALUE]...' -> (residual, impl, ModelConfig options).
+
+    'block' -> ('block', 'two_phase', {}); 'block:reference' -> ('block', 'reference', {});
+    'full:attnres_weights=low_rank_query:attnres_query_rank=8' -> ('full', 'two_phase',
+    {'attnres_weights': 'low_rank_query', 'attnres_query_rank': 8}).
+    """
+    residual, *parts = name.split(":")
+    impl, options = "two_phase", {}
+    for part in parts:
+        if "=" in part:
+            key, value = part.split("=", 1)
+            options[key.strip()] = parse_value(value.strip())
+        else:
+            impl = part
+    return residual, impl, options
 
 
 def variant_config(variant: str, *, blocks: int, **sizes) -> ModelConfig:
-    """The model of one benchmark variant ('block', 'full:reference', ...); Block gets N = blocks."""
-    residual, impl = parse_variant(variant)
-    extra = {"attnres_blocks": blocks} if residual == "block" and blocks is not None else {}
-    return ModelConfig(residual=residual, attnres_impl=impl, **sizes, **extra)
+    """The model of one benchmark variant ('block', 'full:reference', 'full:attnres_weights=scalar', ...);
+    Block gets N = blocks unless the variant sets its own depth blocks."""
+    residual, impl, options = parse_variant(variant)
+    own_blocks = {"attnres_blocks", "attnres_block_size", "attnres_block_sizes"} & set(options)
+    extra = {"attnres_blocks": blocks} if residual == "block" and blocks is not None and not own_blocks else {}
+    return ModelConfig(**{"residual": residual, "attnres_impl": impl, **sizes, **extra, **options})
 
 
 def model_config(cfg: BenchConfig, variant: str) -> ModelConfig:
@@ -121,9 +140,16 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+CLOCKS = {"wall": time.perf_counter, "process": time.process_time}
+
+
 def time_variants(cfg: BenchConfig) -> Tuple[Dict[str, List[float]], Dict[str, float]]:
-    """Step times per row (round-robin repeats) and each row's warm-up seconds (for a compiled row:
-    compilation, in the first step, and the second step's recompilation if any)."""
+    """Step times per row (round-robin repeats) and each row's warm-up seconds (wall time; for a
+    compiled row: compilation, in the first step, and the second step's recompilation if any)."""
+    if cfg.clock not in CLOCKS:
+        raise ValueError(f"clock={cfg.clock!r} is invalid: choose one of {tuple(CLOCKS)} (wall: elapsed time; "
+                         "process: CPU time, for a shared machine at --threads 1)")
+    clock = CLOCKS[cfg.clock]
     setups = {v: _setup(cfg, v) for v in rows_of(cfg)}
     warmup: Dict[str, float] = {}
     for v, (model, opt, x, y) in setups.items():
@@ -133,14 +159,14 @@ def time_variants(cfg: BenchConfig) -> Tuple[Dict[str, List[float]], Dict[str, f
         _sync(cfg.device)
         warmup[v] = time.perf_counter() - t0
     times: Dict[str, List[float]] = {v: [] for v in setups}
-    for _ in range(cfg.repeats):
+    for _ in progress_bar(range(cfg.repeats), desc="bench train: timing", unit="repeat"):
         for v, (model, opt, x, y) in setups.items():
             _sync(cfg.device)
-            t0 = time.perf_counter()
+            t0 = clock()
             for _ in range(cfg.steps_per_repeat):
                 _step(model, opt, x, y)
             _sync(cfg.device)
-            times[v].append((time.perf_counter() - t0) / cfg.steps_per_repeat)
+            times[v].append((clock() - t0) / cfg.steps_per_repeat)
     return times, warmup
 
 
@@ -229,7 +255,8 @@ def run(cfg: BenchConfig) -> dict:
         if split_compiled(v)[1]:
             rows[v]["vs_eager"] = med / statistics.median(times[split_compiled(v)[0]])
     if cfg.memory:
-        mem = {v: measure_memory(cfg, v) for v in rows}
+        mem = {v: measure_memory(cfg, v) for v in progress_bar(list(rows), desc="bench train: memory",
+                                                               unit="variant")}
         for v in rows:
             rows[v].update({k: mem[v][k] for k in ("peak_mib", "step_peak_mib", "method")})
             rows[v]["peak_ratio"] = mem[v]["peak_mib"] / mem[baseline(v)]["peak_mib"]
@@ -246,7 +273,8 @@ def format_table(result: dict) -> str:
         f"{result['threads']} threads, torch {result['torch']}; "
         f"{c['repeats']} repeats x {c['steps_per_repeat']} steps after {c['warmup']} warm-up"
         + (f"; activation checkpointing {c['activation_checkpointing']}"
-           if c.get("activation_checkpointing", "none") != "none" else ""),
+           if c.get("activation_checkpointing", "none") != "none" else "")
+        + ("; step time is process CPU time" if c.get("clock") == "process" else ""),
         "",
         "| variant | step ms (median) | p25-p75 | vs prenorm | vs eager | warm-up s | tokens/s | peak MiB | "
         "vs prenorm | step peak MiB | vs prenorm |",
@@ -265,7 +293,7 @@ def format_table(result: dict) -> str:
                      "compiled prenorm; 'vs eager' is the compiled step over the same variant's eager one; "
                      f"warm-up s: the {c['warmup']} warm-up steps, compilation included.")
     lines.append("variant `X` is the default implementation (two_phase where it applies); "
-                 "`X:reference` is plain autograd. Peak memory: "
+                 "`X:reference` is plain autograd; `:FIELD=VALUE` sets a ModelConfig option. Peak memory: "
                  + next(iter(result["rows"].values())).get("method", "not measured")
                  + "; 'step peak' is the peak above the memory held before the first step.")
     return "\n".join(lines)

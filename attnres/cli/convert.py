@@ -2,7 +2,7 @@
 (attnres.hf.convert_directory)."""
 from __future__ import annotations
 
-from attnres.cli.options import CLIError, add_set_option, parse_set
+from attnres.cli.options import CLIError, add_set_option, examples, parse_set
 
 # retrofit options with a flag of their own (attnres.hf.convert_to_attnres's keyword arguments)
 RETROFIT_ARGS = ("residual", "attnres_blocks", "attnres_block_size", "max_seq_len")
@@ -14,8 +14,10 @@ def add_parser(sub) -> None:
         "SOURCE is a Hugging Face LLaMA, Mistral or Qwen2 causal-LM directory (retrofitted into AttnRes "
         "with zero-initialised queries, so its logits are unchanged up to RMSNorm eps), an AttnRes "
         "Hugging Face directory, or a run/checkpoint directory of attnres train. Needs transformers "
-        "(pip install 'attnres[hf]'). Example: attnres convert ./llama ./llama-attnres --residual block "
-        "--attnres-blocks 8"))
+        "(pip install 'attnres[hf]')."), epilog=examples(
+        "attnres convert ./llama ./llama-attnres --residual block --attnres-blocks 8",
+        "attnres convert runs/block out/block-hf                  # native -> Hugging Face",
+        "attnres convert out/block-hf runs/block-native           # and back: eval / sample take it"))
     p.add_argument("source", help="model directory (config.json + weights) or attnres run/checkpoint directory")
     p.add_argument("out", help="output directory")
     p.add_argument("--to", choices=("hf", "native"), default=None,

@@ -7,25 +7,27 @@ RMSNorm removes the 1/K_l:
 
     RMSNorm(S / K) = g * S / sqrt(mean(S^2) + K^2 eps)
 
-so the converted model equals the original except that each norm's eps is
-effectively multiplied by K_l^2 (the final norm likewise sees the mean of all
-N + 1 block sums). The relative change of a normalised vector is about
-(K^2 - 1) eps / (2 mean(S^2)): negligible once the residual stream has grown
-(mean(S^2) >> K^2 eps), visible in the first sublayers of a model whose
-embeddings are small, and zero for the first sublayer (K = 1). Everything
-else (weights, RoPE, GQA, SwiGLU, tied head) maps one to one.
+so with the same eps the converted model would equal the original except that
+each norm's eps is effectively multiplied by K_l^2 (the final norm likewise sees
+the mean of all N + 1 block sums). Conversion therefore turns on
+``attnres_scale_norm_eps`` (docs/method.md §3): each depth-mixed norm uses
+eps / K_l^2, which cancels that factor, and the converted model computes the
+source model's logits to floating-point rounding (`attnres convert` checks it on a
+sample batch unless told not to).
+Everything else (weights, RoPE, GQA, SwiGLU, tied head) maps one to one.
 
 What AttnResLM cannot express is rejected with a :class:`ConversionError`
 naming the feature and the config field, never silently approximated.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, Iterator, Mapping, Optional, Tuple
 
 import torch
 
@@ -65,6 +67,30 @@ class ConversionError(ValueError):
 # ----------------------------------------------------------------------------- source access
 
 
+@contextlib.contextmanager
+def reading_model(src) -> Iterator[None]:
+    """Failures while reading the model in directory ``src`` (no weights, truncated safetensors, bad
+    config values) become one ConversionError naming the directory and its weight files."""
+    try:
+        yield
+    except ConversionError:
+        raise
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
+        raise _load_error(Path(src), e) from e
+    except Exception as e:  # safetensors' SafetensorError derives from Exception only
+        if type(e).__name__ != "SafetensorError":
+            raise
+        raise _load_error(Path(src), e) from e
+
+
+def _load_error(src: Path, e: Exception) -> ConversionError:
+    weights = sorted(p.name for p in src.glob("*.safetensors")) + sorted(p.name for p in src.glob("*.bin"))
+    files = ", ".join(weights) if weights else "no *.safetensors or *.bin weight files"
+    detail = " ".join(str(e).split())[:300].rstrip(".")
+    return ConversionError(f"cannot load the model in {src} ({files}): {type(e).__name__}: {detail}. Fix: copy "
+                           "the complete model directory (config.json and every weight file) again")
+
+
 def _read_safetensors_dir(path: Path) -> Optional[Dict[str, torch.Tensor]]:
     """Every tensor of a (possibly sharded) safetensors checkpoint, or None if there is none."""
     from safetensors.torch import load_file
@@ -92,12 +118,13 @@ def _load_source(model_or_dir, copy_weights: bool) -> Tuple[Any, Dict[str, torch
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(str(path), local_files_only=True)
-        tensors = _read_safetensors_dir(path)
-        if tensors is None:  # e.g. pytorch_model.bin: let transformers read it
-            from transformers import AutoModelForCausalLM
+        with reading_model(path):
+            tensors = _read_safetensors_dir(path)
+            if tensors is None:  # e.g. pytorch_model.bin: let transformers read it
+                from transformers import AutoModelForCausalLM
 
-            model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True)
-            tensors = dict(model.state_dict())
+                model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True)
+                tensors = dict(model.state_dict())
         return config, tensors
     config = getattr(model_or_dir, "config", None)
     if config is None or not hasattr(model_or_dir, "state_dict"):
@@ -389,9 +416,27 @@ def _byte_symbols() -> Dict[int, str]:
     return symbols
 
 
+def special_token_ids(native) -> Dict[str, int]:
+    """``bos_token_id`` / ``eos_token_id`` / ``pad_token_id`` for a native attnres tokenizer, which has
+    no special tokens of its own. The training stream joins documents with ``DOC_SEPARATOR``, encoded
+    on its own: when that is one token (BPE) it ends each document (eos) and starts the next (bos).
+    With the byte tokenizer it is two newlines, so there is no eos (generation runs to its length).
+    Padding is the NUL byte: in every vocabulary, in no text, and a padded position is masked anyway."""
+    from attnres.data import DOC_SEPARATOR
+
+    ids = {"pad_token_id": native.encode("\0")[0]}
+    separator = native.encode(DOC_SEPARATOR)
+    if len(separator) == 1:
+        ids["bos_token_id"] = ids["eos_token_id"] = separator[0]
+    return ids
+
+
 def hf_tokenizer(native):
     """A ``PreTrainedTokenizerFast`` that encodes and decodes exactly like a native attnres tokenizer
-    (byte-level BPE, or raw UTF-8 bytes with id = byte value). No special tokens are added."""
+    (byte-level BPE, or raw UTF-8 bytes with id = byte value), with the bos / eos / pad tokens of
+    :func:`special_token_ids` named (they are vocabulary tokens whose byte-level spelling, such as
+    "ĊĊ", no plain text contains, so encoding is unchanged) and padding on the left, as batched
+    generation wants."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -406,7 +451,9 @@ def hf_tokenizer(native):
         backend.decoder = decoders.ByteLevel()
     else:
         raise TypeError(f"expected an attnres.data tokenizer, got {type(native).__name__}")
-    return PreTrainedTokenizerFast(tokenizer_object=backend, clean_up_tokenization_spaces=False)
+    names = {key.replace("_id", ""): backend.id_to_token(i) for key, i in special_token_ids(native).items()}
+    return PreTrainedTokenizerFast(tokenizer_object=backend, clean_up_tokenization_spaces=False,
+                                   padding_side="left", **names)
 
 
 def copy_tokenizer_files(source_dir, target_dir) -> list:

@@ -15,18 +15,18 @@ options come from.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional
 
 import torch
 
-from attnres.checkpoint import STATE_FILE, load_model
+from attnres.checkpoint import STATE_FILE
+from attnres.data import load_tokenizer
 from attnres.files import CHECKPOINT_DIR, TOKENIZER_FILE
 from attnres.hf.configuration import AttnResConfig
 from attnres.hf.convert import (ConversionError, conversion_error, convert_to_attnres, copy_tokenizer_files,
-                                hf_tokenizer)
-from attnres.hf.modeling import AttnResForCausalLM, hf_to_native
+                                hf_tokenizer, reading_model)
+from attnres.hf.modeling import hf_to_native, native_to_hf_with_tokenizer
 
 SOURCE_KINDS = ("native", "attnres", "pretrained")
 HF_CONFIG_FILE = "config.json"  # Hugging Face's name; a native run has one too, beside its checkpoint
@@ -42,8 +42,15 @@ def source_kind(path) -> str:
     if (path / STATE_FILE).is_file() or (path / CHECKPOINT_DIR / STATE_FILE).is_file():
         return "native"
     if (path / HF_CONFIG_FILE).is_file():
-        model_type = json.loads((path / HF_CONFIG_FILE).read_text()).get("model_type")
-        return "attnres" if model_type == AttnResConfig.model_type else "pretrained"
+        try:
+            config = json.loads((path / HF_CONFIG_FILE).read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ConversionError(f"{path / HF_CONFIG_FILE} is not valid JSON ({e}); restore the model "
+                                  "directory's config.json") from None
+        if not isinstance(config, dict):
+            raise ConversionError(f"{path / HF_CONFIG_FILE} holds a JSON {type(config).__name__}, not an "
+                                  "object; restore the model directory's config.json")
+        return "attnres" if config.get("model_type") == AttnResConfig.model_type else "pretrained"
     raise ConversionError(f"{path} is neither a Hugging Face model directory ({HF_CONFIG_FILE}) nor a run or "
                           f"checkpoint directory of attnres train ({STATE_FILE})")
 
@@ -59,8 +66,10 @@ def _check_request(src: Path, out: Path, kind: str, to: str, retrofit: Dict[str,
                               f"LLaMA / Mistral / Qwen2 directory; {src} is {what}")
     if (kind, to) in (("native", "native"), ("attnres", "hf")):
         raise ConversionError(f"{src} is already in the {to} format; pick --to {'hf' if to == 'native' else 'native'}")
-    if to == "hf" and out.exists() and any(out.iterdir()) and not force:
-        raise ConversionError(f"{out} exists and is not empty; pass --force to write into it")
+    # the same rule for both formats: a native output may be a run's training checkpoint
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
+        raise ConversionError(f"{out} exists and is not empty; pass --force to write into it, or choose "
+                              "another output directory")
 
 
 def convert_directory(source, out, *, to: Optional[str] = None, retrofit: Optional[Dict[str, Any]] = None,
@@ -84,8 +93,7 @@ def convert_directory(source, out, *, to: Optional[str] = None, retrofit: Option
     dtype = None if dtype in (None, "auto") else getattr(torch, dtype)
 
     if kind == "native":
-        lm, tokenizer, _ = load_model(str(src))
-        model = AttnResForCausalLM.from_attnres_lm(lm)
+        model, tokenizer = native_to_hf_with_tokenizer(src)
         if dtype is not None:
             model = model.to(dtype)
         model.save_pretrained(str(out))
@@ -99,11 +107,13 @@ def convert_directory(source, out, *, to: Optional[str] = None, retrofit: Option
 
     load_kw = {"local_files_only": True, **({} if dtype is None else {"dtype": dtype})}
     if kind == "attnres":
-        model = AutoModelForCausalLM.from_pretrained(str(src), **load_kw)
+        with reading_model(src):
+            model = AutoModelForCausalLM.from_pretrained(str(src), **load_kw)
     else:
         retrofit.setdefault("residual", DEFAULT_RETROFIT_RESIDUAL)
         if verify:
-            pretrained = AutoModelForCausalLM.from_pretrained(str(src), **load_kw).eval()
+            with reading_model(src):
+                pretrained = AutoModelForCausalLM.from_pretrained(str(src), **load_kw).eval()
             model = convert_to_attnres(pretrained, copy_weights=False, **retrofit)
             err = conversion_error(pretrained, model)
             log(f"max |logit difference| source vs AttnRes on random tokens: {err:.3g} "
@@ -118,8 +128,7 @@ def convert_directory(source, out, *, to: Optional[str] = None, retrofit: Option
             copied = copy_tokenizer_files(src, out)
             log(f"written {out}{' with ' + ', '.join(copied) if copied else ''}")
             return out
-    path = hf_to_native(model, out)
-    if (src / TOKENIZER_FILE).is_file():
-        shutil.copy2(src / TOKENIZER_FILE, path / TOKENIZER_FILE)
+    tokenizer = load_tokenizer(src / TOKENIZER_FILE) if (src / TOKENIZER_FILE).is_file() else None
+    path = hf_to_native(model, out, tokenizer)
     log(f"written native weights-only checkpoint {path} (attnres sample / load_model read it)")
     return path

@@ -10,20 +10,21 @@ blocks N, not with the number of sublayers L.
 The segments go through the stream interface every scheme implements (``export`` /
 ``resume``, the pipeline's hand-over), so every scheme can be checkpointed; for schemes without depth
 blocks (PreNorm and the rivals) "block" uses the boundaries Block AttnRes would have with its
-default geometry. Segments are whole Transformer blocks: an odd S puts a boundary every
-lcm(S, 2) sublayers. Full AttnRes (S = 1) keeps every source by definition: "block" there is one
+default geometry. Segments are whole Transformer blocks: a depth block that ends inside a
+Transformer block (odd S) joins the next segment. Full AttnRes (S = 1) keeps every source by definition: "block" there is one
 segment per Transformer block and its kept state still grows with L.
 
 ``"sublayer"`` recomputes the inside of each attention and MLP sublayer (norm included) and keeps
-the stream's own tensors, the usual per-layer checkpointing.
+the stream's own tensors, the usual per-layer checkpointing: the Transformer blocks'
+``gradient_checkpointing`` flag (transformers' name, set by ``gradient_checkpointing_enable()`` too),
+which applies in training mode.
 
 Recomputation repeats the forward's exact operations, so gradients equal the plain path's
 (tested in float64).
 """
 from __future__ import annotations
 
-import math
-from typing import Callable, List, Sequence
+from typing import List, Sequence
 
 from torch.utils.checkpoint import checkpoint
 
@@ -37,23 +38,30 @@ def check_checkpointing(mode: str) -> None:
 
 def segment_layers(config) -> List[range]:
     """The Transformer blocks of each checkpointed segment under "block": runs that end where a
-    depth block ends (for schemes without depth blocks: Block AttnRes' default boundaries)."""
-    from attnres.residual import block_size
+    depth block ends and a Transformer block ends too (for schemes without depth blocks: where
+    Block AttnRes' default blocks would end)."""
+    from attnres.residual.attnres import block_sizes
 
-    s = config.block_size  # S: 1 for Full AttnRes, L for schemes without depth blocks
-    if s == config.n_sublayers:
-        s = block_size(config)  # Block AttnRes' default boundaries (no Block option is set here)
-    per = (s * 2 // math.gcd(s, 2)) // 2  # Transformer blocks per segment: lcm(S, 2) / 2
-    return [range(i, min(i + per, config.n_layers)) for i in range(0, config.n_layers, per)]
+    sizes = config.block_sizes  # [1] * L for Full AttnRes, [L] for schemes without depth blocks
+    if len(sizes) == 1:
+        sizes = block_sizes(config)  # Block AttnRes' default geometry (no Block option is set here)
+    ends, at = [], 0
+    for size in sizes:
+        at += size
+        if at % 2 == 0:  # a depth block ends between two Transformer blocks
+            ends.append(at // 2)
+    starts = [0] + ends[:-1]
+    return [range(a, b) for a, b in zip(starts, ends)]
 
 
-def run_segments(stream, scheme, blocks: Sequence, segments: Sequence[range], cos, sin):
+def run_segments(stream, scheme, blocks: Sequence, segments: Sequence[range], cos, sin, attention=None):
     """Drive ``stream`` through ``blocks`` (all of the model's, by index), one checkpointed segment
     per entry of ``segments``; returns the stream positioned after the last block (call ``end()``).
 
     What crosses a segment boundary is the stream's (history, state) from ``export()``; each
     segment resumes a fresh stream from it, runs its blocks and exports the new history entries
-    and the new state, which are all that the checkpoint keeps from inside."""
+    and the new state, which are all that the checkpoint keeps from inside. ``attention``: the
+    blocks' attention context (a padded batch's mask), as in ``run_blocks``."""
     history, state = stream.export()
     for seg in segments:
         n_hist, grown = len(history), []
@@ -61,7 +69,7 @@ def run_segments(stream, scheme, blocks: Sequence, segments: Sequence[range], co
         def run(*tensors, seg=seg, n_hist=n_hist, grown=grown):
             inner = scheme.resume(2 * seg.start, tensors[:n_hist], tensors[n_hist:])
             for i in seg:
-                blocks[i](inner, i, cos, sin)
+                blocks[i](inner, i, cos, sin, attention)
             new_history, new_state = inner.export()
             grown[:] = [len(new_history) - n_hist]  # the same on recomputation
             return (*new_history[n_hist:], *new_state)
@@ -71,10 +79,3 @@ def run_segments(stream, scheme, blocks: Sequence, segments: Sequence[range], co
         state = list(out[grown[0]:])
     return scheme.resume(2 * segments[-1].stop, history, state)
 
-
-def checkpointed(sublayer: Callable) -> Callable:
-    """``sublayer`` (a callable on tensors) recomputed in backward instead of keeping its insides."""
-    def run(*args, **kwargs):
-        return checkpoint(sublayer, *args, use_reentrant=False, **kwargs)
-
-    return run

@@ -6,6 +6,7 @@ import signal
 from pathlib import Path
 
 import pytest
+import torch
 
 from corpora import write_pseudo_english
 
@@ -76,9 +77,9 @@ def test_nan_loss_stops_with_the_step_and_keeps_the_last_checkpoint(corpus, tmp_
     calls = {"n": 0}
 
     def poisoned(logits, targets):
-        calls["n"] += 1
+        calls["n"] += torch.is_grad_enabled()  # training steps only, not the checks before a checkpoint
         loss = real(logits, targets)
-        return loss * float("nan") if calls["n"] == 25 else loss
+        return loss * float("nan") if calls["n"] == 25 and torch.is_grad_enabled() else loss
 
     monkeypatch.setattr(runtime_mod, "lm_loss", poisoned)
     model_cfg, train_cfg = configs(corpus, tmp_path / "run", eval_every=100)
@@ -106,8 +107,21 @@ def run_cli(*argv):
 def test_cli_train_eval_sample(corpus, tmp_path, capsys):
     out = tmp_path / "run"
     assert run_cli("train", "--preset", "tiny", "--data", corpus, "--out", out, "--steps", 12,
-                   "--set", "warmup_steps=2", "--residual", "full", "--no-progress") == 0
-    assert "val loss" in capsys.readouterr().out
+                   "--warmup-steps", 2, "--eval-every", 6, "--residual", "full") == 0
+    printed = capsys.readouterr().out
+    assert "val loss" in printed and f"attnres plot {out}" in printed
+    # stdout is no terminal here: plain lines, no bar
+    assert "step 6/12  loss" in printed and "  val " in printed and "\r" not in printed
+    # the run's figures, and the depth weights they draw: one row per sublayer and the output
+    config = json.loads((out / "config.json").read_text())
+    assert config["train"]["warmup_steps"] == 2 and config["train"]["eval_every"] == 6
+    depth = json.loads((out / "depth_weights.json").read_text())
+    assert len(depth["weights"]) == 2 * config["model"]["n_layers"] + 1 and depth["sources"][0] == "emb"
+    for png in ("loss.png", "depth_weights.png"):
+        assert (out / png).stat().st_size > 1000
+        (out / png).unlink()
+    assert run_cli("plot", out) == 0 and (out / "loss.png").is_file() and (out / "depth_weights.png").is_file()
+    assert "written:" in capsys.readouterr().out
     assert run_cli("eval", out, "--batches", 2) == 0
     ev = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert ev["step"] == 12 and ev["val_loss"] > 0 and ev["val_bpb"] > 0
@@ -260,3 +274,15 @@ def test_cli_train_takes_compile(corpus, tmp_path, capsys):
                  "--set", "activation_checkpointing=sublayer", "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "torch.compile aot_eager (whole model)" in out and "activation checkpointing: sublayer" in out
+
+
+def test_schemes_without_depth_weights_get_the_loss_figure_only(tmp_path, make, tokens, capsys):
+    from attnres.analysis.depth import write_depth_weights
+    from attnres.analysis.plots import plot_run
+
+    assert write_depth_weights(make("prenorm"), tokens(), tmp_path) is None
+    assert not (tmp_path / "depth_weights.json").exists()
+    assert run_cli("plot", tmp_path) == 2
+    assert "has no metrics.jsonl" in capsys.readouterr().err
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"kind": "train", "step": 1, "tokens": 8, "loss": 4.0}) + "\n")
+    assert [p.name for p in plot_run(tmp_path)] == ["loss.png"]
