@@ -216,6 +216,7 @@ class AttnResLM(nn.Module):
         """What backward recomputes instead of keeping (``attnres.model.checkpointing``): "none",
         "block" (keep only the embedding and completed depth-block representations between depth
         blocks) or "sublayer" (recompute inside each attention and MLP sublayer). Results are unchanged."""
+        mode = "none" if mode is None else mode  # `--set activation_checkpointing=none` reads as None
         check_checkpointing(mode)
         self.activation_checkpointing = mode
         for block in self.blocks:

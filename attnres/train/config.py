@@ -128,6 +128,8 @@ class TrainConfig:
         from attnres.model.compile import check_compile_setting
 
         check_compile_setting(self.compile)
+        if self.activation_checkpointing is None:  # `--set activation_checkpointing=none` reads as None
+            self.activation_checkpointing = "none"
         if self.activation_checkpointing not in CHECKPOINTING:
             raise bad("activation_checkpointing", f"choose one of {CHECKPOINTING}")
         if self.activation_checkpointing == "block" and self.pp > 1:

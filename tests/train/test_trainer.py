@@ -272,6 +272,7 @@ def test_cli_train_takes_compile(corpus, tmp_path, capsys):
     assert main(["train", "--preset", "tiny", "--data", corpus, "--out", str(tmp_path / "run"), "--steps", "2",
                  "--compile", "--set", "compile=aot_eager", "--set", "eval_every=2", "--set", "warmup_steps=1",
                  "--set", "activation_checkpointing=sublayer", "--no-progress"]) == 0
+    assert configs(corpus, tmp_path / "x", activation_checkpointing=None)[1].activation_checkpointing == "none"
     out = capsys.readouterr().out
     assert "torch.compile aot_eager (whole model)" in out and "activation checkpointing: sublayer" in out
 
