@@ -69,6 +69,8 @@ class TrainConfig:
         def bad(field, allowed):
             return ValueError(f"TrainConfig.{field}={getattr(self, field)!r} is invalid: {allowed}")
 
+        if self.activation_checkpointing is None:  # `--set activation_checkpointing=none` reads as None
+            self.activation_checkpointing = "none"
         check_field_types(self)
 
         for name in ("vocab_size", "seq_len", "batch_size", "grad_accum", "steps", "eval_every",
@@ -128,8 +130,6 @@ class TrainConfig:
         from attnres.model.compile import check_compile_setting
 
         check_compile_setting(self.compile)
-        if self.activation_checkpointing is None:  # `--set activation_checkpointing=none` reads as None
-            self.activation_checkpointing = "none"
         if self.activation_checkpointing not in CHECKPOINTING:
             raise bad("activation_checkpointing", f"choose one of {CHECKPOINTING}")
         if self.activation_checkpointing == "block" and self.pp > 1:
