@@ -12,7 +12,10 @@ no ``trust_remote_code``:
   (``save_pretrained`` / ``from_pretrained`` / ``generate``), wrapping ``attnres.AttnResLM``;
 - :func:`convert_to_attnres`: retrofit a pretrained LLaMA / Mistral / Qwen2 causal LM into
   AttnRes with the same logits (zero-initialised queries, SPEC §3);
-- :func:`native_to_hf` / :func:`hf_to_native`: the trainer's checkpoints <-> this format.
+- :func:`native_to_hf` / :func:`hf_to_native`: the trainer's checkpoints <-> this format;
+- :func:`convert_kimi_linear` / :func:`save_kimi_linear` (``attnres.hf.kimi``): Kimi Linear checkpoints
+  (plain, retrofitted; or the released AttnRes layout of method.md §10) <-> our ``backbone="kimi_linear"``
+  models; ``AutoModelForCausalLM`` loads the §10 layout as ours after this import.
 """
 import transformers
 
@@ -26,9 +29,13 @@ from attnres.hf.configuration import AttnResConfig  # noqa: E402
 from attnres.hf.convert import (ConversionError, convert_to_attnres, hf_to_native, hf_tokenizer,
                                 native_to_hf)
 from attnres.hf.modeling import AttnResForCausalLM, AttnResPreTrainedModel  # noqa: E402
+from attnres.hf.kimi import (convert_kimi_directory, convert_kimi_linear, register_auto_model,  # noqa: E402
+                             save_kimi_linear)
 
 AutoConfig.register(AttnResConfig.model_type, AttnResConfig, exist_ok=True)
 AutoModelForCausalLM.register(AttnResConfig, AttnResForCausalLM, exist_ok=True)
+register_auto_model()  # kimi_linear checkpoints in the released AttnRes layout load as ours
 
 __all__ = ["AttnResConfig", "AttnResForCausalLM", "AttnResPreTrainedModel", "ConversionError",
-           "convert_to_attnres", "hf_to_native", "hf_tokenizer", "native_to_hf"]
+           "convert_kimi_directory", "convert_kimi_linear", "convert_to_attnres", "hf_to_native", "hf_tokenizer",
+           "native_to_hf", "save_kimi_linear"]

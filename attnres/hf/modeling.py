@@ -84,7 +84,7 @@ def _init_attnres_lm(lm: AttnResLM) -> None:
 def _reset_rope(lm: AttnResLM) -> None:
     """The RoPE tables are non-persistent buffers: never in a checkpoint, always recomputed."""
     cfg = lm.config
-    cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+    cos, sin = rope_tables(cfg.rope_dim, cfg.max_seq_len, cfg.rope_theta)
     lm.rope_cos.copy_(cos.to(dtype=lm.rope_cos.dtype, device=lm.rope_cos.device))
     lm.rope_sin.copy_(sin.to(dtype=lm.rope_sin.dtype, device=lm.rope_sin.device))
 
