@@ -1,6 +1,7 @@
 """Text generation: temperature, top-k and top-p (nucleus) sampling with a seed.
 
-Decoding runs through a KV cache (``attnres.inference.KVCache``): the prompt is
+Decoding runs through the model's cache (``model.make_cache``: a ``KVCache``, or
+Kimi Linear's ``HybridCache``): the prompt is
 prefilled once and each new token costs one single-position forward pass. Once
 the sequence reaches ``max_seq_len`` the model sees the last ``max_seq_len``
 tokens, exactly as the uncached path (``use_cache=False``) does: each further
@@ -34,8 +35,6 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, temperature
              top_k: Optional[int] = None, top_p: Optional[float] = None,
              seed: Optional[int] = None, use_cache: bool = True) -> Iterator[int]:
     """Yield new token ids one at a time (batch of one). temperature 0 = greedy."""
-    from attnres.inference.cache import KVCache
-
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"generate takes one prompt [1, T]; got shape {tuple(input_ids.shape)}")
     if temperature < 0:
@@ -46,7 +45,7 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, temperature
     gen.manual_seed(seed if seed is not None else torch.seed())
     ids = input_ids.to(device)
     limit = model.config.max_seq_len
-    cache = KVCache.for_model(model, 1) if use_cache else None
+    cache = model.make_cache(1) if use_cache else None
     pending = ids[:, -limit:]  # tokens the model has not seen yet
     for _ in range(max_new_tokens):
         if cache is None:

@@ -234,15 +234,13 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         ``max_seq_len`` the model sees the last ``max_seq_len`` tokens (each step re-prefills that
         window), exactly like :func:`attnres.sampling.generate`. ``use_cache=False`` recomputes the
         cropped sequence every step."""
-        from attnres.inference.cache import KVCache
-
         limit = self.config.max_seq_len
         if use_cache is False:
             cache = None
             new = input_ids[:, -limit:]
         else:
             if cache is None:
-                cache = KVCache.for_model(self.model, input_ids.shape[0])
+                cache = self.model.make_cache(input_ids.shape[0])  # KVCache, or HybridCache (Kimi Linear)
             new = input_ids[:, cache.length:]
             if input_ids.shape[1] > limit or cache.room() < new.shape[1]:
                 cache.reset()

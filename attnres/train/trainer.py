@@ -175,6 +175,7 @@ class Trainer:
         self.schedule = make_schedule(c.schedule, total_steps=c.steps, warmup_steps=c.warmup_steps,
                                       **options)
         self.step = 0
+        self.step_report = {}  # what the model reports after each step (MoE expert loads)
         self.state = {"tokens": 0, "elapsed": 0.0, "train_loss": float("nan")}
         if resume:
             self._resume()
@@ -275,6 +276,7 @@ class Trainer:
             self.strategy.clip_grad_norm(c.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.step_report = self.strategy.end_step()
         self.step += 1
         self._last_lr = lr
         return loss_sum / c.grad_accum
@@ -311,7 +313,7 @@ class Trainer:
                     self.state["elapsed"] += dt
                     self.state["train_loss"] = loss
                     row = {"loss": loss, "lr": self._last_lr, "tokens": self.state["tokens"],
-                           "step_seconds": dt, "tokens_per_second": tokens_per_step / dt}
+                           "step_seconds": dt, "tokens_per_second": tokens_per_step / dt, **self.step_report}
                     if self.step % c.eval_every == 0 or self.step == c.steps:
                         ev = self.evaluate()
                         if metrics is not None:
