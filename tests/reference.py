@@ -1,4 +1,4 @@
-"""Float64 references written loop by loop from SPEC.md, shared by the tests."""
+"""Float64 references written loop by loop from docs/method.md, shared by the tests."""
 import torch
 
 
@@ -31,7 +31,7 @@ def naive(sources, query, key_weight, eps, kernel, normalize_keys):
 
 
 def naive_stream_inputs(residual, embedding, outputs):
-    """Recompute every sublayer input h_l and the final aggregation from SPEC §3-4.
+    """Recompute every sublayer input h_l and the final aggregation from docs/method.md §3-4.
 
     ``residual`` is the model's DepthAttentionResidual (for its parameters and
     options); ``embedding`` [B, T, D] and ``outputs`` (the L sublayer outputs f_l)

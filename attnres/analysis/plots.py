@@ -7,8 +7,11 @@ from typing import Dict, List
 
 import numpy as np
 
+from attnres.files import METRICS_FILE
 
-def _plt():
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (files only, no display): every figure module draws with it."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -19,7 +22,7 @@ def _plt():
 
 def read_metrics(run_dir: str) -> Dict[str, List[dict]]:
     rows = {"train": [], "eval": []}
-    path = Path(run_dir) / "metrics.jsonl"
+    path = Path(run_dir) / METRICS_FILE
     if path.exists():
         for line in path.read_text().splitlines():
             if line.strip():
@@ -38,7 +41,7 @@ def _smooth(values: np.ndarray, window: int) -> np.ndarray:
 
 def plot_loss_curves(runs: Dict[str, str], path: str, title: str = "") -> str:
     """runs: label -> run directory. Training loss (smoothed) and validation loss vs tokens."""
-    plt = _plt()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for label, run_dir in runs.items():
         m = read_metrics(run_dir)
@@ -65,7 +68,7 @@ def plot_loss_curves(runs: Dict[str, str], path: str, title: str = "") -> str:
 def plot_depth_heatmaps(matrix: np.ndarray, labels: List[str], path: str, title: str) -> str:
     """Figure 8 style: pre-attention inputs (even sublayers) and pre-MLP inputs (odd) side by side,
     plus the final aggregation as the last row of both panels."""
-    plt = _plt()
+    plt = pyplot()
     n_sub = matrix.shape[0] - 1
     attn_rows = list(range(0, n_sub, 2)) + [n_sub]
     mlp_rows = list(range(1, n_sub, 2)) + [n_sub]

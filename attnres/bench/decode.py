@@ -19,7 +19,7 @@ operation of the stream:
   sources completed inside the group, read by each later sublayer, and the merge.
 - per-sublayer ("naive") depth attention: every source read, h written.
 
-SPEC §6 / paper Table 1 give 3d (residual), (N/S + 5)d (Block, two-phase) and
+docs/method.md §6 / paper Table 1 give 3d (residual), (N/S + 5)d (Block, two-phase) and
 (S + N)d (Full with grouping S, N = L/S groups). The paper's kernels keep the
 Phase-1 outputs on chip; ours write and re-read them, which the count shows.
 """

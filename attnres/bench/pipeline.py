@@ -4,10 +4,10 @@ Run under torchrun with P processes:
 
     torchrun --nproc-per-node 2 -m attnres bench pipeline --set pp=2 --set vpp=2
 
-For each mode (naive: the whole history at every transition; cached: SPEC §7)
+For each mode (naive: the whole history at every transition; cached: docs/method.md §7)
 the same model, batch and schedule run ``warmup + steps`` forward/backward
 steps. Bytes are counted on the wire (every P2P send of every stage) and shown
-per transition beside the layout's prediction and SPEC §7's formula. Step time
+per transition beside the layout's prediction and docs/method.md §7's formula. Step time
 is the median over the timed steps of the slowest rank (barrier to barrier),
 the modes alternating step by step so that machine noise hits both alike.
 Both modes must produce the same loss; the run checks it.

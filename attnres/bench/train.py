@@ -49,6 +49,7 @@ class BenchConfig:
     seed: int = 0
     device: str = "cpu"
     variants: List[str] = field(default_factory=lambda: list(DEFAULT_VARIANTS))
+    memory: bool = True  # measure peak memory (one fresh process per variant)
 
     @classmethod
     def quick(cls) -> "BenchConfig":
@@ -172,7 +173,7 @@ def measure_memory(cfg: BenchConfig, variant: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def run(cfg: BenchConfig, memory: bool = True) -> dict:
+def run(cfg: BenchConfig) -> dict:
     if "prenorm" not in cfg.variants:
         cfg.variants = ["prenorm"] + list(cfg.variants)
     times = time_variants(cfg)
@@ -184,7 +185,7 @@ def run(cfg: BenchConfig, memory: bool = True) -> dict:
         rows[v] = {"step_ms_median": med * 1e3, "step_ms_p25": q[0] * 1e3, "step_ms_p75": q[2] * 1e3,
                    "step_ratio": med / base, "tokens_per_s": cfg.batch_size * cfg.seq_len / med,
                    "params": AttnResLM(model_config(cfg, v)).num_params()}
-    if memory:
+    if cfg.memory:
         mem = {v: measure_memory(cfg, v) for v in cfg.variants}
         for v in cfg.variants:
             rows[v].update({k: mem[v][k] for k in ("peak_mib", "step_peak_mib", "method")})

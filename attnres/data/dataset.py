@@ -31,8 +31,9 @@ from typing import Iterator, NamedTuple, Sequence
 import numpy as np
 import torch
 
+from attnres.files import atomic_write_bytes, atomic_writer
+
 from .corpus import Document, load_documents, split_documents
-from ._atomic import atomic_write_bytes, atomic_writer
 from .tokenizer import Tokenizer, build_tokenizer, default_cache_dir
 
 __all__ = [

@@ -17,7 +17,7 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from ._atomic import atomic_write_bytes
+from attnres.files import atomic_write_bytes
 
 __all__ = [
     "Tokenizer",

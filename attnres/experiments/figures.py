@@ -6,27 +6,20 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+from attnres.analysis.plots import pyplot
 
 
 def _save(fig, path: str) -> str:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    _plt().close(fig)
+    pyplot().close(fig)
     return path
 
 
 def scaling_plot(series: Dict[str, dict], path: str, title: str) -> str:
     """Figure 4: loss against compute (log-log), mean ± std over seeds, fitted power laws.
     series: scheme -> {"C": [...], "mean": [...], "std": [...], "fit": PowerLaw or None}."""
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for i, (name, s) in enumerate(series.items()):
         color = f"C{i}"
@@ -57,7 +50,7 @@ def delta_bars(rows: List[Tuple[str, float, float, Optional[float]]], path: str,
                baseline: str) -> str:
     """Ablation-style chart: per row our paired Δ vs the baseline (± s.e.) and the paper's Δ.
     rows: (label, our delta, our se, paper delta or None)."""
-    plt = _plt()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 0.42 * len(rows) + 1.8), sharey=True)
     y = np.arange(len(rows))
     ours = np.array([r[1] for r in rows], dtype=float)
@@ -81,7 +74,7 @@ def delta_bars(rows: List[Tuple[str, float, float, Optional[float]]], path: str,
 def block_size_plot(S: Sequence[float], mean: Sequence[float], std: Sequence[float], baseline: Optional[float],
                     paper: Dict[float, float], paper_baseline: Optional[float], path: str, title: str) -> str:
     """Figure 6: loss against block size S (log2 axis), with the baseline as a line; paper beside."""
-    plt = _plt()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     axes[0].errorbar(S, mean, yerr=np.nan_to_num(np.asarray(std, dtype=float)), fmt="o-", capsize=3,
                      label="Block AttnRes (this run)")
@@ -107,7 +100,7 @@ def block_size_plot(S: Sequence[float], mean: Sequence[float], std: Sequence[flo
 def curves_plot(panels: List[Tuple[str, str, Dict[str, Tuple[np.ndarray, np.ndarray]]]], path: str,
                 title: str) -> str:
     """Side-by-side line plots. panels: (title, xlabel, {label: (x, y)})."""
-    plt = _plt()
+    plt = pyplot()
     fig, axes = plt.subplots(1, len(panels), figsize=(6.2 * len(panels), 4.4), squeeze=False)
     for ax, (ptitle, xlabel, lines) in zip(axes[0], panels):
         for i, (label, (x, y)) in enumerate(lines.items()):
@@ -125,7 +118,7 @@ def depth_profile_plot(panels: List[Tuple[str, str, Dict[str, Tuple[np.ndarray, 
                        title: str, log: bool = False) -> str:
     """Figure 5 b/c: a quantity per Transformer block, mean ± std over seeds per scheme.
     panels: (title, ylabel, {scheme: (mean [L_b], std [L_b])})."""
-    plt = _plt()
+    plt = pyplot()
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
     for ax, (ptitle, ylabel, lines) in zip(axes[0], panels):
         for i, (label, (m, s)) in enumerate(lines.items()):
@@ -147,7 +140,7 @@ def matrices_plot(mats: Dict[str, np.ndarray], path: str, title: str, notes: Opt
                   ) -> str:
     """Figure 9: one heatmap per scheme of its depth mixing matrix M (rows: consumers l and the final
     output; columns: sources, 0 = embedding). Each panel has its own colour scale."""
-    plt = _plt()
+    plt = pyplot()
     n = len(mats)
     cols = min(4, n)
     rows = math.ceil(n / cols)
@@ -173,7 +166,7 @@ def matrices_plot(mats: Dict[str, np.ndarray], path: str, title: str, notes: Opt
 def sweep_plot(series: Dict[str, Tuple[np.ndarray, np.ndarray, np.ndarray]], path: str, title: str,
                optima: Optional[Dict[str, float]] = None) -> str:
     """Architecture sweep: loss against d_model / L_b (log axis) per scheme, ± std; optima marked."""
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for i, (name, (x, m, s)) in enumerate(series.items()):
         ax.errorbar(x, m, yerr=np.nan_to_num(s), fmt="o-", capsize=3, color=f"C{i}", label=name)

@@ -16,6 +16,8 @@ arena      scheme, budget         equal tokens and equal wall-clock; loss vs tok
 dynamics   scheme                 Figure 5 b/c (output and gradient magnitude per
                                   block), Figure 8 heatmaps, Figure 9 mixing matrices
 arch-sweep shape, scheme          loss against d_model/L_b, optimum per scheme
+demo       scheme                 ``attnres demo``'s page of its own: one table row per
+                                  scheme, loss curves, depth-weight heatmaps
 generic    any                    groups with mean ± std and paired Δ vs the baseline
 ========== ===================== =====================================================
 """
@@ -787,6 +789,89 @@ def _parabola_vertex(x: np.ndarray, y: np.ndarray) -> Optional[float]:
     return float(v) if x.min() <= v <= x.max() else None
 
 
+# ----------------------------------------------------------------------------- demo
+
+# how the demo page names its schemes in titles
+DEMO_NAMES = {"block": "Block AttnRes", "full": "Full AttnRes"}
+
+
+def _demo_runs(col: Collected) -> Dict[str, Result]:
+    """scheme label -> its finished run (the demo trains one seed)."""
+    runs = {}
+    for label in col.points("scheme"):
+        done = [r for r in col.select(scheme=label) if r.done]
+        if done:
+            runs[label] = done[0]
+    return runs
+
+
+def demo_table(col: Collected) -> str:
+    """The demo's table: size, tokens, validation loss and speed per scheme; step time (the median
+    optimizer step) relative to the baseline's."""
+    base = col.spec.baseline or "prenorm"
+    runs = _demo_runs(col)
+    base_step = runs[base].summary["step_seconds"] if base in runs else None
+    lines = [f"| scheme | params | tokens | val loss (nats/token) | bits/byte | tokens/s | step time vs {base} |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for label, r in runs.items():
+        s = r.summary
+        ratio = f"{s['step_seconds'] / base_step:.2f}x" if base_step else "—"
+        lines.append(f"| {label} | {s['params']:,} | {s['tokens']:,} | {s['val_loss']:.4f} | "
+                     f"{s['val_bpb']:.4f} | {s['tokens_per_second']:,.0f} | {ratio} |")
+    return "\n".join(lines)
+
+
+def _demo_page(rep: Report, command: str, wall_seconds: Optional[float]) -> str:
+    """The whole demo report: what was trained, the table, loss curves and depth-weight heatmaps."""
+    from attnres.analysis.plots import plot_depth_heatmaps, plot_loss_curves
+    from attnres.model import ModelConfig
+
+    col, out = rep.col, rep.out
+    runs = _demo_runs(col)
+    machines = []
+    for r in col.unique:
+        for inv in (r.info or {}).get("invocations", []):
+            if inv.get("machine") and inv["machine"] not in machines:
+                machines.append(inv["machine"])
+    if wall_seconds is not None:
+        wall = f"Wall time (this invocation, including data preparation and reused runs): {wall_seconds / 60:.1f} min"
+    else:
+        spent = sum(r.wall_seconds for r in runs.values())
+        wall = f"Wall time (training, evaluation and probes of the runs): {spent / 60:.1f} min"
+    planned = col.results[0].run
+    m, t = planned.model, planned.train
+    block_size = ModelConfig(**{**m.to_dict(), "residual": "block"}).block_size
+    lines = ["# attnres demo", ""] + ([] if col.complete else _status(col)) + [
+        f"Command: `{command}`  ",
+        f"Machine: {'; '.join(machines) if machines else machine()}  ",
+        wall,
+        "",
+        f"Model: {m.n_layers} Transformer blocks ({m.n_sublayers} sublayers), d_model={m.d_model}, "
+        f"{m.n_heads} heads; Block AttnRes with S={block_size} sublayers per block. Training: {t.steps} steps x "
+        f"{t.batch_size} x {t.seq_len} tokens, {t.optimizer}, {t.schedule} schedule, lr {t.lr}, seed "
+        f"{planned.seed}; same data order for every scheme.",
+        "",
+        "Validation loss is measured on whole held-out works; one seed, so differences of a few "
+        "hundredths may be noise (the experiments report several seeds). Step time is the median "
+        "optimizer step (forward + backward + update) measured in the same process.",
+        "",
+        demo_table(col),
+        "",
+    ]
+    if runs:
+        curves = plot_loss_curves({label: str(r.dir) for label, r in runs.items()}, str(out / "loss_curves.png"),
+                                  " vs ".join(DEMO_NAMES.get(label, label) for label in runs))
+        lines += [f"![loss curves]({Path(curves).name})", ""]
+    for label, r in runs.items():
+        if not (r.probes and r.probes.get("depth_weights")):
+            continue  # no depth weights: prenorm
+        name = f"depth_weights_{label}.png"
+        plot_depth_heatmaps(nan_matrix(r.probes["depth_weights"]), r.probes["depth_sources"], str(out / name),
+                            f"{label} AttnRes: mean depth weights on validation text")
+        lines += [f"### {label}: depth weights (pre-attention and pre-MLP inputs)", "", f"![{label}]({name})", ""]
+    return "\n".join(lines)
+
+
 # ----------------------------------------------------------------------------- entry point
 
 BUILDERS: Dict[str, Callable[[Report], None]] = {
@@ -795,13 +880,20 @@ BUILDERS: Dict[str, Callable[[Report], None]] = {
 }
 
 
-def write_report(spec: ExperimentSpec, runs_root, out_dir=None, command: Optional[str] = None) -> Path:
-    """Build ``<out_dir>/REPORT.md`` (default ``reports/NAME/``) and its PNGs; returns the path."""
+def write_report(spec: ExperimentSpec, runs_root, out_dir=None, command: Optional[str] = None,
+                 wall_seconds: Optional[float] = None) -> Path:
+    """Build ``<out_dir>/REPORT.md`` (default ``reports/NAME/``) and its PNGs; returns the path.
+    ``wall_seconds``: the demo page states the wall time of the invocation that trained the runs and
+    wrote it (``attnres demo``); without it, the runs' own."""
     started = time.time()
     out = Path(out_dir) if out_dir is not None else Path(DEFAULT_REPORTS_ROOT) / spec.name
     out.mkdir(parents=True, exist_ok=True)
     col = collect(spec, runs_root)
     rep = Report(col, out)
+    command = command or f"attnres report {spec.name}"
+    if spec.report == "demo":
+        (out / REPORT_FILE).write_text(_demo_page(rep, command, wall_seconds))
+        return out / REPORT_FILE
     builder = BUILDERS.get(spec.report, _generic)
     axes = [a for a, _ in spec.axes if a not in ("budget",)]
     if col.n_done:
@@ -809,7 +901,6 @@ def write_report(spec: ExperimentSpec, runs_root, out_dir=None, command: Optiona
     else:
         rep.add("## Results", "", "No run has finished yet: nothing to report.", "")
     body = rep.lines
-    command = command or f"attnres report {spec.name}"
     head = ([f"# Experiment `{spec.name}`", ""] + ([spec.description, ""] if spec.description else [])
             + _status(col)
             + _provenance(col, command, time.time() - started) + _stats_rule(col, axes))

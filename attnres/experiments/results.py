@@ -1,7 +1,6 @@
 """Reading an experiment's finished runs back: summaries, probes, metrics, grouped by labels."""
 from __future__ import annotations
 
-import json
 import math
 import warnings
 from dataclasses import dataclass, field
@@ -10,16 +9,9 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from attnres.experiments.runner import (DIVERGED_FILE, PROBES_FILE, RUN_FILE, SUMMARY_FILE, RunStatus,
-                                        plan_status)
+from attnres.experiments.runner import DIVERGED_FILE, PROBES_FILE, RUN_FILE, RunStatus, plan_status
 from attnres.experiments.spec import ExperimentSpec, PlannedRun
-
-
-def _read(path: Path) -> Optional[dict]:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
+from attnres.files import CONFIG_FILE, SUMMARY_FILE, read_json
 
 
 @dataclass
@@ -134,12 +126,12 @@ def _result(s: RunStatus) -> Result:
     """A run finished in another experiment's directory (state ``reusable``) is read from there."""
     d = s.source if s.state == "reusable" and s.source is not None else s.dir
     state = "done" if s.state == "reusable" else s.state
-    r = Result(run=s.run, dir=d, state=state, info=_read(d / RUN_FILE), config=_read(d / "config.json"))
+    r = Result(run=s.run, dir=d, state=state, info=read_json(d / RUN_FILE), config=read_json(d / CONFIG_FILE))
     if state == "done":
-        r.summary = _read(d / SUMMARY_FILE)
-        r.probes = _read(d / PROBES_FILE)
+        r.summary = read_json(d / SUMMARY_FILE)
+        r.probes = read_json(d / PROBES_FILE)
     elif state == "diverged":
-        r.diverged = _read(d / DIVERGED_FILE)
+        r.diverged = read_json(d / DIVERGED_FILE)
     return r
 
 

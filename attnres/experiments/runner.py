@@ -33,35 +33,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional
 
+from attnres.checkpoint import STATE_FILE
 from attnres.experiments.env import git_commit, machine
 from attnres.experiments.spec import ExperimentSpec, PlannedRun, expand, hash_payload, payload_compatible
+from attnres.files import CHECKPOINT_DIR, METRICS_FILE, SUMMARY_FILE, atomic_write_json, read_json
 from attnres.train.trainer import TrainingInterrupted
 
 # inside the repository: finished runs (everything but checkpoints and the tokenizer, see .gitignore)
 # are committed, so every report regenerates from a fresh clone
 DEFAULT_RUNS_ROOT = "experiments/runs"
 RUN_FILE = "run.json"
-SUMMARY_FILE = "summary.json"
 PROBES_FILE = "probes.json"
 DIVERGED_FILE = "diverged.json"
 MANIFEST_FILE = "manifest.json"
-CHECKPOINT_DIR = "checkpoint"
 LOCK_DIR = ".locks"
 STATES = ("done", "diverged", "partial", "reusable", "missing")
-
-
-def _read_json(path: Path) -> Optional[dict]:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def _write_json(path: Path, obj) -> None:
-    """Atomic: a reader never sees half a file."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, allow_nan=True) + "\n")
-    os.replace(tmp, path)
 
 
 @dataclass
@@ -82,12 +68,12 @@ def experiment_dir(runs_root, name: str) -> Path:
 
 
 def is_done(run_dir: Path, hash_: str) -> bool:
-    summary = _read_json(run_dir / SUMMARY_FILE)
+    summary = read_json(run_dir / SUMMARY_FILE)
     return bool(summary) and summary.get("config_hash") == hash_ and (run_dir / PROBES_FILE).is_file()
 
 
 def _checkpoint_step(run_dir: Path) -> Optional[int]:
-    state = _read_json(run_dir / CHECKPOINT_DIR / "state.json")
+    state = read_json(run_dir / CHECKPOINT_DIR / STATE_FILE)
     return state.get("step") if isinstance(state, dict) else None
 
 
@@ -96,7 +82,7 @@ def _finished_index(exp_dir: Path) -> List[tuple]:
     out = []
     if exp_dir.is_dir():
         for d in sorted(exp_dir.iterdir()):
-            info = _read_json(d / RUN_FILE) if d.is_dir() else None
+            info = read_json(d / RUN_FILE) if d.is_dir() else None
             if info and is_done(d, d.name):
                 out.append((info.get("hashed_config"), d))
     return out
@@ -113,7 +99,7 @@ def status_of(run: PlannedRun, runs_root, name: str, index: Optional[List[tuple]
         for stored, d in index if index is not None else _finished_index(experiment_dir(runs_root, name)):
             if d.name != run.hash and payload_compatible(stored, payload):
                 return RunStatus(run, d, "done", run.train.steps)
-    div = _read_json(run_dir / DIVERGED_FILE)
+    div = read_json(run_dir / DIVERGED_FILE)
     if div and div.get("config_hash") == run.hash:
         return RunStatus(run, run_dir, "diverged", int(div.get("step", 0)))
     step = _checkpoint_step(run_dir)
@@ -232,7 +218,7 @@ def _measured_speed_factor(statuses: List[RunStatus]) -> Optional[float]:
     for s in statuses:
         if s.state != "done":
             continue
-        summary = _read_json(s.dir / SUMMARY_FILE) or {}
+        summary = read_json(s.dir / SUMMARY_FILE) or {}
         secs = summary.get("train_seconds")
         if secs:
             stated += s.run.tokens / s.run.tokens_per_second
@@ -288,6 +274,18 @@ def lock_holder(runs_root, hash_: str) -> Optional[str]:
     return text
 
 
+def remove_runs(spec: ExperimentSpec, runs_root) -> List[Path]:
+    """Delete the directories of ``spec``'s planned runs in its experiment directory (to train them
+    afresh); finished runs of other experiments are left alone. Returns the directories deleted."""
+    exp_dir = experiment_dir(runs_root, spec.name)
+    removed = []
+    for s in _unique(plan_status(spec, runs_root)):
+        if s.dir.parent == exp_dir and s.dir.is_dir():
+            shutil.rmtree(s.dir)
+            removed.append(s.dir)
+    return removed
+
+
 def write_manifest(spec: ExperimentSpec, statuses: List[RunStatus], runs_root) -> Path:
     d = experiment_dir(runs_root, spec.name)
     d.mkdir(parents=True, exist_ok=True)
@@ -297,24 +295,24 @@ def write_manifest(spec: ExperimentSpec, statuses: List[RunStatus], runs_root) -
         "runs": [{"hash": s.run.hash, "labels": s.run.labels, "seed": s.run.seed, "state": s.state,
                   "dir": s.dir.name} for s in statuses],
     }
-    _write_json(d / MANIFEST_FILE, manifest)
+    atomic_write_json(d / MANIFEST_FILE, manifest)
     return d / MANIFEST_FILE
 
 
 def _command() -> str:
     """The command line of this process (the CLI passes its own reconstruction instead)."""
     argv = list(sys.argv)
-    if argv and Path(argv[0]).name in ("attnres", "__main__.py", "cli.py"):
+    if argv and Path(argv[0]).name in ("attnres", "__main__.py"):
         return "attnres " + " ".join(argv[1:])
     return " ".join(argv)
 
 
 def _record_invocation(run_dir: Path, spec: ExperimentSpec, run: PlannedRun, entry: dict) -> None:
-    info = _read_json(run_dir / RUN_FILE) or {}
+    info = read_json(run_dir / RUN_FILE) or {}
     info.update({"experiment": spec.name, "labels": run.labels, "seed": run.seed, "config_hash": run.hash,
                  "hashed_config": hash_payload(run.model, run.train)})
     info.setdefault("invocations", []).append(entry)
-    _write_json(run_dir / RUN_FILE, info)
+    atomic_write_json(run_dir / RUN_FILE, info)
 
 
 def _clear_outputs(run_dir: Path) -> None:
@@ -331,7 +329,7 @@ def _clear_outputs(run_dir: Path) -> None:
 def train_seconds(run_dir: Path) -> float:
     """Sum of optimizer-step times in metrics.jsonl (resumes included, evaluation excluded)."""
     total = 0.0
-    path = run_dir / "metrics.jsonl"
+    path = run_dir / METRICS_FILE
     if path.exists():
         for line in path.read_text().splitlines():
             try:
@@ -348,10 +346,10 @@ def _reuse(s: RunStatus, spec: ExperimentSpec, log, command: str) -> None:
         shutil.rmtree(s.dir)
     shutil.copytree(s.source, s.dir, ignore=shutil.ignore_patterns(CHECKPOINT_DIR, ".*"))
     # the copy's own history is the copy; where and how the run was trained moves to source_invocations
-    info = _read_json(s.dir / RUN_FILE) or {}
+    info = read_json(s.dir / RUN_FILE) or {}
     origin = info.get("source_invocations") or [i for i in info.get("invocations", []) if "reused_from" not in i]
     info.update(source_invocations=origin, invocations=[])
-    _write_json(s.dir / RUN_FILE, info)
+    atomic_write_json(s.dir / RUN_FILE, info)
     _record_invocation(s.dir, spec, s.run, {"reused_from": str(s.source), "command": command,
                                             "time": time.strftime("%Y-%m-%d %H:%M:%S")})
     log(f"[{s.run.name}] reused the finished run {s.source} (same config hash)")
@@ -361,7 +359,7 @@ def execute_one(s: RunStatus, spec: ExperimentSpec, *, progress: bool = True, th
                 log: Callable[[str], None] = print, command: Optional[str] = None) -> str:
     """Train (or resume) one run, probe the final model, write the summary. Returns the new state."""
     from attnres.experiments.probes import run_probes
-    from attnres.train.checkpoint import CheckpointError
+    from attnres.checkpoint import CheckpointError
     from attnres.train.trainer import Trainer, TrainingDiverged
 
     run, run_dir = s.run, s.dir
@@ -394,7 +392,7 @@ def execute_one(s: RunStatus, spec: ExperimentSpec, *, progress: bool = True, th
     try:
         result = trainer.run()
     except TrainingDiverged as e:
-        _write_json(run_dir / DIVERGED_FILE, {"config_hash": run.hash, "step": trainer.step, "error": str(e)})
+        atomic_write_json(run_dir / DIVERGED_FILE, {"config_hash": run.hash, "step": trainer.step, "error": str(e)})
         entry["wall_seconds"] = time.time() - started
         entry["outcome"] = "diverged"
         _record_invocation(run_dir, spec, run, entry)
@@ -406,15 +404,15 @@ def execute_one(s: RunStatus, spec: ExperimentSpec, *, progress: bool = True, th
         _record_invocation(run_dir, spec, run, entry)
         raise
     probes = run_probes(trainer.model, trainer.data.val, seq_len=run.train.seq_len)
-    _write_json(run_dir / PROBES_FILE, probes)
+    atomic_write_json(run_dir / PROBES_FILE, probes)
     entry["wall_seconds"] = time.time() - started
     entry["outcome"] = "done"
     _record_invocation(run_dir, spec, run, entry)
-    info = _read_json(run_dir / RUN_FILE) or {}
+    info = read_json(run_dir / RUN_FILE) or {}
     summary = {**result.__dict__, "config_hash": run.hash, "experiment": spec.name, "labels": run.labels,
                "seed": run.seed, "train_seconds": train_seconds(run_dir),
                "wall_seconds_total": sum(i.get("wall_seconds", 0.0) for i in info.get("invocations", []))}
-    _write_json(run_dir / SUMMARY_FILE, summary)
+    atomic_write_json(run_dir / SUMMARY_FILE, summary)
     if not spec.keep_checkpoint:
         shutil.rmtree(run_dir / CHECKPOINT_DIR, ignore_errors=True)
     log(f"[{run.name}] val loss {result.val_loss:.4f} in {summary['train_seconds']:.0f} s of training")
@@ -424,11 +422,13 @@ def execute_one(s: RunStatus, spec: ExperimentSpec, *, progress: bool = True, th
 def run_experiment(spec: ExperimentSpec, runs_root=DEFAULT_RUNS_ROOT, *, max_runs: Optional[int] = None,
                    only: Optional[str] = None, retry_diverged: bool = False, progress: bool = True,
                    threads: Optional[int] = None, log: Callable[[str], None] = print,
-                   command: Optional[str] = None) -> Dict[str, int]:
+                   command: Optional[str] = None, resume_with: Optional[str] = None) -> Dict[str, int]:
     """Execute the missing runs (sequentially), at most ``max_runs`` trainings. Returns counts of
     what happened: trained, resumed, reused, diverged, skipped (already finished), busy (another process
-    holds it), left."""
+    holds it), left. ``command`` is recorded with each run; ``resume_with`` is the command an
+    interruption tells the user to run again (default ``attnres experiment NAME``)."""
     command = command or _command()
+    resume_with = resume_with or f"attnres experiment {spec.name}"
     statuses = plan_status(spec, runs_root)
     counts = {"trained": 0, "resumed": 0, "reused": 0, "diverged": 0, "skipped": 0, "busy": 0, "left": 0}
     write_manifest(spec, statuses, runs_root)
@@ -443,14 +443,14 @@ def run_experiment(spec: ExperimentSpec, runs_root=DEFAULT_RUNS_ROOT, *, max_run
                 continue
             outcome = _advance(s, spec, runs_root, may_train=max_runs is None or trained < max_runs,
                                retry_diverged=retry_diverged, progress=progress, threads=threads, log=log,
-                               command=command)
+                               command=command, resume_with=resume_with)
             counts[outcome] += 1
             trained += outcome in ("trained", "resumed", "diverged")
     return counts
 
 
 def _advance(s: RunStatus, spec: ExperimentSpec, runs_root, *, may_train: bool, retry_diverged: bool,
-             progress: bool, threads: Optional[int], log, command: str) -> str:
+             progress: bool, threads: Optional[int], log, command: str, resume_with: str) -> str:
     """One planned run, under its config lock: skip, copy or train it. Returns what happened (a key of
     run_experiment's counts)."""
     s = status_of(s.run, runs_root, spec.name)  # fresh: an earlier entry or another process may have made it
@@ -469,7 +469,7 @@ def _advance(s: RunStatus, spec: ExperimentSpec, runs_root, *, may_train: bool, 
     except TrainingInterrupted as e:
         raise TrainingInterrupted(
             f"{s.run.name}: {str(e).split(';')[0]}; its checkpoint is in {s.dir}. Run "
-            f"`attnres experiment {spec.name}` again to resume it and continue the suite") from None
+            f"`{resume_with}` again to resume it and continue the suite") from None
     finally:
         write_manifest(spec, plan_status(spec, runs_root), runs_root)
     if outcome == "diverged":

@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
+from attnres.files import parse_toml
 from attnres.model.config import ModelConfig
 from attnres.train.config import PARALLEL_FIELDS, TrainConfig, build_configs, split_overrides
 
@@ -68,9 +69,11 @@ EXPERIMENT_KEYS = frozenset({"name", "description", "report", "seeds", "budget_c
 TOP_LEVEL_KEYS = ("experiment", "base", "grid", "axis", "runs")
 # report kind -> the axes its sections read (attnres.experiments.report)
 REPORT_AXES = {"scaling": ("size", "scheme"), "ablations": (), "block-size": (), "arena": ("scheme", "budget"),
-               "dynamics": ("scheme",), "arch-sweep": ("shape", "scheme"), "generic": ()}
+               "dynamics": ("scheme",), "arch-sweep": ("shape", "scheme"), "demo": ("scheme",), "generic": ()}
 DEFAULT_TOKENS_PER_SECOND = 6000.0
 SPECS_ENV = "ATTNRES_EXPERIMENTS"
+# the specs of this checkout (attnres demo reads its spec here, wherever it is run from)
+CHECKOUT_SPECS_DIR = Path(__file__).resolve().parents[2] / "experiments"
 
 
 class ExperimentError(ValueError):
@@ -165,7 +168,7 @@ def default_specs_dir() -> Path:
     here = Path("experiments")
     if here.is_dir() and any(here.glob("*.toml")):
         return here
-    return Path(__file__).resolve().parents[2] / "experiments"
+    return CHECKOUT_SPECS_DIR
 
 
 def available(specs_dir: Optional[Path] = None) -> List[str]:
@@ -256,8 +259,6 @@ def _point(raw: Any, axis: str, index: int, path: Path) -> Point:
 
 def parse_spec(path: Path, text: Optional[str] = None) -> ExperimentSpec:
     """Read and validate a spec file (no run configs built yet; see ``expand``)."""
-    import tomllib
-
     path = Path(path)
     if text is None:
         try:
@@ -265,8 +266,8 @@ def parse_spec(path: Path, text: Optional[str] = None) -> ExperimentSpec:
         except OSError as e:
             raise ExperimentError(f"{path}: cannot be read: {e}") from e
     try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
+        data = parse_toml(text)
+    except ValueError as e:
         raise ExperimentError(f"{path}: not valid TOML: {e}") from e
     for key in data:
         if key not in TOP_LEVEL_KEYS:
@@ -374,6 +375,18 @@ def parse_spec(path: Path, text: Optional[str] = None) -> ExperimentSpec:
 
 def load_spec(name: str, specs_dir: Optional[Path] = None) -> ExperimentSpec:
     return parse_spec(find_spec(name, specs_dir))
+
+
+def with_overrides(spec: ExperimentSpec, overrides: Dict[str, Any]) -> ExperimentSpec:
+    """A copy of ``spec`` whose ``[base]`` also applies ``overrides`` (``preset`` and ModelConfig /
+    TrainConfig fields, e.g. from command-line flags); ``seed`` replaces the default seeds. The
+    overrides enter every run's config and so its hash: such runs never mix with the spec's own."""
+    overrides = dict(overrides)
+    seeds = spec.seeds
+    if "seed" in overrides:
+        seeds = _seed_list([overrides.pop("seed")], spec.path, "seed")
+    _check_overrides(overrides, spec.path, "overrides")
+    return dataclasses.replace(spec, base={**spec.base, **overrides}, seeds=seeds)
 
 
 # ----------------------------------------------------------------------------- hashing

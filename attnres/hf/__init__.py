@@ -11,11 +11,16 @@ no ``trust_remote_code``:
 - :class:`AttnResConfig`, :class:`AttnResForCausalLM`: the config and the causal LM
   (``save_pretrained`` / ``from_pretrained`` / ``generate``), wrapping ``attnres.AttnResLM``;
 - :func:`convert_to_attnres`: retrofit a pretrained LLaMA / Mistral / Qwen2 causal LM into
-  AttnRes with the same logits (zero-initialised queries, SPEC §3);
+  AttnRes with the same logits (zero-initialised queries, docs/method.md §3);
 - :func:`native_to_hf` / :func:`hf_to_native`: the trainer's checkpoints <-> this format;
 - :func:`convert_kimi_linear` / :func:`save_kimi_linear` (``attnres.hf.kimi``): Kimi Linear checkpoints
-  (plain, retrofitted; or the released AttnRes layout of method.md §10) <-> our ``backbone="kimi_linear"``
-  models; ``AutoModelForCausalLM`` loads the §10 layout as ours after this import.
+  (plain, retrofitted; or the released AttnRes layout of docs/method.md §10) <-> our
+  ``backbone="kimi_linear"`` models; ``AutoModelForCausalLM`` loads the §10 layout as ours after this
+  import;
+- :func:`source_kind` / :func:`convert_directory`: what a model directory holds, and converting it
+  (the ``attnres convert`` command).
+
+Modules import one way: ``directories`` -> ``kimi`` -> ``convert`` -> ``modeling`` -> ``configuration``.
 """
 import transformers
 
@@ -26,16 +31,15 @@ if int(transformers.__version__.split(".")[0]) < 5:
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 from attnres.hf.configuration import AttnResConfig  # noqa: E402
-from attnres.hf.convert import (ConversionError, convert_to_attnres, hf_to_native, hf_tokenizer,
-                                native_to_hf)
-from attnres.hf.modeling import AttnResForCausalLM, AttnResPreTrainedModel  # noqa: E402
-from attnres.hf.kimi import (convert_kimi_directory, convert_kimi_linear, register_auto_model,  # noqa: E402
-                             save_kimi_linear)
+from attnres.hf.convert import ConversionError, convert_to_attnres, hf_tokenizer  # noqa: E402
+from attnres.hf.directories import SOURCE_KINDS, convert_directory, source_kind  # noqa: E402
+from attnres.hf.kimi import convert_kimi_linear, register_auto_model, save_kimi_linear  # noqa: E402
+from attnres.hf.modeling import AttnResForCausalLM, AttnResPreTrainedModel, hf_to_native, native_to_hf  # noqa: E402
 
 AutoConfig.register(AttnResConfig.model_type, AttnResConfig, exist_ok=True)
 AutoModelForCausalLM.register(AttnResConfig, AttnResForCausalLM, exist_ok=True)
-register_auto_model()  # kimi_linear checkpoints in the released AttnRes layout load as ours
+register_auto_model()  # kimi_linear checkpoints in the released AttnRes layout (docs/method.md §10) load as ours
 
-__all__ = ["AttnResConfig", "AttnResForCausalLM", "AttnResPreTrainedModel", "ConversionError",
-           "convert_kimi_directory", "convert_kimi_linear", "convert_to_attnres", "hf_to_native", "hf_tokenizer",
-           "native_to_hf", "save_kimi_linear"]
+__all__ = ["AttnResConfig", "AttnResForCausalLM", "AttnResPreTrainedModel", "ConversionError", "SOURCE_KINDS",
+           "convert_directory", "convert_kimi_linear", "convert_to_attnres", "hf_to_native", "hf_tokenizer",
+           "native_to_hf", "save_kimi_linear", "source_kind"]

@@ -1,6 +1,6 @@
-"""Conversions: pretrained LLaMA-family causal LMs -> AttnRes, and native checkpoints <-> HF.
+"""Retrofitting: pretrained LLaMA-family causal LMs -> AttnRes; and native tokenizers as HF ones.
 
-Retrofitting (SPEC §3). With zero pseudo-queries every depth weight is
+Retrofitting (docs/method.md §3). With zero pseudo-queries every depth weight is
 uniform, so sublayer l reads the mean S_l / K_l of its K_l sources, where S_l
 is exactly the PreNorm residual sum of the source model. The sublayer's
 RMSNorm removes the 1/K_l:
@@ -29,7 +29,6 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 
 import torch
 
-from attnres.hf.configuration import AttnResConfig
 from attnres.hf.modeling import AttnResForCausalLM
 from attnres.model.config import ModelConfig
 from attnres.model.llama import AttnResLM, rope_tables
@@ -371,33 +370,6 @@ def conversion_error(source, converted: AttnResForCausalLM, input_ids: Optional[
     a = source(input_ids.to(device)).logits.double()
     b = converted(input_ids.to(device)).logits.double()
     return (a - b).abs().max().item()
-
-
-# ----------------------------------------------------------------------------- native <-> HF
-
-
-def native_to_hf(path, device: str = "cpu", **config_kwargs) -> AttnResForCausalLM:
-    """An AttnResForCausalLM from a native run directory or checkpoint directory (``attnres train``)."""
-    from attnres.train.trainer import load_model
-
-    lm, _, _ = load_model(str(path), device=device)
-    return AttnResForCausalLM.from_attnres_lm(lm, **config_kwargs).eval()
-
-
-def hf_to_native(model: AttnResForCausalLM, path, tokenizer=None) -> Path:
-    """Write ``model`` as a native weights-only checkpoint directory (no optimizer state: it loads
-    with ``attnres.train.trainer.load_model`` / ``attnres sample``, it does not resume a run).
-    ``tokenizer``: a native ``attnres.data`` tokenizer saved beside it as tokenizer.json."""
-    from attnres.train.checkpoint import save_checkpoint
-
-    model_config = model.config.model_config()
-    lm = model.model
-    target = save_checkpoint(path, model=lm, optimizer=None, step=0,
-                             train_state={"converted_from": "huggingface"},
-                             model_config=model_config.to_dict(), train_config={})
-    if tokenizer is not None:
-        tokenizer.save(target / "tokenizer.json")
-    return target
 
 
 # ----------------------------------------------------------------------------- tokenizers

@@ -1,17 +1,17 @@
-"""Kimi Linear checkpoints <-> attnres: retrofit, and the released AttnRes layout (method.md §10).
+"""Kimi Linear checkpoints <-> attnres: retrofit, and the released AttnRes layout (docs/method.md §10).
 
 A ``kimi_linear`` checkpoint directory (config.json + safetensors) is one of two things:
 
 - a plain Kimi Linear model (no ``attn_res_block_size``): PreNorm residuals. It converts into our
   ``backbone="kimi_linear"`` model with the residual of your choice; "block" and "full" start with
   zero queries and ``attnres_scale_norm_eps``, so the logits equal the source's to rounding
-  (method.md §3, as ``attnres.hf.convert_to_attnres`` does for LLaMA), and "prenorm" is the same
+  (docs/method.md §3, as ``attnres.hf.convert_to_attnres`` does for LLaMA), and "prenorm" is the same
   function exactly (transformers' own sublayers and norms, the same additions).
 - the released AttnRes layout (Kimi K3): ``attn_res_block_size`` = B in config.json and, per layer
   i, ``model.layers.{i}.self_attention_res_proj.weight`` [1, d] / ``..._res_norm.weight`` [d] for
   the attention input and ``mlp_res_*`` for the MLP input, plus ``model.output_attn_res_*`` for the
   final norm's input (all possibly under ``language_model.``). It is our Block AttnRes with
-  S = min(2B, L) and plain norm eps (method.md §10), and loads exactly.
+  S = min(2B, L) and plain norm eps (docs/method.md §10), and loads exactly.
 
 ``save_kimi_linear`` writes our models back: prenorm as a plain Kimi Linear checkpoint (loads in
 transformers' ``KimiLinearForCausalLM``), Block AttnRes with even S (or one depth block) in the §10
@@ -42,7 +42,7 @@ from attnres.residual import build_residual
 
 MULTIMODAL_PREFIX = "language_model."
 _LAYER_TYPES = {"linear_attention": KDA, "full_attention": MLA}
-# the sublayer input each pair of depth-attention weights serves, per decoder layer (method.md §10)
+# the sublayer input each pair of depth-attention weights serves, per decoder layer (docs/method.md §10)
 _RES_SITES = ("self_attention_res", "mlp_res")
 _OUTPUT_RES = "model.output_attn_res"
 
@@ -334,7 +334,7 @@ def convert_kimi_linear(source, residual: Optional[str] = None, *, attnres_block
         given += [k for k in ("attnres_scale_norm_eps",) if k in options]
         if given:
             raise ConversionError(f"{given} cannot be set: the checkpoint is already Block AttnRes "
-                                  f"(attn_res_block_size={b}, method.md §10)")
+                                  f"(attn_res_block_size={b}, docs/method.md §10)")
         options.update(layout_residual(fields["n_layers"], b))
     else:
         residual = residual or "block"
@@ -374,7 +374,7 @@ def _layout_block_size(model_config: ModelConfig) -> Optional[int]:
         return None
     if c.residual != "block":
         raise ConversionError(f"ModelConfig.residual={c.residual!r} cannot be written in the released layout "
-                              "(method.md §10): it stores Block AttnRes only; use residual='block' or 'prenorm'")
+                              "(docs/method.md §10): it stores Block AttnRes only; use residual='block' or 'prenorm'")
     for name, value, allowed in (("attnres_weights", c.attnres_weights, "pseudo_query"),
                                  ("attnres_kernel", c.attnres_kernel, "softmax"),
                                  ("attnres_key_norm", c.attnres_key_norm, True),
@@ -382,7 +382,7 @@ def _layout_block_size(model_config: ModelConfig) -> Optional[int]:
                                  ("attnres_scale_norm_eps", c.attnres_scale_norm_eps, False)):
         if value != allowed:
             raise ConversionError(f"ModelConfig.{name}={value!r} cannot be written in the released layout "
-                                  f"(method.md §10), which has {name}={allowed!r} only")
+                                  f"(docs/method.md §10), which has {name}={allowed!r} only")
     S, L = c.block_size, c.n_sublayers
     if S == L:
         return c.n_layers  # one depth block: any B >= the layer count
@@ -477,7 +477,7 @@ def convert_kimi_directory(source, out, *, to: str = "attnres", residual: Option
     elif to == "kimi_linear":
         save_kimi_linear(model, out)
     else:
-        from attnres.hf.convert import hf_to_native
+        from attnres.hf.modeling import hf_to_native
 
         out = hf_to_native(model, out)
     log(f"written {out} ({to})")

@@ -9,12 +9,13 @@ nothing to its arithmetic: ``model(input_ids).logits`` is exactly
 Generation runs through our KV cache (``attnres.inference.KVCache``): the
 first step prefills the prompt, each later step feeds one token; past
 ``max_seq_len`` the last ``max_seq_len`` tokens are re-prefilled each step,
-like :func:`attnres.sampling.generate`.
+like :func:`attnres.inference.sampling.generate`.
 """
 from __future__ import annotations
 
 import math
 from itertools import chain
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -24,6 +25,8 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as hf_init
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from attnres.checkpoint import load_model, save_checkpoint
+from attnres.files import TOKENIZER_FILE
 from attnres.hf.configuration import AttnResConfig
 from attnres.model.llama import AttnResLM, rope_tables
 from attnres.residual import build_residual
@@ -149,15 +152,11 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
 
     @classmethod
     def from_native(cls, path, device: str = "cpu", **config_kwargs) -> "AttnResForCausalLM":
-        """Load a native run directory or checkpoint directory (``attnres train``)."""
-        from attnres.hf.convert import native_to_hf
-
+        """Load a native run directory or checkpoint directory (``attnres train``): :func:`native_to_hf`."""
         return native_to_hf(path, device=device, **config_kwargs)
 
     def to_native(self, path):
-        """Write a native weights-only checkpoint directory (loads with ``attnres.train.trainer.load_model``)."""
-        from attnres.hf.convert import hf_to_native
-
+        """Write a native weights-only checkpoint directory: :func:`hf_to_native`."""
         return hf_to_native(self, path)
 
     # ------------------------------------------------------------------ embeddings
@@ -232,7 +231,7 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         step; forward returns it as ``output.cache`` and generate() hands it back here): the first
         step prefills the prompt, later steps feed only the new token. Once the sequence reaches
         ``max_seq_len`` the model sees the last ``max_seq_len`` tokens (each step re-prefills that
-        window), exactly like :func:`attnres.sampling.generate`. ``use_cache=False`` recomputes the
+        window), exactly like :func:`attnres.inference.sampling.generate`. ``use_cache=False`` recomputes the
         cropped sequence every step."""
         limit = self.config.max_seq_len
         if use_cache is False:
@@ -249,3 +248,24 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         if attention_mask is not None:
             inputs["attention_mask"] = attention_mask[:, -new.shape[1]:]
         return inputs
+
+
+# ----------------------------------------------------------------------------- native <-> HF
+
+
+def native_to_hf(path, device: str = "cpu", **config_kwargs) -> AttnResForCausalLM:
+    """An AttnResForCausalLM from a native run directory or checkpoint directory (``attnres train``)."""
+    lm, _, _ = load_model(str(path), device=device)
+    return AttnResForCausalLM.from_attnres_lm(lm, **config_kwargs).eval()
+
+
+def hf_to_native(model: AttnResForCausalLM, path, tokenizer=None) -> Path:
+    """Write ``model`` as a native weights-only checkpoint directory (no optimizer state: it loads
+    with ``attnres.checkpoint.load_model`` / ``attnres sample``, it does not resume a run).
+    ``tokenizer``: a native ``attnres.data`` tokenizer saved beside it as tokenizer.json."""
+    target = save_checkpoint(path, model=model.model, optimizer=None, step=0,
+                             train_state={"converted_from": "huggingface"},
+                             model_config=model.config.model_config().to_dict(), train_config={})
+    if tokenizer is not None:
+        tokenizer.save(target / TOKENIZER_FILE)
+    return target

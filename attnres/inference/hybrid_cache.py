@@ -9,7 +9,7 @@ all heads): it grows by one entry per token. A KDA layer is recurrent: it keeps 
 The storage is transformers' own cache for this layer layout (``DynamicCache`` built from the
 ``KimiLinearConfig``: one attention layer per MLA block, one linear-attention layer per KDA block),
 handed as is to transformers' sublayers, which read and update it themselves. ``HybridCache`` adds
-what ``AttnResLM``, ``attnres.sampling`` and the Hugging Face wrapper expect of a cache (the
+what ``AttnResLM``, ``attnres.inference.sampling`` and the Hugging Face wrapper expect of a cache (the
 interface of ``attnres.inference.KVCache``: positions, ``room``, ``advance``, ``reset``) and the
 causal mask MLA needs when several new tokens follow cached ones (chunked prefill). As with
 ``KVCache``, no residual-stream state is kept: depth attention only mixes a token's own sources.

@@ -2,7 +2,7 @@
 
 Peak activation memory then scales with the chunk, not the prompt: for Block
 AttnRes the block representations of a chunk are N * chunk * d values instead
-of N * T * d (SPEC §6, "memory-efficient prefill").
+of N * T * d (docs/method.md §6, "memory-efficient prefill").
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Sequence-sharded prefill over P ranks (SPEC §6, memory-efficient prefill).
+"""Sequence-sharded prefill over P ranks (docs/method.md §6, memory-efficient prefill).
 
 Rank r holds tokens [r T/P, (r+1) T/P) of every sequence. Everything but
 self-attention is per token, so each rank runs its own shard through the

@@ -42,7 +42,7 @@ class ModelConfig:
       (aux-loss-free balancing: after each training step every expert's routing
       bias moves by this much toward the mean load; 0: off).
 
-    Residual options (SPEC §3-5):
+    Residual options (docs/method.md §3-5):
     - ``residual``: a name from ``attnres.residual.RESIDUALS``
       ("prenorm", "full", "block", and the rival schemes "rezero",
       "layerscale", "highway", "denseformer", "mudd", "hyper", "mhc").
@@ -61,7 +61,7 @@ class ModelConfig:
       sources only ("full" alone).
     - ``attnres_group_size``: for "full" with the two-phase implementation, the
       number G of consecutive sublayers whose queries share one Phase-1 pass
-      over the sources completed before them (SPEC §6's grouping; exact, it only
+      over the sources completed before them (docs/method.md §6's grouping; exact, it only
       changes speed). Default: round(sqrt(L)).
     - ``attnres_scale_norm_eps``: scale the eps of each sublayer's pre-norm (and
       of the final norm) by c^2, where c S is what it reads at init (c = 1/K_l
@@ -69,7 +69,7 @@ class ModelConfig:
       equals its PreNorm counterpart exactly instead of up to eps
       (RMSNorm(c S) with eps c^2 is RMSNorm(S) with eps); the retrofit of
       pretrained models turns it on. Full and Block only.
-    - ``attnres_impl``: "two_phase" (default: SPEC §6's batched Phase 1 per depth
+    - ``attnres_impl``: "two_phase" (default: docs/method.md §6's batched Phase 1 per depth
       block, in training too; falls back to "fused" where queries depend on
       the input or a window drops sources; scalar mixing is a plain weighted
       sum under every impl), "fused" (one memory-lean custom-autograd op per sublayer) or

@@ -1,6 +1,6 @@
 """Depth attention: a softmax (or sigmoid) attention over a stack of sources.
 
-This is SPEC §3 as pure functions. For sources v_0 … v_{K-1}, a query q and a
+This is docs/method.md §3 as pure functions. For sources v_0 … v_{K-1}, a query q and a
 key-norm weight g:
 
     logit_i = q · RMSNorm_g(v_i)        (no 1/sqrt(d) temperature)
@@ -10,7 +10,7 @@ key-norm weight g:
 Keys equal values, so the normalised keys never need to exist in memory:
 ``q · (v_i * r_i * g) = r_i * (v_i · (q * g))`` with ``r_i = rsqrt(mean(v_i^2) + eps)``.
 
-Layouts. The public functions take the SPEC's ``[K, B, T, D]``. Internally we
+Layouts. The public functions take the ``[K, B, T, D]`` of docs/method.md. Internally we
 work on ``[B, T, K, D]`` ("depth next to channels") because then the weighted
 sum is one batched ``[1, K] @ [K, D]`` product per token, and the residual
 stream's preallocated buffer can hand out views of its first ``k`` sources
@@ -42,7 +42,7 @@ IMPLS = ("fused", "reference")
 
 
 class DepthStats(NamedTuple):
-    """Unnormalised online-softmax statistics of one depth attention (SPEC §6).
+    """Unnormalised online-softmax statistics of one depth attention (docs/method.md §6).
 
     ``o`` is ``sum_i exp(logit_i - m) v_i`` ([B, T, D], float32), ``m`` the
     running max and ``l`` the normaliser ``sum_i exp(logit_i - m)`` ([B, T] or
@@ -412,7 +412,7 @@ def depth_attention(
 
 
 def merge_stats(a: DepthStats, b: DepthStats) -> DepthStats:
-    """Exactly combine the statistics of two disjoint source sets (online softmax, SPEC §6)."""
+    """Exactly combine the statistics of two disjoint source sets (online softmax, docs/method.md §6)."""
     m = torch.maximum(a.m, b.m)
     ea, eb = torch.exp(a.m - m), torch.exp(b.m - m)
     d = a.o.shape[-1]

@@ -1,4 +1,4 @@
-"""Triton kernels for depth attention (SPEC §3) and its two-phase form (SPEC §6).
+"""Triton kernels for depth attention (docs/method.md §3) and its two-phase form (docs/method.md §6).
 
 The math is the same as ``attnres.ops.depth_attention`` (read that module
 first); this file only changes how the work is laid out on a GPU. For one token
@@ -666,7 +666,7 @@ def phase1(
     eps: float = 1e-6,
     normalize_keys: bool = True,
 ) -> DepthStats:
-    """Phase 1 of SPEC §6: S pseudo-queries against the cached sources, one pass over them.
+    """Phase 1 of docs/method.md §6: S pseudo-queries against the cached sources, one pass over them.
 
     sources: [K, B, T, D], any strides over (K, B, T) and unit stride over D (so
     ``buffer[:, :, :n].movedim(2, 0)`` is read in place). queries: [S, D] or
@@ -732,7 +732,7 @@ def phase1_reference(
 
 
 def merge(o1: Tensor, m1: Tensor, l1: Tensor, o2: Tensor, m2: Tensor, l2: Tensor) -> DepthStats:
-    """Online-softmax merge of two statistics (SPEC §6), like ``merge_stats``.
+    """Online-softmax merge of two statistics (docs/method.md §6), like ``merge_stats``.
 
     o: [..., D]; m, l: [...] (single head) or [..., H]. Returns float32
     (float64 for float64 inputs) ``DepthStats(o, m, l)``; ``finalize_stats``

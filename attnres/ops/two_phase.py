@@ -1,4 +1,4 @@
-"""Two-phase depth attention for Block AttnRes (SPEC §6), differentiable, for training and inference.
+"""Two-phase depth attention for Block AttnRes (docs/method.md §6), differentiable, for training and inference.
 
 Pseudo-queries do not depend on the input, so the S sublayers of a depth block
 can attend to the completed blocks [b_0 … b_{n-1}] all at once:

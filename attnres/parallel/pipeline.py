@@ -1,4 +1,4 @@
-"""Pipeline parallelism on ``torch.distributed.pipelining`` with cross-stage caching (SPEC §7).
+"""Pipeline parallelism on ``torch.distributed.pipelining`` with cross-stage caching (docs/method.md §7).
 
 The model is cut at Transformer-block boundaries into C = P·V chunks; chunk c
 runs on rank c mod P (the looped placement of Interleaved1F1B and LoopedBFS).
@@ -10,7 +10,7 @@ append-only) and the running *state* (e.g. a partial block sum).
 Cross-stage caching: rank r keeps, per microbatch, the history its chunk c
 received; when it runs chunk c + P it already holds that prefix, so the
 transition into chunk c + P carries only the increment produced since (the
-rank's own earlier chunk included, exactly as SPEC §7 counts). Cached tensors
+rank's own earlier chunk included, exactly as docs/method.md §7 counts). Cached tensors
 are the autograd leaves chunk c received, so the gradient that chunk c + P
 sends into them accumulates in their ``.grad``, and chunk c's backward, which
 runs later, sends the sum upstream to their producers.
@@ -130,7 +130,7 @@ class PipelineLayout:
 
     def held(self, chunk: int) -> int:
         """History entries chunk ``chunk`` already holds before its input arrives: what its rank's
-        previous chunk received (SPEC §7), nothing without caching or in the first virtual stage."""
+        previous chunk received (docs/method.md §7), nothing without caching or in the first virtual stage."""
         prev = chunk - self.pp
         if not self.cache or prev < 1:
             return 0
@@ -162,7 +162,7 @@ class PipelineLayout:
 
 
 def spec_block_traffic(pp: int, vpp: int, blocks_per_chunk: float) -> Tuple[float, float]:
-    """SPEC §7, in block representations per token (multiply by d for d-vectors):
+    """docs/method.md §7, in block representations per token (multiply by d for d-vectors):
     naive C(C-1)/2 · N_p, cached P(P-1)/2 · N_p + (V-1) · P² · N_p."""
     c = pp * vpp
     naive = c * (c - 1) / 2 * blocks_per_chunk
@@ -208,7 +208,7 @@ class HistoryCache:
         except KeyError:
             raise RuntimeError(
                 f"cross-stage cache: no history of chunk {chunk} for microbatch {microbatch}; the schedule "
-                "ran a later virtual stage before an earlier one, which SPEC §7's caching cannot serve"
+                "ran a later virtual stage before an earlier one, which docs/method.md §7's caching cannot serve"
             ) from None
 
     def clear(self) -> None:

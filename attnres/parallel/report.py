@@ -1,4 +1,4 @@
-"""Pipeline traffic: bytes counted on the wire, next to what the layout and SPEC §7 predict."""
+"""Pipeline traffic: bytes counted on the wire, next to what the layout and docs/method.md §7 predict."""
 from __future__ import annotations
 
 from typing import Dict, List, Optional, Tuple
@@ -23,7 +23,7 @@ def gather_traffic(pipeline: Pipeline) -> Counts:
 
 def blocks_per_chunk(layout: PipelineLayout) -> Optional[int]:
     """N_p: block representations each chunk adds to the history (the embedding not counted), or None
-    when chunks differ (SPEC §7's closed forms assume one N_p)."""
+    when chunks differ (docs/method.md §7's closed forms assume one N_p)."""
     counts, before = [], 1  # history entry 0 is the embedding
     for c in range(layout.n_chunks - 1):
         n = len(layout.history[c])
@@ -42,7 +42,7 @@ def expected(layout: PipelineLayout) -> Dict[str, int]:
 
 
 def formula(layout: PipelineLayout) -> Optional[Dict[str, int]]:
-    """SPEC §7 for the block representations, plus the embedding (sent C-1 times naive, P cached) and
+    """docs/method.md §7 for the block representations, plus the embedding (sent C-1 times naive, P cached) and
     the running state (every transition), per microbatch and direction; None without a uniform N_p."""
     n_p = blocks_per_chunk(layout)
     if n_p is None:
@@ -61,7 +61,7 @@ def formula(layout: PipelineLayout) -> Optional[Dict[str, int]]:
 def traffic_table(layouts: Dict[str, PipelineLayout], measured: Dict[str, Counts], *, steps: int,
                   microbatches: int) -> str:
     """Markdown: per mode, per-transition bytes (forward / backward) per step, and totals beside the
-    layout's prediction and SPEC §7's formula."""
+    layout's prediction and docs/method.md §7's formula."""
     lines = []
     for mode, layout in layouts.items():
         counts = measured[mode]
@@ -86,7 +86,7 @@ def traffic_table(layouts: Dict[str, PipelineLayout], measured: Dict[str, Counts
                      f"each way (blocks {exp['blocks']:,}, embedding {exp['embedding']:,}, state {exp['state']:,})")
         if spec is not None:
             spec = {k: v * microbatches for k, v in spec.items()}
-            lines.append(f"SPEC §7 formula: blocks {spec['blocks']:,} B + embedding {spec['embedding']:,} B + "
+            lines.append(f"method.md §7 formula: blocks {spec['blocks']:,} B + embedding {spec['embedding']:,} B + "
                          f"state {spec['state']:,} B = {spec['total']:,} B each way; "
                          f"{'agrees' if spec['total'] == fwd == bwd else 'DIFFERS'}")
         peak = max(r["bytes"] for r in layout.traffic()) if layout.traffic() else 0

@@ -14,6 +14,18 @@ from torch import Tensor, nn
 NamedOptimizerState = Dict[str, Dict[str, Dict[str, object]]]  # optimizer key -> param name -> state
 
 
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model inside torch.compile / DistributedDataParallel wrappers: the one whose parameter
+    names and ``param_kinds()`` checkpoints and optimizers use."""
+    while True:
+        if hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
+            model = model._orig_mod
+        elif isinstance(model, nn.parallel.DistributedDataParallel):
+            model = model.module
+        else:
+            return model
+
+
 def full_tensor(t):
     """A DTensor's global value (collective: every rank of its mesh must call); other values as they are."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t

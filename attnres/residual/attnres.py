@@ -1,4 +1,4 @@
-"""Attention Residuals: Full (SPEC §3) and Block (SPEC §4) with the Table-4 variants.
+"""Attention Residuals: Full (docs/method.md §3) and Block (docs/method.md §4) with the Table-4 variants.
 
 Full AttnRes is Block AttnRes with one sublayer per depth block (S = 1): every
 output is its own block, no partial sums exist, and each sublayer attends over
@@ -16,7 +16,7 @@ Per forward pass the stream keeps:
   source would add a bogus term to the softmax).
 
 Three implementations (``ModelConfig.attnres_impl``), equal to rounding:
-- ``two_phase`` (default): SPEC §6 in training too. At a depth block's first
+- ``two_phase`` (default): docs/method.md §6 in training too. At a depth block's first
   sublayer one Phase-1 op attends all S pseudo-queries of the block to the
   completed blocks at once (its backward also runs once per block); each
   sublayer then merges the partial sum by online softmax. Needs input-independent
@@ -172,7 +172,7 @@ class DepthAttentionResidual(ResidualScheme):
 
         n_q = L + 1  # every sublayer plus the final aggregation
         if self.weights_kind == "pseudo_query":
-            # zero init: uniform weights at step 0 (SPEC §3; random init destabilises training)
+            # zero init: uniform weights at step 0 (docs/method.md §3; random init destabilises training)
             self.queries = nn.Parameter(torch.zeros(n_q, d))
         elif self.weights_kind == "input_query":
             self.query_proj = nn.ParameterList([nn.Parameter(torch.zeros(d, d)) for _ in range(n_q)])

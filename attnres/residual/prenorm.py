@@ -1,4 +1,4 @@
-"""The standard PreNorm residual (SPEC §2): h_{l+1} = h_l + f_l."""
+"""The standard PreNorm residual (docs/method.md §2): h_{l+1} = h_l + f_l."""
 from __future__ import annotations
 
 from torch import Tensor

@@ -1,6 +1,6 @@
 """Single-state residuals with learned scales or gates: ReZero, LayerScale, Highway.
 
-All three keep one running hidden state h (like PreNorm, SPEC §2) and change
+All three keep one running hidden state h (like PreNorm, docs/method.md §2) and change
 only how a sublayer output f_l = f_l(Norm(h_l)) is folded into it. The
 sublayer's own pre-norm stays in the model.
 

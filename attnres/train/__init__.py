@@ -1,6 +1,10 @@
-"""Training components: optimizer construction, LR schedules, checkpoints, metrics."""
+"""Training components: optimizer construction, LR schedules, checkpoints, metrics.
 
-from attnres.train.checkpoint import (
+The checkpoint names live in :mod:`attnres.checkpoint` (inference and conversion read checkpoints
+without the trainer); they are re-exported here.
+"""
+
+from attnres.checkpoint import (
     FORMAT_VERSION,
     CheckpointError,
     latest_checkpoint,

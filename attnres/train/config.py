@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
+from attnres.files import parse_toml
 from attnres.model.config import ModelConfig
 
 PRECISIONS = ("fp32", "bf16")
@@ -54,7 +55,7 @@ class TrainConfig:
     vpp: int = 1  # virtual stages per pipeline rank (chunks = pp * vpp)
     pp_schedule: str = "1F1B"  # GPipe | 1F1B | Interleaved1F1B | LoopedBFS
     microbatches: Optional[int] = None  # pipeline microbatches per batch (None: pp * vpp)
-    pp_cache: bool = True  # cross-stage caching of block representations (SPEC §7)
+    pp_cache: bool = True  # cross-stage caching of block representations (docs/method.md §7)
     dist_timeout: float = 600.0  # seconds a collective may wait before the job fails
 
     def __post_init__(self):
@@ -153,6 +154,17 @@ PRESETS: Dict[str, Dict[str, Dict[str, Any]]] = {
 }
 
 
+def _preset(name: str) -> Dict[str, Dict[str, Any]]:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+    return PRESETS[name]
+
+
+def preset_model(preset: Optional[str] = None, overrides: Optional[Dict[str, Any]] = None) -> ModelConfig:
+    """The model of a named preset (default: demo) with ModelConfig ``overrides``; no training options."""
+    return ModelConfig(**{**_preset(preset or "demo")["model"], **(overrides or {})})
+
+
 def split_overrides(overrides: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, Any]]:
     """Route flat ``key=value`` overrides to ModelConfig or TrainConfig by field name."""
     model_fields = {f.name for f in dataclasses.fields(ModelConfig)}
@@ -175,16 +187,12 @@ def split_overrides(overrides: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str
 
 def load_toml(path: str) -> Dict[str, Any]:
     """A TOML config: top-level keys, or [model] / [train] tables, plus an optional preset key."""
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10
-        import tomli as tomllib
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"config file {path!r} does not exist; pass an existing .toml file")
     try:
-        data = tomllib.loads(p.read_text())
-    except tomllib.TOMLDecodeError as e:
+        data = parse_toml(p.read_text())
+    except ValueError as e:
         raise ValueError(f"config file {path!r} is not valid TOML: {e}") from e
     flat = {}
     for key, value in data.items():
@@ -202,10 +210,8 @@ def build_configs(preset: Optional[str] = None, overrides: Optional[Dict[str, An
     preset = overrides.pop("preset", None) or preset
     model_kw, train_kw = {}, {}
     if preset is not None:
-        if preset not in PRESETS:
-            raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
-        model_kw.update(PRESETS[preset]["model"])
-        train_kw.update(PRESETS[preset]["train"])
+        model_kw.update(_preset(preset)["model"])
+        train_kw.update(_preset(preset)["train"])
     m, t = split_overrides(overrides)
     model_kw.update(m)
     train_kw.update(t)

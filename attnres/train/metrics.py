@@ -37,9 +37,10 @@ from typing import Any
 
 import torch
 
+from attnres.files import METRICS_FILE, atomic_write_text
+
 __all__ = ["MetricsLogger"]
 
-JSONL_NAME = "metrics.jsonl"
 _RESERVED = ("kind", "step", "time")
 _KIND_RE = re.compile(r"[A-Za-z0-9_\-]+")
 
@@ -57,15 +58,6 @@ def _plain(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
     return str(value)
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8", newline="") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _csv_text(fields: list[str], rows: list[dict]) -> str:
@@ -87,7 +79,7 @@ class MetricsLogger:
     def __init__(self, run_dir: str | os.PathLike, resume_step: int | None = None, *, tensorboard: bool = True):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.jsonl_path = self.run_dir / JSONL_NAME
+        self.jsonl_path = self.run_dir / METRICS_FILE
         self._csv_fields: dict[str, list[str]] = {}
         self._csv_files: dict[str, Any] = {}
 
@@ -134,7 +126,7 @@ class MetricsLogger:
             return
         data = self.jsonl_path.read_bytes()
         if data and not data.endswith(b"\n"):
-            _atomic_write_text(self.jsonl_path, data[: data.rfind(b"\n") + 1].decode("utf-8", "replace"))
+            atomic_write_text(self.jsonl_path, data[: data.rfind(b"\n") + 1].decode("utf-8", "replace"))
 
     def _truncate(self, resume_step: int) -> None:
         rows: list[dict] = []
@@ -151,7 +143,7 @@ class MetricsLogger:
                     if isinstance(step, (int, float)) and step > resume_step:
                         continue
                     rows.append(row)
-            _atomic_write_text(self.jsonl_path, "".join(json.dumps(r) + "\n" for r in rows))
+            atomic_write_text(self.jsonl_path, "".join(json.dumps(r) + "\n" for r in rows))
         # regenerate the CSV files from the surviving rows
         by_kind: dict[str, list[dict]] = {}
         for row in rows:
@@ -166,7 +158,7 @@ class MetricsLogger:
             for row in krows:
                 fields += [k for k in row if k not in _RESERVED and k not in fields]
             cells = [{k: _csv_cell(v) for k, v in r.items()} for r in krows]
-            _atomic_write_text(self.csv_path(kind), _csv_text(fields, cells))
+            atomic_write_text(self.csv_path(kind), _csv_text(fields, cells))
             self._csv_fields[kind] = fields
 
     # ------------------------------------------------------------------ logging
@@ -203,7 +195,7 @@ class MetricsLogger:
                 with open(path, encoding="utf-8", newline="") as f:
                     old_rows = list(csv.DictReader(f))
             fields = (fields or ["step", "time"]) + [k for k in new if k not in ("step", "time")]
-            _atomic_write_text(path, _csv_text(fields, old_rows))
+            atomic_write_text(path, _csv_text(fields, old_rows))
             self._csv_fields[kind] = fields
         f = self._csv_files.get(kind)
         if f is None:

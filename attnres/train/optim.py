@@ -43,6 +43,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from attnres.parallel.state import unwrap
+
 __all__ = ["PARAM_KINDS", "OPTIMIZER_NAMES", "CombinedOptimizer", "StackedMuon", "build_optimizer",
            "group_parameters"]
 
@@ -51,17 +53,6 @@ OPTIMIZER_NAMES = ("adamw", "muon")
 MUON_ADJUST_LR_FNS = ("match_rms_adamw", "original")
 
 _STATE_FORMAT = "attnres.CombinedOptimizer/1"
-
-
-def _unwrap(model: nn.Module) -> nn.Module:
-    """Strip torch.compile / DistributedDataParallel wrappers."""
-    while True:
-        if hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
-            model = model._orig_mod
-        elif isinstance(model, nn.parallel.DistributedDataParallel):
-            model = model.module
-        else:
-            return model
 
 
 def group_parameters(model: nn.Module) -> dict[str, list[tuple[str, nn.Parameter]]]:
@@ -73,7 +64,7 @@ def group_parameters(model: nn.Module) -> dict[str, list[tuple[str, nn.Parameter
     ``param_kinds()`` misses a parameter, names one that does not exist, uses an
     unknown kind, or marks a non-2-D tensor as ``"matrix"``.
     """
-    base = _unwrap(model)
+    base = unwrap(model)
     if not hasattr(base, "param_kinds"):
         raise ValueError(
             f"{type(base).__name__} has no param_kinds() method; the optimizer needs it to "

@@ -21,20 +21,18 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from attnres.checkpoint import load_checkpoint, load_model, read_checkpoint_state, resolve_device, save_checkpoint
+from attnres.files import CHECKPOINT_DIR, CONFIG_FILE, SUMMARY_FILE, TOKENIZER_FILE, atomic_write_text
 from attnres.model import AttnResLM, ModelConfig
 from attnres.model.llama import lm_loss
 from attnres.parallel.runtime import (
     DataParallel, PipelineParallel, SingleProcess, check_layout, init_distributed,
 )
 from attnres.parallel.state import load_full_model_state, load_named_optimizer_state, named_optimizer_state
-from attnres.train.checkpoint import load_checkpoint, read_checkpoint_state, save_checkpoint
 from attnres.train.config import RESUMABLE_CHANGES, TrainConfig
 from attnres.train.metrics import MetricsLogger
 from attnres.train.optim import build_optimizer
 from attnres.train.schedule import make_schedule, set_lr
-
-CHECKPOINT_DIR = "checkpoint"
-SUMMARY_FILE = "summary.json"
 
 
 class TrainingDiverged(RuntimeError):
@@ -58,13 +56,9 @@ class TrainResult:
     tokens_per_second: float
     out_dir: str
 
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"TrainConfig.device={name!r} but no CUDA device is available; use --device cpu")
-    return torch.device(name)
+    def describe(self) -> str:
+        return (f"step {self.steps}: val loss {self.val_loss:.4f} nats/token, {self.val_bpb:.4f} bits/byte, "
+                f"{self.tokens_per_second:,.0f} tokens/s -> {self.out_dir}")
 
 
 @torch.no_grad()
@@ -90,6 +84,21 @@ def evaluate(model, split, *, batch_size: int, seq_len: int, max_batches: Option
     model.train(was_training)
     loss = total / n
     return {"val_loss": loss, "val_bpb": bits_per_byte(loss, split.bytes_per_token)}
+
+
+def evaluate_run(run_or_checkpoint: str, *, data: Optional[str] = None, max_batches: Optional[int] = None,
+                 device: str = "cpu") -> dict:
+    """Validation loss of a trained run on its own validation split (or on ``data``'s): the
+    checkpoint's step plus :func:`evaluate`'s numbers, with the run's batch shape and tokenizer."""
+    from attnres.data import prepare_data
+
+    model, _, state = load_model(run_or_checkpoint, device=device)
+    tc = state["train_config"]
+    split = prepare_data(data=data if data else tc["data"], tokenizer=tc["tokenizer"],
+                         vocab_size=tc["vocab_size"], val_fraction=tc["val_fraction"],
+                         cache_dir=tc.get("cache_dir")).val
+    ev = evaluate(model, split, batch_size=tc["batch_size"], seq_len=tc["seq_len"], max_batches=max_batches)
+    return {"step": state["step"], **ev}
 
 
 class _GracefulInterrupt:
@@ -179,6 +188,33 @@ class Trainer:
         self.state = {"tokens": 0, "elapsed": 0.0, "train_loss": float("nan")}
         if resume:
             self._resume()
+
+    def describe(self) -> str:
+        """One line: the model, the data and, for parallel runs, the layout."""
+        m, c = self.model_config, self.cfg
+        layout = ""
+        if c.pp > 1:
+            layout = (f"; pipeline pp={c.pp} vpp={c.vpp} {c.pp_schedule}, {c.pipeline_microbatches} microbatches, "
+                      f"caching {'on' if c.pp_cache else 'off'}" + (f", {c.dp} replicas" if c.dp > 1 else ""))
+        elif c.dp > 1:
+            layout = f"; data parallel dp={c.dp} ({'FSDP2' if c.fsdp else 'DDP'})"
+        return (f"model: {m.residual}, {self.n_params:,} parameters, {m.n_layers} blocks x d={m.d_model}; data: "
+                f"{len(self.data.train_names)} train / {len(self.data.val_names)} validation documents{layout}")
+
+    def pipeline_traffic(self) -> Optional[str]:
+        """The pipeline's bytes on the wire next to docs/method.md §7 (``attnres.parallel.report``); None without a
+        pipeline or before any step. Collective: every rank of a pipeline run calls it."""
+        if self.cfg.pp == 1:
+            return None
+        from attnres.parallel.report import gather_traffic, traffic_table
+
+        pipe = self.strategy.pipeline
+        mode = "cached" if self.cfg.pp_cache else "naive"
+        measured = gather_traffic(pipe)
+        if not pipe.steps_run:
+            return None
+        return traffic_table({mode: pipe.layout}, {mode: measured}, steps=pipe.steps_run,
+                             microbatches=pipe.microbatches)
 
     def _build_optimizer(self, model):
         c = self.cfg
@@ -288,9 +324,9 @@ class Trainer:
                 raise ValueError(f"TrainConfig.out_dir={str(self.out_dir)!r} is a file, not a run directory; "
                                  "pass --out with a directory path")
             self.out_dir.mkdir(parents=True, exist_ok=True)
-            (self.out_dir / "config.json").write_text(json.dumps(
+            (self.out_dir / CONFIG_FILE).write_text(json.dumps(
                 {"model": self.model_config.to_dict(), "train": c.to_dict()}, indent=2))
-            self.data.tokenizer.save(str(self.out_dir / "tokenizer.json"))
+            self.data.tokenizer.save(str(self.out_dir / TOKENIZER_FILE))
         tokens_per_step = c.batch_size * c.seq_len * c.grad_accum
         metrics = MetricsLogger(self.out_dir, resume_step=self.step if self.resume else None) \
             if self.is_main else None
@@ -352,28 +388,6 @@ class Trainer:
             out_dir=str(self.out_dir),
         )
         if self.is_main:
-            (self.out_dir / SUMMARY_FILE).write_text(json.dumps(result.__dict__, indent=2))
+            atomic_write_text(self.out_dir / SUMMARY_FILE, json.dumps(result.__dict__, indent=2))
         return result
 
-
-def load_model(run_or_checkpoint: str, device: str = "cpu"):
-    """Rebuild a trained model (and its tokenizer when present) from a run or checkpoint directory."""
-    path = Path(run_or_checkpoint)
-    ckpt = path / CHECKPOINT_DIR if (path / CHECKPOINT_DIR).is_dir() else path
-    if not (ckpt / "state.json").exists():
-        raise FileNotFoundError(
-            f"no checkpoint found at {path}; pass a run directory (holding {CHECKPOINT_DIR}/) or a "
-            "checkpoint directory"
-        )
-    state = read_checkpoint_state(ckpt)
-    config = ModelConfig.from_dict(state["model_config"])
-    model = AttnResLM(config)
-    load_checkpoint(ckpt, model=model, restore_rng=False)
-    model.to(resolve_device(device)).eval()
-    tokenizer = None
-    run_dir = ckpt.parent if ckpt.name == CHECKPOINT_DIR else ckpt
-    if (run_dir / "tokenizer.json").exists():
-        from attnres.data import load_tokenizer
-
-        tokenizer = load_tokenizer(str(run_dir / "tokenizer.json"))
-    return model, tokenizer, state

@@ -1,6 +1,8 @@
 """Benchmark commands run end to end on tiny configs (the numbers themselves are for humans)."""
 import json
 
+import pytest
+
 from attnres.cli import main
 
 TINY_SIZES = ["--set", "d_model=32", "--set", "n_layers=2", "--set", "seq_len=16", "--set", "batch_size=2",
@@ -96,3 +98,32 @@ def test_residual_io_counts_follow_the_schedule():
     # per-sublayer attention reads every source (1, 2, 3, 4) and writes h
     io = residual_io(AttnResLM(ModelConfig(**base, residual="full", attnres_impl="fused")), x)
     assert io["reads"] == (1 + 2 + 3 + 4) / 4 + 4 / 4  # + storing each output in the buffer
+
+
+def test_every_bench_has_the_registry_interface():
+    import dataclasses
+
+    from attnres.bench import BENCHES, bench_config
+    from attnres.cli import build_parser
+
+    assert set(BENCHES) == {"train", "op", "decode", "pipeline"}
+    for name, bench in BENCHES.items():
+        assert build_parser().parse_args(["bench", name]).what == name  # the command offers the registry
+        quick = bench.config.quick()
+        assert isinstance(quick, bench.config) and quick != bench.config(), name
+        assert callable(bench.run) and callable(bench.format_table)
+        assert bench.options == {f.name for f in dataclasses.fields(bench.config)} and "device" in bench.options
+        cfg = bench_config(name, quick=True, device="cuda")
+        assert cfg.device == "cuda" and dataclasses.replace(cfg, device=quick.device) == quick
+    with pytest.raises(ValueError, match=r"--set widgets: unknown benchmark option; known: \[.*'d_model'"):
+        bench_config("op", widgets=3)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "op", "--variants", "block"], "--variants applies to `attnres bench train` and `attnres bench decode`"),
+    (["bench", "decode", "--no-memory"], "--no-memory applies to `attnres bench train`"),
+    (["bench", "op", "--set", "repeats"], "--set 'repeats': expected KEY=VALUE"),
+])
+def test_bench_flags_a_bench_does_not_have(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err

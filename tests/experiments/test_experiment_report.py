@@ -119,6 +119,23 @@ SPECS = {
         label = "block"
         residual = "block"
     """,
+    "demo": """
+        [experiment]
+        name = "demo"
+        report = "demo"
+        seeds = [5]
+        baseline = "prenorm"
+        {base}
+        [[axis.scheme]]
+        label = "prenorm"
+        residual = "prenorm"
+        [[axis.scheme]]
+        label = "block"
+        residual = "block"
+        [[axis.scheme]]
+        label = "full"
+        residual = "full"
+    """,
     "ablations": """
         [experiment]
         name = "ablations"
@@ -221,6 +238,37 @@ def test_each_report_kind_from_cached_runs(suite, monkeypatch, name, expected):
     assert re.search(r"runs at commit `([0-9a-f]{40}(\+dirty)?|unknown)`", text)
     assert re.search(r"Wall time of the finished runs: \d+\.\d\d h", text)
     assert "exceeds seed noise when the paired t-statistic" in text
+
+
+def test_the_demo_report_is_a_page_of_its_own(suite, monkeypatch):
+    text, out = _report(suite, "demo", monkeypatch)
+    lines = text.splitlines()
+    assert lines[0] == "# attnres demo" and lines[2] == "Command: `attnres report demo`  "
+    assert re.match(r"Machine: .*cores visible", lines[3])
+    assert re.match(r"Wall time \(training, evaluation and probes of the runs\): \d+\.\d min$", lines[4])
+    assert "Block AttnRes with S=2 sublayers per block. Training: 4 steps x 4 x 32 tokens, muon, wsd schedule, " \
+           "lr 0.003, seed 5;" in text
+    table = [line for line in lines if line.startswith("|")]
+    assert table[:2] == ["| scheme | params | tokens | val loss (nats/token) | bits/byte | tokens/s | "
+                         "step time vs prenorm |", "|---|---:|---:|---:|---:|---:|---:|"]
+    assert [row.split(" | ")[0] for row in table[2:]] == ["| prenorm", "| block", "| full"]
+    assert " | 512 | " in table[2] and table[2].endswith(" | 1.00x |")
+    for png in ("loss_curves.png", "depth_weights_block.png", "depth_weights_full.png"):
+        assert f"]({png})" in text
+    assert "depth_weights_prenorm" not in text and "## Provenance" not in text and "## All runs" not in text
+    # the table's numbers are the runs' summaries
+    from attnres.experiments.results import collect
+    from attnres.experiments.report import demo_table
+
+    specs, runs, _ = suite
+    col = collect(load_spec("demo", specs), runs)
+    assert demo_table(col) == "\n".join(table)
+    full = [r for r in col.results if r.run.labels["scheme"] == "full"][0]
+    assert f"| {full.summary['val_loss']:.4f} | {full.summary['val_bpb']:.4f} |" in table[4]
+    # the invocation's wall time replaces the runs' own when the demo passes it
+    write_report(load_spec("demo", specs), runs, out, command="attnres demo", wall_seconds=90)
+    assert "Wall time (this invocation, including data preparation and reused runs): 1.5 min" in \
+        (out / "REPORT.md").read_text()
 
 
 def test_a_partial_suite_gives_a_marked_partial_report(suite, monkeypatch):

@@ -8,7 +8,8 @@ import torch
 
 from attnres.experiments import load_spec, plan_status, run_experiment
 from attnres.experiments.report import shares_sublayer_init, write_report
-from attnres.experiments.runner import DIVERGED_FILE, PROBES_FILE, RUN_FILE, SUMMARY_FILE
+from attnres.experiments.runner import DIVERGED_FILE, PROBES_FILE, RUN_FILE
+from attnres.files import SUMMARY_FILE
 from attnres.parallel import runtime as runtime_module
 from attnres.train.trainer import Trainer, TrainingInterrupted
 

@@ -6,6 +6,7 @@ import pytest
 
 from attnres.experiments import ExperimentError, available, config_hash, expand, find_spec, load_spec, parse_spec
 from attnres.experiments.runner import format_plan, plan_status
+from attnres.experiments.spec import with_overrides
 from attnres.train.config import build_configs
 
 REPO_SPECS = Path(__file__).resolve().parents[2] / "experiments"
@@ -227,3 +228,69 @@ def test_shared_rows_of_the_shipped_specs_have_identical_hashes():
               for name in ("ablations", "block-size", "dynamics")}
     assert len(hashes["ablations"] & hashes["block-size"]) >= 6
     assert len(hashes["ablations"] & hashes["dynamics"]) >= 6
+
+
+def test_the_demo_spec_plans_exactly_what_attnres_demo_trained():
+    """Before it became a spec, `attnres demo` trained build_configs("demo", {"residual": scheme}) per
+    scheme at the default seed: the spec's runs must be those configs, so they compute the same losses."""
+    runs = expand(load_spec("demo", REPO_SPECS))
+    assert [r.labels["scheme"] for r in runs] == ["prenorm", "block", "full"]
+    for run in runs:
+        model, train = build_configs("demo", {"residual": run.labels["scheme"]})
+        assert run.model == model and run.seed == train.seed == 1337
+        assert {k: v for k, v in run.train.to_dict().items() if k != "out_dir"} == \
+            {k: v for k, v in train.to_dict().items() if k != "out_dir"}
+
+
+def test_overrides_enter_every_run_and_its_hash(tmp_path, write_spec, tiny_base):
+    write_spec(tmp_path, "over", f"""
+        [experiment]
+        name = "over"
+        {tiny_base()}
+        [[axis.scheme]]
+        label = "prenorm"
+        residual = "prenorm"
+        [[axis.scheme]]
+        label = "full"
+        residual = "full"
+    """)
+    spec = load_spec("over", tmp_path)
+    changed = with_overrides(spec, {"steps": 7, "d_model": 16, "seed": 5})
+    before, after = expand(spec), expand(changed)
+    assert [r.labels for r in after] == [r.labels for r in before]
+    assert all(r.train.steps == 7 and r.model.d_model == 16 and r.seed == 5 for r in after)
+    assert not {r.hash for r in before} & {r.hash for r in after}
+    assert [r.hash for r in expand(with_overrides(spec, {}))] == [r.hash for r in before]
+    assert spec.base.get("steps") == 4  # the spec itself is untouched
+    with pytest.raises(ExperimentError, match="overrides depth: unknown option"):
+        with_overrides(spec, {"depth": 3})
+    with pytest.raises(ExperimentError, match="overrides out_dir: is set by the runner"):
+        with_overrides(spec, {"out_dir": "x"})
+
+
+def test_specs_parse_without_tomllib_through_tomli(tmp_path, write_spec, tiny_base, monkeypatch):
+    """Python 3.10 has no tomllib; the tomli package (a dependency there) parses instead."""
+    import sys
+    import types
+
+    try:
+        import tomllib as parser
+    except ModuleNotFoundError:  # running on 3.10 itself
+        import tomli as parser
+    calls = []
+    tomli = types.ModuleType("tomli")  # a stand-in that counts its calls
+    tomli.loads = lambda text: calls.append(text) or parser.loads(text)
+    tomli.TOMLDecodeError = parser.TOMLDecodeError
+    monkeypatch.setitem(sys.modules, "tomllib", None)  # `import tomllib` raises ModuleNotFoundError
+    monkeypatch.setitem(sys.modules, "tomli", tomli)
+    path = write_spec(tmp_path, "old", f"""
+        [experiment]
+        name = "old"
+        seeds = [3]
+        {tiny_base()}
+    """)
+    spec = parse_spec(path)
+    assert spec.seeds == [3] and spec.base["preset"] == "tiny" and len(calls) == 1
+    (tmp_path / "bad.toml").write_text("[experiment\n")
+    with pytest.raises(ExperimentError, match="not valid TOML"):
+        parse_spec(tmp_path / "bad.toml")

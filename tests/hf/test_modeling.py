@@ -9,7 +9,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import attnres.hf  # noqa: F401  (registers the model type)
 from attnres import AttnResLM, ModelConfig
 from attnres.hf import AttnResConfig, AttnResForCausalLM
-from attnres.sampling import generate as native_generate
+from attnres.inference.sampling import generate as native_generate
 from reference import randomize
 
 

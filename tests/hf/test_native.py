@@ -7,11 +7,11 @@ from hf_sources import SMALL, compensate_eps, tiny_source
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from attnres import AttnResLM, ModelConfig
+from attnres.checkpoint import load_model, read_checkpoint_state, save_checkpoint
 from attnres.cli import main
 from attnres.data import ByteTokenizer, train_bpe
-from attnres.hf import AttnResForCausalLM, hf_to_native, hf_tokenizer, native_to_hf
-from attnres.train.checkpoint import read_checkpoint_state, save_checkpoint
-from attnres.train.trainer import load_model
+from attnres.hf import (AttnResForCausalLM, ConversionError, convert_directory, hf_to_native, hf_tokenizer,
+                        native_to_hf, source_kind)
 
 TEXT = "ROMEO: But soft, what light through yonder window breaks?\n\tÜber naïve café — 東京 ✓\n"
 
@@ -60,6 +60,30 @@ def test_tokenizers_match_native():
         ids = tok(TEXT)["input_ids"]
         assert ids == native.encode(TEXT)
         assert tok.decode(ids) == TEXT
+
+
+def test_source_kind_tells_the_three_kinds_apart(tmp_path):
+    run, _ = native_run(tmp_path)
+    (run / "config.json").write_text(json.dumps({"model": {}, "train": {}}))  # as the trainer writes it
+    assert source_kind(run) == "native" and source_kind(run / "checkpoint") == "native"
+    AttnResForCausalLM.from_native(run).save_pretrained(tmp_path / "hf")
+    assert source_kind(tmp_path / "hf") == "attnres"
+    tiny_source("llama").save_pretrained(tmp_path / "llama")
+    assert source_kind(tmp_path / "llama") == "pretrained"
+    with pytest.raises(ConversionError, match="is neither a Hugging Face model directory"):
+        source_kind(tmp_path)
+
+
+def test_convert_directory_reports_through_log(tmp_path, capsys):
+    run, lm = native_run(tmp_path)
+    lines = []
+    assert convert_directory(run, tmp_path / "hf", log=lines.append) == tmp_path / "hf"
+    assert len(lines) == 1 and lines[0].startswith(f"native checkpoint {run} -> ")
+    assert capsys.readouterr().out == ""
+    back = convert_directory(tmp_path / "hf", tmp_path / "back", log=lines.append)
+    assert back == tmp_path / "back" and load_model(back)[0].config == lm.config
+    with pytest.raises(ConversionError, match="--residual, --set apply only when retrofitting"):
+        convert_directory(run, tmp_path / "x", retrofit={"residual": "full", "attnres_impl": "fused"})
 
 
 # ----------------------------------------------------------------------------- CLI

@@ -5,7 +5,7 @@ import torch
 from attnres import AttnResLM, ModelConfig
 from attnres.inference import KVCache, chunked_prefill
 from attnres.residual import RESIDUALS
-from attnres.sampling import generate
+from attnres.inference.sampling import generate
 from reference import randomize
 
 SCHEMES = sorted(RESIDUALS)

@@ -1,4 +1,4 @@
-"""Residual streams inside the model: SPEC §3-4 semantics, equivalences and bookkeeping."""
+"""Residual streams inside the model: docs/method.md §3-4 semantics, equivalences and bookkeeping."""
 import pytest
 import torch
 
@@ -56,7 +56,7 @@ def tokens(seed=0, b=2, t=7):
 @pytest.mark.parametrize("residual,overrides", [v for v in VARIANTS if "attnres_window" not in v[1]],
                          ids=[i for i, v in zip(IDS, VARIANTS) if "attnres_window" not in v[1]])
 def test_zero_initialised_attnres_equals_prenorm(residual, overrides):
-    """SPEC §3: zero queries -> uniform weights -> mean of sources -> same function after RMSNorm."""
+    """docs/method.md §3: zero queries -> uniform weights -> mean of sources -> same function after RMSNorm."""
     # exact up to norm eps; at init the mean of K sources has a small RMS (embedding std 0.02),
     # so eps must be far below it for the comparison to be tight
     overrides = {**overrides, "norm_eps": 1e-20}

@@ -234,7 +234,7 @@ def test_merge_matches_merge_stats(heads):
 
 @pytest.mark.parametrize("heads", [1, 2])
 def test_two_phase_block_equals_plain_forward(heads):
-    # one depth block of S sublayers over completed blocks b_0..b_{n-1} (SPEC §6): phase 1 once,
+    # one depth block of S sublayers over completed blocks b_0..b_{n-1} (docs/method.md §6): phase 1 once,
     # then each sublayer i >= 2 merges its one intra-block source, the partial sum b_n^{i-1}
     S, D = 3, 8
     blocks, queries, kws = make_block(K=3, S=S, D=D, heads=heads, seed=11)

@@ -82,7 +82,7 @@ def test_bytes_on_the_wire_equal_the_layout_and_spec_formula(p2_results, i):
         assert sum(v for (t, d), v in traffic.items() if d == direction) == predicted
     spec = formula(layout)
     uniform = case["residual"] == "block" and case["n_layers"] % (2 * case["vpp"]) == 0
-    if uniform:  # every chunk closes the same number of depth blocks: SPEC §7 applies exactly
+    if uniform:  # every chunk closes the same number of depth blocks: docs/method.md §7 applies exactly
         assert spec["total"] * case["microbatches"] == predicted
     elif case["residual"] in ("block", "full"):
         assert spec is None or spec["total"] * case["microbatches"] == predicted
@@ -96,7 +96,7 @@ def p4_results(tmp_path_factory):
 
 
 def test_four_stages_two_virtual_match_spec_section_7(p4_results):
-    """P = 4, V = 2, N_p = 1 block per chunk: SPEC §7 counts 28 block transfers naive, 22 cached
+    """P = 4, V = 2, N_p = 1 block per chunk: docs/method.md §7 counts 28 block transfers naive, 22 cached
     (6 fewer in the second virtual stage), plus the embedding (7 naive, 4 cached)."""
     loss, _, grads = reference("block", 16)
     entry = BATCH // 4 * SEQ * 16 * 8  # one [mb, T, d] float64 representation
@@ -143,7 +143,7 @@ def test_bad_pipeline_options_are_clear_errors(kwargs, match):
 
 @pytest.mark.parametrize("pp, vpp, n_p", [(2, 1, 1), (2, 3, 1), (3, 2, 2), (4, 2, 1), (4, 3, 2), (8, 2, 1)])
 def test_layout_block_counts_equal_spec_formula(pp, vpp, n_p):
-    """SPEC §7's closed forms against the transitions the layout plans, for any P, V and N_p (one
+    """docs/method.md §7's closed forms against the transitions the layout plans, for any P, V and N_p (one
     process: the layout comes from a probe of the full model)."""
     from attnres import AttnResLM, ModelConfig
     from attnres.parallel.pipeline import probe_layout

@@ -39,7 +39,7 @@ from attnres.train import (
     set_lr,
     wsd,
 )
-from attnres.train import checkpoint as ckpt_mod
+from attnres import checkpoint as ckpt_mod
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TESTS_DIR = Path(__file__).resolve().parent
@@ -446,7 +446,7 @@ _CRASH_SCRIPT = """
 import os, sys
 sys.path.insert(0, {tests!r})
 from test_components import make_model, muon_opt, save, train
-from attnres.train import checkpoint as ckpt_mod
+from attnres import checkpoint as ckpt_mod
 model = make_model()
 opt = muon_opt(model)
 train(model, opt, 0, 2)

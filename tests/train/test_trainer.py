@@ -1,5 +1,6 @@
 """The trainer and the CLI end to end, on tiny models and small local corpora."""
 import json
+import math
 import os
 import signal
 from pathlib import Path
@@ -119,18 +120,41 @@ def test_cli_train_eval_sample(corpus, tmp_path, capsys):
     assert capsys.readouterr().out.endswith(first)  # same seed, same text
 
 
-def test_cli_demo_writes_table_and_report(corpus, tmp_path, capsys):
+def test_cli_demo_trains_the_demo_spec_reuses_its_runs_and_writes_its_report(corpus, tmp_path, capsys):
     out = tmp_path / "demo"
-    argv = ["demo", "--preset", "tiny", "--data", corpus, "--out", out, "--steps", 6,
-            "--set", "warmup_steps=1", "--no-progress"]
+    flags = ["--preset", "tiny", "--data", corpus, "--steps", 6, "--set", "warmup_steps=1", "--no-progress"]
+    argv = ["demo", *flags, "--out", out]
     assert run_cli(*argv) == 0
     text = capsys.readouterr().out
     for scheme in ("prenorm", "block", "full"):
         assert f"| {scheme} |" in text
-    for name in ("REPORT.md", "loss_curves.png", "depth_weights_block.png", "depth_weights_full.png"):
-        assert (out / name).stat().st_size > 0
-    assert run_cli(*argv) == 0  # second run reuses the finished runs
-    assert "reusing the finished run" in capsys.readouterr().out
+    report = (out / "REPORT.md").read_text()
+    assert report.startswith("# attnres demo\n") and f"Command: `attnres demo --preset tiny --data {corpus}" in report
+    assert "Wall time (this invocation" in report and "Training: 6 steps x 4 x 32 tokens" in report
+    for name in ("loss_curves.png", "depth_weights_block.png", "depth_weights_full.png"):
+        assert f"]({name})" in report and (out / name).stat().st_size > 0
+    runs = {json.loads((d / "config.json").read_text())["model"]["residual"]: d
+            for d in (out / "demo").iterdir() if (d / "summary.json").is_file()}
+    assert set(runs) == {"prenorm", "block", "full"}
+
+    # what the demo trains is a plain run of the same preset and flags: the same losses, bit for bit
+    model_cfg, train_cfg = build_configs("demo", {"preset": "tiny", "data": corpus, "steps": 6, "warmup_steps": 1,
+                                                  "residual": "block", "out_dir": str(tmp_path / "plain"),
+                                                  "progress": False})
+    Trainer(model_cfg, train_cfg).run()
+    assert losses(tmp_path / "plain") == losses(runs["block"])
+
+    # a second invocation trains nothing: the finished runs are reused, the report is rewritten
+    trained = {d: (d / "metrics.jsonl").stat().st_mtime_ns for d in runs.values()}
+    assert run_cli(*argv) == 0
+    assert "reusing 3 finished run(s)" in capsys.readouterr().out
+    assert trained == {d: (d / "metrics.jsonl").stat().st_mtime_ns for d in runs.values()}
+    # --fresh retrains the same configs into the same directories, with the same losses
+    before = {d: losses(d) for d in runs.values()}
+    assert run_cli(*argv, "--fresh") == 0
+    assert "reusing" not in capsys.readouterr().out
+    assert all(losses(d) == before[d] and (d / "metrics.jsonl").stat().st_mtime_ns != trained[d]
+               for d in runs.values())
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -191,4 +215,4 @@ def test_toml_config(corpus, tmp_path, capsys):
 def test_bf16_autocast_training_runs(corpus, tmp_path):
     result = Trainer(*configs(corpus, tmp_path / "run", residual="block", precision="bf16", steps=4,
                               warmup_steps=1)).run()
-    assert result.steps == 4 and result.val_loss == result.val_loss  # finite, not NaN
+    assert result.steps == 4 and math.isfinite(result.val_loss)

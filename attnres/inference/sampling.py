@@ -13,6 +13,8 @@ from typing import Iterator, Optional
 
 import torch
 
+from attnres.inference.cache import KVCache
+
 
 def filter_logits(logits: torch.Tensor, top_k: Optional[int] = None,
                   top_p: Optional[float] = None) -> torch.Tensor:
@@ -64,3 +66,22 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, temperature
         ids = torch.cat([ids, nxt], dim=1)
         pending = nxt
         yield int(nxt.item())
+
+
+def stream_text(model, tokenizer, prompt: str, max_new_tokens: int, *, stop: Optional[str] = None,
+                **sampling) -> Iterator[str]:
+    """Generate from a text prompt and yield the new text piece by piece as it decodes (a character
+    split over several tokens appears once complete). With ``stop``, the text ends right after its
+    first occurrence. ``sampling``: temperature, top_k, top_p, seed (see :func:`generate`)."""
+    ids = tokenizer.encode(prompt)
+    if not ids:
+        raise ValueError(f"the prompt {prompt!r} encodes to no tokens; give a non-empty prompt")
+    new_ids, text = [], ""
+    for token in generate(model, torch.tensor([ids]), max_new_tokens, **sampling):
+        new_ids.append(token)
+        decoded = tokenizer.decode(new_ids)
+        if stop and stop in decoded:
+            yield decoded[len(text):decoded.index(stop) + len(stop)]
+            return
+        yield decoded[len(text):]
+        text = decoded

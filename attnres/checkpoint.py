@@ -1,4 +1,4 @@
-"""Crash-safe training checkpoints.
+"""Crash-safe training checkpoints, and rebuilding a trained model from one.
 
 A checkpoint is a directory::
 
@@ -19,6 +19,11 @@ window between the two renames, only ``.<name>.old-<id>`` exists:
 :func:`load_checkpoint` and :func:`latest_checkpoint` transparently use it and
 the next :func:`save_checkpoint` to that path renames it back / cleans up.
 One writer per checkpoint path is assumed.
+
+A run directory of ``attnres train`` holds its latest checkpoint in
+``checkpoint/`` (``attnres.files.CHECKPOINT_DIR``); :func:`load_model` takes
+either and rebuilds the model (and the run's tokenizer) for evaluation,
+sampling and conversion, without the trainer.
 
 Tied weights: safetensors refuses tensors that share storage, and a tied
 embedding / LM head appears twice in ``state_dict()``. Entries that are the
@@ -50,7 +55,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from attnres.train.optim import _unwrap
+from attnres.files import CHECKPOINT_DIR, TOKENIZER_FILE
+from attnres.model import AttnResLM, ModelConfig
+from attnres.parallel.state import unwrap
 
 __all__ = [
     "FORMAT_VERSION",
@@ -59,6 +66,8 @@ __all__ = [
     "load_checkpoint",
     "latest_checkpoint",
     "read_checkpoint_state",
+    "load_model",
+    "resolve_device",
 ]
 
 FORMAT_VERSION = 1
@@ -133,7 +142,7 @@ def _model_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str,
     aliases: dict[str, str] = {}
     same_view: dict[tuple, str] = {}
     storages: set[tuple] = set()
-    for name, t in _unwrap(model).state_dict().items():
+    for name, t in unwrap(model).state_dict().items():
         t = t.detach()
         if t.numel() == 0:
             tensors[name] = t.contiguous()
@@ -185,7 +194,7 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 
 def _config_dict(model: nn.Module) -> dict | None:
-    cfg = getattr(_unwrap(model), "config", None)
+    cfg = getattr(unwrap(model), "config", None)
     if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
         cfg = dataclasses.asdict(cfg)
     if not isinstance(cfg, dict):
@@ -408,7 +417,7 @@ def _load_weights(fpath: Path, model: nn.Module) -> dict[str, torch.Tensor]:
         ) from e
     for alias, src in aliases.items():
         tensors[alias] = tensors[src]
-    expected = _unwrap(model).state_dict()
+    expected = unwrap(model).state_dict()
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))
     shapes = [
@@ -482,7 +491,7 @@ def load_checkpoint(
             raise CheckpointError(f"{path / RNG_FILE} does not hold RNG states. Fix: resume from another checkpoint")
 
     if weights is not None:
-        _unwrap(model).load_state_dict(weights, strict=True)
+        unwrap(model).load_state_dict(weights, strict=True)
     if optim_state is not None:
         try:
             optimizer.load_state_dict(optim_state)
@@ -553,3 +562,40 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
         if best is None or key > best[0]:
             best = (key, cand)
     return None if best is None else best[1]
+
+
+# --------------------------------------------------------------------------- trained models
+
+
+def resolve_device(name: str) -> torch.device:
+    """A device from ``auto`` (CUDA when available, else CPU), ``cpu``, ``cuda`` or ``cuda:N``."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"TrainConfig.device={name!r} but no CUDA device is available; use --device cpu")
+    return torch.device(name)
+
+
+def load_model(run_or_checkpoint: str | os.PathLike, device: str = "cpu"):
+    """Rebuild a trained model (and its tokenizer when present) from a run or checkpoint directory.
+
+    Returns ``(model, tokenizer or None, state)``: an ``AttnResLM`` in eval mode on ``device``, the
+    run's tokenizer, and the checkpoint's parsed ``state.json``."""
+    path = Path(run_or_checkpoint)
+    ckpt = path / CHECKPOINT_DIR if (path / CHECKPOINT_DIR).is_dir() else path
+    if not (ckpt / STATE_FILE).exists():
+        raise FileNotFoundError(
+            f"no checkpoint found at {path}; pass a run directory (holding {CHECKPOINT_DIR}/) or a "
+            "checkpoint directory"
+        )
+    state = read_checkpoint_state(ckpt)
+    model = AttnResLM(ModelConfig.from_dict(state["model_config"]))
+    load_checkpoint(ckpt, model=model, restore_rng=False)
+    model.to(resolve_device(device)).eval()
+    tokenizer = None
+    run_dir = ckpt.parent if ckpt.name == CHECKPOINT_DIR else ckpt
+    if (run_dir / TOKENIZER_FILE).exists():
+        from attnres.data import load_tokenizer
+
+        tokenizer = load_tokenizer(str(run_dir / TOKENIZER_FILE))
+    return model, tokenizer, state

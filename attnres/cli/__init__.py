@@ -1,0 +1,66 @@
+"""The ``attnres`` command: a thin shell over the library, one module per verb.
+
+    attnres train        train a model, in one process or under torchrun (attnres.train)
+    attnres eval         validation loss of a trained run
+    attnres sample       generate text from a trained run (attnres.inference)
+    attnres demo         prenorm vs Block vs Full AttnRes, trained and reported (experiments/demo.toml)
+    attnres schemes      the residual schemes: classification and cost
+    attnres bench        benchmarks: train, op, decode, pipeline (attnres.bench)
+    attnres convert      retrofit a Hugging Face LLaMA-family model; native <-> HF (attnres.hf)
+    attnres experiment   run a named experiment, resumably (attnres.experiments)
+    attnres report       an experiment's report from its cached runs
+
+Each verb module registers its subcommand (``add_parser``) and turns the parsed arguments into
+library calls (``run``); ``options`` holds what several verbs share. User errors print as one line,
+``attnres VERB: error: ...`` (``ATTNRES_DEBUG=1`` shows the traceback).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import List, Optional
+
+from attnres.checkpoint import CheckpointError
+from attnres.cli import bench, convert, demo, evaluate, experiment, report, sample, schemes, train
+from attnres.cli.options import CLIError
+from attnres.train.trainer import TrainingDiverged, TrainingInterrupted
+
+VERBS = (train, evaluate, sample, demo, schemes, bench, convert, experiment, report)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="attnres", description="Attention Residuals: train, evaluate, sample, and the demo.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for verb in VERBS:
+        verb.add_parser(sub)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parser.parse_args(argv)
+    if not getattr(args, "command", None):
+        parser.print_help()
+        return 2
+    args.argv = argv  # the command as typed, for the records a verb writes
+    try:
+        return args.func(args)
+    except TrainingInterrupted as e:
+        print(f"\n{e}", file=sys.stderr)
+        return 130
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    except (CLIError, CheckpointError, TrainingDiverged, ValueError, FileNotFoundError) as e:
+        if os.environ.get("ATTNRES_DEBUG"):
+            raise
+        print(f"attnres {args.command}: error: {e}", file=sys.stderr)
+        print("(set ATTNRES_DEBUG=1 for the full traceback)", file=sys.stderr)
+        return 2
+    finally:
+        from attnres.parallel.runtime import leave_process_group
+
+        leave_process_group()  # a command run under torchrun joined one

@@ -1,0 +1,49 @@
+"""attnres convert: retrofit a Hugging Face LLaMA-family model into AttnRes, or native <-> HF
+(attnres.hf.convert_directory)."""
+from __future__ import annotations
+
+from attnres.cli.options import CLIError, add_set_option, parse_set
+
+# retrofit options with a flag of their own (attnres.hf.convert_to_attnres's keyword arguments)
+RETROFIT_ARGS = ("residual", "attnres_blocks", "attnres_block_size", "max_seq_len")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("convert", help="retrofit a HF LLaMA/Mistral/Qwen2 into AttnRes; native <-> HF",
+                       description=(
+        "SOURCE is a Hugging Face LLaMA, Mistral or Qwen2 causal-LM directory (retrofitted into AttnRes "
+        "with zero-initialised queries, so its logits are unchanged up to RMSNorm eps), an AttnRes "
+        "Hugging Face directory, or a run/checkpoint directory of attnres train. Needs transformers "
+        "(pip install 'attnres[hf]'). Example: attnres convert ./llama ./llama-attnres --residual block "
+        "--attnres-blocks 8"))
+    p.add_argument("source", help="model directory (config.json + weights) or attnres run/checkpoint directory")
+    p.add_argument("out", help="output directory")
+    p.add_argument("--to", choices=("hf", "native"), default=None,
+                   help="output format (default: hf, or native for an AttnRes HF source)")
+    p.add_argument("--residual", choices=("block", "full", "prenorm"), default=None,
+                   help="retrofit: residual scheme (default block)")
+    p.add_argument("--attnres-blocks", dest="attnres_blocks", type=int, default=None,
+                   help="retrofit: number of depth blocks N for --residual block")
+    p.add_argument("--attnres-block-size", dest="attnres_block_size", type=int, default=None,
+                   help="retrofit: sublayers per depth block S (instead of N)")
+    p.add_argument("--max-seq-len", dest="max_seq_len", type=int, default=None,
+                   help="retrofit: longest input (default: the source's max_position_embeddings)")
+    add_set_option(p, "retrofit: another ModelConfig option, e.g. --set attnres_impl=fused")
+    p.add_argument("--dtype", choices=("auto", "float32", "float64", "bfloat16", "float16"), default="auto",
+                   help="weight dtype of the result (default: the source's)")
+    p.add_argument("--no-verify", action="store_true",
+                   help="retrofit: skip loading the source model to compare logits")
+    p.add_argument("--force", action="store_true", help="write into a non-empty output directory")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    try:
+        import attnres.hf as hf
+    except ImportError as e:
+        raise CLIError(f"attnres convert needs transformers: pip install 'attnres[hf]' ({e})")
+    retrofit = {**parse_set(args.set),
+                **{key: getattr(args, key) for key in RETROFIT_ARGS if getattr(args, key) is not None}}
+    hf.convert_directory(args.source, args.out, to=args.to, retrofit=retrofit, dtype=args.dtype,
+                         verify=not args.no_verify, force=args.force)
+    return 0

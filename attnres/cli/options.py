@@ -1,0 +1,95 @@
+"""What several verbs share: the one-line user error, the one --set parser, and the run options."""
+from __future__ import annotations
+
+import argparse
+import ast
+import shlex
+from typing import Any, Dict, List, Optional
+
+from attnres.parallel import PIPELINE_SCHEDULES
+from attnres.train.config import PRESETS, load_toml
+
+# flags of the run options whose value is the config field of the same name
+RUN_FIELDS = ("preset", "residual", "steps", "data", "lr", "optimizer", "device", "precision", "seed", "batch_size",
+              "seq_len", "tokenizer", "schedule", "dp", "pp", "vpp", "microbatches", "pp_schedule")
+
+
+class CLIError(Exception):
+    """A user error: printed as one line, no traceback."""
+
+
+def parse_value(text: str) -> Any:
+    """A --set value: none/null, true/false (any case), a Python literal, else the text itself."""
+    lowered = text.lower()
+    if lowered in ("none", "null"):
+        return None
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def parse_set(items: Optional[List[str]]) -> Dict[str, Any]:
+    """``--set KEY=VALUE`` items -> {key: value}, later items winning. Keys may use '-' for '_'."""
+    options: Dict[str, Any] = {}
+    for item in items or []:
+        if "=" not in item:
+            raise CLIError(f"--set {item!r}: expected KEY=VALUE, e.g. --set d_model=256")
+        key, value = item.split("=", 1)
+        options[key.strip().replace("-", "_")] = parse_value(value.strip())
+    return options
+
+
+def add_set_option(p: argparse.ArgumentParser, help: str) -> None:
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help=help)
+
+
+def add_run_options(p: argparse.ArgumentParser, *, preset_default: str) -> None:
+    """The model and training options of the verbs that train (train, demo)."""
+    p.add_argument("--preset", default=None,
+                   help=f"named preset: {', '.join(PRESETS)} (default: {preset_default})")
+    p.add_argument("--config", help="TOML file with model and training options ([model]/[train] tables "
+                                     "or top-level keys; flags override it)")
+    add_set_option(p, "any ModelConfig or TrainConfig field, e.g. --set d_model=256 --set attnres_blocks=4")
+    p.add_argument("--data", help="text file, directory, glob, or .jsonl with a 'text' field "
+                                  "(default: the bundled Shakespeare corpus)")
+    p.add_argument("--steps", type=int, help="optimizer steps")
+    p.add_argument("--lr", type=float, help="learning rate (AdamW and Muon)")
+    p.add_argument("--optimizer", choices=("muon", "adamw"))
+    p.add_argument("--schedule", choices=("wsd", "cosine", "constant") + PIPELINE_SCHEDULES,
+                   help="learning-rate schedule (wsd, cosine, constant) or, with --pp, the pipeline "
+                        f"schedule ({', '.join(PIPELINE_SCHEDULES)})")
+    p.add_argument("--batch-size", dest="batch_size", type=int)
+    p.add_argument("--seq-len", dest="seq_len", type=int)
+    p.add_argument("--tokenizer", choices=("bpe", "byte"))
+    p.add_argument("--seed", type=int)
+    p.add_argument("--device", help="auto, cpu, cuda, cuda:N")
+    p.add_argument("--precision", choices=("fp32", "bf16"))
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run_overrides(args: argparse.Namespace) -> Dict[str, Any]:
+    """Config overrides from the run options: the --config file, then --set, then the named flags."""
+    overrides: Dict[str, Any] = {}
+    if getattr(args, "config", None):
+        overrides.update(load_toml(args.config))
+    overrides.update(parse_set(getattr(args, "set", None)))
+    for key in RUN_FIELDS:
+        value = getattr(args, key, None)
+        if value is not None:
+            overrides[key] = value
+    if overrides.get("schedule") in PIPELINE_SCHEDULES:  # --schedule names either kind of schedule
+        overrides["pp_schedule"] = overrides.pop("schedule")
+    if getattr(args, "fsdp", False):
+        overrides["fsdp"] = True
+    if getattr(args, "no_pp_cache", False):
+        overrides["pp_cache"] = False
+    return overrides
+
+
+def command_line(args: argparse.Namespace, drop: tuple = ()) -> str:
+    """The command as typed (``attnres VERB ...``), without the flags in ``drop``: for reports and
+    for the line that tells how to continue."""
+    return shlex.join(["attnres"] + [a for a in args.argv if a not in drop])

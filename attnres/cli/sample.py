@@ -1,0 +1,38 @@
+"""attnres sample: text from a trained run, streamed to stdout."""
+from __future__ import annotations
+
+import sys
+
+from attnres.checkpoint import load_model
+from attnres.cli.options import CLIError
+from attnres.files import TOKENIZER_FILE
+from attnres.inference.sampling import stream_text
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("sample", help="generate text from a trained run", description=(
+        "Generate text from a run's checkpoint, streaming it to stdout."))
+    p.add_argument("run", help="run directory")
+    p.add_argument("--prompt", default="ROMEO:\n")
+    p.add_argument("--max-new-tokens", dest="max_new_tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    p.add_argument("--top-k", dest="top_k", type=int, default=None)
+    p.add_argument("--top-p", dest="top_p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stop", default=None, help="stop after this string appears")
+    p.add_argument("--device", default="cpu")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    model, tokenizer, _ = load_model(args.run, device=args.device)
+    if tokenizer is None:
+        raise CLIError(f"{args.run} has no {TOKENIZER_FILE}; pass the run directory written by attnres train")
+    sys.stdout.write(args.prompt)
+    sys.stdout.flush()
+    for piece in stream_text(model, tokenizer, args.prompt, args.max_new_tokens, stop=args.stop,
+                             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0

@@ -1,0 +1,92 @@
+"""Files on disk: atomic writes, the names inside a run directory, and TOML.
+
+Atomic writes go to a temp file beside the target, are fsynced and then moved
+onto it with ``os.replace``: a reader sees the old file or the complete new
+one, never half a file, and a crash leaves no partial target behind.
+
+A run directory (what ``attnres train`` writes to ``--out``)::
+
+    config.json      the model and training configs            CONFIG_FILE
+    metrics.jsonl    one JSON row per logged step              METRICS_FILE
+    tokenizer.json   the tokenizer the run trained with        TOKENIZER_FILE
+    checkpoint/      the latest checkpoint (attnres.checkpoint) CHECKPOINT_DIR
+    summary.json     written last, when training finished      SUMMARY_FILE
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, BinaryIO, Iterator, Optional
+
+CONFIG_FILE = "config.json"
+METRICS_FILE = "metrics.jsonl"
+TOKENIZER_FILE = "tokenizer.json"
+CHECKPOINT_DIR = "checkpoint"
+SUMMARY_FILE = "summary.json"
+
+
+# ----------------------------------------------------------------------------- atomic writes
+
+
+@contextlib.contextmanager
+def atomic_writer(path: str | os.PathLike) -> Iterator[BinaryIO]:
+    """Open a temp file beside ``path``; on success fsync it and move it onto ``path``.
+
+    Readers see either the old file or the complete new one, never a partial
+    write; on error the temp file is removed.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            yield fh
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600 files
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_bytes(path: str | os.PathLike, payload: bytes) -> None:
+    """Write ``payload`` to ``path`` atomically."""
+    with atomic_writer(path) as fh:
+        fh.write(payload)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` as UTF-8 to ``path`` atomically (newlines as given)."""
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
+    """Write ``obj`` as indented JSON with sorted keys (NaN and infinity allowed) atomically."""
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, allow_nan=True) + "\n")
+
+
+def read_json(path: str | os.PathLike) -> Optional[Any]:
+    """The JSON value in ``path``, or None when the file is missing or not valid JSON."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+# ----------------------------------------------------------------------------- TOML
+
+
+def parse_toml(text: str) -> dict:
+    """Parse TOML text with ``tomllib`` (Python 3.11+) or the ``tomli`` package (3.10).
+
+    Raises ValueError (both modules' TOMLDecodeError is one) on invalid TOML."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10: the same parser, as a package
+        import tomli as tomllib
+    return tomllib.loads(text)
