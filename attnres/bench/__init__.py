@@ -9,7 +9,9 @@ Every bench module has the same three parts, which the registry names:
 
 ``train``: step time and peak memory of residual schemes; ``op``: the depth-attention op against
 the machine's copy bandwidth; ``decode``: prefill throughput, decode latency and residual I/O;
-``pipeline``: pipeline traffic and step time with and without cross-stage caching (torchrun).
+``pipeline``: pipeline traffic and step time with and without cross-stage caching (torchrun);
+``kimi``: our Kimi Linear backbone against transformers' ``KimiLinearForCausalLM`` (max |Δ logit|,
+float64) and cached decoding against the full forward.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, FrozenSet
 
-from attnres.bench import decode, op, pipeline, train
+from attnres.bench import decode, kimi, op, pipeline, train
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,7 @@ BENCHES: Dict[str, Bench] = {
     "op": Bench(op.OpBenchConfig, op.run, op.format_table),
     "decode": Bench(decode.DecodeBenchConfig, decode.run, decode.format_table),
     "pipeline": Bench(pipeline.PipelineBenchConfig, pipeline.run, pipeline.format_table),
+    "kimi": Bench(kimi.KimiBenchConfig, kimi.run, kimi.format_table),
 }
 
 

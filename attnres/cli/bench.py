@@ -11,7 +11,7 @@ from attnres.files import atomic_write_text
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks: train (step time, memory), op (bandwidth), decode, pipeline",
+    p = sub.add_parser("bench", help="benchmarks: train (step time, memory), op (bandwidth), decode, pipeline, kimi (exactness)",
                        description=(
         "bench train: step time (forward + backward + AdamW step; --set optimizer=muon for the "
         "trainer's Muon) of prenorm, Block and Full AttnRes (or any schemes in --variants) on one "
@@ -19,7 +19,9 @@ def add_parser(sub) -> None:
         "variant. bench op: the depth-attention op alone against this machine's copy bandwidth. bench "
         "decode: KV-cached prefill throughput and per-token decode latency, and the residual I/O per "
         "sublayer beside the paper's Table 1 (docs/method.md §6). bench pipeline (under torchrun): pipeline traffic and step time "
-        "with and without cross-stage caching."))
+        "with and without cross-stage caching. bench kimi: max |logit difference| of our kimi_linear backbone (prenorm, "
+        "Block, Full with zero queries) from transformers' KimiLinearForCausalLM in float64, and of cached decoding "
+        "from the full forward (needs transformers)."))
     p.add_argument("what", choices=tuple(BENCHES))
     p.add_argument("--quick", action="store_true", help="a smaller config (under 2 minutes on 2 cores)")
     p.add_argument("--variants", help="comma list, e.g. prenorm,block,full,block:reference,block:fused")

@@ -95,8 +95,8 @@ def kimi_model_fields(config, max_seq_len: Optional[int] = None) -> Dict[str, An
                             "only unquantised (float) checkpoints convert; dequantise first")
     groups, topk_groups = getattr(c, "n_group", 1) or 1, getattr(c, "topk_group", 1) or 1
     if groups != 1 or topk_groups != 1:
-        raise _source_error("grouped expert routing", "n_group", groups,
-                            "only ungrouped top-k routing (n_group = topk_group = 1) is supported")
+        raise _source_error("grouped expert routing", "num_expert_group", groups,
+                            "only ungrouped top-k routing (num_expert_group = topk_group = 1) is supported")
     if c.num_key_value_heads != c.num_attention_heads:
         raise _source_error("grouped MLA heads", "num_key_value_heads", c.num_key_value_heads,
                             f"MLA here expands keys and values for all num_attention_heads={c.num_attention_heads}")
@@ -249,8 +249,55 @@ def _map_weights(tensors: Mapping[str, torch.Tensor], n_layers: int, d: int, has
 # ----------------------------------------------------------------------------- loading
 
 
+def _is_residual_name(name: str) -> bool:
+    """A depth-attention weight of the §10 layout (``*_res_proj`` / ``*_res_norm``, ``output_attn_res_*``)."""
+    return name.startswith(_OUTPUT_RES) or any(f".{site}_" in name for site in _RES_SITES)
+
+
+def _load_directory(path: Path, config) -> Dict[str, torch.Tensor]:
+    """The tensors of a checkpoint directory under transformers' runtime names.
+
+    Released Kimi Linear checkpoints store the original layout (per-expert ``w1``/``w2``/``w3`` under
+    ``block_sparse_moe``, three short convolutions, the forget gate beside the attention); transformers
+    turns it into its modules' layout while loading (its conversion mapping for ``kimi_linear``), so
+    the text model is loaded by ``KimiLinearForCausalLM.from_pretrained``, in float64 (exact for every
+    float checkpoint) and without its float32-pinned modules, which would round float64 weights. What
+    transformers does not take (the §10 depth-attention weights, and anything the model has no place
+    for) comes back under its stored name, for :func:`_map_weights` to place or reject."""
+    from transformers import KimiLinearForCausalLM
+
+    raw = _read_safetensors_dir(path)
+    if raw is None:
+        raise ConversionError(f"{path} holds no model.safetensors (or sharded index); Kimi Linear "
+                              "checkpoints convert from safetensors only")
+    for name, t in raw.items():
+        if not t.is_floating_point():
+            raise ConversionError(f"cannot convert: {name} is a {t.dtype} tensor (quantised weights); only "
+                                  "float checkpoints convert, dequantise first")
+    prefixed = any(k.startswith(MULTIMODAL_PREFIX) for k in raw)
+    raw = _strip_prefix(raw)
+
+    class Float64Loader(KimiLinearForCausalLM):
+        _keep_in_fp32_modules_strict = None
+
+    text = _text_config(config)
+    text._experts_implementation = "eager"
+    model, info = Float64Loader.from_pretrained(
+        str(path), config=text, dtype=torch.float64, local_files_only=True, output_loading_info=True,
+        key_mapping={"^" + MULTIMODAL_PREFIX.replace(".", r"\."): ""} if prefixed else None)
+    problems = {k: sorted(info.get(k) or []) for k in ("missing_keys", "mismatched_keys")}
+    problems = {k: v for k, v in problems.items() if v}
+    if problems:
+        raise ConversionError(f"cannot convert {path}: transformers' Kimi Linear model reports {problems}")
+    dtype = raw["model.embed_tokens.weight"].dtype  # the checkpoint's: float64 loading rounds nothing
+    tensors = {k: v.to(dtype) for k, v in model.state_dict().items()}
+    tensors.update({k: v for k, v in raw.items() if k in set(info.get("unexpected_keys") or [])})
+    return tensors
+
+
 def _load_source(source) -> Tuple[Any, Dict[str, torch.Tensor]]:
-    """(config, tensors) of a checkpoint directory or a transformers model object."""
+    """(config, tensors under transformers' runtime names) of a checkpoint directory or a transformers
+    model object."""
     if isinstance(source, (str, os.PathLike)):
         path = Path(source)
         if not (path / "config.json").is_file():
@@ -259,11 +306,8 @@ def _load_source(source) -> Tuple[Any, Dict[str, torch.Tensor]]:
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(str(path), local_files_only=True)
-        tensors = _read_safetensors_dir(path)
-        if tensors is None:
-            raise ConversionError(f"{path} holds no model.safetensors (or sharded index); Kimi Linear "
-                                  "checkpoints convert from safetensors only")
-        return config, tensors
+        kimi_model_fields(config)  # what the backbone cannot express fails before anything is loaded
+        return config, _load_directory(path, config)
     config = getattr(source, "config", None)
     if config is None or not hasattr(source, "state_dict"):
         raise ConversionError(f"cannot convert a {type(source).__name__}: pass a KimiLinearForCausalLM or a "
@@ -394,7 +438,9 @@ def _layout_block_size(model_config: ModelConfig) -> Optional[int]:
 
 @torch.no_grad()
 def kimi_state_dict(lm: AttnResLM, *, language_model: bool = False) -> Dict[str, torch.Tensor]:
-    """Our model's tensors under the checkpoint's names (§10 layout for Block AttnRes)."""
+    """Our model's tensors under the names of transformers' Kimi Linear modules, plus the §10
+    depth-attention weights for Block AttnRes (what :func:`save_kimi_linear` writes, before
+    transformers turns the module names into the released checkpoint layout)."""
     c = lm.config
     b = _layout_block_size(c)
     out = {}
@@ -431,19 +477,53 @@ def kimi_config_dict(model_config: ModelConfig) -> Dict[str, Any]:
 
 def save_kimi_linear(model, out_dir, *, language_model: bool = False, dtype: Optional[torch.dtype] = None) -> Path:
     """Write ``model`` (an AttnResLM or AttnResForCausalLM, backbone="kimi_linear") as a Kimi Linear
-    checkpoint directory: config.json + model.safetensors; Block AttnRes in the §10 layout.
-    ``language_model``: prefix every tensor name with ``language_model.`` (multimodal releases)."""
-    from safetensors.torch import save_file
+    checkpoint directory; Block AttnRes in the §10 layout.
+
+    The Kimi Linear part is written by transformers (``KimiLinearForCausalLM.save_pretrained``), so the
+    files hold the layout released checkpoints use (per-expert ``w1``/``w2``/``w3``, separate short
+    convolutions), sharded as transformers shards; the depth-attention weights and
+    ``attn_res_block_size`` are then added. ``language_model``: prefix every tensor name with
+    ``language_model.`` (multimodal releases). ``dtype``: cast the weights (the routers' balancing
+    bias stays float32, as in transformers)."""
+    from safetensors.torch import load_file, save_file
+    from transformers import KimiLinearForCausalLM
+
+    from attnres.model.kimi_linear import kimi_linear_config
 
     lm = model.model if isinstance(model, AttnResForCausalLM) else model
     data = kimi_config_dict(lm.config)
-    tensors = kimi_state_dict(lm, language_model=language_model)
+    tensors = kimi_state_dict(lm)
     if dtype is not None:
         tensors = {k: (v if k.endswith("e_score_correction_bias") else v.to(dtype)) for k, v in tensors.items()}
+    residual = {k: tensors.pop(k) for k in list(tensors) if _is_residual_name(k)}
+    with torch.device("meta"):
+        text_model = KimiLinearForCausalLM(kimi_linear_config(lm.config, tie_word_embeddings=False))
+    text_model.load_state_dict(tensors, strict=True, assign=True)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(data, indent=2, sort_keys=True))
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    text_model.save_pretrained(str(out))
+    index_path = out / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text()) if index_path.is_file() else None
+    files = sorted(set(index["weight_map"].values())) if index else ["model.safetensors"]
+    if residual:
+        extra = "model-attn-res.safetensors" if index else "model.safetensors"
+        if index:
+            files.append(extra)
+            save_file(residual, str(out / extra), metadata={"format": "pt"})
+            index["weight_map"].update({k: extra for k in residual})
+        else:
+            save_file({**load_file(str(out / extra)), **residual}, str(out / extra), metadata={"format": "pt"})
+    if language_model:
+        for name in files:
+            shard = load_file(str(out / name))
+            save_file({MULTIMODAL_PREFIX + k: v for k, v in shard.items()}, str(out / name), metadata={"format": "pt"})
+        if index:
+            index["weight_map"] = {MULTIMODAL_PREFIX + k: v for k, v in index["weight_map"].items()}
+    if index:
+        index_path.write_text(json.dumps(index, indent=2, sort_keys=True))
+    written = json.loads((out / "config.json").read_text())
+    if "attn_res_block_size" in data:
+        written["attn_res_block_size"] = data["attn_res_block_size"]
+    (out / "config.json").write_text(json.dumps(written, indent=2, sort_keys=True))
     return out
 
 

@@ -13,7 +13,6 @@ from typing import Iterator, Optional
 
 import torch
 
-from attnres.inference.cache import KVCache
 
 
 def filter_logits(logits: torch.Tensor, top_k: Optional[int] = None,

@@ -49,7 +49,8 @@ def schemes_table(config: Optional[ModelConfig] = None) -> str:
     base = base_params(config)
     L = config.n_sublayers
     lines = [
-        f"Residual schemes for d_model={config.d_model}, {config.n_layers} Transformer blocks "
+        f"Residual schemes for the {config.backbone} backbone, d_model={config.d_model}, {config.n_layers} "
+        "Transformer blocks "
         f"(L={L} sublayers), vocabulary {config.vocab_size}: PreNorm model {base:,} parameters.",
         "",
         "| scheme | weight type | source | params added | % of model | depth state (d floats/token) "
