@@ -254,6 +254,21 @@ def _is_residual_name(name: str) -> bool:
     return name.startswith(_OUTPUT_RES) or any(f".{site}_" in name for site in _RES_SITES)
 
 
+def _runtime_name(name: str) -> str:
+    """A stored tensor name under transformers' module names, by the pure renames of transformers'
+    kimi_linear conversion mapping (merged tensors such as the expert stacks keep their stored name)."""
+    import re
+
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming
+
+    for rule in get_checkpoint_conversion_mapping("kimi_linear") or []:
+        if isinstance(rule, WeightRenaming):
+            for source, target in zip(rule.source_patterns, rule.target_patterns):
+                name = re.sub(source, target, name)
+    return name
+
+
 def _load_directory(path: Path, config) -> Dict[str, torch.Tensor]:
     """The tensors of a checkpoint directory under transformers' runtime names.
 
@@ -289,8 +304,13 @@ def _load_directory(path: Path, config) -> Dict[str, torch.Tensor]:
     problems = {k: v for k, v in problems.items() if v}
     if problems:
         raise ConversionError(f"cannot convert {path}: transformers' Kimi Linear model reports {problems}")
+    # transformers builds the router and dt_bias in float32 whatever the dtype: those are plain renames,
+    # taken from the files as stored (through transformers' own renaming rules) so nothing is rounded
+    stored = {_runtime_name(k): v for k, v in raw.items()}
+    tensors = {k: stored[k] if k in stored and stored[k].shape == v.shape else v
+               for k, v in model.state_dict().items()}
     dtype = raw["model.embed_tokens.weight"].dtype  # the checkpoint's: float64 loading rounds nothing
-    tensors = {k: v.to(dtype) for k, v in model.state_dict().items()}
+    tensors = {k: v.to(dtype) for k, v in tensors.items()}
     tensors.update({k: v for k, v in raw.items() if k in set(info.get("unexpected_keys") or [])})
     return tensors
 
@@ -342,10 +362,13 @@ def build_lm(model_config: ModelConfig, weights: Mapping[str, torch.Tensor],
               for k in expected if tuple(state[k].shape) != tuple(expected[k].shape)]
     if shapes:
         raise ConversionError(f"tensor shapes do not match the config: {shapes[:4]}")
-    # buffers keep their own dtype (the routers' balancing bias is float32 in transformers too)
+    # integer buffers keep their dtype; the routers' balancing bias is never below float32 (transformers
+    # pins it there in 16-bit models), and float64 where the weights are (bit-exact round trips)
     for k, v in expected.items():
-        if not v.is_floating_point() or k.endswith("e_score_correction_bias"):
+        if not v.is_floating_point():
             state[k] = state[k].to(v.dtype)
+        elif k.endswith("e_score_correction_bias"):
+            state[k] = weights[k].to(torch.promote_types(dtype, torch.float32)).clone()
     lm.load_state_dict(state, strict=not model_config.tie_embeddings, assign=True)
     if model_config.tie_embeddings:
         lm.lm_head.weight = lm.embed.weight
@@ -425,8 +448,10 @@ def _layout_block_size(model_config: ModelConfig) -> Optional[int]:
                                  ("attnres_heads", c.attnres_heads, 1),
                                  ("attnres_scale_norm_eps", c.attnres_scale_norm_eps, False)):
         if value != allowed:
+            fix = (" (a retrofit: --set attnres_scale_norm_eps=false; the logits then move from the source's "
+                   "by the eps term only)") if name == "attnres_scale_norm_eps" else ""
             raise ConversionError(f"ModelConfig.{name}={value!r} cannot be written in the released layout "
-                                  f"(docs/method.md §10), which has {name}={allowed!r} only")
+                                  f"(docs/method.md §10), which has {name}={allowed!r} only{fix}")
     S, L = c.block_size, c.n_sublayers
     if S == L:
         return c.n_layers  # one depth block: any B >= the layer count
@@ -527,41 +552,7 @@ def save_kimi_linear(model, out_dir, *, language_model: bool = False, dtype: Opt
     return out
 
 
-# ----------------------------------------------------------------------------- directory to directory
-
-
-def convert_kimi_directory(source, out, *, to: str = "attnres", residual: Optional[str] = None,
-                           attnres_blocks: Optional[int] = None, attnres_block_size: Optional[int] = None,
-                           max_seq_len: Optional[int] = None, dtype: Optional[torch.dtype] = None,
-                           verify: bool = True, log: Callable[[str], None] = print,
-                           **model_options) -> AttnResForCausalLM:
-    """``attnres convert`` for a kimi_linear directory: convert (see :func:`convert_kimi_linear`),
-    check the logits against transformers' ``KimiLinearForCausalLM`` when the source is plain
-    (``verify``), and write ``out`` as ``to``: "attnres" (our Hugging Face format,
-    ``AttnResForCausalLM.save_pretrained``), "kimi_linear" (the checkpoint layout, §10 for Block
-    AttnRes) or "native" (a weights-only trainer checkpoint). Progress goes to ``log``."""
-    if to not in ("attnres", "kimi_linear", "native"):
-        raise ConversionError(f"to={to!r}: choose 'attnres', 'kimi_linear' or 'native'")
-    model = convert_kimi_linear(source, residual, attnres_blocks=attnres_blocks,
-                                attnres_block_size=attnres_block_size, max_seq_len=max_seq_len, dtype=dtype,
-                                **model_options)
-    c = model.config.model_config()
-    blocks = f", {c.num_blocks} depth blocks of S={c.block_size}" if c.residual == "block" else ""
-    log(f"{source}: kimi_linear, {c.n_layers} layers ({''.join(layer_kinds(c))}), d_model={c.d_model}"
-        f"{f', {c.moe_experts} experts' if c.moe_experts else ''} -> residual={c.residual}{blocks}")
-    if verify and attn_res_block_size(_load_source(source)[0]) is None:
-        err = kimi_conversion_error(source, model)
-        log(f"max |logit difference| transformers' KimiLinearForCausalLM vs converted, random tokens: {err:.3g}")
-    if to == "attnres":
-        model.save_pretrained(str(out))
-    elif to == "kimi_linear":
-        save_kimi_linear(model, out)
-    else:
-        from attnres.hf.modeling import hf_to_native
-
-        out = hf_to_native(model, out)
-    log(f"written {out} ({to})")
-    return model
+# ----------------------------------------------------------------------------- checking a conversion
 
 
 @torch.no_grad()
@@ -625,6 +616,6 @@ def register_auto_model() -> None:
     AutoModelForCausalLM.register(KimiLinearConfig, KimiLinearAutoModel, exist_ok=True)
 
 
-__all__ = ["KimiLinearAutoModel", "attn_res_block_size", "build_lm", "convert_kimi_directory",
+__all__ = ["KimiLinearAutoModel", "attn_res_block_size", "build_lm",
            "convert_kimi_linear", "kimi_config_dict", "kimi_conversion_error", "kimi_model_fields",
            "kimi_state_dict", "layout_residual", "register_auto_model", "save_kimi_linear"]
