@@ -127,8 +127,24 @@ class StackedMuon(torch.optim.Muon):
     def _init_group(self, group, params_with_grad, grads, muon_momentum_bufs):
         has_complex = super()._init_group(group, params_with_grad, grads, muon_momentum_bufs)
         for tensors in (params_with_grad, grads, muon_momentum_bufs):
-            tensors[:] = [m for t in tensors for m in (t.unbind(0) if t.ndim == 3 else (t,))]
+            tensors[:] = [m for t in tensors for m in _matrices(t)]
         return has_complex
+
+
+def _matrices(t: torch.Tensor) -> tuple:
+    """The independent matrices of a parameter (or its gradient / momentum), as views that share its
+    storage. FSDP2 shards dimension 0, which for a stack is the expert dimension: each rank holds whole
+    matrices, so its local shard is unbound (the update needs no communication)."""
+    if t.ndim != 3:
+        return (t,)
+    from torch.distributed.tensor import DTensor, Shard
+
+    if isinstance(t, DTensor):
+        if any(not (p.is_replicate() or p == Shard(0)) for p in t.placements):
+            raise ValueError(f"StackedMuon: a stack of matrices sharded as {t.placements} splits its matrices; "
+                             "shard the stack on dimension 0 (whole matrices per rank)")
+        t = t.to_local()
+    return t.unbind(0)
 
 
 class CombinedOptimizer:
