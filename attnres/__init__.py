@@ -2,10 +2,25 @@
 
     from attnres import ModelConfig, AttnResLM
     model = AttnResLM(ModelConfig(residual="block", attnres_blocks=8))
+
+The names below are imported on first use, not with the package: the ``attnres`` command then
+starts without PyTorch, and a Ctrl-C while PyTorch loads is its own, not an import traceback.
 """
-from attnres.model import AttnResLM, LMOutput, ModelConfig
-from attnres.ops import depth_attention, merge_stats
-from attnres.residual import RESIDUALS
+import importlib
 
 __version__ = "0.1.0"
+_HOMES = {"AttnResLM": "attnres.model", "LMOutput": "attnres.model", "ModelConfig": "attnres.model",
+          "depth_attention": "attnres.ops", "merge_stats": "attnres.ops", "RESIDUALS": "attnres.residual"}
 __all__ = ["AttnResLM", "LMOutput", "ModelConfig", "RESIDUALS", "depth_attention", "merge_stats"]
+
+
+def __getattr__(name):
+    if name in _HOMES:
+        value = getattr(importlib.import_module(_HOMES[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'attnres' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + __all__)

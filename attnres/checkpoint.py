@@ -18,7 +18,8 @@ are never reported by :func:`latest_checkpoint`. If a crash hits the short
 window between the two renames, only ``.<name>.old-<id>`` exists:
 :func:`load_checkpoint` and :func:`latest_checkpoint` transparently use it and
 the next :func:`save_checkpoint` to that path renames it back / cleans up.
-One writer per checkpoint path is assumed.
+One writer per checkpoint path is assumed (``attnres train`` holds a lock on its run directory,
+``attnres.train.run_dir``).
 
 A run directory of ``attnres train`` holds its latest checkpoint in
 ``checkpoint/`` (``attnres.files.CHECKPOINT_DIR``); :func:`load_model` takes
@@ -65,6 +66,7 @@ __all__ = [
     "save_checkpoint",
     "load_checkpoint",
     "latest_checkpoint",
+    "find_checkpoint",
     "read_checkpoint_state",
     "load_model",
     "resolve_device",
@@ -576,20 +578,67 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def find_checkpoint(run_or_checkpoint: str | os.PathLike) -> Path | None:
+    """The checkpoint of a run directory (``<run>/checkpoint``) or the checkpoint directory itself,
+    also when a crash between the two renames of a save left only its backup
+    (``.checkpoint.old-*``, which :func:`load_checkpoint` reads under the checkpoint's own name).
+    None when there is none."""
+    path = Path(run_or_checkpoint)
+    for candidate in (path / CHECKPOINT_DIR, path):
+        if (_resolve(candidate) / STATE_FILE).is_file():
+            return candidate
+    return None
+
+
+def _check_config_fits_weights(ckpt: Path, config: ModelConfig) -> None:
+    """Compare the shapes ``config`` implies (a model built on the meta device: no memory) with the
+    tensor shapes in the safetensors header, before the real model is allocated: ``state.json`` is
+    not covered by a hash, and a hostile or edited one must not make us allocate a huge model."""
+    fpath = _resolve(ckpt) / MODEL_FILE
+    try:
+        with safe_open(str(fpath), framework="pt") as f:
+            saved = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+            aliases = json.loads((f.metadata() or {}).get(_ALIAS_KEY, "{}"))
+    except Exception as e:  # safetensors raises its own error types
+        raise CheckpointError(
+            f"{fpath} cannot be parsed as safetensors ({type(e).__name__}: {e}). "
+            "Fix: copy the file again or resume from an older checkpoint"
+        ) from e
+    for alias, src in aliases.items():
+        if src in saved:
+            saved[alias] = saved[src]
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in AttnResLM(config).state_dict().items()}
+    wrong = [f"{k}: weights {saved.get(k)}, model_config {v}" for k, v in expected.items() if saved.get(k) != v]
+    wrong += [f"{k}: weights {v}, not in model_config's model" for k, v in saved.items() if k not in expected]
+    if wrong:
+        raise CheckpointError(
+            f"model_config in {ckpt / STATE_FILE} does not match the tensors in {fpath} ({len(wrong)} differ, "
+            f"e.g. {wrong[0]}); state.json was edited or belongs to another checkpoint. Fix: restore the "
+            "checkpoint's own state.json from a backup"
+        )
+
+
 def load_model(run_or_checkpoint: str | os.PathLike, device: str = "cpu"):
     """Rebuild a trained model (and its tokenizer when present) from a run or checkpoint directory.
 
     Returns ``(model, tokenizer or None, state)``: an ``AttnResLM`` in eval mode on ``device``, the
-    run's tokenizer, and the checkpoint's parsed ``state.json``."""
+    run's tokenizer, and the checkpoint's parsed ``state.json``. The model config in ``state.json``
+    is checked against the weights' shapes before the model is allocated."""
     path = Path(run_or_checkpoint)
-    ckpt = path / CHECKPOINT_DIR if (path / CHECKPOINT_DIR).is_dir() else path
-    if not (ckpt / STATE_FILE).exists():
+    ckpt = find_checkpoint(path)
+    if ckpt is None:
         raise FileNotFoundError(
             f"no checkpoint found at {path}; pass a run directory (holding {CHECKPOINT_DIR}/) or a "
             "checkpoint directory"
         )
     state = read_checkpoint_state(ckpt)
-    model = AttnResLM(ModelConfig.from_dict(state["model_config"]))
+    try:
+        config = ModelConfig.from_dict(state["model_config"])
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"model_config in {ckpt / STATE_FILE} is invalid: {e}") from e
+    _check_config_fits_weights(ckpt, config)
+    model = AttnResLM(config)
     load_checkpoint(ckpt, model=model, restore_rng=False)
     model.to(resolve_device(device)).eval()
     tokenizer = None

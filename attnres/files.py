@@ -11,12 +11,15 @@ A run directory (what ``attnres train`` writes to ``--out``)::
     tokenizer.json   the tokenizer the run trained with        TOKENIZER_FILE
     checkpoint/      the latest checkpoint (attnres.checkpoint) CHECKPOINT_DIR
     summary.json     written last, when training finished      SUMMARY_FILE
+    .lock            held (flock) by the one process writing it LOCK_FILE
 """
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator, Optional
@@ -26,6 +29,7 @@ METRICS_FILE = "metrics.jsonl"
 TOKENIZER_FILE = "tokenizer.json"
 CHECKPOINT_DIR = "checkpoint"
 SUMMARY_FILE = "summary.json"
+LOCK_FILE = ".lock"
 
 
 # ----------------------------------------------------------------------------- atomic writes
@@ -76,6 +80,77 @@ def read_json(path: str | os.PathLike) -> Optional[Any]:
         return json.loads(Path(path).read_text())
     except (OSError, ValueError):
         return None
+
+
+# ----------------------------------------------------------------------------- exclusive locks
+
+
+def this_command() -> str:
+    """The command line of this process, as typed (``attnres ...`` for the command and ``python -m attnres``)."""
+    argv = list(sys.argv)
+    if argv and Path(argv[0]).name in ("attnres", "__main__.py"):
+        return "attnres " + " ".join(argv[1:])
+    return " ".join(argv)
+
+
+class ExclusiveLock:
+    """An ``flock`` on ``path``, held until :meth:`release` (or until the process dies: the kernel
+    drops it then, so a crash never leaves a stale lock). :meth:`acquire` returns None when this
+    process now holds the lock, else who holds it ("pid N: command", as written by the holder).
+    Where flock does not exist (Windows) every acquire succeeds: one process at a time, by trust."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self._file = None
+
+    def acquire(self, holder: Optional[str] = None) -> Optional[str]:
+        try:
+            import fcntl
+        except ImportError:
+            return None
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(self.path, "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            f.seek(0)
+            who = f.read().strip() or "another process"
+            f.close()
+            if e.errno not in (errno.EWOULDBLOCK, errno.EACCES):
+                raise
+            return who
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()}: {holder or this_command()}\n")
+        f.flush()
+        self._file = f
+        return None
+
+    @property
+    def held(self) -> bool:
+        return self._file is not None
+
+    def release(self) -> None:
+        if self._file is None:
+            return
+        import fcntl
+
+        f, self._file = self._file, None
+        with contextlib.suppress(OSError):
+            f.truncate(0)
+        fcntl.flock(f, fcntl.LOCK_UN)
+        f.close()
+
+
+@contextlib.contextmanager
+def exclusive_lock(path: str | os.PathLike, holder: Optional[str] = None) -> Iterator[Optional[str]]:
+    """:class:`ExclusiveLock` as a context: yields None while this process holds the lock, else who does."""
+    lock = ExclusiveLock(path)
+    who = lock.acquire(holder)
+    try:
+        yield who
+    finally:
+        lock.release()
 
 
 # ----------------------------------------------------------------------------- TOML

@@ -1,11 +1,46 @@
-import os
-import sys
+"""Fixtures shared by the whole suite. Helper modules (reference.py: float64 references written
+loop by loop; stand_in.py: a tiny LM for the training parts) are importable by name because
+pyproject.toml puts tests/ on the path."""
+import pytest
+import torch
 
-# shared float64 references live beside the tests (tests/reference.py)
-sys.path.insert(0, os.path.dirname(__file__))
-
-import torch  # noqa: E402
+from attnres import AttnResLM, ModelConfig
 
 # reference comparisons must never run under TF32
 torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
+
+# the tiny decoder the scheme tests share: 3 Transformer blocks = 6 sublayers
+TINY = dict(vocab_size=50, d_model=16, n_layers=3, n_heads=2, max_seq_len=16)
+
+
+def tiny_config(residual: str, **overrides) -> ModelConfig:
+    return ModelConfig(**{**TINY, **overrides, "residual": residual})
+
+
+def tiny_model(residual: str, dtype=torch.float64, seed: int = 0, **overrides) -> AttnResLM:
+    """A seeded tiny model with ``residual`` and ``overrides`` on top of TINY (float64 by default)."""
+    torch.manual_seed(seed)
+    return AttnResLM(tiny_config(residual, **overrides)).to(dtype)
+
+
+def tiny_tokens(seed: int = 0, b: int = 2, t: int = 7) -> torch.Tensor:
+    return torch.randint(0, TINY["vocab_size"], (b, t), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture
+def config():
+    """Factory fixture: ``config(residual, **overrides)`` -> the tiny ModelConfig."""
+    return tiny_config
+
+
+@pytest.fixture
+def make():
+    """Factory fixture: ``make(residual, dtype=float64, seed=0, **overrides)`` -> a tiny AttnResLM."""
+    return tiny_model
+
+
+@pytest.fixture
+def tokens():
+    """Factory fixture: ``tokens(seed=0, b=2, t=7)`` -> random ids below TINY's vocabulary."""
+    return tiny_tokens

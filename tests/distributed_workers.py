@@ -46,20 +46,22 @@ def _entry(rank, fn, world, port, args):
     os._exit(0)
 
 
-def model_config(residual: str, n_layers: int):
+def model_config(residual: str, n_layers: int, options=None):
+    """``options``: ModelConfig fields beyond the residual (Block AttnRes defaults to S = 4)."""
     from attnres.model import ModelConfig
 
-    options = {"attnres_block_size": 4} if residual == "block" else {}
+    if options is None:
+        options = {"attnres_block_size": 4} if residual == "block" else {}
     return ModelConfig(vocab_size=VOCAB, d_model=16, n_layers=n_layers, n_heads=2, max_seq_len=16,
                        residual=residual, **options)
 
 
-def reference_model(residual: str, n_layers: int):
+def reference_model(residual: str, n_layers: int, options=None):
     """float64, with random (non-zero) residual parameters so depth weights are not uniform."""
     from attnres.model import AttnResLM
 
     torch.manual_seed(0)
-    model = AttnResLM(model_config(residual, n_layers)).double()
+    model = AttnResLM(model_config(residual, n_layers, options)).double()
     randomize(model.residual, seed=2)
     return model
 
@@ -71,13 +73,14 @@ def batch():
 
 
 def pipeline_cases(rank, world, cases, out_dir):
-    """cases: dicts with residual, n_layers, vpp, schedule, microbatches, cache, clip."""
+    """cases: dicts with residual, n_layers, vpp, schedule, microbatches, cache, clip, and optionally
+    options (ModelConfig fields)."""
     from attnres.parallel.pipeline import build_pipeline
     from attnres.parallel.report import gather_traffic
 
     results = []
     for case in cases:
-        model = reference_model(case["residual"], case["n_layers"])
+        model = reference_model(case["residual"], case["n_layers"], case.get("options"))
         x, y = batch()
         pipe = build_pipeline(model, pp=world, vpp=case["vpp"], schedule=case["schedule"],
                               microbatches=case["microbatches"], batch_size=BATCH, seq_len=SEQ,

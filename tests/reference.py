@@ -76,6 +76,9 @@ def randomize(module, seed=1, scale=0.5):
     zero-initialised depth parameters are tested for real."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for p in module.parameters():
-            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * scale)
+        for name, p in module.named_parameters():
+            noise = torch.randn(p.shape, generator=g, dtype=p.dtype) * scale
+            if "query_proj" in name:  # d x d input-dependent queries: keep the logits O(scale)
+                noise = noise / p.shape[-1] ** 0.5
+            p.add_(noise)
     return module

@@ -1,7 +1,7 @@
 """Depth weights as a matrix: row = consumer (sublayer l, then the final aggregation), column = source."""
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import numpy as np
 import torch
@@ -10,10 +10,11 @@ from attnres.residual import DepthRecord
 
 
 def _column(name: str) -> int:
-    """Source name -> column: emb -> 0, v3 / b3 / b3~ (partial sum of block 3) -> 3."""
+    """Source name -> column: emb -> 0, v3 / b3 / b3~ (partial sum of block 3) -> 3, and the states
+    sources s3 / sb3 / sb3~ -> 3."""
     if name == "emb":
         return 0
-    return int(name.lstrip("vb").rstrip("~"))
+    return int(name.lstrip("vbs").rstrip("~"))
 
 
 def depth_weight_matrix(record: DepthRecord) -> Optional[np.ndarray]:
@@ -27,6 +28,27 @@ def depth_weight_matrix(record: DepthRecord) -> Optional[np.ndarray]:
         mean = w.float().flatten(1).mean(1) if w.dim() > 1 else w.float()
         for value, name in zip(mean.tolist(), names):
             out[row, _column(name)] = value
+    return out
+
+
+def routing_sharpness(record: DepthRecord) -> Optional[Dict[str, List[float]]]:
+    """How sharply each consumer routes over depth (sublayers 0 … L-1, then the final aggregation).
+
+    ``max_weight[l]``: the largest depth weight, max_i alpha_i, averaged over batch, tokens (and
+    heads); ``entropy[l]``: -sum_i p_i log p_i in nats, averaged the same way, with p = alpha for
+    softmax weights (sigmoid weights are first normalised to sum to 1); ``n_sources[l]``: K_l, so that
+    uniform routing reads max_weight = 1/K_l and entropy = log K_l. None for schemes without depth
+    weights (prenorm and the other single-state or multi-stream rivals).
+    """
+    if not record.weights or record.weights[0] is None:
+        return None
+    out: Dict[str, List[float]] = {"max_weight": [], "entropy": [], "n_sources": []}
+    for w in record.weights:
+        w = w.double()  # [K, B, T] or [K, B, T, H]
+        p = w / w.sum(0, keepdim=True)
+        out["max_weight"].append(w.amax(0).mean().item())
+        out["entropy"].append(-torch.special.xlogy(p, p).sum(0).mean().item())
+        out["n_sources"].append(w.shape[0])
     return out
 
 

@@ -22,12 +22,13 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
 from attnres.model import AttnResLM, ModelConfig
+from attnres.train.config import parse_value
 from attnres.train.optim import build_optimizer
 
 DEFAULT_VARIANTS = ("prenorm", "block", "full", "block:reference", "full:reference")
@@ -50,6 +51,9 @@ class BenchConfig:
     device: str = "cpu"
     variants: List[str] = field(default_factory=lambda: list(DEFAULT_VARIANTS))
     memory: bool = True  # measure peak memory (one fresh process per variant)
+    # "wall": elapsed time; "process": CPU time of this process, which other jobs on a shared machine
+    # do not inflate (it counts every thread's CPU time, so it equals step time only at one thread)
+    clock: str = "wall"
 
     @classmethod
     def quick(cls) -> "BenchConfig":
@@ -57,17 +61,31 @@ class BenchConfig:
                    steps_per_repeat=2)
 
 
-def parse_variant(name: str):
-    """'block' -> ('block', 'two_phase'); 'block:reference' -> ('block', 'reference')."""
-    residual, _, impl = name.partition(":")
-    return residual, impl or "two_phase"
+def parse_variant(name: str) -> Tuple[str, str, Dict[str, object]]:
+    """'NAME[:IMPL][:FIELD=VALUE]...' -> (residual, impl, ModelConfig options).
+
+    'block' -> ('block', 'two_phase', {}); 'block:reference' -> ('block', 'reference', {});
+    'full:attnres_weights=low_rank_query:attnres_query_rank=8' -> ('full', 'two_phase',
+    {'attnres_weights': 'low_rank_query', 'attnres_query_rank': 8}).
+    """
+    residual, *parts = name.split(":")
+    impl, options = "two_phase", {}
+    for part in parts:
+        if "=" in part:
+            key, value = part.split("=", 1)
+            options[key.strip()] = parse_value(value.strip())
+        else:
+            impl = part
+    return residual, impl, options
 
 
 def variant_config(variant: str, *, blocks: int, **sizes) -> ModelConfig:
-    """The model of one benchmark variant ('block', 'full:reference', ...); Block gets N = blocks."""
-    residual, impl = parse_variant(variant)
-    extra = {"attnres_blocks": blocks} if residual == "block" and blocks is not None else {}
-    return ModelConfig(residual=residual, attnres_impl=impl, **sizes, **extra)
+    """The model of one benchmark variant ('block', 'full:reference', 'full:attnres_weights=scalar', ...);
+    Block gets N = blocks unless the variant sets its own depth blocks."""
+    residual, impl, options = parse_variant(variant)
+    own_blocks = {"attnres_blocks", "attnres_block_size", "attnres_block_sizes"} & set(options)
+    extra = {"attnres_blocks": blocks} if residual == "block" and blocks is not None and not own_blocks else {}
+    return ModelConfig(**{"residual": residual, "attnres_impl": impl, **sizes, **extra, **options})
 
 
 def model_config(cfg: BenchConfig, variant: str) -> ModelConfig:
@@ -99,7 +117,14 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+CLOCKS = {"wall": time.perf_counter, "process": time.process_time}
+
+
 def time_variants(cfg: BenchConfig) -> Dict[str, List[float]]:
+    if cfg.clock not in CLOCKS:
+        raise ValueError(f"clock={cfg.clock!r} is invalid: choose one of {tuple(CLOCKS)} (wall: elapsed time; "
+                         "process: CPU time, for a shared machine at --threads 1)")
+    clock = CLOCKS[cfg.clock]
     setups = {v: _setup(cfg, v) for v in cfg.variants}
     for v, (model, opt, x, y) in setups.items():
         for _ in range(cfg.warmup):
@@ -108,11 +133,11 @@ def time_variants(cfg: BenchConfig) -> Dict[str, List[float]]:
     for _ in range(cfg.repeats):
         for v, (model, opt, x, y) in setups.items():
             _sync(cfg.device)
-            t0 = time.perf_counter()
+            t0 = clock()
             for _ in range(cfg.steps_per_repeat):
                 _step(model, opt, x, y)
             _sync(cfg.device)
-            times[v].append((time.perf_counter() - t0) / cfg.steps_per_repeat)
+            times[v].append((clock() - t0) / cfg.steps_per_repeat)
     return times
 
 
@@ -201,7 +226,8 @@ def format_table(result: dict) -> str:
         f"bench train: d={c['d_model']}, {c['n_layers']} blocks, T={c['seq_len']}, batch={c['batch_size']}, "
         f"block N={c['blocks'] or 'default'}, {c['optimizer']}, device={c['device']}, "
         f"{result['threads']} threads, torch {result['torch']}; "
-        f"{c['repeats']} repeats x {c['steps_per_repeat']} steps after {c['warmup']} warm-up",
+        f"{c['repeats']} repeats x {c['steps_per_repeat']} steps after {c['warmup']} warm-up"
+        + ("; step time is process CPU time" if c.get("clock") == "process" else ""),
         "",
         "| variant | step ms (median) | p25-p75 | vs prenorm | tokens/s | peak MiB | vs prenorm | "
         "step peak MiB | vs prenorm |",
@@ -214,7 +240,7 @@ def format_table(result: dict) -> str:
                      f"{r['step_ratio']:.3f} | {r['tokens_per_s']:,.0f} | {mem} |")
     lines.append("")
     lines.append("variant `X` is the default implementation (two_phase where it applies); "
-                 "`X:reference` is plain autograd. Peak memory: "
+                 "`X:reference` is plain autograd; `:FIELD=VALUE` sets a ModelConfig option. Peak memory: "
                  + next(iter(result["rows"].values())).get("method", "not measured")
                  + "; 'step peak' is the peak above the memory held before the first step.")
     return "\n".join(lines)

@@ -9,6 +9,7 @@
     attnres convert      retrofit a Hugging Face LLaMA-family model; native <-> HF (attnres.hf)
     attnres experiment   run a named experiment, resumably (attnres.experiments)
     attnres report       an experiment's report from its cached runs
+    attnres placement    uneven depth blocks learned from trained Full AttnRes runs (attnres.analysis)
 
 Each verb module registers its subcommand (``add_parser``) and turns the parsed arguments into
 library calls (``run``); ``options`` holds what several verbs share. User errors print as one line,
@@ -17,28 +18,49 @@ library calls (``run``); ``options`` holds what several verbs share. User errors
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 from typing import List, Optional
 
-from attnres.checkpoint import CheckpointError
-from attnres.cli import bench, convert, demo, evaluate, experiment, report, sample, schemes, train
-from attnres.cli.options import CLIError
-from attnres.train.trainer import TrainingDiverged, TrainingInterrupted
+# the verb modules, imported by build_parser: importing this package loads no PyTorch, so a Ctrl-C
+# during start-up is caught by main() like any other
+VERB_NAMES = ("train", "evaluate", "sample", "demo", "schemes", "bench", "convert", "experiment", "report",
+              "placement")
 
-VERBS = (train, evaluate, sample, demo, schemes, bench, convert, experiment, report)
+
+def _verbs() -> tuple:
+    return tuple(importlib.import_module(f"attnres.cli.{name}") for name in VERB_NAMES)
+
+
+def __getattr__(name):
+    if name == "VERBS":
+        return _verbs()
+    raise AttributeError(f"module 'attnres.cli' has no attribute {name!r}")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="attnres", description="Attention Residuals: train, evaluate, sample, and the demo.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for verb in VERBS:
+    for verb in _verbs():
         verb.add_parser(sub)
     return parser
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # also while the libraries load, before a verb runs
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: Optional[List[str]]) -> int:
+    from attnres.checkpoint import CheckpointError
+    from attnres.cli.options import CLIError
+    from attnres.train.trainer import TrainingDiverged, TrainingInterrupted
+
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
@@ -51,10 +73,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except TrainingInterrupted as e:
         print(f"\n{e}", file=sys.stderr)
         return 130
-    except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr)
-        return 130
-    except (CLIError, CheckpointError, TrainingDiverged, ValueError, FileNotFoundError) as e:
+    except (CLIError, CheckpointError, TrainingDiverged, ValueError, OSError) as e:
         if os.environ.get("ATTNRES_DEBUG"):
             raise
         print(f"attnres {args.command}: error: {e}", file=sys.stderr)
@@ -64,3 +83,4 @@ def main(argv: Optional[List[str]] = None) -> int:
         from attnres.parallel.runtime import leave_process_group
 
         leave_process_group()  # a command run under torchrun joined one
+

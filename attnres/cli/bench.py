@@ -24,7 +24,8 @@ def add_parser(sub) -> None:
         "from the full forward (needs transformers)."))
     p.add_argument("what", choices=tuple(BENCHES))
     p.add_argument("--quick", action="store_true", help="a smaller config (under 2 minutes on 2 cores)")
-    p.add_argument("--variants", help="comma list, e.g. prenorm,block,full,block:reference,block:fused")
+    p.add_argument("--variants", help="comma list of NAME[:IMPL][:FIELD=VALUE]..., e.g. prenorm,block,full,"
+                   "block:reference,full:attnres_weights=low_rank_query:attnres_query_rank=8")
     add_set_option(p, "benchmark option, e.g. d_model=512")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     p.add_argument("--device", default="cpu")

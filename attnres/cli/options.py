@@ -2,12 +2,11 @@
 from __future__ import annotations
 
 import argparse
-import ast
 import shlex
 from typing import Any, Dict, List, Optional
 
 from attnres.parallel import PIPELINE_SCHEDULES
-from attnres.train.config import PRESETS, load_toml
+from attnres.train.config import PRESETS, load_toml, parse_value
 
 # flags of the run options whose value is the config field of the same name
 RUN_FIELDS = ("preset", "residual", "steps", "data", "lr", "optimizer", "device", "precision", "seed", "batch_size",
@@ -16,19 +15,6 @@ RUN_FIELDS = ("preset", "residual", "steps", "data", "lr", "optimizer", "device"
 
 class CLIError(Exception):
     """A user error: printed as one line, no traceback."""
-
-
-def parse_value(text: str) -> Any:
-    """A --set value: none/null, true/false (any case), a Python literal, else the text itself."""
-    lowered = text.lower()
-    if lowered in ("none", "null"):
-        return None
-    if lowered in ("true", "false"):
-        return lowered == "true"
-    try:
-        return ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-        return text
 
 
 def parse_set(items: Optional[List[str]]) -> Dict[str, Any]:

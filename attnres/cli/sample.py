@@ -6,7 +6,7 @@ import sys
 from attnres.checkpoint import load_model
 from attnres.cli.options import CLIError
 from attnres.files import TOKENIZER_FILE
-from attnres.inference.sampling import stream_text
+from attnres.inference.sampling import check_sampling, stream_text
 
 
 def add_parser(sub) -> None:
@@ -25,13 +25,15 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p)  # before the model loads
     model, tokenizer, _ = load_model(args.run, device=args.device)
     if tokenizer is None:
         raise CLIError(f"{args.run} has no {TOKENIZER_FILE}; pass the run directory written by attnres train")
-    sys.stdout.write(args.prompt)
+    pieces = stream_text(model, tokenizer, args.prompt, args.max_new_tokens, stop=args.stop,
+                         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    sys.stdout.write(args.prompt)  # only once the options are known to be valid
     sys.stdout.flush()
-    for piece in stream_text(model, tokenizer, args.prompt, args.max_new_tokens, stop=args.stop,
-                             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed):
+    for piece in pieces:
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")

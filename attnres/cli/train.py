@@ -16,6 +16,8 @@ def add_parser(sub) -> None:
     p.add_argument("--residual", help="a residual scheme: see `attnres schemes`")
     p.add_argument("--out", help="run directory (checkpoint, metrics, tokenizer, summary)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
+    p.add_argument("--force", action="store_true",
+                   help="delete the run already in --out (checkpoint, metrics, summary) and start over")
     g = p.add_argument_group("parallelism (launch with torchrun --nproc-per-node K -m attnres train ...)")
     g.add_argument("--dp", type=int, help="data-parallel ranks (DDP; the global batch is split over them)")
     g.add_argument("--fsdp", action="store_true", help="with --dp: shard with FSDP2 instead of DDP")
@@ -35,7 +37,7 @@ def run(args) -> int:
         overrides["out_dir"] = args.out
     if args.no_progress:
         overrides["progress"] = False
-    trainer = Trainer(*build_configs("demo", overrides), resume=args.resume)
+    trainer = Trainer(*build_configs("demo", overrides), resume=args.resume, force=args.force)
     say = print if trainer.is_main else (lambda *a, **k: None)  # under torchrun, rank 0 speaks
     say(trainer.describe())
     result = trainer.run()

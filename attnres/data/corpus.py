@@ -11,9 +11,11 @@ import glob as _glob
 import gzip
 import hashlib
 import json
+import logging
 import lzma
 import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -38,6 +40,8 @@ _JSONL_SUFFIXES = (".jsonl",)
 _COMPRESSED = (".gz", ".xz")
 _GLOB_MAGIC = re.compile(r"[*?\[]")
 _SPLIT_SALT = b"attnres-split-v1\0"
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -132,6 +136,11 @@ def load_documents(data: str | os.PathLike | None = None) -> list[Document]:
             )
         root = _glob_root(os.path.expanduser(spec))
         docs = [d for m in matches for d in _load_file(Path(m), _relative_name(m, root))]
+    elif path.exists():  # a FIFO would block forever, a device never ends: only regular files are read
+        raise ValueError(
+            f"data path {spec!r} is a {_file_kind(path)}, not a regular file or directory; pass a text/.jsonl "
+            "file, a directory or a glob"
+        )
     else:
         raise FileNotFoundError(
             f"data path {spec!r} does not exist; pass an existing text/.jsonl file, a directory, a glob, "
@@ -146,7 +155,7 @@ def load_documents(data: str | os.PathLike | None = None) -> list[Document]:
 
 
 def _files_under(root: Path) -> list[Path]:
-    files = []
+    files, skipped = [], []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
         for fname in filenames:
@@ -154,8 +163,28 @@ def _files_under(root: Path) -> list[Path]:
                 continue
             base = _strip_compression(fname.lower())
             if base.endswith(TEXT_SUFFIXES + _JSONL_SUFFIXES):
-                files.append(Path(dirpath) / fname)
+                path = Path(dirpath) / fname
+                if path.is_file():  # a FIFO or device would block or never end: regular files only
+                    files.append(path)
+                else:
+                    skipped.append(f"{path.relative_to(root).as_posix()} ({_file_kind(path)})")
+    if skipped:
+        log.warning("data directory %s: skipped %d entries that are not regular files: %s", root, len(skipped),
+                    ", ".join(sorted(skipped)))
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def _file_kind(path: Path) -> str:
+    """What a path that is not a regular file is, in words."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return "broken link"
+    for test, name in ((stat.S_ISFIFO, "FIFO (named pipe)"), (stat.S_ISCHR, "character device"),
+                       (stat.S_ISBLK, "block device"), (stat.S_ISSOCK, "socket"), (stat.S_ISDIR, "directory")):
+        if test(mode):
+            return name
+    return "special file"
 
 
 def _glob_root(pattern: str) -> str:

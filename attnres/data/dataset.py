@@ -43,6 +43,7 @@ __all__ = [
     "token_dtype",
     "encode_documents",
     "prepare_data",
+    "documents_digest",
     "check_length",
     "batch_seed",
     "sample_batch",
@@ -80,6 +81,7 @@ class TokenData:
     doc_names: list[str] = field(default_factory=list)
     path: Path | None = None
     source: str = ""
+    docs_digest: str = ""  # documents_digest of the documents it encodes
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -110,8 +112,24 @@ class PreparedData(NamedTuple):
     train_names: list[str]
     val_names: list[str]
 
+    @property
+    def data_digest(self) -> str:
+        """SHA-256 of both splits' documents (names and texts): a resumed run checks it to notice
+        changed data."""
+        return hashlib.sha256(f"{self.train.docs_digest}:{self.val.docs_digest}".encode()).hexdigest()
+
 
 # --------------------------------------------------------------------------- encoding and caching
+
+
+def documents_digest(docs: Sequence[Document]) -> str:
+    """SHA-256 of the documents' names and texts, in order: equal digests mean the same data."""
+    h = hashlib.sha256(b"attnres-documents-v1\0")
+    for doc in docs:
+        for part in (doc.name.encode("utf-8"), doc.text.encode("utf-8")):
+            h.update(len(part).to_bytes(8, "little"))
+            h.update(part)
+    return h.hexdigest()
 
 
 def _tokens_cache_key(docs: Sequence[Document], tokenizer: Tokenizer) -> str:
@@ -185,12 +203,13 @@ def encode_documents(
     bin_path = cache / "tokens" / f"{stem}.bin"
     meta_path = cache / "tokens" / f"{stem}.json"
 
-    tokens = _open_cached(bin_path, meta_path, key, dtype)
+    tokens = _open_cached(bin_path, meta_path, key, dtype, tokenizer.vocab_size)
     if tokens is None:
         start = time.perf_counter()
         with atomic_writer(bin_path) as fh:
             n_tokens = _write_tokens(fh, docs, tokenizer, dtype)
         meta = {
+            "sha256": _file_sha256(bin_path),
             "key": key,
             "split": split,
             "tokenizer": tokenizer.name,
@@ -203,30 +222,50 @@ def encode_documents(
         }
         atomic_write_bytes(meta_path, json.dumps(meta, indent=1).encode("utf-8"))
         log.info("encoded %s split: %d tokens in %.1fs -> %s", split, n_tokens, time.perf_counter() - start, bin_path)
-        tokens = _open_cached(bin_path, meta_path, key, dtype)
+        tokens = _open_cached(bin_path, meta_path, key, dtype, tokenizer.vocab_size)
         if tokens is None:
             raise RuntimeError(f"the token cache {bin_path} was written but cannot be read back")
     else:
         log.info("reusing cached %s tokens %s", split, bin_path)
-    return TokenData(split=split, tokens=tokens, n_bytes=n_bytes, doc_names=names, path=bin_path, source=source)
+    return TokenData(split=split, tokens=tokens, n_bytes=n_bytes, doc_names=names, path=bin_path, source=source,
+                     docs_digest=documents_digest(docs))
 
 
-def _open_cached(bin_path: Path, meta_path: Path, key: str, dtype: np.dtype) -> np.ndarray | None:
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _open_cached(bin_path: Path, meta_path: Path, key: str, dtype: np.dtype, vocab_size: int) -> np.ndarray | None:
+    """The cached tokens, or None when there are none or they cannot be trusted: a cache is used
+    only when its size and sha256 match its sidecar and every id is below ``vocab_size`` (a
+    damaged cache is re-encoded, with a warning, instead of feeding out-of-range ids to the model)."""
     if not (bin_path.is_file() and meta_path.is_file()):
         return None
     try:
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
         n_tokens = int(meta["n_tokens"])
-        if meta.get("key") != key or meta.get("dtype") != dtype.name:
-            return None
+        if meta.get("key") != key or meta.get("dtype") != dtype.name or "sha256" not in meta:
+            return None  # another encoding, or written before caches carried a hash
+        problem = None
         if bin_path.stat().st_size != n_tokens * dtype.itemsize:
-            log.warning("token cache %s has the wrong size; re-encoding", bin_path)
-            return None
+            problem = "has the wrong size"
+        elif _file_sha256(bin_path) != meta["sha256"]:
+            problem = "does not match the sha256 recorded beside it"
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    if n_tokens == 0:
+    if problem is None and n_tokens == 0:
         return np.zeros(0, dtype=dtype)  # an empty file cannot be memory-mapped
-    return np.memmap(bin_path, dtype=dtype, mode="r", shape=(n_tokens,))
+    tokens = None if problem else np.memmap(bin_path, dtype=dtype, mode="r", shape=(n_tokens,))
+    if tokens is not None and int(tokens.max()) >= vocab_size:
+        problem = f"holds ids >= the vocabulary size {vocab_size}"
+        tokens = None
+    if problem:
+        log.warning("token cache %s %s; re-encoding it", bin_path, problem)
+    return tokens
 
 
 def prepare_data(

@@ -10,6 +10,11 @@ They go to ``probes.json`` so that reports never need a checkpoint:
 - ``depth_weights`` / ``depth_sources``: the mean depth-weight matrix (AttnRes
   schemes; None otherwise), rows = consumers (sublayers, then the final
   aggregation), columns = sources;
+- ``routing``: how sharply each consumer routes over depth
+  (``attnres.analysis.depth.routing_sharpness``: per consumer the mean over tokens
+  (and heads) of the largest depth weight and of the weights' entropy, and the
+  number of sources K_l); None for schemes without depth weights. Runs finished
+  before this probe existed have no such key;
 - ``mixing``: the depth mixing matrix M of *any* scheme (paper Figure 9), defined
   as the per-token least-squares coefficients expressing each sublayer input h_l
   (and the input of the final norm, last row) as a combination of the sources
@@ -119,7 +124,7 @@ def mixing_matrix(model, x: torch.Tensor, max_tokens: int = MIXING_TOKENS) -> di
 
 def run_probes(model, val, *, seq_len: int) -> dict:
     """All probes on the first validation window(s); the model is left in eval mode."""
-    from attnres.analysis.depth import depth_weight_matrix, source_labels
+    from attnres.analysis.depth import depth_weight_matrix, routing_sharpness, source_labels
     from attnres.data import eval_batches
 
     device = next(model.parameters()).device
@@ -137,6 +142,7 @@ def run_probes(model, val, *, seq_len: int) -> dict:
         "block_grad_norm": g["block_grad_norm"], "output_grad_rms": g["output_grad_rms"],
         "depth_weights": _nan_to_none(weights),
         "depth_sources": source_labels(record) if weights is not None else None,
+        "routing": routing_sharpness(record),
         "mixing": _nan_to_none(mix["mixing"]), "mixing_r2": mix["mixing_r2"],
         "mixing_tokens": mix["mixing_tokens"], "mixing_underdetermined": mix["mixing_underdetermined"],
     }

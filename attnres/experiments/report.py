@@ -466,9 +466,12 @@ def _block_size(rep: Report) -> None:
                 None)
     ref_full = col.losses(**{axis: full}) if full else {}
     rows, S_pts, means, stds, paper = [], [], [], [], {}
+    uneven = [l for l in labels if _planned_model(col, axis, l).attnres_block_sizes is not None]
     for l in labels:
         m = _planned_model(col, axis, l)
         losses = col.losses(**{axis: l})
+        if l in uneven:
+            continue  # not one S: compared with the uniform row of the same N below
         if m.residual in ("block", "full"):
             S, N = m.block_size, m.num_blocks
             pt = col.point(axis, l)
@@ -494,6 +497,8 @@ def _block_size(rep: Report) -> None:
             "baseline 1.766.", "",
             md_table(["variant", "S", "N", "max sources", "paper loss", "our loss", f"Δ vs {base} (paired)",
                       f"Δ vs {full} (paired)"], rows, "lrrrrrll"), "")
+    if uneven:
+        _uneven_blocks(rep, axis, labels, uneven, base)
     base_mean = mean_std(ref.values())[0]
     paper_base = col.point(axis, base).paper_loss if col.point(axis, base) else None
     if S_pts:
@@ -503,6 +508,33 @@ def _block_size(rep: Report) -> None:
                    lambda p: figures.block_size_plot(np.array(S_pts)[order], np.array(means)[order],
                                                      np.array(stds)[order], base_mean, paper, paper_base, p,
                                                      col.spec.name))
+
+
+def _uneven_blocks(rep: Report, axis: str, labels: List[str], uneven: List[str], base: str) -> None:
+    """Uneven (e.g. learned) depth blocks against the equal blocks with the same N (issue 18)."""
+    col = rep.col
+    uniform = {}  # N -> the label of a Block row with equal blocks and N blocks
+    for l in labels:
+        m = _planned_model(col, axis, l)
+        if l not in uneven and m.residual == "block":
+            uniform.setdefault(m.num_blocks, l)
+    ref = col.losses(**{axis: base})
+    rows = []
+    for l in uneven:
+        m = _planned_model(col, axis, l)
+        losses = col.losses(**{axis: l})
+        same_n = uniform.get(m.num_blocks)
+        rows.append([l, str(list(m.attnres_block_sizes)), str(m.num_blocks),
+                     "—" if same_n is None else f"{same_n} ({_planned_model(col, axis, same_n).block_size} each)",
+                     fmt_mean_std(list(losses.values())),
+                     "—" if same_n is None else rep.paired_cell(losses, col.losses(**{axis: same_n})),
+                     rep.paired_cell(losses, ref)])
+    rep.add("## Uneven depth blocks against equal ones", "",
+            "Block AttnRes with the depth-block sizes given (`attnres_block_sizes`, in sublayers; the "
+            "learned rows come from `attnres placement` on the Full AttnRes runs, command in the spec) "
+            "against the equal blocks with the same N, paired over seeds.", "",
+            md_table(["variant", "block sizes", "N", "equal blocks, same N", "our loss",
+                      "Δ vs equal blocks (paired)", f"Δ vs {base} (paired)"], rows, "lllllll"), "")
 
 
 def _planned_model(col: Collected, axis: str, label: str):
@@ -663,6 +695,8 @@ def _dynamics(rep: Report) -> None:
                           "mean weight on most recent", "rows where most recent is largest",
                           "width pre-attention", "width pre-MLP"], heat_rows), "")
 
+    _routing_sharpness(rep, schemes)
+
     mats, notes, r2_rows = {}, {}, []
     for s in schemes:
         done = [r for r in col.select(scheme=s) if r.done and r.probes and r.probes.get("mixing")]
@@ -685,6 +719,60 @@ def _dynamics(rep: Report) -> None:
         rep.figure("mixing_matrices.png", "Figure 9 analogue: depth mixing matrix M of each scheme "
                    "(own colour scale per panel).",
                    lambda p: figures.matrices_plot(mats, p, col.spec.name, notes))
+
+
+# Schemes whose streams report depth weights (the routing probe reads them); every other scheme's
+# mixing is in the Figure 9 matrices.
+DEPTH_ROUTED = ("full", "block", "gated")
+
+# "Delta Attention Residuals" (2026), at 1B parameters, as summarised in issue 18: the largest depth
+# weight is about 0.6 when the sources are sublayer outputs ("deltas", the paper's sources) and about
+# 0.2 when they are accumulated hidden states.
+FOLLOW_UP_MAX_WEIGHT = {"outputs": "≈ 0.6", "states": "≈ 0.2"}
+
+
+def _routing_sharpness(rep: Report, schemes: List[str]) -> None:
+    """Routing sharpness (issue 18): per scheme, the mean over consumers reading >= 2 sources of the
+    largest depth weight and of the entropy / log K (the ``routing`` probe), beside uniform routing and
+    the follow-up paper's values."""
+    col = rep.col
+    rows = []
+    for s in schemes:
+        runs = col.select(scheme=s)
+        model = _model_of(col, scheme=s)
+        if not runs or model is None or model.get("residual") not in DEPTH_ROUTED:
+            continue
+        sources = model.get("attnres_sources", "outputs") if model["residual"] != "gated" else "outputs"
+        paper = FOLLOW_UP_MAX_WEIGHT[sources] if model["residual"] != "gated" else "—"
+        what = f"{model['residual']}, {sources}"
+        done = [r for r in runs if r.done and r.probes]
+        measured = [r.probes["routing"] for r in done if r.probes.get("routing")]
+        if not measured:
+            state = ("not yet run" if not done else
+                     "not measured: its runs finished before the routing probe existed")
+            rows.append([s, what, "0", state, "", "", "", paper])
+            continue
+        maxes, widths, uniform = [], [], []
+        for probe in measured:
+            keep = [l for l, k in enumerate(probe["n_sources"]) if k >= 2]
+            maxes.append(float(np.mean([probe["max_weight"][l] for l in keep])))
+            widths.append(float(np.mean([probe["entropy"][l] / math.log(probe["n_sources"][l]) for l in keep])))
+            uniform.append(float(np.mean([1 / probe["n_sources"][l] for l in keep])))
+        rows.append([s, what, str(len(measured)), fmt_mean_std(maxes, 3), f"{np.mean(uniform):.3f}",
+                     f"{np.mean(maxes) / np.mean(uniform):.2f}", fmt_mean_std(widths, 3), paper])
+    if not rows:
+        return
+    rep.add("## Routing sharpness (issue 18)", "",
+            "Per consumer (every sublayer and the final aggregation that reads at least 2 sources), on one "
+            "validation batch of the final model: the largest depth weight of a token (of a token and head "
+            "for multi-head schemes), averaged over tokens, then over consumers; *width* = the weights' "
+            "entropy / log K (1 = uniform over the K sources, 0 = one source). Uniform routing would give "
+            "the mean of 1/K shown beside it. The follow-up paper (\"Delta Attention Residuals\", 2026, "
+            "1B parameters, as summarised in issue 18) reports a largest weight of about 0.6 with output "
+            "sources and about 0.2 with state sources; its models are larger and deeper, so compare "
+            "the ratio between our output- and state-sourced rows rather than the absolute values.", "",
+            md_table(["scheme", "residual, sources", "seeds", "mean largest weight", "uniform would give",
+                      "largest / uniform", "width", "follow-up paper, largest weight"], rows, "llrlrrll"), "")
 
 
 def _depth_weight_stats(scheme: str, M: np.ndarray, seeds: int) -> List[str]:

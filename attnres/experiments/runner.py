@@ -21,22 +21,19 @@ another process holds.
 from __future__ import annotations
 
 import copy
-import errno
 import fnmatch
 import json
 import os
 import shutil
-import sys
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Optional
+from typing import Callable, Dict, List, Optional
 
 from attnres.checkpoint import STATE_FILE
 from attnres.experiments.env import git_commit, machine
 from attnres.experiments.spec import ExperimentSpec, PlannedRun, expand, hash_payload, payload_compatible
-from attnres.files import CHECKPOINT_DIR, METRICS_FILE, SUMMARY_FILE, atomic_write_json, read_json
+from attnres.files import CHECKPOINT_DIR, METRICS_FILE, SUMMARY_FILE, atomic_write_json, exclusive_lock, read_json, this_command
 from attnres.train.trainer import TrainingInterrupted
 
 # inside the repository: finished runs (everything but checkpoints and the tokenizer, see .gitignore)
@@ -229,35 +226,11 @@ def _measured_speed_factor(statuses: List[RunStatus]) -> Optional[float]:
 # ----------------------------------------------------------------------------- execution
 
 
-@contextmanager
-def config_lock(runs_root, hash_: str) -> Iterator[Optional[str]]:
-    """Hold the lock of one config hash (every experiment's copy of it). Yields None when this process
-    holds it, else who does ("pid N: command"), and then this process must leave the run alone."""
-    try:
-        import fcntl
-    except ImportError:  # no flock (Windows): one process at a time, as before
-        yield None
-        return
-    d = Path(runs_root) / LOCK_DIR
-    d.mkdir(parents=True, exist_ok=True)
-    with open(d / hash_, "a+") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            if e.errno not in (errno.EWOULDBLOCK, errno.EACCES):
-                raise
-            f.seek(0)
-            yield f.read().strip() or "another process"
-            return
-        try:
-            f.seek(0)
-            f.truncate()
-            f.write(f"pid {os.getpid()}: {_command()}\n")
-            f.flush()
-            yield None
-        finally:
-            f.truncate(0)
-            fcntl.flock(f, fcntl.LOCK_UN)
+def config_lock(runs_root, hash_: str):
+    """Hold the lock of one config hash (every experiment's copy of it): a context that yields None
+    when this process holds it, else who does ("pid N: command"), and then this process must leave
+    the run alone."""
+    return exclusive_lock(Path(runs_root) / LOCK_DIR / hash_, holder=_command())
 
 
 def lock_holder(runs_root, hash_: str) -> Optional[str]:
@@ -301,10 +274,7 @@ def write_manifest(spec: ExperimentSpec, statuses: List[RunStatus], runs_root) -
 
 def _command() -> str:
     """The command line of this process (the CLI passes its own reconstruction instead)."""
-    argv = list(sys.argv)
-    if argv and Path(argv[0]).name in ("attnres", "__main__.py"):
-        return "attnres " + " ".join(argv[1:])
-    return " ".join(argv)
+    return this_command()
 
 
 def _record_invocation(run_dir: Path, spec: ExperimentSpec, run: PlannedRun, entry: dict) -> None:

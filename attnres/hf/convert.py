@@ -7,25 +7,27 @@ RMSNorm removes the 1/K_l:
 
     RMSNorm(S / K) = g * S / sqrt(mean(S^2) + K^2 eps)
 
-so the converted model equals the original except that each norm's eps is
-effectively multiplied by K_l^2 (the final norm likewise sees the mean of all
-N + 1 block sums). The relative change of a normalised vector is about
-(K^2 - 1) eps / (2 mean(S^2)): negligible once the residual stream has grown
-(mean(S^2) >> K^2 eps), visible in the first sublayers of a model whose
-embeddings are small, and zero for the first sublayer (K = 1). Everything
-else (weights, RoPE, GQA, SwiGLU, tied head) maps one to one.
+so with the same eps the converted model would equal the original except that
+each norm's eps is effectively multiplied by K_l^2 (the final norm likewise sees
+the mean of all N + 1 block sums). Conversion therefore turns on
+``attnres_scale_norm_eps`` (docs/method.md §3): each depth-mixed norm uses
+eps / K_l^2, which cancels that factor, and the converted model computes the
+source model's logits to floating-point rounding (`attnres convert` checks it on a
+sample batch unless told not to).
+Everything else (weights, RoPE, GQA, SwiGLU, tied head) maps one to one.
 
 What AttnResLM cannot express is rejected with a :class:`ConversionError`
 naming the feature and the config field, never silently approximated.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, Iterator, Mapping, Optional, Tuple
 
 import torch
 
@@ -65,6 +67,30 @@ class ConversionError(ValueError):
 # ----------------------------------------------------------------------------- source access
 
 
+@contextlib.contextmanager
+def reading_model(src) -> Iterator[None]:
+    """Failures while reading the model in directory ``src`` (no weights, truncated safetensors, bad
+    config values) become one ConversionError naming the directory and its weight files."""
+    try:
+        yield
+    except ConversionError:
+        raise
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
+        raise _load_error(Path(src), e) from e
+    except Exception as e:  # safetensors' SafetensorError derives from Exception only
+        if type(e).__name__ != "SafetensorError":
+            raise
+        raise _load_error(Path(src), e) from e
+
+
+def _load_error(src: Path, e: Exception) -> ConversionError:
+    weights = sorted(p.name for p in src.glob("*.safetensors")) + sorted(p.name for p in src.glob("*.bin"))
+    files = ", ".join(weights) if weights else "no *.safetensors or *.bin weight files"
+    detail = " ".join(str(e).split())[:300].rstrip(".")
+    return ConversionError(f"cannot load the model in {src} ({files}): {type(e).__name__}: {detail}. Fix: copy "
+                           "the complete model directory (config.json and every weight file) again")
+
+
 def _read_safetensors_dir(path: Path) -> Optional[Dict[str, torch.Tensor]]:
     """Every tensor of a (possibly sharded) safetensors checkpoint, or None if there is none."""
     from safetensors.torch import load_file
@@ -92,12 +118,13 @@ def _load_source(model_or_dir, copy_weights: bool) -> Tuple[Any, Dict[str, torch
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(str(path), local_files_only=True)
-        tensors = _read_safetensors_dir(path)
-        if tensors is None:  # e.g. pytorch_model.bin: let transformers read it
-            from transformers import AutoModelForCausalLM
+        with reading_model(path):
+            tensors = _read_safetensors_dir(path)
+            if tensors is None:  # e.g. pytorch_model.bin: let transformers read it
+                from transformers import AutoModelForCausalLM
 
-            model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True)
-            tensors = dict(model.state_dict())
+                model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True)
+                tensors = dict(model.state_dict())
         return config, tensors
     config = getattr(model_or_dir, "config", None)
     if config is None or not hasattr(model_or_dir, "state_dict"):

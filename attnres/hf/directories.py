@@ -30,7 +30,7 @@ from attnres.checkpoint import STATE_FILE, load_model
 from attnres.files import CHECKPOINT_DIR, TOKENIZER_FILE
 from attnres.hf.configuration import AttnResConfig
 from attnres.hf.convert import (ConversionError, conversion_error, convert_to_attnres, copy_tokenizer_files,
-                                hf_tokenizer)
+                                hf_tokenizer, reading_model)
 from attnres.hf.modeling import AttnResForCausalLM, hf_to_native
 
 SOURCE_KINDS = ("native", "attnres", "kimi_linear", "pretrained")
@@ -49,11 +49,18 @@ def source_kind(path) -> str:
     if (path / STATE_FILE).is_file() or (path / CHECKPOINT_DIR / STATE_FILE).is_file():
         return "native"
     if (path / HF_CONFIG_FILE).is_file():
-        data = json.loads((path / HF_CONFIG_FILE).read_text())
-        if data.get("model_type") == AttnResConfig.model_type:
+        try:
+            config = json.loads((path / HF_CONFIG_FILE).read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ConversionError(f"{path / HF_CONFIG_FILE} is not valid JSON ({e}); restore the model "
+                                  "directory's config.json") from None
+        if not isinstance(config, dict):
+            raise ConversionError(f"{path / HF_CONFIG_FILE} holds a JSON {type(config).__name__}, not an "
+                                  "object; restore the model directory's config.json")
+        if config.get("model_type") == AttnResConfig.model_type:
             return "attnres"
-        text = data.get("text_config") or {}
-        return "kimi_linear" if "kimi_linear" in (data.get("model_type"), text.get("model_type")) else "pretrained"
+        text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+        return "kimi_linear" if "kimi_linear" in (config.get("model_type"), text.get("model_type")) else "pretrained"
     raise ConversionError(f"{path} is neither a Hugging Face model directory ({HF_CONFIG_FILE}) nor a run or "
                           f"checkpoint directory of attnres train ({STATE_FILE})")
 
@@ -71,8 +78,10 @@ def _check_request(src: Path, out: Path, kind: str, to: str, retrofit: Dict[str,
         raise ConversionError(f"--to {to}: choose one of {', '.join(OUTPUT_FORMATS)}")
     if (kind, to) in (("native", "native"), ("attnres", "hf")):
         raise ConversionError(f"{src} is already in the {to} format; pick --to {'hf' if to == 'native' else 'native'}")
-    if to == "hf" and out.exists() and any(out.iterdir()) and not force:
-        raise ConversionError(f"{out} exists and is not empty; pass --force to write into it")
+    # the same rule for both formats: a native output may be a run's training checkpoint
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
+        raise ConversionError(f"{out} exists and is not empty; pass --force to write into it, or choose "
+                              "another output directory")
 
 
 def convert_directory(source, out, *, to: Optional[str] = None, retrofit: Optional[Dict[str, Any]] = None,
@@ -106,10 +115,12 @@ def convert_directory(source, out, *, to: Optional[str] = None, retrofit: Option
     elif kind == "attnres":
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(str(src), local_files_only=True,
-                                                     **({} if dtype is None else {"dtype": dtype}))
+        with reading_model(src):
+            model = AutoModelForCausalLM.from_pretrained(str(src), local_files_only=True,
+                                                         **({} if dtype is None else {"dtype": dtype}))
     elif kind == "kimi_linear":
-        model = _convert_kimi_linear(src, retrofit, dtype, verify, log)
+        with reading_model(src):
+            model = _convert_kimi_linear(src, retrofit, dtype, verify, log)
     else:
         model = _retrofit(src, retrofit, dtype, verify, log)
 
@@ -147,7 +158,8 @@ def _retrofit(src: Path, retrofit: Dict[str, Any], dtype, verify: bool, log) -> 
     retrofit.setdefault("residual", DEFAULT_RETROFIT_RESIDUAL)
     if verify:
         load_kw = {"local_files_only": True, **({} if dtype is None else {"dtype": dtype})}
-        pretrained = AutoModelForCausalLM.from_pretrained(str(src), **load_kw).eval()
+        with reading_model(src):
+            pretrained = AutoModelForCausalLM.from_pretrained(str(src), **load_kw).eval()
         model = convert_to_attnres(pretrained, copy_weights=False, **retrofit)
         err = conversion_error(pretrained, model)
         log(f"max |logit difference| source vs AttnRes on random tokens: {err:.3g} "

@@ -9,6 +9,7 @@ step re-prefills that window.
 """
 from __future__ import annotations
 
+import math
 from typing import Iterator, Optional
 
 import torch
@@ -31,15 +32,39 @@ def filter_logits(logits: torch.Tensor, top_k: Optional[int] = None,
     return logits
 
 
-@torch.no_grad()
+def check_sampling(max_new_tokens: int, temperature: float = 1.0, top_k: Optional[int] = None,
+                   top_p: Optional[float] = None) -> None:
+    """The sampling options, checked before anything is generated (or printed): a ValueError naming
+    the option, its value and what is valid. None for top_k / top_p means no filtering."""
+    def is_int(v):
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    if not is_int(max_new_tokens) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} is invalid: must be a non-negative integer")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
+            or not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature={temperature!r} is invalid: must be a finite number >= 0 (0 = greedy)")
+    if top_k is not None and (not is_int(top_k) or top_k < 1):
+        raise ValueError(f"top_k={top_k!r} is invalid: must be a positive integer (or unset for no top-k)")
+    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float))
+                              or not 0 < top_p <= 1):
+        raise ValueError(f"top_p={top_p!r} is invalid: must be in (0, 1] (or unset for no nucleus filter)")
+
+
 def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
              top_k: Optional[int] = None, top_p: Optional[float] = None,
              seed: Optional[int] = None, use_cache: bool = True) -> Iterator[int]:
-    """Yield new token ids one at a time (batch of one). temperature 0 = greedy."""
+    """Yield new token ids one at a time (batch of one). temperature 0 = greedy. The arguments are
+    checked when it is called, before the first token is asked for."""
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"generate takes one prompt [1, T]; got shape {tuple(input_ids.shape)}")
-    if temperature < 0:
-        raise ValueError(f"temperature={temperature} must be >= 0 (0 = greedy)")
+    check_sampling(max_new_tokens, temperature, top_k, top_p)
+    return _generate(model, input_ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                     seed=seed, use_cache=use_cache)
+
+
+@torch.no_grad()
+def _generate(model, input_ids, max_new_tokens, *, temperature, top_k, top_p, seed, use_cache) -> Iterator[int]:
     model.eval()
     device = next(model.parameters()).device
     gen = torch.Generator(device=device)
@@ -48,7 +73,7 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, temperature
     limit = model.config.max_seq_len
     cache = model.make_cache(1) if use_cache else None
     pending = ids[:, -limit:]  # tokens the model has not seen yet
-    for _ in range(max_new_tokens):
+    for position in range(max_new_tokens):
         if cache is None:
             logits = model(ids[:, -limit:])[:, -1]
         else:
@@ -57,10 +82,16 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, temperature
                 pending = ids[:, -limit:]
             logits = model(pending, cache=cache)[:, -1]
         logits = logits.float()
+        if not torch.isfinite(logits).all():
+            raise ValueError(f"the model's logits are not finite at new token {position}: its weights are "
+                             "broken (a diverged checkpoint?); sample from another checkpoint")
         if temperature == 0:
             nxt = logits.argmax(-1, keepdim=True)
         else:
-            probs = torch.softmax(filter_logits(logits / temperature, top_k, top_p), dim=-1)
+            # shifted so the largest is 0 before dividing: a tiny temperature then sends the others
+            # to -inf instead of overflowing every logit to inf (and softmax to NaN)
+            scaled = (logits - logits.max(-1, keepdim=True).values) / temperature
+            probs = torch.softmax(filter_logits(scaled, top_k, top_p), dim=-1)
             nxt = torch.multinomial(probs, 1, generator=gen)
         ids = torch.cat([ids, nxt], dim=1)
         pending = nxt
@@ -71,12 +102,17 @@ def stream_text(model, tokenizer, prompt: str, max_new_tokens: int, *, stop: Opt
                 **sampling) -> Iterator[str]:
     """Generate from a text prompt and yield the new text piece by piece as it decodes (a character
     split over several tokens appears once complete). With ``stop``, the text ends right after its
-    first occurrence. ``sampling``: temperature, top_k, top_p, seed (see :func:`generate`)."""
+    first occurrence. ``sampling``: temperature, top_k, top_p, seed (see :func:`generate`). The
+    prompt and the options are checked when it is called, before anything is yielded."""
     ids = tokenizer.encode(prompt)
     if not ids:
         raise ValueError(f"the prompt {prompt!r} encodes to no tokens; give a non-empty prompt")
+    return _stream_text(tokenizer, generate(model, torch.tensor([ids]), max_new_tokens, **sampling), stop)
+
+
+def _stream_text(tokenizer, tokens: Iterator[int], stop: Optional[str]) -> Iterator[str]:
     new_ids, text = [], ""
-    for token in generate(model, torch.tensor([ids]), max_new_tokens, **sampling):
+    for token in tokens:
         new_ids.append(token)
         decoded = tokenizer.decode(new_ids)
         if stop and stop in decoded:

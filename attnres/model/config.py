@@ -3,13 +3,50 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import typing
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional, Sequence, Union
 
 from attnres.model.backbones import BACKBONES, validate_backbone
 from attnres.residual import RESIDUALS, validate_scheme
 from attnres.residual.options import bad_option as _bad
 from attnres.residual.options import is_positive_int as _positive_int
+
+
+_TYPE_NAMES = {int: "an integer", float: "a finite number", str: "a string", bool: "True or False"}
+
+
+def _has_type(value, kind) -> bool:
+    if kind is bool:
+        return isinstance(value, bool)
+    if isinstance(value, bool):  # bools are ints to Python, not to a config
+        return False
+    if kind is int:
+        return isinstance(value, int)
+    if kind is float:
+        return isinstance(value, (int, float)) and math.isfinite(value)
+    return isinstance(value, kind)
+
+
+def check_field_types(config) -> None:
+    """Every field of the dataclass ``config`` holds a value of its annotated type (int, float, str,
+    bool, or Optional of one; floats finite), before anything is derived from it: a wrong type is a
+    one-line ValueError naming the field, never a TypeError from the arithmetic that would follow.
+    Fields of other types are left to the config's own checks."""
+    hints = typing.get_type_hints(type(config))
+    for f in dataclasses.fields(config):
+        value, kind = getattr(config, f.name), hints[f.name]
+        optional = False
+        if typing.get_origin(kind) is Union:
+            args = [a for a in typing.get_args(kind) if a is not type(None)]
+            optional = len(args) < len(typing.get_args(kind))
+            if len(args) != 1:
+                continue
+            kind = args[0]
+        if kind not in _TYPE_NAMES or (optional and value is None) or _has_type(value, kind):
+            continue
+        raise ValueError(f"{type(config).__name__}.{f.name}={value!r} is invalid: must be {_TYPE_NAMES[kind]}"
+                         + (" or None" if optional else ""))
 
 
 @dataclass
@@ -45,15 +82,22 @@ class ModelConfig:
     Residual options (docs/method.md §3-5):
     - ``residual``: a name from ``attnres.residual.RESIDUALS``
       ("prenorm", "full", "block", and the rival schemes "rezero",
-      "layerscale", "highway", "denseformer", "mudd", "hyper", "mhc").
+      "layerscale", "highway", "denseformer", "mudd", "hyper", "mhc", "gated").
     - ``attnres_blocks`` (N) or ``attnres_block_size`` (S, in sublayers) for
       "block". Give at most one. With neither, S is the smallest even size
       that yields at most 8 depth blocks (boundaries before attention, the
       paper's default). With N, S = ceil(L / N) and the last block is shorter
       when L is not divisible; an N that no such S can produce is an error.
+    - ``attnres_block_sizes``: explicit, possibly uneven, depth blocks for
+      "block": a list of sizes in sublayers that sums to L (instead of N or S).
     - ``attnres_weights``: "pseudo_query" (the method), "input_query"
-      (q_l = W_l h from the most recent source, W zero-init), or "scalar"
-      (input-independent mixing: a learned logit per (sublayer, source)).
+      (q_l = W_l h from the most recent source, W zero-init), "low_rank_query"
+      (q_l = w_l + U_l V_l h, h the most recent completed source, rank
+      ``attnres_query_rank``, U zero-init), or "scalar" (input-independent
+      mixing: a learned logit per (sublayer, source)).
+    - ``attnres_sources``: "outputs" (the paper: sublayer outputs / their block
+      sums) or "states" (running residual sums at block boundaries; not from
+      the paper, docs/method.md §5).
     - ``attnres_kernel``: "softmax" or "sigmoid".
     - ``attnres_key_norm``: RMSNorm on the keys (on by default).
     - ``attnres_heads``: per-head channel groups with their own weights.
@@ -91,6 +135,7 @@ class ModelConfig:
     - ``hyper_streams`` (n, default 4) and ``hyper_dynamic`` (default True:
       DHC; False: static SHC) for Hyper-Connections.
     - ``mhc_streams`` (n, default 4) and ``mhc_sinkhorn_iters`` (default 20).
+    - ``gated_heads`` (H, default 8): heads of the "gated" rival's depth attention.
     """
 
     backbone: str = "llama"
@@ -117,6 +162,9 @@ class ModelConfig:
     attnres_group_size: Optional[int] = None
     attnres_scale_norm_eps: bool = False
     attnres_impl: str = "two_phase"
+    attnres_sources: str = "outputs"
+    attnres_block_sizes: Optional[Sequence[int]] = None
+    attnres_query_rank: Optional[int] = None
 
     layerscale_init: Optional[float] = None
     highway_rank: Optional[int] = None
@@ -126,6 +174,7 @@ class ModelConfig:
     hyper_dynamic: bool = True
     mhc_streams: int = 4
     mhc_sinkhorn_iters: int = 20
+    gated_heads: int = 8
 
     kimi_layer_pattern: str = "KKKM"
     kda_heads: Optional[int] = None
@@ -148,7 +197,7 @@ class ModelConfig:
     def __post_init__(self):
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
-        if self.d_ff is None:
+        if self.d_ff is None and _positive_int(self.d_model):  # else validate() names d_model
             # SwiGLU with ~8/3 * d hidden units, rounded up to a multiple of 32
             self.d_ff = 32 * math.ceil(8 * self.d_model / 3 / 32)
         self.validate()
@@ -168,9 +217,15 @@ class ModelConfig:
         return BACKBONES[self.backbone].rope_dim(self)
 
     @property
+    def block_sizes(self) -> List[int]:
+        """Sublayers of each depth block, in order ("full": all 1; schemes without depth blocks: [L])."""
+        return RESIDUALS[self.residual].block_sizes(self)
+
+    @property
     def block_size(self) -> int:
-        """S: sublayers per depth block ("full" is S = 1; schemes without depth blocks: L)."""
-        return RESIDUALS[self.residual].block_size(self)
+        """S: sublayers per depth block ("full" is S = 1; schemes without depth blocks: L); with
+        uneven blocks (``attnres_block_sizes``) the largest."""
+        return max(self.block_sizes)
 
     @property
     def group_size(self) -> int:
@@ -179,13 +234,14 @@ class ModelConfig:
 
     @property
     def num_blocks(self) -> int:
-        """N: depth blocks, the last one possibly shorter."""
-        return math.ceil(self.n_sublayers / self.block_size)
+        """N: depth blocks (equal ones with the last possibly shorter, or ``attnres_block_sizes``)."""
+        return len(self.block_sizes)
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
         """The decoder's own fields here; the backbone and the residual scheme, each with its options,
-        by their registries."""
+        by their registries; last, every field's type (the checks above give the more specific
+        messages first)."""
         positive = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len")
         for name in positive:
             value = getattr(self, name)
@@ -199,6 +255,7 @@ class ModelConfig:
             raise _bad("tie_embeddings", self.tie_embeddings, "must be True or False")
         validate_backbone(self)
         validate_scheme(self)
+        check_field_types(self)
 
     # ------------------------------------------------------------------ (de)serialisation
     def to_dict(self) -> dict:

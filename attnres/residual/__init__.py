@@ -14,18 +14,20 @@ entry here.
 - prenorm.py: the PreNorm baseline; attnres.py: Full and Block AttnRes;
 - scaled.py: single-state rivals (ReZero, LayerScale, Highway);
 - dense.py: cross-layer rivals over block outputs (DenseFormer, MUDD);
-- hyper.py: multi-stream rivals (Hyper-Connections, mHC).
+- hyper.py: multi-stream rivals (Hyper-Connections, mHC);
+- gated.py: the gated multi-head depth attention of popular write-ups (a rival, not AttnRes).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Mapping, Union
+from typing import Callable, Dict, List, Mapping, Optional, Union
 
-from attnres.residual.attnres import (BLOCK_OPTIONS, FULL_OPTIONS, DepthAttentionResidual, block_size,
+from attnres.residual.attnres import (BLOCK_OPTIONS, FULL_OPTIONS, DepthAttentionResidual, block_sizes,
                                       group_size, source_plan)
 from attnres.residual.base import ResidualScheme, Stream, StreamOps
 from attnres.residual.dense import (DENSEFORMER_OPTIONS, DenseFormerResidual, MUDDResidual, denseformer_params,
                                     denseformer_state, mudd_params)
+from attnres.residual.gated import GATED_OPTIONS, GatedDepthAttentionResidual, check_gated, gated_params
 from attnres.residual.hyper import (HYPER_OPTIONS, MHC_OPTIONS, HyperConnectionResidual,
                                     ManifoldHyperConnectionResidual, hyper_params, mhc_params, sinkhorn)
 from attnres.residual.observe import DepthRecord, DepthRecorder, IOCounter, StreamObserver, observing
@@ -38,17 +40,19 @@ from attnres.residual.scaled import (HIGHWAY_OPTIONS, LAYERSCALE_OPTIONS, Highwa
 def _attnres_params(config) -> int:
     """Parameters added by Full/Block AttnRes: per sublayer and for the final aggregation.
 
-    pseudo_query: d (query) + d (key-norm weight)          -> 2d each, 2d(L + 1) in all
-    input_query:  d*d (query projection) + d (key norm)    -> (d^2 + d)(L + 1)
-    scalar:       one logit per source read, no key norm   -> sum over l of K_l
+    pseudo_query:   d (query) + d (key-norm weight)             -> 2d each, 2d(L + 1) in all
+    input_query:    d*d (query projection) + d (key norm)       -> (d^2 + d)(L + 1)
+    low_rank_query: d + 2rd (w, U: d x r, V: r x d) + d         -> (2d + 2rd)(L + 1)
+    scalar:         one logit per source read, no key norm      -> sum over l of K_l
     Without key norm the d of the key-norm weight drops.
     """
     d, n_q = config.d_model, config.n_sublayers + 1
     if config.attnres_weights == "scalar":
-        scheme_plan = source_plan(config.n_sublayers, config.block_size)
+        scheme_plan = source_plan(config.n_sublayers, config.block_sizes)
         w = config.attnres_window
         return sum((1 + min(w, c - 1)) if w is not None else c + int(p) for c, p in scheme_plan)
-    per = d if config.attnres_weights == "pseudo_query" else d * d
+    per = {"pseudo_query": d, "input_query": d * d,
+           "low_rank_query": d + 2 * d * (config.attnres_query_rank or 0)}[config.attnres_weights]
     if config.attnres_key_norm:
         per += d
     return per * n_q
@@ -64,8 +68,8 @@ def _no_state(config) -> int:
     return 0
 
 
-def _one_block(config) -> int:
-    return config.n_sublayers
+def _one_block(config) -> List[int]:
+    return [config.n_sublayers]
 
 
 def _no_groups(config) -> int:
@@ -85,8 +89,10 @@ class SchemeInfo:
     source / block output).
     ``options``: the ModelConfig fields this scheme reads, each with its check
     (``attnres.residual.options``); ModelConfig validates through them.
-    ``block_size(config)`` / ``group_size(config)``: S, the sublayers per depth block (L for
-    schemes without blocks), and G, the sublayers sharing one Phase-1 pass (1 without).
+    ``block_sizes(config)`` / ``group_size(config)``: the sublayers of each depth block, in order
+    ([L] for schemes without blocks), and G, the sublayers sharing one Phase-1 pass (1 without).
+    ``check(config)``: a check of the whole config for this scheme, beyond its set options (which
+    are checked one by one); raises the ValueError of ``bad_option``.
     """
 
     name: str
@@ -97,8 +103,9 @@ class SchemeInfo:
     extra_params: Callable
     depth_state: Callable = _no_state
     options: Mapping[str, Option] = field(default_factory=dict)
-    block_size: Callable = _one_block
+    block_sizes: Callable = _one_block
     group_size: Callable = _no_groups
+    check: Optional[Callable] = None
 
     def weight_type_of(self, config) -> str:
         return self.weight_type(config) if callable(self.weight_type) else self.weight_type
@@ -114,13 +121,13 @@ RESIDUALS: Dict[str, SchemeInfo] = {
         "full", DepthAttentionResidual,
         "Full AttnRes: softmax attention over the embedding and every earlier sublayer output",
         "dynamic", "cross-layer", _attnres_params, _full_state, FULL_OPTIONS,
-        block_size=lambda config: 1, group_size=group_size,
+        block_sizes=lambda config: [1] * config.n_sublayers, group_size=group_size,
     ),
     "block": SchemeInfo(
         "block", DepthAttentionResidual,
         "Block AttnRes: attention over N depth-block sums plus the running partial sum",
         "dynamic", "cross-layer", _attnres_params, lambda config: config.num_blocks + 1, BLOCK_OPTIONS,
-        block_size=block_size,
+        block_sizes=block_sizes,
     ),
     "rezero": SchemeInfo(
         "rezero", ReZeroResidual,
@@ -160,6 +167,14 @@ RESIDUALS: Dict[str, SchemeInfo] = {
         "mHC: hyper-connections with sigmoid read/write and a Sinkhorn doubly stochastic mixer",
         "dynamic", "multi-stream", mhc_params, lambda config: config.mhc_streams, MHC_OPTIONS,
     ),
+    "gated": SchemeInfo(
+        "gated", GatedDepthAttentionResidual,
+        "gated multi-head depth attention as popular write-ups present AttnRes (not the paper's): "
+        "h = g x + (1 - g) softmax(q k / sqrt(d_h)) v over the embedding and sublayer outputs, "
+        "q/k/v projections, g = 0.5 at init",
+        "dynamic", "cross-layer", gated_params, lambda config: config.n_sublayers + 1, GATED_OPTIONS,
+        check=check_gated,
+    ),
 }
 
 
@@ -173,6 +188,9 @@ def validate_scheme(config) -> None:
     if config.residual not in RESIDUALS:
         raise bad_option("residual", config.residual, f"choose one of {sorted(RESIDUALS)}")
     check_scheme_options(config, RESIDUALS)
+    info = RESIDUALS[config.residual]
+    if info.check is not None:
+        info.check(config)
 
 
 def build_residual(config) -> ResidualScheme:
@@ -180,7 +198,8 @@ def build_residual(config) -> ResidualScheme:
 
 
 __all__ = [
-    "DenseFormerResidual", "DepthAttentionResidual", "DepthRecord", "DepthRecorder", "HighwayResidual",
+    "DenseFormerResidual", "DepthAttentionResidual", "DepthRecord", "DepthRecorder", "GatedDepthAttentionResidual",
+    "HighwayResidual",
     "HyperConnectionResidual", "IOCounter", "LayerScaleResidual", "MUDDResidual",
     "ManifoldHyperConnectionResidual", "Option", "PreNormResidual", "RESIDUALS", "ReZeroResidual",
     "ResidualScheme", "SchemeInfo", "Stream", "StreamObserver", "StreamOps", "build_residual",

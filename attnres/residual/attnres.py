@@ -19,26 +19,39 @@ Three implementations (``ModelConfig.attnres_impl``), equal to rounding:
 - ``two_phase`` (default): docs/method.md §6 in training too. At a depth block's first
   sublayer one Phase-1 op attends all S pseudo-queries of the block to the
   completed blocks at once (its backward also runs once per block); each
-  sublayer then merges the partial sum by online softmax. Needs input-independent
-  queries over every completed source, so input-dependent queries and windows use
+  sublayer then merges the partial sum by online softmax. Needs queries known when
+  the block starts: pseudo-queries, and low-rank queries (whose input is the
+  block's input; ``attnres.ops.token_queries``) in Block AttnRes. Full-rank
+  input-dependent queries, low-rank queries in Full AttnRes and windows use
   ``fused``; scalar mixing (no query at all) is a plain weighted sum under any impl.
 - ``fused``: one custom-autograd depth attention per sublayer over buffer views.
 - ``reference``: plain autograd over a stacked source list.
+
+Sources (``attnres_sources``): "outputs" (the paper: block sums of sublayer
+outputs) or "states" (running residual sums at block boundaries; method.md §5,
+not from the paper). A states stream is the outputs stream whose partial sum
+starts from the last completed state instead of from nothing, so every
+implementation serves both.
+
+Depth blocks may be uneven (``attnres_block_sizes``): the geometry lives in
+``source_plan`` alone, which every path reads.
 """
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
 
 from attnres.ops.depth_attention import depth_attention_reference
+from attnres.ops.token_queries import low_rank_queries
 from attnres.ops.two_phase import inverse_rms
 from attnres.residual.base import ResidualScheme, Stream
 from attnres.residual.options import Option, boolean, is_positive_int, one_of, positive_int
 
-WEIGHTS = ("pseudo_query", "input_query", "scalar")
+WEIGHTS = ("pseudo_query", "input_query", "low_rank_query", "scalar")
+SOURCES = ("outputs", "states")
 KERNELS = ("softmax", "sigmoid")
 IMPLS = ("two_phase", "fused", "reference")
 DEFAULT_TARGET_BLOCKS = 8  # the paper's N ≈ 8
@@ -51,6 +64,8 @@ def block_size(config) -> int:
     """S for Block AttnRes: ``attnres_block_size``, else ceil(L / ``attnres_blocks``), else the
     smallest even S giving at most 8 depth blocks (boundaries before attention, the paper's default)."""
     L = config.n_sublayers
+    if config.attnres_block_sizes is not None:
+        return max(config.attnres_block_sizes)
     if config.attnres_block_size is not None:
         return config.attnres_block_size
     if config.attnres_blocks is not None:
@@ -59,6 +74,20 @@ def block_size(config) -> int:
     while math.ceil(L / s) > DEFAULT_TARGET_BLOCKS:
         s += 2
     return min(s, L)
+
+
+def equal_block_sizes(n_sublayers: int, size: int) -> List[int]:
+    """Blocks of ``size`` sublayers, the last one shorter when ``size`` does not divide L."""
+    full, rest = divmod(n_sublayers, size)
+    return [size] * full + ([rest] if rest else [])
+
+
+def block_sizes(config) -> List[int]:
+    """Sublayers per depth block, in order: ``attnres_block_sizes``, else equal blocks of S
+    (``block_size``) with the last one shorter."""
+    if config.attnres_block_sizes is not None:
+        return list(config.attnres_block_sizes)
+    return equal_block_sizes(config.n_sublayers, block_size(config))
 
 
 def group_size(config) -> int:
@@ -81,10 +110,39 @@ def _heads(value, config):
     return None
 
 
+def _weights(value, config):
+    if value not in WEIGHTS:
+        return f"choose one of {WEIGHTS}"
+    if value == "low_rank_query" and config.attnres_query_rank is None:
+        return f"needs attnres_query_rank=r, the rank of the input-dependent term (1 <= r < d_model={config.d_model})"
+    return None
+
+
+def _query_rank(r, config):
+    if config.attnres_weights != "low_rank_query":
+        return (f"applies to attnres_weights='low_rank_query' only (attnres_weights={config.attnres_weights!r}); "
+                "drop it or set attnres_weights='low_rank_query'")
+    if not is_positive_int(r) or r >= config.d_model:
+        return (f"must be an integer in [1, {config.d_model - 1}] (below d_model={config.d_model}); "
+                "use attnres_weights='input_query' for a full-rank query")
+    return None
+
+
+def _sources(value, config):
+    if value not in SOURCES:
+        return f"choose one of {SOURCES}"
+    if value == "states" and config.attnres_scale_norm_eps:
+        return ("states-sourced AttnRes reads a weighted mix of running sums at init, not a multiple of the "
+                "PreNorm sum, so attnres_scale_norm_eps cannot make it exact; drop attnres_scale_norm_eps")
+    return None
+
+
 def _blocks(n, config):
     L = config.n_sublayers
     if config.attnres_block_size is not None:
         return "give either attnres_blocks (N) or attnres_block_size (S), not both"
+    if config.attnres_block_sizes is not None:
+        return "give either attnres_blocks (N) or attnres_block_sizes (the sizes themselves), not both"
     if not is_positive_int(n):
         return "must be a positive integer"
     if n > L:
@@ -92,7 +150,8 @@ def _blocks(n, config):
     s = math.ceil(L / n)
     if math.ceil(L / s) != n:
         return (f"cannot split L={L} sublayers into {n} blocks of {s} with only the last one shorter; "
-                f"set attnres_block_size instead (S={s} gives {math.ceil(L / s)} blocks)")
+                f"set attnres_block_size instead (S={s} gives {math.ceil(L / s)} blocks), or list the sizes "
+                f"in attnres_block_sizes")
     return None
 
 
@@ -102,13 +161,28 @@ def _block_size(s, config):
         return "must be an integer >= 1 (sublayers per block)"
     if s > L:
         return f"exceeds the number of sublayers L={L}; use at most {L}"
+    if config.attnres_block_sizes is not None:
+        return "give either attnres_block_size (S) or attnres_block_sizes (the sizes themselves), not both"
+    return None
+
+
+def _block_sizes(sizes, config):
+    L = config.n_sublayers
+    if (not isinstance(sizes, (list, tuple)) or not sizes
+            or not all(is_positive_int(s) for s in sizes)):
+        return "must be a non-empty list of positive integers (sublayers per depth block, in order)"
+    if sum(sizes) != L:
+        return (f"sums to {sum(sizes)}, not to the L={L} sublayers (2 * n_layers); "
+                f"make the sizes add up to {L}")
     return None
 
 
 # read by Full and Block AttnRes; the first five are ignored by every other scheme (so one
 # --set attnres_kernel=sigmoid can apply to a whole prenorm/block/full comparison)
 SHARED_OPTIONS = {
-    "attnres_weights": Option(one_of(*WEIGHTS), exclusive=False),
+    "attnres_weights": Option(_weights, exclusive=False),
+    "attnres_query_rank": Option(_query_rank, exclusive=False),
+    "attnres_sources": Option(_sources, exclusive=False),
     "attnres_kernel": Option(one_of(*KERNELS), exclusive=False),
     "attnres_key_norm": Option(boolean, exclusive=False),
     "attnres_heads": Option(_heads, exclusive=False),
@@ -124,19 +198,29 @@ BLOCK_OPTIONS = {
     **SHARED_OPTIONS,
     "attnres_blocks": Option(_blocks),
     "attnres_block_size": Option(_block_size),
+    "attnres_block_sizes": Option(_block_sizes),
 }
 
 
-def source_plan(n_sublayers: int, block_size: int) -> List[Tuple[int, bool]]:
+def source_plan(n_sublayers: int, block_size: Union[int, Sequence[int]]) -> List[Tuple[int, bool]]:
     """For each sublayer l (and the final aggregation at index L): (completed sources, has partial).
 
+    ``block_size``: S (equal blocks, the last one shorter) or the list of block sizes.
     Completed sources count b_0 (the embedding) and every finished depth block.
     """
+    sizes = equal_block_sizes(n_sublayers, block_size) if isinstance(block_size, int) else list(block_size)
+    if sum(sizes) != n_sublayers:
+        raise ValueError(f"block sizes {sizes} do not add up to the {n_sublayers} sublayers")
+    closes = set()
+    end = 0
+    for size in sizes:
+        end += size
+        closes.add(end - 1)  # a block closes after its last sublayer
     plan, complete, partial = [], 1, False
     for l in range(n_sublayers):
         plan.append((complete, partial))
         partial = True
-        if (l + 1) % block_size == 0 or l == n_sublayers - 1:
+        if l in closes:
             complete, partial = complete + 1, False
     plan.append((complete, False))
     return plan
@@ -149,7 +233,8 @@ class DepthAttentionResidual(ResidualScheme):
         super().__init__()
         d, L = config.d_model, config.n_sublayers
         self.d_model, self.n_sublayers = d, L
-        self.block_size = config.block_size
+        self.block_size = config.block_size  # the largest block (uneven blocks: see block_sizes)
+        self.block_sizes = config.block_sizes
         self.num_blocks = config.num_blocks
         self.heads = config.attnres_heads
         self.weights_kind = config.attnres_weights
@@ -159,7 +244,8 @@ class DepthAttentionResidual(ResidualScheme):
         self.eps = config.norm_eps
         self.impl = config.attnres_impl
         self.scale_norm_eps = config.attnres_scale_norm_eps
-        self.plan = source_plan(L, self.block_size)
+        self.states = config.attnres_sources == "states"
+        self.plan = source_plan(L, self.block_sizes)
         # the first sublayer of each sublayer's depth block (the final aggregation is its own block)
         self.block_start = []
         for l, (_, partial) in enumerate(self.plan):
@@ -176,6 +262,13 @@ class DepthAttentionResidual(ResidualScheme):
             self.queries = nn.Parameter(torch.zeros(n_q, d))
         elif self.weights_kind == "input_query":
             self.query_proj = nn.ParameterList([nn.Parameter(torch.zeros(d, d)) for _ in range(n_q)])
+        elif self.weights_kind == "low_rank_query":
+            # q_l = w_l + U_l V_l h: U zero-initialised (q = w = 0 at step 0, uniform weights as for
+            # pseudo-queries), V random so that U receives gradient from the first step
+            r = config.attnres_query_rank
+            self.queries = nn.Parameter(torch.zeros(n_q, d))
+            self.query_up = nn.Parameter(torch.zeros(n_q, d, r))
+            self.query_down = nn.Parameter(torch.randn(n_q, r, d) / math.sqrt(d))
         else:  # scalar: one learned logit per (sublayer, source)
             self.mix_logits = nn.ParameterList(
                 [nn.Parameter(torch.zeros(self.num_sources(l))) for l in range(n_q)]
@@ -219,14 +312,20 @@ class DepthAttentionStream(Stream):
         self.sources: List[Tensor] = [embedding]
         self.partial: Optional[Tensor] = None
         self.fused = scheme.impl in ("fused", "two_phase") and scheme.weights_kind != "scalar"
-        self.two_phase = (scheme.impl == "two_phase" and scheme.weights_kind == "pseudo_query"
-                          and scheme.window is None)
+        # low-rank queries join Phase 1 per depth block (their input is the block's input); Full
+        # AttnRes has one sublayer per block and nothing to batch, so it runs the fused op
+        self.two_phase = (scheme.impl == "two_phase" and scheme.window is None
+                          and (scheme.weights_kind == "pseudo_query"
+                               or (scheme.weights_kind == "low_rank_query" and scheme.block_size > 1)))
+        self.token_queries = scheme.weights_kind == "low_rank_query"
         self.buffer = self.inv_rms = None
-        self._phase1 = None  # (block start, S tensors h1 [B, T, D], lse [B, T, S, H]) of the current block
+        # (block start, S tensors h1 [B, T, D], lse [B, T, S, H], per-token queries or None) of the
+        # current block
+        self._phase1 = None
         if self.fused:
             b, t, d = embedding.shape
             self.buffer = embedding.new_empty(b, t, scheme.num_blocks + 1, d)
-            if self.two_phase and scheme.key_norm:
+            if self.two_phase and scheme.key_norm and not self.token_queries:
                 self.inv_rms = embedding.new_empty(b, t, scheme.num_blocks + 1,
                                                    dtype=torch.float64 if embedding.dtype == torch.float64
                                                    else torch.float32)
@@ -266,6 +365,11 @@ class DepthAttentionStream(Stream):
         if s.weights_kind == "pseudo_query":
             q = s.queries[l]
             return q.view(s.heads, -1) if s.heads > 1 else q
+        if s.weights_kind == "low_rank_query":
+            # the most recent completed source: the same for every sublayer of a depth block
+            q = low_rank_queries(s.queries[l:l + 1], s.query_up[l:l + 1], s.query_down[l:l + 1],
+                                 self.sources[-1])[:, :, 0]
+            return q.unflatten(-1, (s.heads, -1)) if s.heads > 1 else q
         # input-dependent: project the stream's most recent state
         recent = self.partial if self.partial is not None else self.sources[-1]
         q = recent @ s.query_proj[l].to(recent.dtype).t()
@@ -283,15 +387,23 @@ class DepthAttentionStream(Stream):
             stop = start + 1
             while stop < len(s.plan) and s.group_start[stop] == start:
                 stop += 1
-            queries = s.queries[start:stop]
-            if s.heads > 1:
-                queries = queries.view(stop - start, s.heads, -1)
             key_weights = s.key_norm_weight[start:stop] if s.key_norm else None
-            inv = self.inv_rms[:, :, :n] if self.inv_rms is not None else None
-            h1, lse = self.ops.phase1(self.buffer[:, :, :n], inv, queries, key_weights,
-                                      self.sources[:n], kernel=s.kernel)
-            self._phase1 = (start, h1, lse)
-        _, h1, lse = self._phase1
+            if self.token_queries:  # all S queries of the block at once, from the block's input
+                queries = low_rank_queries(s.queries[start:stop], s.query_up[start:stop],
+                                           s.query_down[start:stop], self.sources[n - 1])
+                if s.heads > 1:
+                    queries = queries.unflatten(-1, (s.heads, -1))
+                h1, lse = self.ops.phase1_token(self.sources[:n], queries, key_weights, eps=s.eps,
+                                                kernel=s.kernel)
+            else:
+                queries = s.queries[start:stop]
+                if s.heads > 1:
+                    queries = queries.view(stop - start, s.heads, -1)
+                inv = self.inv_rms[:, :, :n] if self.inv_rms is not None else None
+                h1, lse = self.ops.phase1(self.buffer[:, :, :n], inv, queries, key_weights,
+                                          self.sources[:n], kernel=s.kernel)
+            self._phase1 = (start, h1, lse, queries if self.token_queries else None)
+        _, h1, lse, token_queries = self._phase1
         i = l - start
         h, lse = h1[i], lse[:, :, i]
         m = s.plan[l][0]
@@ -306,6 +418,9 @@ class DepthAttentionStream(Stream):
             h, lse = self.ops.merge(h, lse, h2, lse2[:, :, 0], s.kernel)
         if self.partial is None:
             return h.to(self.sources[0].dtype)
+        if token_queries is not None:
+            return self.ops.merge_partial_token(h, lse, self.partial, token_queries[:, :, i], self._key_weight(l),
+                                                s.eps, s.kernel)
         return self.ops.merge_partial(h, lse, self.partial, s.queries[l], self._key_weight(l), s.eps,
                                       s.kernel)
 
@@ -352,7 +467,12 @@ class DepthAttentionStream(Stream):
         return self._aggregate(l)
 
     def _write(self, l: int, f: Tensor) -> None:
-        self.partial = f if self.partial is None else self.ops.accumulate(self.partial, f)
+        if self.partial is not None:
+            self.partial = self.ops.accumulate(self.partial, f)
+        elif self.scheme.states:  # a running sum of the whole stream: it continues from the last state
+            self.partial = self.ops.accumulate(self.sources[-1], f)
+        else:
+            self.partial = f
         complete, _ = self.scheme.plan[l + 1]
         if complete > len(self.sources):  # the depth block just closed
             if self.buffer is not None:
@@ -368,10 +488,12 @@ class DepthAttentionStream(Stream):
 
     def depth_weights(self, l: int):
         s = self.scheme
-        names = [("emb" if i == 0 else (f"v{i}" if s.block_size == 1 else f"b{i}"))
-                 for a, b in self._source_rows(l) for i in range(a, b)]
+        # outputs: v_i (Full) / b_i (Block); states: s_i, the running sum after i sublayers (Full) /
+        # sb_i, after i depth blocks (Block); "~": the running sum inside the current block
+        prefix = ("s" if s.block_size == 1 else "sb") if s.states else ("v" if s.block_size == 1 else "b")
+        names = [("emb" if i == 0 else f"{prefix}{i}") for a, b in self._source_rows(l) for i in range(a, b)]
         if self.partial is not None:
-            names.append(f"b{len(self.sources)}~")
+            names.append(f"{prefix}{len(self.sources)}~")
         with torch.no_grad():
             if s.weights_kind == "scalar":
                 b, t, _ = self.sources[0].shape

@@ -37,6 +37,8 @@ import torch
 from torch import Tensor, nn
 
 from attnres.ops.depth_attention import depth_attention_reference, fused_depth_attention
+from attnres.ops.gated_depth_attention import gated_depth_attention
+from attnres.ops.token_queries import merge_partial_token, phase1_token_queries
 from attnres.ops.two_phase import merge_outputs, merge_partial, phase1_outputs
 
 
@@ -61,6 +63,9 @@ class StreamOps:
     merge_partial: Callable = merge_partial
     attend: Callable = fused_depth_attention
     attend_reference: Callable = depth_attention_reference
+    phase1_token: Callable = phase1_token_queries  # Phase 1 / 2 with per-token (low-rank) queries
+    merge_partial_token: Callable = merge_partial_token
+    gated: Callable = gated_depth_attention  # the gated multi-head rival (attnres.residual.gated)
 
 
 PLAIN_OPS = StreamOps()

@@ -18,6 +18,9 @@ write and before the end. Two ship with the library:
   merge (two outputs)     2                                    1
   merge_partial           2 (the Phase-1 output, the partial)  1
   attend (one query)      every source it reads                1
+  phase1_token            the n completed sources, once        one output per query (S)
+  merge_partial_token     2 (the Phase-1 output, the partial)  1
+  gated                   the current state and every source   1
   ======================  ===================================  =========================
 
   Counts land on the sublayer being read or written (index L: the final aggregation).
@@ -110,6 +113,9 @@ IO_RULES: Dict[str, Callable[..., Tuple[int, int]]] = {
     "merge_partial": lambda *args, **kw: (2, 1),
     "attend": lambda segments, producers, *rest, **kw: (len(producers), 1),
     "attend_reference": lambda sources, *rest, **kw: (sources.shape[0], 1),
+    "phase1_token": lambda sources, queries, *rest, **kw: (len(sources), queries.shape[2]),
+    "merge_partial_token": lambda *args, **kw: (2, 1),
+    "gated": lambda current, sources, *rest, **kw: (1 + len(sources), 1),
 }
 
 

@@ -1,13 +1,14 @@
 """TrainConfig, named presets, and building a run's two configs from presets, files and flags."""
 from __future__ import annotations
 
+import ast
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
 from attnres.files import parse_toml
-from attnres.model.config import ModelConfig
+from attnres.model.config import ModelConfig, check_field_types
 
 PRECISIONS = ("fp32", "bf16")
 # how a run is spread over processes: not what it computes (checkpoints move between layouts)
@@ -65,6 +66,8 @@ class TrainConfig:
         def bad(field, allowed):
             return ValueError(f"TrainConfig.{field}={getattr(self, field)!r} is invalid: {allowed}")
 
+        check_field_types(self)
+
         for name in ("vocab_size", "seq_len", "batch_size", "grad_accum", "steps", "eval_every",
                      "eval_batches", "checkpoint_every"):
             v = getattr(self, name)
@@ -76,10 +79,14 @@ class TrainConfig:
                 raise bad(name, "must be a non-negative integer")
         if self.warmup_steps > self.steps:
             raise bad("warmup_steps", f"must not exceed steps={self.steps}")
-        for name in ("lr", "weight_decay", "grad_clip"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+        for name in ("lr", "muon_lr"):  # a zero rate trains nothing; check_field_types keeps them finite
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                raise bad(name, "must be a positive learning rate, e.g. 3e-3")
+        for name in ("weight_decay", "grad_clip"):
+            if getattr(self, name) < 0:
                 raise bad(name, "must be a non-negative number")
+        if self.threads is not None and self.threads < 1:
+            raise bad("threads", "must be a positive number of CPU threads (or None for PyTorch's default)")
         if not 0 < self.val_fraction < 1:
             raise bad("val_fraction", "must be between 0 and 1 (exclusive)")
         if not 0 <= self.decay_fraction <= 1:
@@ -181,6 +188,20 @@ def preset_model(preset: Optional[str] = None, overrides: Optional[Dict[str, Any
     return ModelConfig(**{**_preset(preset or "demo")["model"], **(overrides or {})})
 
 
+def parse_value(text: str) -> Any:
+    """An option value typed as text (``--set KEY=VALUE``, bench variants ``NAME:FIELD=VALUE``):
+    none/null, true/false (any case), a Python literal, else the text itself."""
+    lowered = text.lower()
+    if lowered in ("none", "null"):
+        return None
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
 def split_overrides(overrides: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, Any]]:
     """Route flat ``key=value`` overrides to ModelConfig or TrainConfig by field name."""
     model_fields = {f.name for f in dataclasses.fields(ModelConfig)}
@@ -204,6 +225,10 @@ def split_overrides(overrides: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str
 def load_toml(path: str) -> Dict[str, Any]:
     """A TOML config: top-level keys, or [model] / [train] tables, plus an optional preset key."""
     p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"config file {path!r} is a directory; pass a .toml file (e.g. {path}/run.toml)")
+    if p.exists() and not p.is_file():
+        raise ValueError(f"config file {path!r} is not a regular file; pass a .toml file")
     if not p.is_file():
         raise FileNotFoundError(f"config file {path!r} does not exist; pass an existing .toml file")
     try:
@@ -233,5 +258,6 @@ def build_configs(preset: Optional[str] = None, overrides: Optional[Dict[str, An
     train_kw.update(t)
     train = TrainConfig(**train_kw)
     model_kw.setdefault("max_seq_len", train.seq_len)
-    model_kw["max_seq_len"] = max(model_kw["max_seq_len"], train.seq_len)
+    if isinstance(model_kw["max_seq_len"], int):  # any other type: ModelConfig names the field
+        model_kw["max_seq_len"] = max(model_kw["max_seq_len"], train.seq_len)
     return ModelConfig(**model_kw), train

@@ -5,9 +5,16 @@ from a generator seeded by (seed, step, micro-step) alone, the learning rate
 is a pure function of the step, and the checkpoint carries optimizer and RNG
 states. The first Ctrl-C finishes the current step, writes a checkpoint and
 exits; a second one stops at once.
+
+Nothing is lost or silently wrong: one trainer at a time writes a run directory, and a run there
+is continued only with ``resume`` and replaced only with ``force`` (``attnres.train.run_dir``); a
+checkpoint is written only from a state whose parameters and next loss are finite, so a diverged
+run keeps its last good checkpoint; a resumed run encodes with its saved tokenizer and refuses
+data that changed since it started; resuming a finished run trains nothing and keeps its summary.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -21,8 +28,11 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from attnres.checkpoint import load_checkpoint, load_model, read_checkpoint_state, resolve_device, save_checkpoint
-from attnres.files import CHECKPOINT_DIR, CONFIG_FILE, SUMMARY_FILE, TOKENIZER_FILE, atomic_write_text
+from attnres.checkpoint import (
+    CheckpointError, find_checkpoint, load_checkpoint, load_model, read_checkpoint_state, resolve_device,
+    save_checkpoint,
+)
+from attnres.files import CHECKPOINT_DIR, CONFIG_FILE, SUMMARY_FILE, TOKENIZER_FILE, atomic_write_text, read_json
 from attnres.model import AttnResLM, ModelConfig
 from attnres.model.llama import lm_loss
 from attnres.parallel.runtime import (
@@ -30,13 +40,18 @@ from attnres.parallel.runtime import (
 )
 from attnres.parallel.state import load_full_model_state, load_named_optimizer_state, named_optimizer_state
 from attnres.train.config import RESUMABLE_CHANGES, TrainConfig
+from attnres.train.memory import check_memory
 from attnres.train.metrics import MetricsLogger
 from attnres.train.optim import build_optimizer
+from attnres.train.run_dir import claim_run_directory
 from attnres.train.schedule import make_schedule, set_lr
 
 
 class TrainingDiverged(RuntimeError):
     """The loss became NaN or infinite."""
+
+
+_DIVERGED_FIX = "Fix: lower --lr, or raise --set warmup_steps=N, or set --set grad_clip=1.0"
 
 
 class TrainingInterrupted(KeyboardInterrupt):
@@ -69,6 +84,7 @@ def evaluate(model, split, *, batch_size: int, seq_len: int, max_batches: Option
     ``loss_of(x, y) -> float`` (mean loss of a batch) replaces ``model(x)`` for parallel runs."""
     from attnres.data import bits_per_byte, eval_batches
 
+    check_max_batches(max_batches)
     device = next(model.parameters()).device
     if loss_of is None:
         def loss_of(x, y):
@@ -89,16 +105,32 @@ def evaluate(model, split, *, batch_size: int, seq_len: int, max_batches: Option
 def evaluate_run(run_or_checkpoint: str, *, data: Optional[str] = None, max_batches: Optional[int] = None,
                  device: str = "cpu") -> dict:
     """Validation loss of a trained run on its own validation split (or on ``data``'s): the
-    checkpoint's step plus :func:`evaluate`'s numbers, with the run's batch shape and tokenizer."""
+    checkpoint's step plus :func:`evaluate`'s numbers, with the run's batch shape and the run's own
+    tokenizer (``tokenizer.json``: a tokenizer trained anew on other data would give other ids)."""
     from attnres.data import prepare_data
 
-    model, _, state = load_model(run_or_checkpoint, device=device)
-    tc = state["train_config"]
-    split = prepare_data(data=data if data else tc["data"], tokenizer=tc["tokenizer"],
+    check_max_batches(max_batches)
+    model, tokenizer, state = load_model(run_or_checkpoint, device=device)
+    tc = state.get("train_config") or {}
+    if not tc:
+        raise CheckpointError(f"{run_or_checkpoint} is a weights-only checkpoint without the run's training "
+                              "config (batch shape, data); evaluate a run directory written by attnres train")
+    if tokenizer is None and tc["tokenizer"] != "byte":
+        raise CheckpointError(f"{run_or_checkpoint} has no {TOKENIZER_FILE}, and a {tc['tokenizer']} tokenizer "
+                              "trained anew would give other token ids; restore the run's tokenizer.json")
+    split = prepare_data(data=data if data else tc["data"], tokenizer=tokenizer or tc["tokenizer"],
                          vocab_size=tc["vocab_size"], val_fraction=tc["val_fraction"],
                          cache_dir=tc.get("cache_dir")).val
     ev = evaluate(model, split, batch_size=tc["batch_size"], seq_len=tc["seq_len"], max_batches=max_batches)
     return {"step": state["step"], **ev}
+
+
+def check_max_batches(max_batches) -> None:
+    """``max_batches``: None (the whole split) or a positive integer."""
+    if max_batches is not None and (isinstance(max_batches, bool) or not isinstance(max_batches, int)
+                                    or max_batches < 1):
+        raise ValueError(f"max_batches={max_batches!r} is invalid: must be a positive number of batches "
+                         "(or None for the whole split)")
 
 
 class _GracefulInterrupt:
@@ -130,11 +162,15 @@ class _GracefulInterrupt:
 
 class Trainer:
     def __init__(self, model_config: ModelConfig, train_config: TrainConfig, *, resume: bool = False,
-                 log: Callable[[str], None] = print):
+                 force: bool = False, log: Callable[[str], None] = print):
+        """``resume``: continue the run in ``train_config.out_dir``; ``force``: delete the run there and
+        start over; with neither, a directory that holds a run is refused. The run directory stays
+        locked to this trainer until :meth:`run` returns (or :meth:`close`)."""
         self.cfg = train_config
         self.resume = resume
         self.log = log
         self.out_dir = Path(train_config.out_dir)
+        self._lock = None
         if train_config.threads:
             torch.set_num_threads(train_config.threads)
         self.device = resolve_device(train_config.device)
@@ -145,11 +181,32 @@ class Trainer:
                 self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
             init_distributed(self.device, c.dist_timeout)
         self.is_main = not dist.is_initialized() or dist.get_rank() == 0
+        if self.is_main:  # one writer: rank 0 owns the run directory
+            self._lock = claim_run_directory(self.out_dir, resume=resume, force=force)
+        try:
+            self._setup(model_config, world)
+        except BaseException:
+            self.close()
+            raise
 
-        from attnres.data import check_length, prepare_data
+    def close(self) -> None:
+        """Release the run directory (:meth:`run` does; for a trainer that is never run)."""
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    def _setup(self, model_config: ModelConfig, world: int) -> None:
+        c = self.cfg
+        saved = self._saved_state() if self.resume else None
+
+        from attnres.data import check_length, load_tokenizer, prepare_data
+
+        tokenizer = c.tokenizer
+        if saved is not None and (self.out_dir / TOKENIZER_FILE).is_file():
+            tokenizer = load_tokenizer(self.out_dir / TOKENIZER_FILE)  # the run's own, never a retrained one
 
         def data():
-            return prepare_data(data=c.data, tokenizer=c.tokenizer, vocab_size=c.vocab_size,
+            return prepare_data(data=c.data, tokenizer=tokenizer, vocab_size=c.vocab_size,
                                 val_fraction=c.val_fraction, cache_dir=c.cache_dir)
 
         if world > 1:  # rank 0 fills the tokenizer and token caches, the others then read them
@@ -160,11 +217,20 @@ class Trainer:
                 self.data = data()
         else:
             self.data = data()
+        if saved is not None:
+            digest = saved.get("train_state", {}).get("data_digest")
+            if digest and digest != self.data.data_digest:
+                where = "the bundled corpus" if c.data is None else repr(c.data)
+                raise ValueError(
+                    f"--resume: the data {where} changed since the run in {self.out_dir} started (digest "
+                    f"{self.data.data_digest[:12]} now, {digest[:12]} in its checkpoint), so resuming would "
+                    "train on other text. Fix: restore the original data, or train a new run (a new --out)")
         check_length(self.data.train, c.seq_len)
         check_length(self.data.val, c.seq_len)
         model_config.vocab_size = self.data.tokenizer.vocab_size
         model_config.validate()
         self.model_config = model_config
+        check_memory(model_config, c, self.device)
 
         torch.manual_seed(c.seed)
         model = AttnResLM(model_config).to(self.device)
@@ -184,9 +250,11 @@ class Trainer:
         self.schedule = make_schedule(c.schedule, total_steps=c.steps, warmup_steps=c.warmup_steps,
                                       **options)
         self.step = 0
+        self.saved_step: Optional[int] = None  # the step of the checkpoint on disk, if any
         self.step_report = {}  # what the model reports after each step (MoE expert loads)
-        self.state = {"tokens": 0, "elapsed": 0.0, "train_loss": float("nan")}
-        if resume:
+        self.state = {"tokens": 0, "elapsed": 0.0, "train_loss": float("nan"),
+                      "data_digest": self.data.data_digest}
+        if self.resume:
             self._resume()
 
     def describe(self) -> str:
@@ -232,12 +300,13 @@ class Trainer:
     def checkpoint_path(self) -> Path:
         return self.out_dir / CHECKPOINT_DIR
 
-    def _resume(self) -> None:
-        path = self.checkpoint_path
-        if not (path / "state.json").exists():
+    def _saved_state(self) -> dict:
+        """The checkpoint's state.json, checked against this run's options (before anything costly)."""
+        path = find_checkpoint(self.out_dir)
+        if path is None:
             raise FileNotFoundError(
-                f"--resume: no checkpoint at {path}; start without --resume or point --out at the run"
-            )
+                f"--resume: no checkpoint in {self.out_dir}; start over with --force (deletes what is there) "
+                "or pass the --out of the run to continue")
         saved = read_checkpoint_state(path)
         diffs = [
             f"{k}: checkpoint={v!r}, now={getattr(self.cfg, k)!r}"
@@ -249,19 +318,34 @@ class Trainer:
                 f"--resume: the training options differ from the checkpoint in {path}: "
                 + "; ".join(diffs) + ". Fix: resume with the run's original options, or start a new run"
             )
+        if saved["step"] > self.cfg.steps:
+            raise ValueError(
+                f"--resume: the run in {self.out_dir} is already at step {saved['step']}, past steps="
+                f"{self.cfg.steps}; pass --steps above {saved['step']} to train it further")
+        return saved
+
+    def _resume(self) -> None:
+        path = find_checkpoint(self.out_dir)
         if self.strategy.distributed:  # load the full checkpoint, keep this rank's part
             model, optimizer = self._full_copy()
             state = load_checkpoint(path, model=model, optimizer=optimizer)
             self.strategy.scatter(model.state_dict(), named_optimizer_state(optimizer), self.optimizer)
         else:
             state = load_checkpoint(path, model=self.model, optimizer=self.optimizer)
-        self.step = state["step"]
+        self.step = self.saved_step = state["step"]
         self.state.update(state["train_state"])
         if self.is_main:
             self.log(f"resumed {self.out_dir} at step {self.step}")
 
     def save(self) -> Path:
-        """Write the checkpoint (in the single-process format; rank 0 writes, all ranks take part)."""
+        """Write the checkpoint (in the single-process format; rank 0 writes, all ranks take part).
+
+        Only a state that can continue is saved: every parameter finite and the loss of the next
+        step's first batch finite (weights can be finite and still give NaN logits). Otherwise the
+        checkpoint on disk is kept and :class:`TrainingDiverged` says which step it holds."""
+        problem = self._unfit_to_save()
+        if problem is not None:
+            raise TrainingDiverged(f"{problem} after step {self.step}; {self._kept()}. {_DIVERGED_FIX}")
         model, optimizer = self.model, self.optimizer
         if self.strategy.distributed:
             gathered = self.strategy.gather(self.optimizer)
@@ -276,7 +360,34 @@ class Trainer:
                 train_config=self.cfg.to_dict(),
             )
         self.strategy.barrier()
+        self.saved_step = self.step
         return self.checkpoint_path
+
+    @torch.no_grad()
+    def _unfit_to_save(self) -> Optional[str]:
+        """None when the current state may be checkpointed, else what is wrong with it (collective)."""
+        from attnres.data import batch_seed, sample_batch
+
+        bad = [n for n, p in self.model.named_parameters() if not torch.isfinite(p).all()]
+        if self.strategy.any_rank(bool(bad)):
+            more = ", ..." if len(bad) > 3 else ""
+            return f"non-finite parameters ({', '.join(bad[:3]) or 'on another rank'}{more})"
+        c = self.cfg
+        x, y = sample_batch(self.data.train.tokens, c.batch_size, c.seq_len, seed=batch_seed(c.seed, self.step, 0))
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            loss = self.strategy.eval_loss(x.to(self.device), y.to(self.device))
+        finally:
+            self.model.train(was_training)
+        if not math.isfinite(loss):
+            return f"the loss of the next batch is {loss}"
+        return None
+
+    def _kept(self) -> str:
+        if self.saved_step is None:
+            return f"no checkpoint was written to {self.checkpoint_path}"
+        return f"the last good checkpoint, step {self.saved_step}, is kept in {self.checkpoint_path}"
 
     # ------------------------------------------------------------------ evaluation
     def _autocast(self):
@@ -302,10 +413,7 @@ class Trainer:
             loss = self.strategy.forward_backward(x.to(self.device), y.to(self.device), 1.0 / c.grad_accum)
             if not math.isfinite(loss):
                 raise TrainingDiverged(
-                    f"loss is {loss} at step {self.step} (micro-batch {micro}); the last good "
-                    f"checkpoint in {self.checkpoint_path} is kept. Fix: lower --lr, raise --warmup_steps "
-                    "or use --grad_clip"
-                )
+                    f"loss is {loss} at step {self.step} (micro-batch {micro}); {self._kept()}. {_DIVERGED_FIX}")
             loss_sum += loss
         self.strategy.reduce_gradients()
         if c.grad_clip > 0:
@@ -318,18 +426,48 @@ class Trainer:
         return loss_sum / c.grad_accum
 
     def run(self) -> TrainResult:
+        """Train up to ``steps`` (checkpoints, metrics, summary); the run directory is released after."""
+        try:
+            if self.step >= self.cfg.steps:
+                return self._already_complete()
+            return self._train()
+        finally:
+            self.close()
+
+    def _already_complete(self) -> TrainResult:
+        """A resumed run that has reached its steps: nothing is trained, its summary stays as it is."""
+        if self.is_main:
+            self.log(f"the run in {self.out_dir} is already complete at step {self.step} (steps={self.cfg.steps}); "
+                     f"nothing to train. Pass --steps above {self.step} to train it further")
+        summary = read_json(self.out_dir / SUMMARY_FILE)
+        names = [f.name for f in dataclasses.fields(TrainResult)]
+        if isinstance(summary, dict) and set(names) <= set(summary):
+            return TrainResult(**{k: summary[k] for k in names})
+        # interrupted between the last checkpoint and the summary: write the summary from the state
+        if "val_loss" not in self.state:
+            self.state.update(self.evaluate())
+        elapsed = self.state["elapsed"]
+        return self._write_summary(TrainResult(
+            steps=self.step, tokens=self.state["tokens"], val_loss=self.state["val_loss"],
+            val_bpb=self.state["val_bpb"], train_loss=self.state["train_loss"], params=self.n_params,
+            wall_seconds=elapsed, step_seconds=elapsed / max(self.step, 1),
+            tokens_per_second=self.state["tokens"] / elapsed if elapsed > 0 else 0.0, out_dir=str(self.out_dir)))
+
+    def _write_summary(self, result: TrainResult) -> TrainResult:
+        if self.is_main:
+            atomic_write_text(self.out_dir / SUMMARY_FILE, json.dumps(result.__dict__, indent=2))
+        return result
+
+    def _train(self) -> TrainResult:
         c = self.cfg
-        if self.is_main:  # one writer: rank 0 owns the run directory
-            if self.out_dir.exists() and not self.out_dir.is_dir():
-                raise ValueError(f"TrainConfig.out_dir={str(self.out_dir)!r} is a file, not a run directory; "
-                                 "pass --out with a directory path")
-            self.out_dir.mkdir(parents=True, exist_ok=True)
-            (self.out_dir / CONFIG_FILE).write_text(json.dumps(
+        if self.is_main:  # one writer: rank 0 owns (and has locked) the run directory
+            atomic_write_text(self.out_dir / CONFIG_FILE, json.dumps(
                 {"model": self.model_config.to_dict(), "train": c.to_dict()}, indent=2))
-            self.data.tokenizer.save(str(self.out_dir / TOKENIZER_FILE))
+            if not (self.resume and (self.out_dir / TOKENIZER_FILE).is_file()):  # a resumed run's stays
+                self.data.tokenizer.save(str(self.out_dir / TOKENIZER_FILE))
         tokens_per_step = c.batch_size * c.seq_len * c.grad_accum
-        metrics = MetricsLogger(self.out_dir, resume_step=self.step if self.resume else None) \
-            if self.is_main else None
+        # from the checkpoint's step (0 for a new run): rows of an interrupted attempt beyond it go
+        metrics = MetricsLogger(self.out_dir, resume_step=self.step) if self.is_main else None
         step_times = []
         bar = None
         if c.progress and self.is_main:
@@ -377,8 +515,6 @@ class Trainer:
             if metrics is not None:
                 metrics.close()
 
-        if "val_loss" not in self.state:  # resumed a finished run
-            self.state.update(self.evaluate())
         median = sorted(step_times)[len(step_times) // 2] if step_times else float("nan")
         result = TrainResult(
             steps=self.step, tokens=self.state["tokens"], val_loss=self.state["val_loss"],
@@ -387,7 +523,5 @@ class Trainer:
             step_seconds=median, tokens_per_second=tokens_per_step / median if step_times else float("nan"),
             out_dir=str(self.out_dir),
         )
-        if self.is_main:
-            atomic_write_text(self.out_dir / SUMMARY_FILE, json.dumps(result.__dict__, indent=2))
-        return result
+        return self._write_summary(result)
 

@@ -45,7 +45,7 @@ def test_run_options_layer_config_file_then_set_then_flags(tmp_path):
 
 def test_the_package_docstring_lists_every_verb():
     verbs = list(_subcommands())
-    assert len(verbs) == len(attnres.cli.VERBS) == 9
+    assert len(verbs) == len(attnres.cli.VERBS) == 10
     for verb in verbs:
         assert f"attnres {verb} " in attnres.cli.__doc__, verb
 

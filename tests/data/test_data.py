@@ -5,7 +5,9 @@ from __future__ import annotations
 import gzip
 import json
 import math
+import os
 import random
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -555,3 +557,41 @@ def test_bits_per_byte():
     assert isinstance(value, torch.Tensor) and float(value) == pytest.approx(0.5)
     with pytest.raises(ValueError, match="positive"):
         bits_per_byte(1.0, 0.0)
+
+
+# --------------------------------------------------------------------------- never hang, never trust a damaged cache
+
+
+def test_a_fifo_in_a_data_directory_is_skipped_and_named(tmp_path, caplog):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.txt").write_text("some text to train on\n" * 20)
+    fifo = data / "pipe.txt"
+    os.mkfifo(fifo)
+    found = []
+    reader = threading.Thread(target=lambda: found.append(load_documents(data)), daemon=True)
+    with caplog.at_level("WARNING"):
+        reader.start()
+        reader.join(timeout=60)
+    if reader.is_alive():  # blocked opening the FIFO: let it go, then fail
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        pytest.fail("load_documents blocked on a FIFO")
+    assert [d.name for d in found[0]] == ["a.txt"]
+    assert "pipe.txt (FIFO (named pipe))" in caplog.text
+
+
+def test_a_corrupted_token_cache_is_re_encoded(tmp_path, caplog):
+    text = tmp_path / "t.txt"
+    text.write_text("hello world, a small text\n" * 50)
+    first = prepare_data(text, tokenizer="byte", cache_dir=tmp_path / "c")
+    expected = [first.train.tokens.copy(), first.val.tokens.copy()]
+    shard = first.train.path
+    del first
+    raw = bytearray(shard.read_bytes())
+    raw[0:4] = b"\xff\xff\x00\x7f"  # ids 65535 and 32512: far outside the byte vocabulary, same size
+    shard.write_bytes(bytes(raw))
+    with caplog.at_level("WARNING"):
+        again = prepare_data(text, tokenizer="byte", cache_dir=tmp_path / "c")
+    assert "re-encoding" in caplog.text
+    assert again.train.tokens.max() < 256
+    assert (again.train.tokens == expected[0]).all() and (again.val.tokens == expected[1]).all()

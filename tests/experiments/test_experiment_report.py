@@ -2,6 +2,7 @@
 import fnmatch
 import re
 import shutil
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -52,6 +53,15 @@ SPECS = {
         label = "highway"
         residual = "highway"
         seeds = [0]
+        [[axis.scheme]]
+        label = "full-states"
+        residual = "full"
+        attnres_sources = "states"
+        seeds = [0]
+        [[axis.scheme]]
+        label = "gated"
+        residual = "gated"
+        seeds = [0]
     """,
     "block-size": """
         [experiment]
@@ -76,6 +86,10 @@ SPECS = {
         label = "S4"
         residual = "block"
         attnres_block_size = 4
+        [[axis.variant]]
+        label = "uneven"
+        residual = "block"
+        attnres_block_sizes = [1, 3]
     """,
     "arena": """
         [experiment]
@@ -222,7 +236,8 @@ def _report(suite, name, monkeypatch):
                  "per-seed fits", "PF-days", "Δ block − prenorm"]),
     ("dynamics", ["Figure 5", "dynamics.png", "depth_weights_full.png", "depth_weights_block.png",
                   "mixing_matrices.png", "| highway | 1 |", "best scalar fit", "Δ gradient CV"]),
-    ("block-size", ["block_size.png", "| S2 | 2 | 2 | 3 |", "Δ vs S1 (paired)"]),
+    ("block-size", ["block_size.png", "| S2 | 2 | 2 | 3 |", "Δ vs S1 (paired)",
+                    "## Uneven depth blocks against equal ones", "| uneven | [1, 3] | 2 | S2 (2 each) |"]),
     ("arena", ["## budget: equal-tokens", "## budget: equal-time", "arena_curves.png", "tokens/s"]),
     ("arch-sweep", ["arch_sweep.png", "| wide | 48 | 1 | 48.0 |", "parabola vertex", "lower mean loss than"]),
 ])
@@ -238,6 +253,53 @@ def test_each_report_kind_from_cached_runs(suite, monkeypatch, name, expected):
     assert re.search(r"runs at commit `([0-9a-f]{40}(\+dirty)?|unknown)`", text)
     assert re.search(r"Wall time of the finished runs: \d+\.\d\d h", text)
     assert "exceeds seed noise when the paired t-statistic" in text
+
+
+def test_routing_sharpness_in_the_dynamics_report(suite, monkeypatch, tmp_path):
+    """Measured rows beside the follow-up paper's values; runs that predate the probe and rows not yet run
+    are marked as such, and the report still builds."""
+    import json
+
+    from attnres.experiments.results import collect
+
+    text, _ = _report(suite, "dynamics", monkeypatch)
+    assert "## Routing sharpness (issue 18)" in text
+    specs, runs, _ = suite
+    col = collect(load_spec("dynamics", specs), runs)
+    for label, what, paper in (("full", "full, outputs", "≈ 0.6"), ("full-states", "full, states", "≈ 0.2"),
+                               ("block", "block, outputs", "≈ 0.6"), ("gated", "gated, outputs", "—")):
+        probes = [r.probes["routing"] for r in col.select(scheme=label) if r.done]
+        keep = [[l for l, k in enumerate(p["n_sources"]) if k >= 2] for p in probes]
+        mean_max = sum(sum(p["max_weight"][l] for l in k) / len(k) for p, k in zip(probes, keep)) / len(probes)
+        row = [line for line in text.splitlines() if line.startswith(f"| {label} | {what} | ")]
+        assert row and row[0].endswith(f" | {paper} |"), label
+        assert f"{mean_max:.3f}" in row[0] and f" | {len(probes)} | " in row[0], (label, row[0])
+    assert not any(line.startswith("| highway | ") and "≈" in line for line in text.splitlines())
+    # runs that finished before the probe existed, and a planned row with no run yet
+    copy = tmp_path / "runs"
+    shutil.copytree(runs, copy)
+    for probes_file in copy.rglob("probes.json"):
+        data = json.loads(probes_file.read_text())
+        if (probes_file.parent / "config.json").exists() and \
+                json.loads((probes_file.parent / "config.json").read_text())["model"]["residual"] == "block":
+            data.pop("routing")
+            probes_file.write_text(json.dumps(data))
+    spec_dir = tmp_path / "specs"
+    spec_dir.mkdir()
+    (spec_dir / "dynamics.toml").write_text((specs / "dynamics.toml").read_text() + textwrap.dedent("""
+        [[axis.scheme]]
+        label = "block-states"
+        residual = "block"
+        attnres_block_size = 2
+        attnres_sources = "states"
+        seeds = [0]
+    """))
+    monkeypatch.setattr(Trainer, "run", lambda self: (_ for _ in ()).throw(AssertionError("must not train")))
+    text = write_report(load_spec("dynamics", spec_dir), copy, tmp_path / "out", command="x").read_text()
+    assert "PARTIAL REPORT" in text
+    assert re.search(r"\| block \| block, outputs \| 0 \| not measured: its runs finished before the routing "
+                     r"probe existed \|", text)
+    assert re.search(r"\| block-states \| block, states \| 0 \| not yet run \|.*\| ≈ 0\.2 \|", text)
 
 
 def test_the_demo_report_is_a_page_of_its_own(suite, monkeypatch):

@@ -86,6 +86,30 @@ def test_save_pretrained_round_trip(tmp_path, tie, residual):
     assert isinstance(AutoConfig.from_pretrained(tmp_path), AttnResConfig)
 
 
+# issue 18: uneven blocks, state sources and low-rank queries are config fields; gated has weights of
+# its own (no queries): all round-trip through config.json and safetensors, and generate through the cache
+VARIANTS_18 = [dict(residual="block", attnres_block_sizes=[1, 4, 1], attnres_sources="states",
+                    attnres_weights="low_rank_query", attnres_query_rank=3),
+               dict(residual="gated", gated_heads=2)]
+
+
+@pytest.mark.parametrize("options", VARIANTS_18, ids=["block-uneven-states-low-rank", "gated"])
+def test_issue_18_variants_round_trip_and_generate(tmp_path, options):
+    torch.manual_seed(0)
+    model = perturbed(AttnResForCausalLM(tiny_config(**options))).eval()
+    model.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert all(saved[k] == v for k, v in options.items())
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert loaded.model.config == model.model.config
+    ids = torch.randint(0, 97, (2, 17))
+    prompt = torch.randint(0, 97, (1, 6))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
+    out = loaded.generate(prompt, max_new_tokens=10, do_sample=False)
+    assert out[0, 6:].tolist() == list(native_generate(model.model, prompt, 10, temperature=0))
+
+
 def test_from_pretrained_dtype_and_missing_residual_parameters(tmp_path):
     from safetensors.torch import load_file, save_file
 

@@ -149,3 +149,36 @@ def test_cli_mistral_with_window(tmp_path, capsys):
     with torch.no_grad():
         err = (compensate_eps(model)(x).logits - mistral.double()(x).logits).abs().max()
     assert err < 3e-7
+
+
+def test_convert_never_replaces_a_training_checkpoint_without_force(tmp_path, capsys):
+    run, _ = native_run(tmp_path)
+    assert main(["convert", str(run), str(tmp_path / "hf")]) == 0
+    state = (run / "checkpoint" / "state.json").read_text()
+    capsys.readouterr()
+    assert main(["convert", str(tmp_path / "hf"), str(run / "checkpoint")]) == 2
+    assert "not empty; pass --force" in capsys.readouterr().err
+    assert (run / "checkpoint" / "state.json").read_text() == state
+    assert main(["convert", str(tmp_path / "hf"), str(run / "checkpoint"), "--force"]) == 0
+
+
+def test_convert_names_the_file_it_cannot_read(tmp_path, capsys):
+    config_only = tmp_path / "config-only"
+    tiny_source("llama").config.save_pretrained(config_only)
+    not_json = tmp_path / "not-json"
+    not_json.mkdir()
+    (not_json / "config.json").write_text("{model_type: llama")
+    run, _ = native_run(tmp_path)
+    assert main(["convert", str(run), str(tmp_path / "hf")]) == 0
+    truncated = tmp_path / "hf"
+    weights = truncated / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:4000])
+    capsys.readouterr()
+    for source, message in [(config_only, "no *.safetensors or *.bin weight files"),
+                            (not_json, f"{not_json / 'config.json'} is not valid JSON"),
+                            (truncated, "(model.safetensors): SafetensorError")]:
+        for extra in ([], ["--no-verify"]):
+            assert main(["convert", str(source), str(tmp_path / "out"), *extra]) == 2
+            err = capsys.readouterr().err
+            assert message in err and str(source) in err and "Traceback" not in err, err
+            assert len(err.strip().splitlines()) == 2, err

@@ -6,6 +6,7 @@ import signal
 from pathlib import Path
 
 import pytest
+import torch
 
 from corpora import write_pseudo_english
 
@@ -76,9 +77,9 @@ def test_nan_loss_stops_with_the_step_and_keeps_the_last_checkpoint(corpus, tmp_
     calls = {"n": 0}
 
     def poisoned(logits, targets):
-        calls["n"] += 1
+        calls["n"] += torch.is_grad_enabled()  # training steps only, not the checks before a checkpoint
         loss = real(logits, targets)
-        return loss * float("nan") if calls["n"] == 25 else loss
+        return loss * float("nan") if calls["n"] == 25 and torch.is_grad_enabled() else loss
 
     monkeypatch.setattr(runtime_mod, "lm_loss", poisoned)
     model_cfg, train_cfg = configs(corpus, tmp_path / "run", eval_every=100)

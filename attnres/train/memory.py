@@ -1,0 +1,74 @@
+"""A rough, deliberately low estimate of a training step's memory, checked before anything is allocated.
+
+A batch that cannot fit should be refused in one line that says what would fit, not found out by an
+allocator error many gigabytes in. The estimate counts what a step cannot avoid holding (fp32
+weights, gradients and the optimizer's two moments; per token the sublayers' saved inputs, the
+attention scores and the logits with their softmax and gradient) and nothing it might avoid, so it
+errs low: it refuses only batches that clearly do not fit.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from attnres.model import ModelConfig
+
+__all__ = ["available_memory", "estimate_step_memory", "check_memory"]
+
+_GIB = 1 << 30
+_FLOAT = 4  # bytes of an fp32 value
+
+
+def _fixed_and_per_token(model: ModelConfig, seq_len: int) -> tuple[int, int]:
+    d, ff, layers = model.d_model, model.d_ff, model.n_layers
+    per_layer = 4 * d * d + 3 * d * ff  # attention and SwiGLU projections (GQA only shrinks K, V)
+    params = layers * per_layer + model.vocab_size * d * (1 if model.tie_embeddings else 2)
+    fixed = 4 * params * _FLOAT  # weights, gradients, two optimizer moments
+    per_token = _FLOAT * (layers * (8 * d + 2 * ff + model.n_heads * seq_len) + 3 * model.vocab_size)
+    return fixed, per_token
+
+
+def estimate_step_memory(model: ModelConfig, batch_size: int, seq_len: int) -> int:
+    """Bytes one optimizer step holds at least (a low estimate; see the module docstring)."""
+    fixed, per_token = _fixed_and_per_token(model, seq_len)
+    return fixed + batch_size * seq_len * per_token
+
+
+def available_memory(device: torch.device) -> Optional[int]:
+    """Free bytes on ``device``: CUDA's free memory, or the kernel's MemAvailable for the CPU; None
+    where that cannot be read."""
+    try:
+        if device.type == "cuda":
+            return int(torch.cuda.mem_get_info(device)[0])
+        if device.type == "cpu":
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+    except (OSError, RuntimeError, ValueError):
+        pass
+    return None
+
+
+def check_memory(model: ModelConfig, train, device: torch.device, available: Optional[int] = None) -> None:
+    """Refuse a single-pipeline-stage run whose step clearly does not fit on ``device`` (ValueError
+    naming batch_size, the estimate and the largest batch size that fits). ``train`` is a TrainConfig;
+    its batch is split over ``dp`` ranks. Pipeline runs (``pp > 1``) spread the model and are not checked."""
+    if train.pp > 1:
+        return
+    available = available_memory(device) if available is None else available
+    if available is None:
+        return
+    rank_batch = math.ceil(train.batch_size / train.dp)
+    need = estimate_step_memory(model, rank_batch, train.seq_len)
+    if need <= available:
+        return
+    fixed, per_token = _fixed_and_per_token(model, train.seq_len)
+    fits = max(0, (available - fixed) // (per_token * train.seq_len)) * train.dp
+    advice = (f"batch_size <= {fits} fits (use grad_accum for a larger effective batch)" if fits >= 1
+              else "not even batch_size=1 fits: use a smaller model or seq_len")
+    raise ValueError(
+        f"TrainConfig.batch_size={train.batch_size} needs about {need / _GIB:,.1f} GiB for one training step "
+        f"(a low estimate) but {available / _GIB:,.1f} GiB is free on {device}; {advice}")

@@ -1,0 +1,364 @@
+"""Nothing lost, nothing silently wrong: the README's Reliability guarantees, one regression test per
+case of an adversarial probe (issue 19), on tiny runs through the command line (seconds each). The
+library-level cases sit beside their modules: FIFOs and corrupt token caches in tests/data, the
+memory estimate in tests/train/test_memory.py, convert's in tests/hf/test_native.py."""
+import dataclasses
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from corpora import write_pseudo_english
+from safetensors.torch import load_file
+
+import attnres.cli
+from attnres.checkpoint import load_model
+from attnres.cli import main
+from attnres.data import load_tokenizer, prepare_data
+from attnres.inference.sampling import generate
+from attnres.model import ModelConfig
+from attnres.train.config import TrainConfig, build_configs
+from attnres.train.trainer import Trainer, evaluate
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_pseudo_english(tmp_path_factory.mktemp("corpus"), works=6, words_per_work=1500)
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("ATTNRES_CACHE", str(tmp_path / "cache"))
+
+
+def cli(*argv):
+    return main([str(a) for a in argv])
+
+
+def train(corpus, out, *flags, steps=4):
+    return cli("train", "--preset", "tiny", "--data", corpus, "--out", out, "--steps", steps,
+               "--set", "warmup_steps=1", "--set", "threads=1", "--no-progress", *flags)
+
+
+def one_line_error(err, verb="train"):
+    lines = err.strip().splitlines()
+    assert lines[0].startswith(f"attnres {verb}: error: ") and "Traceback" not in err, err
+    assert lines[1:] == ["(set ATTNRES_DEBUG=1 for the full traceback)"], err
+    return lines[0]
+
+
+def train_rows(out):
+    rows = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines() if line]
+    return [r for r in rows if r["kind"] == "train"]
+
+
+def strict_json(path):
+    def refuse(constant):
+        raise ValueError(f"{path} holds {constant}, which is not JSON")
+
+    return json.loads(Path(path).read_text(), parse_constant=refuse)
+
+
+# ----------------------------------------------------------------------------- silent loss or corruption
+
+
+@pytest.mark.parametrize("lr", ["1e4", "1e8"])
+def test_a_diverged_run_never_checkpoints_a_state_that_cannot_continue(corpus, tmp_path, capsys, lr):
+    out = tmp_path / "run"
+    assert train(corpus, out, "--lr", lr, "--set", "warmup_steps=0", "--set", "checkpoint_every=1", steps=60) == 2
+    err = one_line_error(capsys.readouterr().err)
+    assert "--set warmup_steps" in err and "--set grad_clip" in err  # --set keys, not flags
+    if not (out / "checkpoint").exists():
+        assert "no checkpoint was written" in err
+        return
+    state = json.loads((out / "checkpoint" / "state.json").read_text())
+    assert f"the last good checkpoint, step {state['step']}, is kept" in err
+    weights = load_file(str(out / "checkpoint" / "model.safetensors"))
+    assert all(torch.isfinite(t).all() for t in weights.values())
+    model, _, _ = load_model(out)
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.randint(0, 256, (2, 32)))).all()
+
+
+def test_a_nan_before_any_checkpoint_says_none_was_kept(corpus, tmp_path, monkeypatch):
+    import attnres.parallel.runtime as runtime
+
+    real = runtime.lm_loss
+    monkeypatch.setattr(runtime, "lm_loss", lambda logits, y: real(logits, y) * float("nan"))
+    model_cfg, train_cfg = build_configs("tiny", {"data": corpus, "out_dir": str(tmp_path / "run"), "progress": False})
+    with pytest.raises(Exception, match="loss is nan at step 0 .*no checkpoint was written"):
+        Trainer(model_cfg, train_cfg).run()
+
+
+def test_training_into_an_existing_run_is_refused_unless_resumed_or_forced(corpus, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert train(corpus, out, steps=6) == 0
+    before = (out / "checkpoint" / "state.json").read_text(), (out / "metrics.jsonl").read_text()
+    capsys.readouterr()
+    assert train(corpus, out, "--seed", 5) == 2
+    err = one_line_error(capsys.readouterr().err)
+    assert "already holds a run" in err and "--resume" in err and "--force" in err
+    assert ((out / "checkpoint" / "state.json").read_text(), (out / "metrics.jsonl").read_text()) == before
+    assert train(corpus, out, "--seed", 5, "--force") == 0  # start over: only the new run's rows
+    assert [r["step"] for r in train_rows(out)] == [1, 2, 3, 4]
+    assert json.loads((out / "checkpoint" / "state.json").read_text())["step"] == 4
+
+
+def test_a_second_trainer_on_a_run_directory_is_refused(corpus, tmp_path):
+    configs = build_configs("tiny", {"data": corpus, "out_dir": str(tmp_path / "run"), "steps": 3,
+                                     "warmup_steps": 1, "progress": False})
+    first = Trainer(*configs)
+    with pytest.raises(ValueError, match=r"is in use by another trainer \(pid \d+"):
+        Trainer(*build_configs("tiny", {"data": corpus, "out_dir": str(tmp_path / "run"), "steps": 3,
+                                        "warmup_steps": 1, "progress": False}))
+    first.run()
+    assert [r["step"] for r in train_rows(tmp_path / "run")] == [1, 2, 3]
+    Trainer(*configs, resume=True).close()  # released when the run ended
+
+
+def test_a_second_trainer_process_is_refused(corpus, tmp_path):
+    out = tmp_path / "run"
+    configs = build_configs("tiny", {"data": corpus, "out_dir": str(out), "progress": False})
+    holder = Trainer(*configs)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "attnres", "train", "--preset", "tiny", "--data", corpus, "--out", str(out),
+             "--steps", "2", "--set", "warmup_steps=1", "--no-progress"],
+            capture_output=True, text=True, cwd=ROOT, timeout=300,
+            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    finally:
+        holder.close()
+    assert done.returncode == 2 and "is in use by another trainer" in done.stderr
+    assert "Traceback" not in done.stderr and not (out / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("tokenizer", ["bpe"])
+def test_a_resumed_run_keeps_its_tokenizer_and_refuses_changed_data(tmp_path, capsys, tokenizer):
+    text = tmp_path / "f.txt"
+    text.write_text(Path(write_pseudo_english(tmp_path, works=1, words_per_work=3000), "work_0.txt").read_text())
+    out = tmp_path / "run"
+    flags = ("--tokenizer", tokenizer, "--set", "vocab_size=262")
+    assert train(text, out, *flags) == 0
+    saved = (out / "tokenizer.json").read_bytes()
+    text.write_text(text.read_text() + "entirely different words appended zyx qwv\n" * 50)
+    capsys.readouterr()
+    assert train(text, out, *flags, "--resume", steps=6) == 2
+    assert "changed since the run" in one_line_error(capsys.readouterr().err)
+    assert (out / "tokenizer.json").read_bytes() == saved
+    assert json.loads((out / "checkpoint" / "state.json").read_text())["step"] == 4
+
+
+def test_eval_on_other_data_uses_the_runs_tokenizer(corpus, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert train(corpus, out, "--tokenizer", "bpe", "--set", "vocab_size=300") == 0
+    other = tmp_path / "other.txt"
+    other.write_text("completely other text, with other words: zebra yak xylophone\n" * 300)
+    capsys.readouterr()
+    assert cli("eval", out, "--data", other, "--batches", 2) == 0
+    reported = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    model, _, _ = load_model(out)
+    val = prepare_data(other, tokenizer=load_tokenizer(out / "tokenizer.json"), cache_dir=tmp_path / "c").val
+    expected = evaluate(model, val, batch_size=4, seq_len=32, max_batches=2)
+    assert reported["val_loss"] == pytest.approx(expected["val_loss"], rel=1e-6)
+
+
+def test_the_cli_recovers_a_checkpoint_left_in_the_crash_window(corpus, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert train(corpus, out) == 0
+    (out / "checkpoint").rename(out / ".checkpoint.old-0123456789ab")  # crash between the two renames
+    capsys.readouterr()
+    assert cli("eval", out, "--batches", 1) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["step"] == 4
+    assert cli("sample", out, "--prompt", "the", "--max-new-tokens", 3) == 0
+    assert train(corpus, out, "--resume", steps=6) == 0
+    assert "resumed" in capsys.readouterr().out
+    assert json.loads((out / "checkpoint" / "state.json").read_text())["step"] == 6
+    assert not list(out.glob(".checkpoint.old-*"))
+
+
+def test_resuming_a_finished_run_says_so_and_keeps_its_summary(corpus, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert train(corpus, out) == 0
+    summary = (out / "summary.json").read_bytes()
+    capsys.readouterr()
+    assert train(corpus, out, "--resume") == 0
+    assert "already complete at step 4" in capsys.readouterr().out
+    assert (out / "summary.json").read_bytes() == summary
+    strict_json(out / "summary.json")
+    # interrupted after the last checkpoint but before the summary: a valid one is written
+    (out / "summary.json").unlink()
+    assert train(corpus, out, "--resume") == 0
+    assert strict_json(out / "summary.json")["steps"] == 4
+
+
+def test_resuming_with_fewer_steps_than_done_says_the_run_is_past_them(corpus, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert train(corpus, out, steps=6) == 0
+    capsys.readouterr()
+    assert train(corpus, out, "--resume", steps=5) == 2
+    assert "already at step 6, past steps=5" in one_line_error(capsys.readouterr().err)
+
+
+# ----------------------------------------------------------------------------- hangs and resource exhaustion
+
+
+def test_a_batch_that_cannot_fit_is_refused_in_one_line(corpus, tmp_path, capsys, monkeypatch):
+    import attnres.train.memory as memory
+
+    monkeypatch.setattr(memory, "available_memory", lambda device: 1000)
+    assert train(corpus, tmp_path / "run") == 2
+    assert "not even batch_size=1 fits" in one_line_error(capsys.readouterr().err)
+
+
+def test_a_device_or_directory_given_as_a_file_is_named_as_such(tmp_path, capsys):
+    assert cli("train", "--preset", "tiny", "--data", "/dev/null", "--out", tmp_path / "x") == 2
+    assert "'/dev/null' is a character device" in one_line_error(capsys.readouterr().err)
+    assert cli("train", "--config", tmp_path, "--out", tmp_path / "y") == 2
+    assert "is a directory; pass a .toml file" in one_line_error(capsys.readouterr().err)
+
+
+def test_a_hostile_state_json_is_refused_before_the_model_is_allocated(corpus, tmp_path, capsys, monkeypatch):
+    import attnres.checkpoint as checkpoint
+
+    out = tmp_path / "run"
+    assert train(corpus, out) == 0
+    path = out / "checkpoint" / "state.json"
+    state = json.loads(path.read_text())
+    state["model_config"].update(d_model=65536, n_layers=64, d_ff=None)
+    path.write_text(json.dumps(state))
+    real = checkpoint.AttnResLM
+
+    def only_on_meta(config):  # a real 16 GiB model would be built before any check without the fix
+        if config.d_model == 65536 and torch.get_default_device().type != "meta":
+            raise AssertionError("the hostile model is being allocated")
+        return real(config)
+
+    monkeypatch.setattr(checkpoint, "AttnResLM", only_on_meta)
+    capsys.readouterr()
+    assert cli("sample", out, "--max-new-tokens", 2) == 2
+    err = one_line_error(capsys.readouterr().err, "sample")
+    assert "does not match the tensors in" in err and "embed.weight" in err
+    assert capsys.readouterr().out == ""
+
+
+# ----------------------------------------------------------------------------- one clear line, never a traceback
+
+
+WRONG = {int: ["'abc'", "1.5", "None", "[1]", "True", "{}"],
+         float: ["'abc'", "None", "[1]", "True", "inf", "nan"],
+         str: ["5", "1.5", "[1]", "True", "None", "{}"],
+         bool: ["1", "'yes'", "None", "[1]", "0.5"]}
+
+
+def _wrong_values():
+    """For every ModelConfig and TrainConfig field, three random values of a wrong type."""
+    import typing
+
+    rng = random.Random(19)
+    cases = []
+    for cls in (ModelConfig, TrainConfig):
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            kind, optional = hints[f.name], False
+            if typing.get_origin(kind) is typing.Union:
+                kind, optional = [a for a in typing.get_args(kind) if a is not type(None)][0], True
+            if kind not in WRONG:
+                continue
+            pool = [v for v in WRONG[kind] if not (optional and v == "None")]
+            cases += [(f.name, v) for v in rng.sample(pool, 3)]
+    return cases
+
+
+@pytest.mark.parametrize("field,value", _wrong_values())
+def test_fuzz_wrong_types_for_every_config_field_are_one_line(field, value, tmp_path, capsys):
+    out = [] if field == "out_dir" else ["--out", tmp_path / "x"]  # --out would override the field
+    assert cli("train", "--preset", "tiny", "--set", f"{field}={value}", *out) == 2
+    assert f".{field}=" in one_line_error(capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["train", "--preset", "tiny", "--set", "d_model=abc"], "ModelConfig.d_model='abc' is invalid: must be a positive integer"),
+    (["schemes", "--set", "d_model=abc"], "ModelConfig.d_model='abc'"),
+    (["schemes", "--preset", "bogus"], "unknown preset 'bogus'"),
+    (["train", "--preset", "tiny", "--set", "threads=-3"], "TrainConfig.threads=-3"),
+    (["train", "--preset", "tiny", "--lr", "inf"], "TrainConfig.lr=inf is invalid: must be a finite number"),
+    (["train", "--preset", "tiny", "--lr", "0"], "TrainConfig.lr=0.0 is invalid: must be a positive"),
+    (["train", "--preset", "tiny", "--out", "/sys/attnres-probe"], "cannot be written"),
+])
+def test_bad_values_are_one_line(argv, message, tmp_path, capsys):
+    if argv[0] == "train" and "--out" not in argv:
+        argv = argv + ["--out", str(tmp_path / "x")]
+    if "/sys/attnres-probe" in argv:
+        try:
+            os.mkdir("/sys/attnres-probe")
+        except OSError:
+            pass
+        else:
+            os.rmdir("/sys/attnres-probe")
+            pytest.skip("/sys is writable here")
+    assert cli(*argv) == 2
+    assert message in one_line_error(capsys.readouterr().err, argv[0])
+
+
+def test_toml_with_a_wrong_type_is_one_line(tmp_path, capsys):
+    cfg = tmp_path / "run.toml"
+    cfg.write_text('preset = "tiny"\n[model]\nd_model = "big"\n')
+    assert cli("train", "--config", cfg, "--out", tmp_path / "x") == 2
+    assert "ModelConfig.d_model='big'" in one_line_error(capsys.readouterr().err)
+
+
+@pytest.fixture(scope="module")
+def trained(corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("trained") / "run"
+    assert train(corpus, out, "--set", f"cache_dir={out.parent / 'cache'}") == 0
+    return out
+
+
+@pytest.mark.parametrize("batches", [0, -1])
+def test_eval_with_no_batches_is_one_line(trained, capsys, batches):
+    assert cli("eval", trained, "--batches", batches) == 2
+    assert f"max_batches={batches} is invalid" in one_line_error(capsys.readouterr().err, "eval")
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--temperature", "nan"], "temperature=nan"),
+    (["--temperature", "-1"], "temperature=-1.0"),
+    (["--top-p", "0"], "top_p=0.0"),
+    (["--top-p", "2"], "top_p=2.0"),
+    (["--top-p", "-0.5"], "top_p=-0.5"),
+    (["--top-k", "-5"], "top_k=-5"),
+    (["--max-new-tokens", "-5"], "max_new_tokens=-5"),
+])
+def test_bad_sampling_options_are_refused_before_the_prompt_is_echoed(trained, capsys, flags, message):
+    assert cli("sample", trained, "--prompt", "the", *flags) == 2
+    captured = capsys.readouterr()
+    assert message in one_line_error(captured.err, "sample") and captured.out == ""
+
+
+def test_a_tiny_temperature_samples_greedily(trained, capsys):
+    model, tokenizer, _ = load_model(trained)
+    prompt = torch.tensor([tokenizer.encode("the quick")])
+    greedy = list(generate(model, prompt, 8, temperature=0))
+    assert list(generate(model, prompt, 8, temperature=1e-45, seed=0)) == greedy
+    assert cli("sample", trained, "--prompt", "the quick", "--temperature", "1e-45", "--max-new-tokens", 8) == 0
+    assert capsys.readouterr().out.startswith("the quick")
+
+
+def test_ctrl_c_while_the_libraries_load_is_one_line(monkeypatch, capsys):
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(attnres.cli, "_verbs", interrupted)
+    assert main(["schemes"]) == 130
+    assert capsys.readouterr().err.strip() == "interrupted"
+    # and importing the command loads no PyTorch, so the console script reaches main() at once
+    done = subprocess.run([sys.executable, "-c", "import sys, attnres.cli; print('torch' in sys.modules)"],
+                          capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                          timeout=120)
+    assert done.stdout.strip() == "False", done.stderr
