@@ -22,6 +22,8 @@ from typing import Dict, List
 
 import torch
 
+from attnres.inference import make_cache
+
 CASES: Dict[str, dict] = {
     "3:1, MoE": dict(kimi_layer_pattern="KKKM", moe_experts=4),
     "3:1, dense": dict(kimi_layer_pattern="KKKM", moe_experts=0),
@@ -76,7 +78,7 @@ def cached_decoding_error(model, input_ids: torch.Tensor) -> float:
     """Max |logit difference| between the full forward and prefill (first half) + one-token steps."""
     lm = model.model
     full = lm(input_ids).double()
-    cache = lm.make_cache(input_ids.shape[0])
+    cache = make_cache(lm, input_ids.shape[0])
     half = input_ids.shape[1] // 2
     pieces = [lm(input_ids[:, :half], cache=cache)]
     for t in range(half, input_ids.shape[1]):

@@ -239,7 +239,9 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
             new = input_ids[:, -limit:]
         else:
             if cache is None:
-                cache = self.model.make_cache(input_ids.shape[0])  # KVCache, or HybridCache (Kimi Linear)
+                from attnres.inference import make_cache
+
+                cache = make_cache(self.model, input_ids.shape[0])  # KVCache, or HybridCache (Kimi Linear)
             new = input_ids[:, cache.length:]
             if input_ids.shape[1] > limit or cache.room() < new.shape[1]:
                 cache.reset()

@@ -1,8 +1,8 @@
 """Inference: KV-cached decoding, chunked and sequence-sharded prefill, sampling."""
-from attnres.inference.cache import KVCache, causal_attention
+from attnres.inference.cache import CACHE_KINDS, KVCache, causal_attention, make_cache
 from attnres.inference.prefill import chunked_prefill
 from attnres.inference.sampling import filter_logits, generate, stream_text
 from attnres.inference.sharded import ShardedAttention, sharded_prefill
 
-__all__ = ["KVCache", "ShardedAttention", "causal_attention", "chunked_prefill", "filter_logits", "generate",
+__all__ = ["CACHE_KINDS", "KVCache", "make_cache", "ShardedAttention", "causal_attention", "chunked_prefill", "filter_logits", "generate",
            "sharded_prefill", "stream_text"]

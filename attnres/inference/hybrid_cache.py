@@ -85,6 +85,3 @@ class HybridCache:
             total += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, Tensor))
         return total
 
-
-def cache_for_kimi_linear(model, batch_size: int, max_len: Optional[int] = None) -> HybridCache:
-    return HybridCache.for_model(model, batch_size, max_len)

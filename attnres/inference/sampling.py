@@ -1,7 +1,7 @@
 """Text generation: temperature, top-k and top-p (nucleus) sampling with a seed.
 
-Decoding runs through the model's cache (``model.make_cache``: a ``KVCache``, or
-Kimi Linear's ``HybridCache``): the prompt is
+Decoding runs through the cache of the model's backbone (``make_cache``: a ``KVCache``,
+or Kimi Linear's ``HybridCache``): the prompt is
 prefilled once and each new token costs one single-position forward pass. Once
 the sequence reaches ``max_seq_len`` the model sees the last ``max_seq_len``
 tokens, exactly as the uncached path (``use_cache=False``) does: each further
@@ -14,6 +14,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from attnres.inference.cache import make_cache
 
 
 def filter_logits(logits: torch.Tensor, top_k: Optional[int] = None,
@@ -71,7 +72,7 @@ def _generate(model, input_ids, max_new_tokens, *, temperature, top_k, top_p, se
     gen.manual_seed(seed if seed is not None else torch.seed())
     ids = input_ids.to(device)
     limit = model.config.max_seq_len
-    cache = model.make_cache(1) if use_cache else None
+    cache = make_cache(model, 1) if use_cache else None
     pending = ids[:, -limit:]  # tokens the model has not seen yet
     for position in range(max_new_tokens):
         if cache is None:

@@ -3,7 +3,7 @@
 Each entry says how to build a block and the final norm, which ``ModelConfig`` fields belong to the
 backbone (each with its check, as ``attnres.residual.RESIDUALS`` does for schemes), how many
 parameters the PreNorm model has, and what the backbone needs beyond the generic parts of
-``AttnResLM`` (rotary tables, a decoding cache, extra initialisation, per-step updates).
+``AttnResLM`` (rotary tables, the kind of decoding cache, extra initialisation, per-step updates).
 ``ModelConfig`` validates through this registry and names no backbone itself.
 
 - ``"llama"``: the LLaMA-style decoder of ``attnres.model.llama`` (GQA attention with RoPE, SwiGLU).
@@ -60,7 +60,9 @@ class BackboneInfo:
     ``attnres.model.llama.TransformerBlock``). ``norm(config)``: the final norm. ``options``: the
     ModelConfig fields only this backbone reads; ``check(config)``: its cross-field rules.
     ``rope_dim(config)``: width of the rotary tables (0: no rotary positions). ``params(config)``:
-    parameters of the PreNorm model. ``make_cache(model, batch_size, max_len)``: the decoding cache.
+    parameters of the PreNorm model. ``cache``: the kind of decoding cache the blocks read and write,
+    a key of ``attnres.inference.CACHE_KINDS`` ("kv": keys and values; "hybrid": Kimi Linear's MLA
+    latents and KDA states); the inference layer builds it.
     ``init_weights(model)``: initialisation of parameters the generic rule of
     ``AttnResLM.reset_parameters`` does not cover. ``matrix_stacks(model)``: names of parameters that
     are stacks of independent matrices (MoE experts: Muon treats each matrix on its own).
@@ -73,7 +75,7 @@ class BackboneInfo:
     block: Callable
     norm: Callable
     params: Callable
-    make_cache: Callable
+    cache: str
     rope_dim: Callable
     options: Mapping[str, Option] = field(default_factory=dict)
     check: Callable = _nothing
@@ -112,12 +114,6 @@ def _llama_block(config, index: int):
     from attnres.model.llama import TransformerBlock
 
     return TransformerBlock(config)
-
-
-def _llama_cache(model, batch_size: int, max_len: Optional[int] = None):
-    from attnres.inference.cache import KVCache
-
-    return KVCache.for_model(model, batch_size, max_len)
 
 
 def _llama_norm(config):
@@ -289,7 +285,7 @@ BACKBONES: Dict[str, BackboneInfo] = {
     "llama": BackboneInfo(
         "llama", "LLaMA-style decoder: GQA attention with RoPE, SwiGLU MLP (attnres.model.llama)",
         block=_llama_block, norm=_llama_norm, params=_llama_params,
-        make_cache=_llama_cache,
+        cache="kv",
         rope_dim=lambda config: config.head_dim, check=_llama_check,
     ),
     "kimi_linear": BackboneInfo(
@@ -297,7 +293,7 @@ BACKBONES: Dict[str, BackboneInfo] = {
         "the first layers, then a mixture of experts with shared experts (attnres.model.kimi_linear)",
         block=_lazy("attnres.model.kimi_linear", "KimiLinearBlock"),
         norm=_lazy("attnres.model.kimi_linear", "final_norm"), params=kimi_params,
-        make_cache=_lazy("attnres.inference.hybrid_cache", "cache_for_kimi_linear"),
+        cache="hybrid",
         rope_dim=lambda config: 0, options=KIMI_OPTIONS, check=_kimi_check,
         init_weights=_lazy("attnres.model.kimi_linear", "init_kimi_weights"),
         matrix_stacks=_lazy("attnres.model.kimi_linear", "matrix_stacks"),

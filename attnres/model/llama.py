@@ -194,7 +194,7 @@ class AttnResLM(nn.Module):
     def forward(self, input_ids: Tensor, *, cache=None, return_record: bool = False):
         """input_ids [B, T] -> logits [B, T, V] (at least float32, under autocast too).
 
-        ``cache`` (``self.make_cache(batch_size)``: a ``attnres.inference.KVCache``, or for
+        ``cache`` (``attnres.inference.make_cache(model, batch_size)``: a ``KVCache``, or for
         Kimi Linear a ``HybridCache``): the tokens continue the cached
         sequence (positions ``cache.length`` onwards) and their keys/values are
         appended; prefill, chunked prefill and decoding are all this call. The
@@ -221,12 +221,6 @@ class AttnResLM(nn.Module):
         return LMOutput(logits, record) if return_record else logits
 
     # ------------------------------------------------------------------ decoding and training steps
-    def make_cache(self, batch_size: int, max_len: Optional[int] = None):
-        """An empty decoding cache for ``batch_size`` sequences of up to ``max_len`` positions (default
-        max_seq_len): keys and values (``KVCache``), or for Kimi Linear MLA's latent keys/values plus
-        KDA's convolution and recurrent states (``HybridCache``)."""
-        return BACKBONES[self.config.backbone].make_cache(self, batch_size, max_len)
-
     def step_counters(self) -> List[Tensor]:
         """Statistics the blocks accumulate over a training step (MoE expert loads; none for dense
         blocks). Data-parallel runs sum them over replicas, in place, before ``end_step``."""
