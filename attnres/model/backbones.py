@@ -306,7 +306,7 @@ BACKBONES: Dict[str, BackboneInfo] = {
 def validate_backbone(config) -> None:
     """``config.backbone`` names a registered backbone, its fields pass their checks, and no field of
     another backbone is set."""
-    if config.backbone not in BACKBONES:
+    if not isinstance(config.backbone, str) or config.backbone not in BACKBONES:
         raise bad_option("backbone", config.backbone, f"choose one of {sorted(BACKBONES)}")
     check_scheme_options(config, BACKBONES, selector="backbone")
     BACKBONES[config.backbone].check(config)

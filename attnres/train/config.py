@@ -258,6 +258,7 @@ def build_configs(preset: Optional[str] = None, overrides: Optional[Dict[str, An
     train_kw.update(t)
     train = TrainConfig(**train_kw)
     model_kw.setdefault("max_seq_len", train.seq_len)
-    if isinstance(model_kw["max_seq_len"], int):  # any other type: ModelConfig names the field
+    if isinstance(model_kw["max_seq_len"], int) and not isinstance(model_kw["max_seq_len"], bool):
+        # any other type (True is an int to Python, not to a config): ModelConfig names the field
         model_kw["max_seq_len"] = max(model_kw["max_seq_len"], train.seq_len)
     return ModelConfig(**model_kw), train
