@@ -6,8 +6,9 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 # test extras: triton lets the kernel tests run in Triton's CPU interpreter (about 1 GB installed),
-# hf brings transformers for attnres.hf; `make test TEST_EXTRAS=dev` skips those tests
-TEST_EXTRAS ?= dev,hf,triton
+# hf brings transformers for attnres.hf, eval the lm-evaluation-harness that tests/hf/test_harness.py
+# drives; `make test TEST_EXTRAS=dev` skips those tests
+TEST_EXTRAS ?= dev,hf,triton,eval
 
 .PHONY: install test demo clean
 

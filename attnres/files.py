@@ -29,6 +29,9 @@ METRICS_FILE = "metrics.jsonl"
 TOKENIZER_FILE = "tokenizer.json"
 CHECKPOINT_DIR = "checkpoint"
 SUMMARY_FILE = "summary.json"
+LOSS_PLOT = "loss.png"  # train / validation curves of the run
+DEPTH_WEIGHTS_FILE = "depth_weights.json"  # the final model's mean depth weights on a validation batch
+DEPTH_PLOT = "depth_weights.png"
 LOCK_FILE = ".lock"
 
 

@@ -138,13 +138,22 @@ def main():
     print(f"  validation loss: {val_loss(model, data, args):.4f} nats/token (LLaMA before conversion: "
           f"{llama_val:.4f}; more steps would help the LLaMA too: this shows the mechanics, not a comparison)")
     print(f"  max deviation of the mean depth weights from uniform: {before:.2e} -> {after:.3f}")
-    print("  mean depth weights (rows: sublayers 0..L-1, then the output; columns: embedding, blocks):")
+    sources = "blocks" if args.residual == "block" else "sublayer outputs"
+    print(f"  mean depth weights (rows: sublayers 0..L-1, then the output; columns: embedding, {sources}):")
     for l, row in enumerate(matrix):
         name = f"sublayer {l:2d}" if l < len(matrix) - 1 else "output    "
         print("   ", name, " ".join("  .  " if math.isnan(v) else f"{v:.3f}" for v in row))
 
-    # 4. save, reload through the Auto classes, generate
-    out = args.out or tempfile.mkdtemp(prefix="attnres-retrofit-")
+    # 4. save, reload through the Auto classes, generate (into a temporary directory, removed at the
+    # end, unless --out names one to keep)
+    if args.out:
+        save_and_sample(model, data, args.out)
+    else:
+        with tempfile.TemporaryDirectory(prefix="attnres-retrofit-") as out:
+            save_and_sample(model, data, out)
+
+
+def save_and_sample(model, data, out):
     model.save_pretrained(out)
     tokenizer = hf_tokenizer(data.tokenizer)
     tokenizer.save_pretrained(out)

@@ -28,6 +28,17 @@ def tiny_tokens(seed: int = 0, b: int = 2, t: int = 7) -> torch.Tensor:
     return torch.randint(0, TINY["vocab_size"], (b, t), generator=torch.Generator().manual_seed(seed))
 
 
+def pad_batch(prompts, pad_id: int, side: str):
+    """Pad the 1-D ``prompts`` to one length on ``side``: (ids [B, T], attention_mask [B, T])."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(prompts):
+        cols = slice(width - len(p), width) if side == "left" else slice(0, len(p))
+        ids[row, cols], mask[row, cols] = p, 1
+    return ids, mask
+
+
 @pytest.fixture
 def config():
     """Factory fixture: ``config(residual, **overrides)`` -> the tiny ModelConfig."""
@@ -44,3 +55,10 @@ def make():
 def tokens():
     """Factory fixture: ``tokens(seed=0, b=2, t=7)`` -> random ids below TINY's vocabulary."""
     return tiny_tokens
+
+
+@pytest.fixture
+def pad():
+    """Factory fixture: ``pad(prompts, pad_id, side)`` -> (ids [B, T], attention_mask [B, T]) of the 1-D
+    ``prompts`` padded on ``side`` ("left" or "right")."""
+    return pad_batch

@@ -1,11 +1,14 @@
 """Depth weights as a matrix: row = consumer (sublayer l, then the final aggregation), column = source."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Dict, List, Optional
 
 import numpy as np
 import torch
 
+from attnres.files import DEPTH_WEIGHTS_FILE, atomic_write_text
 from attnres.residual import DepthRecord
 
 
@@ -66,3 +69,27 @@ def source_labels(record: DepthRecord) -> List[str]:
         for n in names:
             labels[_column(n)] = n.rstrip("~")
     return labels
+
+
+def write_depth_weights(model, input_ids: torch.Tensor, run_dir) -> Optional[Path]:
+    """Save the mean depth-weight matrix of ``model`` on ``input_ids`` and its source labels as
+    ``run_dir``/depth_weights.json (NaN written as null); None, writing nothing, for a scheme without
+    depth weights."""
+    record = record_on_batch(model, input_ids)
+    matrix = depth_weight_matrix(record)
+    if matrix is None:
+        return None
+    weights = [[None if np.isnan(v) else float(v) for v in row] for row in matrix]
+    path = Path(run_dir) / DEPTH_WEIGHTS_FILE
+    atomic_write_text(path, json.dumps({"weights": weights, "sources": source_labels(record)}))
+    return path
+
+
+def read_depth_weights(run_dir) -> Optional[tuple]:
+    """(matrix with NaN, source labels) from ``run_dir``/depth_weights.json; None if it has none."""
+    path = Path(run_dir) / DEPTH_WEIGHTS_FILE
+    if not path.is_file():
+        return None
+    saved = json.loads(path.read_text())
+    matrix = np.array([[np.nan if v is None else v for v in row] for row in saved["weights"]], dtype=float)
+    return matrix, saved["sources"]

@@ -7,7 +7,7 @@ from typing import Dict, List
 
 import numpy as np
 
-from attnres.files import METRICS_FILE
+from attnres.files import DEPTH_PLOT, LOSS_PLOT, METRICS_FILE
 
 
 def pyplot():
@@ -90,3 +90,22 @@ def plot_depth_heatmaps(matrix: np.ndarray, labels: List[str], path: str, title:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def plot_run(run_dir) -> List[Path]:
+    """Draw a run's figures into its directory: loss.png (train and validation curves from
+    metrics.jsonl) and, when the run saved depth weights (depth-attention schemes), depth_weights.png.
+    Returns the paths written; a run with no metrics yet gets none (FileNotFoundError for a directory
+    that is not a run)."""
+    from attnres.analysis.depth import read_depth_weights
+
+    run = Path(run_dir)
+    if not (run / METRICS_FILE).is_file():
+        raise FileNotFoundError(f"{run} has no {METRICS_FILE}: pass a run directory of attnres train")
+    written = [Path(plot_loss_curves({run.name: str(run)}, str(run / LOSS_PLOT), title=str(run)))]
+    depth = read_depth_weights(run)
+    if depth is not None:
+        matrix, labels = depth
+        written.append(Path(plot_depth_heatmaps(matrix, labels, str(run / DEPTH_PLOT),
+                                                f"{run}: mean depth weights on a validation batch")))
+    return written

@@ -27,6 +27,8 @@ class Bench:
     config: type  # the config dataclass
     run: Callable[[Any], dict]
     format_table: Callable[[dict], str]
+    summary: str  # what it measures (the command's help)
+    example: str  # a command line that runs it
 
     @property
     def options(self) -> FrozenSet[str]:
@@ -35,11 +37,32 @@ class Bench:
 
 
 BENCHES: Dict[str, Bench] = {
-    "train": Bench(train.BenchConfig, train.run, train.format_table),
-    "op": Bench(op.OpBenchConfig, op.run, op.format_table),
-    "decode": Bench(decode.DecodeBenchConfig, decode.run, decode.format_table),
-    "pipeline": Bench(pipeline.PipelineBenchConfig, pipeline.run, pipeline.format_table),
-    "kimi": Bench(kimi.KimiBenchConfig, kimi.run, kimi.format_table),
+    "train": Bench(
+        train.BenchConfig, train.run, train.format_table,
+        "step time (forward + backward + AdamW step; --set optimizer=muon for the trainer's Muon) of "
+        "prenorm, Block and Full AttnRes (or any schemes in --variants) on one config in one process, "
+        "with ratios to prenorm, and peak memory from a fresh process per variant",
+        "attnres bench train --quick --variants prenorm,block,full"),
+    "op": Bench(
+        op.OpBenchConfig, op.run, op.format_table,
+        "the depth-attention op alone against this machine's copy bandwidth",
+        "attnres bench op --quick"),
+    "decode": Bench(
+        decode.DecodeBenchConfig, decode.run, decode.format_table,
+        "KV-cached prefill throughput and per-token decode latency, and the residual I/O per sublayer "
+        "beside the paper's Table 1 (docs/method.md §6)",
+        "attnres bench decode --quick"),
+    "pipeline": Bench(
+        pipeline.PipelineBenchConfig, pipeline.run, pipeline.format_table,
+        "pipeline traffic and step time with and without cross-stage caching (docs/method.md §7); runs "
+        "under torchrun, one process per pipeline rank (--set pp=P)",
+        "torchrun --nproc-per-node 2 -m attnres bench pipeline --set pp=2 --set vpp=2"),
+    "kimi": Bench(
+        kimi.KimiBenchConfig, kimi.run, kimi.format_table,
+        "max |logit difference| of the kimi_linear backbone (prenorm, and Block and Full AttnRes with zero "
+        "queries) from transformers' KimiLinearForCausalLM in float64, and of cached decoding from the full "
+        "forward (needs transformers)",
+        "attnres bench kimi"),
 }
 
 

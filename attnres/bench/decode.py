@@ -36,6 +36,7 @@ from attnres.bench.train import variant_config
 from attnres.inference.cache import KVCache
 from attnres.model import AttnResLM, ModelConfig
 from attnres.residual import IOCounter, observing
+from attnres.train.progress import progress_bar
 
 DEFAULT_VARIANTS = ("prenorm", "block", "block:fused", "full")
 
@@ -109,7 +110,8 @@ def run(cfg: DecodeBenchConfig) -> dict:
             torch.cuda.synchronize()
 
     with torch.no_grad():
-        for rep in range(cfg.repeats + 1):  # the first round warms up
+        # the first round warms up
+        for rep in progress_bar(range(cfg.repeats + 1), desc="bench decode", unit="round"):
             for v, model in models.items():
                 cache = KVCache.for_model(model, cfg.batch_size)
                 sync()

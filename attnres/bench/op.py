@@ -26,6 +26,7 @@ import torch
 
 from attnres.ops.depth_attention import depth_attention_reference, fused_depth_attention
 from attnres.ops.two_phase import inverse_rms, phase1
+from attnres.train.progress import progress_bar
 
 
 @dataclass
@@ -73,7 +74,7 @@ def run(cfg: OpBenchConfig) -> dict:
     B, T, D = cfg.batch_size, cfg.seq_len, cfg.d_model
     esize = torch.finfo(dtype).bits // 8
     rows = []
-    for K in cfg.sources:
+    for K in progress_bar(cfg.sources, desc="bench op", unit="K"):
         g = torch.Generator().manual_seed(K)
         buffer = torch.randn(B, T, K + 2, D, generator=g, dtype=dtype).to(cfg.device)
         view = buffer[:, :, :K]

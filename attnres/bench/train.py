@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from attnres.model import AttnResLM, ModelConfig
 from attnres.train.config import parse_value
 from attnres.train.optim import build_optimizer
+from attnres.train.progress import progress_bar
 
 DEFAULT_VARIANTS = ("prenorm", "block", "full", "block:reference", "full:reference")
 
@@ -130,7 +131,7 @@ def time_variants(cfg: BenchConfig) -> Dict[str, List[float]]:
         for _ in range(cfg.warmup):
             _step(model, opt, x, y)
     times: Dict[str, List[float]] = {v: [] for v in cfg.variants}
-    for _ in range(cfg.repeats):
+    for _ in progress_bar(range(cfg.repeats), desc="bench train: timing", unit="repeat"):
         for v, (model, opt, x, y) in setups.items():
             _sync(cfg.device)
             t0 = clock()
@@ -211,7 +212,8 @@ def run(cfg: BenchConfig) -> dict:
                    "step_ratio": med / base, "tokens_per_s": cfg.batch_size * cfg.seq_len / med,
                    "params": AttnResLM(model_config(cfg, v)).num_params()}
     if cfg.memory:
-        mem = {v: measure_memory(cfg, v) for v in cfg.variants}
+        mem = {v: measure_memory(cfg, v) for v in progress_bar(cfg.variants, desc="bench train: memory",
+                                                               unit="variant")}
         for v in cfg.variants:
             rows[v].update({k: mem[v][k] for k in ("peak_mib", "step_peak_mib", "method")})
             rows[v]["peak_ratio"] = mem[v]["peak_mib"] / mem["prenorm"]["peak_mib"]

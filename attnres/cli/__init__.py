@@ -9,6 +9,7 @@
     attnres convert      retrofit a Hugging Face LLaMA-family model; native <-> HF (attnres.hf)
     attnres experiment   run a named experiment, resumably (attnres.experiments)
     attnres report       an experiment's report from its cached runs
+    attnres plot         redraw a run's loss and depth-weight figures (attnres.analysis)
     attnres placement    uneven depth blocks learned from trained Full AttnRes runs (attnres.analysis)
 
 Each verb module registers its subcommand (``add_parser``) and turns the parsed arguments into
@@ -26,7 +27,7 @@ from typing import List, Optional
 # the verb modules, imported by build_parser: importing this package loads no PyTorch, so a Ctrl-C
 # during start-up is caught by main() like any other
 VERB_NAMES = ("train", "evaluate", "sample", "demo", "schemes", "bench", "convert", "experiment", "report",
-              "placement")
+              "placement", "plot")
 
 
 def _verbs() -> tuple:
@@ -45,7 +46,19 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for verb in _verbs():
         verb.add_parser(sub)
+    _format_help(parser)
     return parser
+
+
+def _format_help(parser: argparse.ArgumentParser) -> None:
+    """One help format for every verb (and the bench subcommands): defaults shown, examples kept."""
+    from attnres.cli.options import HelpFormatter
+
+    parser.formatter_class = HelpFormatter
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                _format_help(child)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

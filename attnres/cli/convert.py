@@ -2,7 +2,7 @@
 (attnres.hf.convert_directory)."""
 from __future__ import annotations
 
-from attnres.cli.options import CLIError, add_set_option, parse_set
+from attnres.cli.options import CLIError, add_set_option, examples, parse_set
 
 # retrofit options with a flag of their own (attnres.hf.convert_to_attnres's keyword arguments)
 RETROFIT_ARGS = ("residual", "attnres_blocks", "attnres_block_size", "max_seq_len")
@@ -15,9 +15,12 @@ def add_parser(sub) -> None:
         "AttnRes with zero-initialised queries, so its logits are unchanged up to RMSNorm eps; a Kimi Linear "
         "checkpoint in the released AttnRes layout, docs/method.md §10, loads as the Block AttnRes it is), an "
         "AttnRes Hugging Face directory, or a run/checkpoint directory of attnres train. --to kimi_linear "
-        "writes a Kimi Linear-backbone model as a Kimi Linear checkpoint (§10 layout for Block AttnRes). "
-        "Needs transformers (pip install 'attnres[hf]'). Example: attnres convert ./llama ./llama-attnres "
-        "--residual block --attnres-blocks 8"))
+        "writes a model with the Kimi Linear backbone as a Kimi Linear checkpoint (the §10 layout for Block "
+        "AttnRes). Needs transformers (pip install 'attnres[hf]')."), epilog=examples(
+        "attnres convert ./llama ./llama-attnres --residual block --attnres-blocks 8",
+        "attnres convert ./kimi-linear ./k3-layout --to kimi_linear --set attnres_scale_norm_eps=false",
+        "attnres convert runs/block out/block-hf                  # native -> Hugging Face",
+        "attnres convert out/block-hf runs/block-native           # and back: eval / sample take it"))
     p.add_argument("source", help="model directory (config.json + weights) or attnres run/checkpoint directory")
     p.add_argument("out", help="output directory")
     p.add_argument("--to", choices=("hf", "native", "kimi_linear"), default=None,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from attnres.cli.options import add_run_options, command_line, run_overrides
+from attnres.cli.options import add_run_options, command_line, examples, run_overrides
 from attnres.experiments import load_spec, run_experiment
 from attnres.experiments.report import demo_table, write_report
 from attnres.experiments.results import collect
@@ -17,9 +17,10 @@ def add_parser(sub) -> None:
         "Train prenorm, Block AttnRes and Full AttnRes with the same seed, data order and budget on the "
         "bundled Shakespeare corpus (the experiment experiments/demo.toml; flags apply on top of it), "
         "print a table and write a report (loss curves, depth-weight heatmaps). Finished runs are reused; "
-        "interrupted ones resume."))
+        "interrupted ones resume."), epilog=examples(
+        "attnres demo", "attnres demo --steps 100 --out runs/demo-short", "attnres demo --fresh"))
     add_run_options(p, preset_default="demo")
-    p.add_argument("--out", default="runs/demo", help="runs and report directory (default runs/demo)")
+    p.add_argument("--out", default="runs/demo", help="runs and report directory")
     p.add_argument("--fresh", action="store_true", help="retrain even if finished runs exist")
     p.set_defaults(func=run)
 

@@ -1,6 +1,7 @@
 """attnres experiment: run (or list, or plan) a named experiment spec (attnres.experiments)."""
 from __future__ import annotations
 
+from attnres.cli.options import examples
 from attnres.experiments import DEFAULT_RUNS_ROOT, available, format_plan, load_spec, plan_status, run_experiment
 from attnres.experiments.runner import planned_elsewhere
 
@@ -10,7 +11,10 @@ def add_parser(sub) -> None:
                        description=(
         "Expand experiments/NAME.toml into runs, hash each run's full config, and train the missing ones "
         "one after another into RUNS/NAME/<hash>/ (interrupted runs resume from their checkpoint). Without "
-        "NAME, list the experiments. Example: attnres experiment ablations --dry-run"))
+        "NAME, list the experiments."), epilog=examples(
+        "attnres experiment                              # the experiments there are",
+        "attnres experiment ablations --dry-run          # its runs, their state and estimated CPU time",
+        "attnres experiment ablations --max-runs 4 --threads 2"))
     p.add_argument("name", nargs="?", help="experiment name (a spec in experiments/) or a .toml path")
     p.add_argument("--dry-run", action="store_true", help="list the runs, their state and estimated CPU time")
     p.add_argument("--max-runs", dest="max_runs", type=int, default=None, help="train at most K runs")
@@ -42,6 +46,6 @@ def run(args) -> int:
     counts = run_experiment(spec, runs, max_runs=args.max_runs, only=args.only,
                             retry_diverged=args.retry_diverged, progress=not args.no_progress,
                             threads=args.threads, command=command)
-    print(f"{spec.name}: " + ", ".join(f"{v} {k}" for k, v in counts.items())
-          + f"; report with `attnres report {args.name}`")
+    report = " ".join(["attnres report", args.name] + [f"{k} {v}" for k, v in flags[3:] if v is not None])
+    print(f"{spec.name}: " + ", ".join(f"{v} {k}" for k, v in counts.items()) + f"; report with `{report}`")
     return 0

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from attnres.analysis.placement import OBJECTIVES, best_block_sizes, describe_placement, runs_depth_weights
+from attnres.cli.options import examples
 
 
 def add_parser(sub) -> None:
@@ -11,8 +12,8 @@ def add_parser(sub) -> None:
         "exactly (dynamic programming): by default those that keep the most attention mass inside blocks "
         "(bound the sizes with --max-size: unbounded, one large block and N-1 single sublayers win), or with "
         "--objective fit those whose Block AttnRes best approximates the weights. Prints "
-        "`attnres_block_sizes = [...]` for an experiment spec or --set. Example: attnres placement "
-        "experiments/runs/ablations/<hash> --blocks 8 --max-size 8"))
+        "`attnres_block_sizes = [...]` for an experiment spec or --set."), epilog=examples(
+        "attnres placement experiments/runs/ablations/<hash> --blocks 8 --max-size 8"))
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
                    help="finished Full AttnRes runs (config.json, probes.json); several are averaged")
     p.add_argument("--blocks", type=int, required=True, help="N, the number of depth blocks")

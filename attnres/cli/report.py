@@ -1,6 +1,7 @@
 """attnres report: an experiment's REPORT.md and figures from its cached runs (no training)."""
 from __future__ import annotations
 
+from attnres.cli.options import examples
 from attnres.experiments import DEFAULT_RUNS_ROOT, load_spec
 from attnres.experiments.report import write_report
 
@@ -10,7 +11,9 @@ def add_parser(sub) -> None:
                        description=(
         "Read RUNS/NAME/<hash>/ of every planned run (no training) and write OUT/REPORT.md with tables, "
         "PNG figures, statistics over seeds, the commands, machine, wall time and git commit. A partial "
-        "suite gives a report marked partial."))
+        "suite gives a report marked partial."), epilog=examples(
+        "attnres report ablations                        # reports/ablations/REPORT.md",
+        "attnres report my.toml --runs runs/mine --out reports/mine"))
     p.add_argument("name", help="experiment name (a spec in experiments/) or a .toml path")
     p.add_argument("--runs", default=None,
                    help="runs directory (default experiments/runs, where the finished runs are committed)")

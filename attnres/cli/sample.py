@@ -4,23 +4,27 @@ from __future__ import annotations
 import sys
 
 from attnres.checkpoint import load_model
-from attnres.cli.options import CLIError
+from attnres.cli.options import CLIError, examples, unescape
 from attnres.files import TOKENIZER_FILE
 from attnres.inference.sampling import check_sampling, stream_text
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("sample", help="generate text from a trained run", description=(
-        "Generate text from a run's checkpoint, streaming it to stdout."))
+        "Generate text from a run's checkpoint, streaming it to stdout."), epilog=examples(
+        'attnres sample runs/block --prompt "ROMEO:" --temperature 0.8 --top-p 0.9 --stop "\\n\\n"',
+        "attnres sample runs/block --temperature 0 --max-new-tokens 50     # greedy"))
     p.add_argument("run", help="run directory")
-    p.add_argument("--prompt", default="ROMEO:\n")
-    p.add_argument("--max-new-tokens", dest="max_new_tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    p.add_argument("--top-k", dest="top_k", type=int, default=None)
-    p.add_argument("--top-p", dest="top_p", type=float, default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--stop", default=None, help="stop after this string appears")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--prompt", type=unescape, default="ROMEO:\n", help="text to continue (\\n, \\t: newline, tab)")
+    p.add_argument("--max-new-tokens", dest="max_new_tokens", type=int, default=200, help="tokens to generate")
+    p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature; 0 = greedy")
+    p.add_argument("--top-k", dest="top_k", type=int, default=None, help="sample among the k likeliest tokens")
+    p.add_argument("--top-p", dest="top_p", type=float, default=None,
+                   help="sample among the likeliest tokens holding this probability mass (nucleus)")
+    p.add_argument("--seed", type=int, default=0, help="random seed of the sampler")
+    p.add_argument("--stop", type=unescape, default=None,
+                   help='stop after this text appears (\\n, \\t: newline, tab; e.g. --stop "\\n\\n")')
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
     p.set_defaults(func=run)
 
 

@@ -1066,6 +1066,11 @@ def write_report(spec: ExperimentSpec, runs_root, out_dir=None, command: Optiona
     ``wall_seconds``: the demo page states the wall time of the invocation that trained the runs and
     wrote it (``attnres demo``); without it, the runs' own."""
     started = time.time()
+    if not Path(runs_root).is_dir():
+        raise FileNotFoundError(
+            f"runs directory {runs_root} does not exist; a report reads finished runs from there "
+            f"(experiments/runs in a clone of the repository): pass --runs DIR, or run "
+            f"`attnres experiment {spec.name}` first")
     out = Path(out_dir) if out_dir is not None else Path(DEFAULT_REPORTS_ROOT) / spec.name
     out.mkdir(parents=True, exist_ok=True)
     col = collect(spec, runs_root)

@@ -346,7 +346,7 @@ def execute_one(s: RunStatus, spec: ExperimentSpec, *, progress: bool = True, th
     resume = s.state == "partial"
     if resume:
         try:
-            trainer = Trainer(model_cfg, train_cfg, resume=True, log=log)
+            trainer = Trainer(model_cfg, train_cfg, resume=True, log=log, name=run.name)
             entry["from_step"] = trainer.step
         except (CheckpointError, ValueError) as e:
             log(f"[{run.name}] cannot resume ({e}); training from scratch")
@@ -354,7 +354,7 @@ def execute_one(s: RunStatus, spec: ExperimentSpec, *, progress: bool = True, th
     if not resume:
         _clear_outputs(run_dir)
         model_cfg, train_cfg = copy.deepcopy(run.model), train_cfg
-        trainer = Trainer(model_cfg, train_cfg, resume=False, log=log)
+        trainer = Trainer(model_cfg, train_cfg, resume=False, log=log, name=run.name)
     entry["machine"] = machine()  # only now: the Trainer applies train_cfg.threads
     log(f"[{run.name}] {trainer.model.num_params():,} parameters, {run.train.steps} steps x "
         f"{run.train.batch_size}x{run.train.seq_len} tokens -> {run_dir}"

@@ -416,9 +416,27 @@ def _byte_symbols() -> Dict[int, str]:
     return symbols
 
 
+def special_token_ids(native) -> Dict[str, int]:
+    """``bos_token_id`` / ``eos_token_id`` / ``pad_token_id`` for a native attnres tokenizer, which has
+    no special tokens of its own. The training stream joins documents with ``DOC_SEPARATOR``, encoded
+    on its own: when that is one token (BPE) it ends each document (eos) and starts the next (bos).
+    With the byte tokenizer it is two newlines, so there is no eos (generation runs to its length).
+    Padding is the NUL byte: in every vocabulary, in no text, and a padded position is masked anyway."""
+    from attnres.data import DOC_SEPARATOR
+
+    ids = {"pad_token_id": native.encode("\0")[0]}
+    separator = native.encode(DOC_SEPARATOR)
+    if len(separator) == 1:
+        ids["bos_token_id"] = ids["eos_token_id"] = separator[0]
+    return ids
+
+
 def hf_tokenizer(native):
     """A ``PreTrainedTokenizerFast`` that encodes and decodes exactly like a native attnres tokenizer
-    (byte-level BPE, or raw UTF-8 bytes with id = byte value). No special tokens are added."""
+    (byte-level BPE, or raw UTF-8 bytes with id = byte value), with the bos / eos / pad tokens of
+    :func:`special_token_ids` named (they are vocabulary tokens whose byte-level spelling, such as
+    "ĊĊ", no plain text contains, so encoding is unchanged) and padding on the left, as batched
+    generation wants."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -433,7 +451,9 @@ def hf_tokenizer(native):
         backend.decoder = decoders.ByteLevel()
     else:
         raise TypeError(f"expected an attnres.data tokenizer, got {type(native).__name__}")
-    return PreTrainedTokenizerFast(tokenizer_object=backend, clean_up_tokenization_spaces=False)
+    names = {key.replace("_id", ""): backend.id_to_token(i) for key, i in special_token_ids(native).items()}
+    return PreTrainedTokenizerFast(tokenizer_object=backend, clean_up_tokenization_spaces=False,
+                                   padding_side="left", **names)
 
 
 def copy_tokenizer_files(source_dir, target_dir) -> list:

@@ -20,18 +20,18 @@ Linear checkpoint (``to="kimi_linear"``: §10 layout for Block AttnRes). Its err
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional
 
 import torch
 
-from attnres.checkpoint import STATE_FILE, load_model
+from attnres.checkpoint import STATE_FILE
+from attnres.data import load_tokenizer
 from attnres.files import CHECKPOINT_DIR, TOKENIZER_FILE
 from attnres.hf.configuration import AttnResConfig
 from attnres.hf.convert import (ConversionError, conversion_error, convert_to_attnres, copy_tokenizer_files,
                                 hf_tokenizer, reading_model)
-from attnres.hf.modeling import AttnResForCausalLM, hf_to_native
+from attnres.hf.modeling import AttnResForCausalLM, hf_to_native, native_to_hf_with_tokenizer
 
 SOURCE_KINDS = ("native", "attnres", "kimi_linear", "pretrained")
 OUTPUT_FORMATS = ("hf", "native", "kimi_linear")
@@ -108,8 +108,7 @@ def convert_directory(source, out, *, to: Optional[str] = None, retrofit: Option
 
     tokenizer = None
     if kind == "native":
-        lm, tokenizer, _ = load_model(str(src))
-        model = AttnResForCausalLM.from_attnres_lm(lm)
+        model, tokenizer = native_to_hf_with_tokenizer(src)
         if dtype is not None:
             model = model.to(dtype)
     elif kind == "attnres":
@@ -144,9 +143,8 @@ def convert_directory(source, out, *, to: Optional[str] = None, retrofit: Option
         layout = "plain (PreNorm)" if c.residual == "prenorm" else "the AttnRes layout of docs/method.md §10"
         log(f"written Kimi Linear checkpoint {out}, {layout}{' with ' + ', '.join(copied) if copied else ''}")
         return out
-    path = hf_to_native(model, out)
-    if (src / TOKENIZER_FILE).is_file():
-        shutil.copy2(src / TOKENIZER_FILE, path / TOKENIZER_FILE)
+    tokenizer = load_tokenizer(src / TOKENIZER_FILE) if (src / TOKENIZER_FILE).is_file() else None
+    path = hf_to_native(model, out, tokenizer)
     log(f"written native weights-only checkpoint {path} (attnres sample / load_model read it)")
     return path
 

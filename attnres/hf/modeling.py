@@ -9,11 +9,14 @@ nothing to its arithmetic: ``model(input_ids).logits`` is exactly
 Generation runs through our KV cache (``attnres.inference.KVCache``): the
 first step prefills the prompt, each later step feeds one token; past
 ``max_seq_len`` the last ``max_seq_len`` tokens are re-prefilled each step,
-like :func:`attnres.inference.sampling.generate`.
+like :func:`attnres.inference.sampling.generate`. Padded batches (an
+``attention_mask`` with zeros, left padding for generation) give each row what
+its prompt gives alone; beam search reorders the cache (``KVCache.reorder_cache``).
 """
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from itertools import chain
 from pathlib import Path
 from typing import Optional
@@ -96,7 +99,9 @@ class AttnResPreTrainedModel(PreTrainedModel):
     config_class = AttnResConfig
     base_model_prefix = "model"
     main_input_name = "input_ids"
-    supports_gradient_checkpointing = False
+    # activation_checkpointing_enable() (gradient_checkpointing_enable()) sets the flag of every
+    # TransformerBlock: its two sublayers recompute their activations in backward
+    supports_gradient_checkpointing = True
     # the residual stream crosses every block: keep the whole model on one device
     _no_split_modules = ["AttnResLM"]
 
@@ -173,10 +178,10 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         self.model.lm_head = value
 
     # ------------------------------------------------------------------ forward
-    def _run(self, input_ids: Tensor, cache=None) -> Tensor:
+    def _run(self, input_ids: Tensor, cache=None, attention_mask: Optional[Tensor] = None) -> Tensor:
         """The one place the wrapped AttnResLM runs. With ``cache`` (an ``attnres.inference.KVCache``)
-        ``input_ids`` are the tokens after the cached positions."""
-        return self.model(input_ids, cache=cache)
+        ``input_ids`` are the tokens after the cached positions; ``attention_mask`` covers both."""
+        return self.model(input_ids, cache=cache, attention_mask=attention_mask)
 
     def forward(
         self,
@@ -192,32 +197,40 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         """``input_ids`` [B, T] -> ``CausalLMOutputWithPast(loss, logits)``.
 
         ``labels`` follow the HF convention (same positions as ``input_ids``, shifted inside,
-        ``-100`` ignored). ``attention_mask`` may only mark every position (no padding: AttnResLM
-        has no padding mask). Not supported: ``inputs_embeds``, ``output_attentions``,
-        ``output_hidden_states``. ``cache``: an ``attnres.inference.KVCache`` (returned as ``output.cache``).
+        ``-100`` ignored). ``attention_mask`` [B, cached + T]: 1 for tokens, 0 for padding (left or
+        right); each row's tokens get the logits of that row run alone. ``output_hidden_states``:
+        ``hidden_states`` holds the 2 * n_layers sublayer inputs h_l (what each pre-norm reads, in
+        sublayer order, docs/method.md §2) and then the stream's output (what the final norm reads).
+        Not supported: ``inputs_embeds``, ``output_attentions``. ``cache``: an
+        ``attnres.inference.KVCache`` (returned as ``output.cache``).
         """
         cache = cache if cache is not None else kwargs.pop("past_key_values", None)
         if inputs_embeds is not None:
             raise NotImplementedError("AttnResForCausalLM takes input_ids, not inputs_embeds")
         if input_ids is None:
             raise ValueError("AttnResForCausalLM.forward needs input_ids [batch, seq_len]")
-        for flag in ("output_attentions", "output_hidden_states"):
-            if kwargs.get(flag):
-                raise NotImplementedError(
-                    f"{flag}=True is not supported: AttnResForCausalLM returns logits and loss only "
-                    "(model.model(input_ids, return_record=True) gives depth weights and per-sublayer RMS)")
-        if attention_mask is not None and not bool((attention_mask != 0).all()):
+        if kwargs.get("output_attentions"):
             raise NotImplementedError(
-                "attention_mask masks some positions, but AttnResLM has no padding mask: run unpadded "
-                "sequences (batch prompts of equal length, or one prompt at a time)")
-        logits = self._run(input_ids, cache)
+                "output_attentions=True is not supported: the attention weights are never formed "
+                "(model.model(input_ids, return_record=True) gives the depth weights)")
+        output_hidden_states = kwargs.get("output_hidden_states")
+        if output_hidden_states is None:
+            output_hidden_states = self.config.output_hidden_states
+        hidden_states = None
+        if output_hidden_states:
+            with sublayer_inputs(self.model) as hidden_states:
+                logits = self._run(input_ids, cache, attention_mask)
+            hidden_states = tuple(hidden_states)
+        else:
+            logits = self._run(input_ids, cache, attention_mask)
         loss = None
         if labels is not None:
             loss = causal_lm_loss(logits, labels, kwargs.get("num_items_in_batch"))
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         if not return_dict:
-            return (logits,) if loss is None else (loss, logits)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache)
+            out = (logits,) if loss is None else (loss, logits)
+            return out + (hidden_states,) if output_hidden_states else out
+        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache, hidden_states=hidden_states)
 
     # ------------------------------------------------------------------ generation
     @classmethod
@@ -232,7 +245,8 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         step prefills the prompt, later steps feed only the new token. Once the sequence reaches
         ``max_seq_len`` the model sees the last ``max_seq_len`` tokens (each step re-prefills that
         window), exactly like :func:`attnres.inference.sampling.generate`. ``use_cache=False`` recomputes the
-        cropped sequence every step."""
+        cropped sequence every step. The ``attention_mask`` travels whole (cached and new columns, as
+        AttnResLM takes it); the window counts columns, padding included."""
         limit = self.config.max_seq_len
         if use_cache is False:
             cache = None
@@ -247,27 +261,73 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
                 cache.reset()
                 new = input_ids[:, -limit:]
         inputs = {"input_ids": new, "cache": cache}
-        if attention_mask is not None:
-            inputs["attention_mask"] = attention_mask[:, -new.shape[1]:]
+        if attention_mask is not None:  # the mask covers the cached columns and the new ones
+            seen = 0 if cache is None else cache.length
+            inputs["attention_mask"] = attention_mask[:, -(seen + new.shape[1]):]
         return inputs
+
+
+@contextmanager
+def sublayer_inputs(lm: AttnResLM):
+    """Collect, while the context is open, what each pre-norm reads (the sublayer inputs h_l, in
+    sublayer order) and then what the final norm reads; yields the list that fills up."""
+    seen = []
+    norms = [norm for block in lm.blocks for norm in (block.attn_norm, block.mlp_norm)] + [lm.norm]
+    handles = [norm.register_forward_pre_hook(lambda module, args: seen.append(args[0])) for norm in norms]
+    try:
+        yield seen
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 # ----------------------------------------------------------------------------- native <-> HF
 
 
 def native_to_hf(path, device: str = "cpu", **config_kwargs) -> AttnResForCausalLM:
-    """An AttnResForCausalLM from a native run directory or checkpoint directory (``attnres train``)."""
-    lm, _, _ = load_model(str(path), device=device)
-    return AttnResForCausalLM.from_attnres_lm(lm, **config_kwargs).eval()
+    """An AttnResForCausalLM from a native run directory or checkpoint directory (``attnres train``).
+    The bos / eos / pad ids come from the run's tokenizer (``attnres.hf.convert.special_token_ids``),
+    unless ``config_kwargs`` name them; they are also the generation defaults."""
+    return native_to_hf_with_tokenizer(path, device, **config_kwargs)[0]
+
+
+def native_to_hf_with_tokenizer(path, device: str = "cpu", **config_kwargs):
+    """:func:`native_to_hf` and the run's native tokenizer (None if the directory has none)."""
+    from attnres.hf.convert import special_token_ids
+
+    lm, tokenizer, state = load_model(str(path), device=device)
+    special = special_token_ids(tokenizer) if tokenizer is not None else {}
+    if state["train_config"]:  # kept in config.json: to_native writes it back (see hf_to_native)
+        special["native_train_config"] = state["train_config"]
+    model = AttnResForCausalLM.from_attnres_lm(lm, **{**special, **config_kwargs}).eval()
+    model.native_tokenizer = tokenizer
+    return model, tokenizer
 
 
 def hf_to_native(model: AttnResForCausalLM, path, tokenizer=None) -> Path:
-    """Write ``model`` as a native weights-only checkpoint directory (no optimizer state: it loads
-    with ``attnres.checkpoint.load_model`` / ``attnres sample``, it does not resume a run).
-    ``tokenizer``: a native ``attnres.data`` tokenizer saved beside it as tokenizer.json."""
+    """Write ``model`` as a native weights-only checkpoint directory (no optimizer state: it does not
+    resume a run) that ``attnres eval`` and ``attnres sample`` accept. ``tokenizer``: a native
+    ``attnres.data`` tokenizer saved beside it as tokenizer.json (default: the one ``from_native``
+    read). The train config is the native run's when the model came from one (``from_native`` keeps
+    it in ``config.native_train_config``), else :func:`default_train_config`."""
+    tokenizer = tokenizer if tokenizer is not None else getattr(model, "native_tokenizer", None)
+    train_config = getattr(model.config, "native_train_config", None) or default_train_config(model, tokenizer)
     target = save_checkpoint(path, model=model.model, optimizer=None, step=0,
                              train_state={"converted_from": "huggingface"},
-                             model_config=model.config.model_config().to_dict(), train_config={})
+                             model_config=model.config.model_config().to_dict(), train_config=train_config)
     if tokenizer is not None:
         tokenizer.save(target / TOKENIZER_FILE)
     return target
+
+
+def default_train_config(model: AttnResForCausalLM, tokenizer=None) -> dict:
+    """The train config of a native checkpoint made from a Hugging Face model that was never a native
+    run: the defaults (evaluation on the bundled corpus), the tokenizer's kind and the model's
+    vocabulary, windows no longer than the model's context."""
+    from attnres.data import ByteTokenizer
+    from attnres.train.config import TrainConfig
+
+    config = TrainConfig(tokenizer="byte" if isinstance(tokenizer, ByteTokenizer) else "bpe",
+                         vocab_size=model.config.vocab_size,
+                         seq_len=min(TrainConfig.seq_len, model.config.max_seq_len), progress=False)
+    return config.to_dict()

@@ -17,11 +17,15 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
-def causal_attention(q: Tensor, k: Tensor, v: Tensor, offset: int) -> Tensor:
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, offset: int, mask: Optional[Tensor] = None) -> Tensor:
     """Attention of t queries at absolute positions offset..offset+t-1 over keys 0..offset+t-1.
 
-    q [B, H, t, hd], k/v [B, H, offset + t, hd] (heads already repeated for GQA).
+    q [B, H, t, hd], k/v [B, H, offset + t, hd] (heads already repeated for GQA). ``mask``: the
+    allowed (query, key) pairs [B, 1, t, offset + t] of a padded batch (causality included, see
+    ``attnres.model.llama.padding_mask``); it replaces the plain causal mask.
     """
+    if mask is not None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     t, s = q.shape[2], k.shape[2]
     if offset == 0 and t == s:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -56,8 +60,10 @@ class KVCache:
     def room(self) -> int:
         return self.max_len - self.length
 
-    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, repeat: int) -> Tensor:
-        """Store this step's keys/values of ``layer`` and attend over everything cached so far."""
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, repeat: int,
+               mask: Optional[Tensor] = None) -> Tensor:
+        """Store this step's keys/values of ``layer`` and attend over everything cached so far
+        (``mask``: a padded batch's allowed pairs, see :func:`causal_attention`)."""
         t = k.shape[2]
         if self.length + t > self.max_len:
             raise ValueError(
@@ -70,7 +76,7 @@ class KVCache:
         keys, values = self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
         if repeat > 1:
             keys, values = keys.repeat_interleave(repeat, dim=1), values.repeat_interleave(repeat, dim=1)
-        return causal_attention(q, keys, values, self.length)
+        return causal_attention(q, keys, values, self.length, mask)
 
     def advance(self, t: int) -> None:
         """Called by the model once all layers have stored the step's t positions."""
@@ -82,6 +88,14 @@ class KVCache:
     def get_seq_length(self, layer: int = 0) -> int:
         """Cached positions (the name transformers' generate() asks a cache for)."""
         return self.length
+
+    def reorder_cache(self, beam_idx: Tensor) -> None:
+        """Keep, for each row, the cached keys/values of row ``beam_idx[row]`` (the call
+        transformers' beam search makes after each step, when beams are re-ranked)."""
+        for layer in range(len(self.keys)):
+            index = beam_idx.to(self.keys[layer].device)
+            self.keys[layer] = self.keys[layer].index_select(0, index)
+            self.values[layer] = self.values[layer].index_select(0, index)
 
     def nbytes(self) -> int:
         return sum(x.numel() * x.element_size() for x in self.keys + self.values)

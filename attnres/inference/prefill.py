@@ -6,6 +6,8 @@ of N * T * d (docs/method.md §6, "memory-efficient prefill").
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
@@ -14,17 +16,22 @@ from attnres.inference.cache import KVCache
 
 @torch.no_grad()
 def chunked_prefill(model, input_ids: Tensor, cache: KVCache, chunk_size: int,
-                    *, all_logits: bool = False) -> Tensor:
+                    *, all_logits: bool = False, attention_mask: Optional[Tensor] = None) -> Tensor:
     """Feed ``input_ids`` [B, T] through ``cache`` ``chunk_size`` tokens at a time.
+
+    ``attention_mask`` [B, cache.length + T]: a padded batch (1 = token, 0 = padding), see
+    ``AttnResLM.forward``.
 
     Returns the logits of the last position [B, V], or of every position [B, T, V]
     with ``all_logits`` (equal to one full forward pass, to rounding).
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size={chunk_size} must be >= 1")
-    outputs = []
+    outputs, cached = [], cache.length
     for start in range(0, input_ids.shape[1], chunk_size):
-        logits = model(input_ids[:, start:start + chunk_size], cache=cache)
+        end = min(start + chunk_size, input_ids.shape[1])
+        mask = None if attention_mask is None else attention_mask[:, :cached + end]
+        logits = model(input_ids[:, start:end], cache=cache, attention_mask=mask)
         outputs.append(logits if all_logits else logits[:, -1:])
     out = torch.cat(outputs, dim=1)
     return out if all_logits else out[:, -1]

@@ -68,6 +68,7 @@ class BackboneInfo:
     are stacks of independent matrices (MoE experts: Muon treats each matrix on its own).
     ``step_counters(model)`` / ``end_step(model)``: statistics accumulated over a training step
     (summed over data-parallel replicas) and the per-step update and report that consume them.
+    ``padded_batches``: whether ``AttnResLM`` may run batches with padding (an ``attention_mask``).
     """
 
     name: str
@@ -83,6 +84,7 @@ class BackboneInfo:
     matrix_stacks: Callable = _no_stacks
     step_counters: Callable = _no_counters
     end_step: Callable = _no_report
+    padded_batches: bool = True
 
 
 # ----------------------------------------------------------------------------- llama
@@ -299,6 +301,7 @@ BACKBONES: Dict[str, BackboneInfo] = {
         matrix_stacks=_lazy("attnres.model.kimi_linear", "matrix_stacks"),
         step_counters=_lazy("attnres.model.kimi_linear", "expert_load_counters"),
         end_step=_lazy("attnres.model.kimi_linear", "end_step"),
+        padded_batches=False,
     ),
 }
 

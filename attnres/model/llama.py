@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import Tensor, nn
 
 from attnres.model.backbones import BACKBONES
@@ -33,7 +35,7 @@ def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[Tensor, 
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x: [B, H, T, hd]; cos/sin: [T, hd]."""
+    """x: [B, H, T, hd]; cos/sin: [T, hd], or [B, 1, T, hd] for per-row positions (padded batches)."""
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
     return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
@@ -92,17 +94,66 @@ class TransformerBlock(nn.Module):
         self.attn = Attention(config)
         self.mlp_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
         self.mlp = SwiGLU(config)
+        # activation checkpointing, under the names transformers' activation_checkpointing_enable()
+        # sets: while training, each sublayer (norm included) keeps only its input h_l and recomputes
+        # the rest in backward. The stream's reads and writes stay outside: recomputing them would
+        # write the stream twice.
+        self.gradient_checkpointing = False
+        self._gradient_checkpointing_func = None
 
     def forward(self, stream, index: int, cos: Tensor, sin: Tensor, cache=None) -> None:
         """Block ``index`` reads its two inputs from the stream and writes its two outputs back.
         A module call (not a loop over sublayers) so wrappers such as FSDP2 see one unit per block."""
         h = stream.read(2 * index)
-        stream.write(2 * index, self.attn(self.attn_norm(h), cos, sin, cache=cache, layer=index))
+        stream.write(2 * index, self._sublayer(lambda x: self.attn(self.attn_norm(x), cos, sin, cache=cache,
+                                                                   layer=index), h))
         h = stream.read(2 * index + 1)
-        stream.write(2 * index + 1, self.mlp(self.mlp_norm(h)))
+        stream.write(2 * index + 1, self._sublayer(lambda x: self.mlp(self.mlp_norm(x)), h))
+
+    def _sublayer(self, run, h: Tensor) -> Tensor:
+        # never under no_grad (decoding, whose KV cache must be written once): nothing to save there
+        if not (self.gradient_checkpointing and self.training and torch.is_grad_enabled()):
+            return run(h)
+        checkpoint = self._gradient_checkpointing_func or partial(torch.utils.checkpoint.checkpoint,
+                                                                  use_reentrant=False)
+        return checkpoint(run, h)
 
 
 # ----------------------------------------------------------------------------- model
+
+
+def padding_mask(attention_mask: Tensor, t: int) -> Tuple[Tensor, Tensor]:
+    """For a padded batch whose last ``t`` columns are being run: (positions [B, t], allowed [B, 1, t, S]).
+
+    ``attention_mask`` [B, S] marks real tokens 1 and padding 0 (left or right), over the cached
+    columns and the new ones. A real token's position counts only the real tokens before it, and
+    it attends to the real tokens up to itself: each row computes exactly what its unpadded
+    sequence computes alone. A padding query attends to itself only (a row with no allowed key
+    would give NaN); what it computes is never read.
+    """
+    real = attention_mask.bool()
+    positions = (real.long().cumsum(-1) - 1).clamp(min=0)[:, -t:]
+    s = real.shape[1]
+    query_col = torch.arange(s - t, s, device=real.device)[:, None]
+    key_col = torch.arange(s, device=real.device)[None, :]
+    allowed = ((key_col <= query_col) & real[:, None, :]) | (key_col == query_col)
+    return positions, allowed[:, None]
+
+
+class PaddedAttention:
+    """The attention context of a padded batch (what :class:`Attention` calls as ``cache.attend``):
+    keys at padding positions are masked on top of causality. ``cache``: the KV cache it stores
+    keys and values in (None: the whole sequence is in this call)."""
+
+    def __init__(self, allowed: Tensor, cache=None):
+        self.allowed, self.cache = allowed, cache
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, repeat: int) -> Tensor:
+        if self.cache is not None:
+            return self.cache.attend(layer, q, k, v, repeat, mask=self.allowed)
+        if repeat > 1:
+            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.allowed)
 
 
 def run_blocks(stream, blocks: Iterable[Tuple[int, TransformerBlock]], cos: Tensor, sin: Tensor,
@@ -191,7 +242,8 @@ class AttnResLM(nn.Module):
                 nn.init.ones_(module.weight)
         BACKBONES[self.config.backbone].init_weights(self)  # what the rule above does not cover
 
-    def forward(self, input_ids: Tensor, *, cache=None, return_record: bool = False):
+    def forward(self, input_ids: Tensor, *, cache=None, attention_mask: Optional[Tensor] = None,
+                return_record: bool = False):
         """input_ids [B, T] -> logits [B, T, V] (at least float32, under autocast too).
 
         ``cache`` (``attnres.inference.make_cache(model, batch_size)``: a ``KVCache``, or for
@@ -199,6 +251,11 @@ class AttnResLM(nn.Module):
         sequence (positions ``cache.length`` onwards) and their keys/values are
         appended; prefill, chunked prefill and decoding are all this call. The
         residual stream needs no cache: depth attention is per token.
+
+        ``attention_mask`` [B, cache.length + T] (the Hugging Face convention: cached and new
+        columns): 1 for real tokens, 0 for padding, on either side. Each row's real tokens then get
+        exactly the logits of that row run alone (positions count real tokens only, padding keys are
+        masked); the logits at padding positions are meaningless. An all-ones mask is no mask.
 
         With ``return_record=True`` returns ``LMOutput(logits, record)`` where the
         DepthRecord holds, per sublayer, the depth weights (per token), the
@@ -211,10 +268,27 @@ class AttnResLM(nn.Module):
                 f"positions {start}..{start + t - 1} exceed ModelConfig.max_seq_len="
                 f"{self.config.max_seq_len}; use shorter inputs or a model built with a larger max_seq_len"
             )
+        attention = cache
+        if attention_mask is not None:
+            if tuple(attention_mask.shape) != (b, start + t):
+                raise ValueError(
+                    f"attention_mask has shape {tuple(attention_mask.shape)}; expected {(b, start + t)} "
+                    "(batch, cached + new positions): pass the mask of the whole sequence so far")
+            if bool(attention_mask.all()):
+                attention_mask = None
+            elif not BACKBONES[self.config.backbone].padded_batches:
+                raise ValueError(
+                    f"attention_mask with padding: backbone={self.config.backbone!r} does not run padded batches "
+                    "(its recurrent layers would carry the padding's state); run each sequence alone, unpadded")
         record = DepthRecord() if return_record else None
-        cos, sin = self.rope_cos[start:start + t], self.rope_sin[start:start + t]
+        if attention_mask is None:
+            cos, sin = self.rope_cos[start:start + t], self.rope_sin[start:start + t]
+        else:
+            positions, allowed = padding_mask(attention_mask.to(input_ids.device), t)
+            cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
+            attention = PaddedAttention(allowed, cache)
         stream = self.residual.begin(self.embed(input_ids), record=record)
-        run_blocks(stream, enumerate(self.blocks), cos, sin, cache=cache)
+        run_blocks(stream, enumerate(self.blocks), cos, sin, cache=attention)
         if cache is not None:
             cache.advance(t)
         logits = output_logits(self.norm, self.lm_head, stream.end())

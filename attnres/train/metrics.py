@@ -10,7 +10,10 @@ Files in ``run_dir``:
                         metric name, that kind's file is rewritten with the wider
                         header (older rows get empty cells).
 ``tb/``                 TensorBoard events (tag ``<kind>/<name>``) when
-                        ``torch.utils.tensorboard`` can be imported; silently off otherwise.
+                        ``torch.utils.tensorboard`` can be imported (``pip install
+                        'attnres[tb]'``); off otherwise, unless asked for (``trackers``).
+``wandb/``              with the tracker ``wandb`` (when installed): the same scalars in a
+                        Weights & Biases run; ``WANDB_MODE=offline`` keeps it local.
 
 Values may be Python/numpy scalars, 0-d tensors, strings or None. Non-finite
 floats are written as the strings ``"nan"``, ``"inf"``, ``"-inf"`` (valid JSON;
@@ -73,10 +76,30 @@ def _csv_cell(value: Any) -> Any:
     return json.dumps(value) if isinstance(value, list) else value
 
 
+TRACKERS = {"tensorboard": ("torch.utils.tensorboard", "pip install 'attnres[tb]'"),
+            "wandb": ("wandb", "pip install wandb (WANDB_MODE=offline logs without a network)")}
+
+
+def check_trackers(names) -> None:
+    """Each of ``names`` (``TRACKERS``) can log here; a ValueError naming the install command if not."""
+    import importlib
+
+    for name in names:
+        if name not in TRACKERS:
+            raise ValueError(f"unknown tracker {name!r}; choose from {sorted(TRACKERS)}")
+        module, install = TRACKERS[name]
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            raise ValueError(f"--log {name}: {module} is not installed; {install}") from None
+
+
 class MetricsLogger:
     """Append-only metrics logger; see the module docstring for the file layout."""
 
-    def __init__(self, run_dir: str | os.PathLike, resume_step: int | None = None, *, tensorboard: bool = True):
+    def __init__(self, run_dir: str | os.PathLike, resume_step: int | None = None, *, tensorboard: bool = True,
+                 wandb_config: Mapping[str, Any] | None = None):
+        """``wandb_config``: log to a Weights & Biases run too, with this config (see :func:`check_trackers`)."""
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.jsonl_path = self.run_dir / METRICS_FILE
@@ -99,6 +122,12 @@ class MetricsLogger:
             if SummaryWriter is not None:
                 purge = None if resume_step is None else resume_step + 1
                 self._tb = SummaryWriter(log_dir=str(self.run_dir / "tb"), purge_step=purge)
+        self._wandb = None
+        if wandb_config is not None:
+            import wandb
+
+            self._wandb = wandb.init(project="attnres", name=self.run_dir.name, dir=str(self.run_dir),
+                                     config=dict(wandb_config))
 
     # ------------------------------------------------------------------ paths / setup
 
@@ -181,6 +210,9 @@ class MetricsLogger:
                 if k not in _RESERVED and isinstance(v, (int, float)) and not isinstance(v, bool):
                     self._tb.add_scalar(f"{kind}/{k}", v, global_step=row["step"])
             self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log({f"{kind}/{k}": v for k, v in row.items() if k not in _RESERVED
+                             and isinstance(v, (int, float)) and not isinstance(v, bool)}, step=row["step"])
         return row
 
     def _write_csv(self, kind: str, row: dict) -> None:
@@ -214,6 +246,9 @@ class MetricsLogger:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
 
     def __enter__(self) -> MetricsLogger:
         return self

@@ -23,7 +23,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -41,7 +41,8 @@ from attnres.parallel.runtime import (
 from attnres.parallel.state import load_full_model_state, load_named_optimizer_state, named_optimizer_state
 from attnres.train.config import RESUMABLE_CHANGES, TrainConfig
 from attnres.train.memory import check_memory
-from attnres.train.metrics import MetricsLogger
+from attnres.train.metrics import MetricsLogger, check_trackers
+from attnres.train.progress import StepProgress, progress_bar
 from attnres.train.optim import build_optimizer
 from attnres.train.run_dir import claim_run_directory
 from attnres.train.schedule import make_schedule, set_lr
@@ -78,10 +79,11 @@ class TrainResult:
 
 @torch.no_grad()
 def evaluate(model, split, *, batch_size: int, seq_len: int, max_batches: Optional[int] = None,
-             autocast=nullcontext, loss_of: Optional[Callable] = None) -> dict:
+             autocast=nullcontext, loss_of: Optional[Callable] = None, progress: bool = False) -> dict:
     """Validation loss (nats/token) and bits per byte over the split's first windows.
 
-    ``loss_of(x, y) -> float`` (mean loss of a batch) replaces ``model(x)`` for parallel runs."""
+    ``loss_of(x, y) -> float`` (mean loss of a batch) replaces ``model(x)`` for parallel runs.
+    ``progress``: a bar over the batches (on a terminal, see ``attnres.train.progress``)."""
     from attnres.data import bits_per_byte, eval_batches
 
     check_max_batches(max_batches)
@@ -93,17 +95,23 @@ def evaluate(model, split, *, batch_size: int, seq_len: int, max_batches: Option
     was_training = model.training
     model.eval()
     total, n = 0.0, 0
+    batches = -(-((len(split.tokens) - 1) // seq_len) // batch_size)
+    bar = progress_bar(total=min(batches, max_batches or batches), desc="eval", unit="batch") if progress else None
     for x, y in eval_batches(split.tokens, batch_size, seq_len, max_batches=max_batches):
         x, y = x.to(device), y.to(device)
         total += loss_of(x, y) * x.numel()
         n += x.numel()
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
     model.train(was_training)
     loss = total / n
     return {"val_loss": loss, "val_bpb": bits_per_byte(loss, split.bytes_per_token)}
 
 
 def evaluate_run(run_or_checkpoint: str, *, data: Optional[str] = None, max_batches: Optional[int] = None,
-                 device: str = "cpu") -> dict:
+                 device: str = "cpu", progress: bool = False) -> dict:
     """Validation loss of a trained run on its own validation split (or on ``data``'s): the
     checkpoint's step plus :func:`evaluate`'s numbers, with the run's batch shape and the run's own
     tokenizer (``tokenizer.json``: a tokenizer trained anew on other data would give other ids)."""
@@ -121,7 +129,8 @@ def evaluate_run(run_or_checkpoint: str, *, data: Optional[str] = None, max_batc
     split = prepare_data(data=data if data else tc["data"], tokenizer=tokenizer or tc["tokenizer"],
                          vocab_size=tc["vocab_size"], val_fraction=tc["val_fraction"],
                          cache_dir=tc.get("cache_dir")).val
-    ev = evaluate(model, split, batch_size=tc["batch_size"], seq_len=tc["seq_len"], max_batches=max_batches)
+    ev = evaluate(model, split, batch_size=tc["batch_size"], seq_len=tc["seq_len"], max_batches=max_batches,
+                  progress=progress)
     return {"step": state["step"], **ev}
 
 
@@ -162,10 +171,17 @@ class _GracefulInterrupt:
 
 class Trainer:
     def __init__(self, model_config: ModelConfig, train_config: TrainConfig, *, resume: bool = False,
-                 force: bool = False, log: Callable[[str], None] = print):
+                 force: bool = False, log: Callable[[str], None] = print, trackers: Sequence[str] = (),
+                 name: Optional[str] = None):
         """``resume``: continue the run in ``train_config.out_dir``; ``force``: delete the run there and
         start over; with neither, a directory that holds a run is refused. The run directory stays
-        locked to this trainer until :meth:`run` returns (or :meth:`close`)."""
+        locked to this trainer until :meth:`run` returns (or :meth:`close`). ``trackers``: where the
+        metrics go besides the run directory's files (``attnres.train.metrics.TRACKERS``:
+        "tensorboard", on anyway when installed; "wandb"); checked here, before any work. ``name``:
+        what the progress bar calls the run (default: the run directory's name)."""
+        check_trackers(trackers)
+        self.trackers = tuple(trackers)
+        self.name = name or Path(train_config.out_dir).name
         self.cfg = train_config
         self.resume = resume
         self.log = log
@@ -467,14 +483,13 @@ class Trainer:
                 self.data.tokenizer.save(str(self.out_dir / TOKENIZER_FILE))
         tokens_per_step = c.batch_size * c.seq_len * c.grad_accum
         # from the checkpoint's step (0 for a new run): rows of an interrupted attempt beyond it go
-        metrics = MetricsLogger(self.out_dir, resume_step=self.step) if self.is_main else None
+        wandb_config = {"model": self.model_config.to_dict(), "train": c.to_dict()} \
+            if "wandb" in self.trackers else None
+        metrics = MetricsLogger(self.out_dir, resume_step=self.step, wandb_config=wandb_config) \
+            if self.is_main else None
         step_times = []
-        bar = None
-        if c.progress and self.is_main:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=c.steps, initial=self.step, desc=self.out_dir.name, unit="step",
-                       dynamic_ncols=True, leave=True)
+        # a bar on a terminal, plain lines in a log (attnres.train.progress)
+        progress = StepProgress(c.steps, self.step, self.name) if c.progress and self.is_main else None
         start_wall = time.perf_counter()
         try:
             with _GracefulInterrupt() as interrupt:
@@ -488,19 +503,17 @@ class Trainer:
                     self.state["train_loss"] = loss
                     row = {"loss": loss, "lr": self._last_lr, "tokens": self.state["tokens"],
                            "step_seconds": dt, "tokens_per_second": tokens_per_step / dt, **self.step_report}
-                    if self.step % c.eval_every == 0 or self.step == c.steps:
+                    evaluated = self.step % c.eval_every == 0 or self.step == c.steps
+                    if evaluated:
                         ev = self.evaluate()
                         if metrics is not None:
                             metrics.log({**ev, "tokens": self.state["tokens"]}, step=self.step, kind="eval")
                         self.state.update(ev)
                     if metrics is not None:
                         metrics.log(row, step=self.step, kind="train")
-                    if bar is not None:
-                        bar.update(1)
-                        post = {"loss": f"{loss:.3f}", "tok/s": f"{tokens_per_step / dt:,.0f}"}
-                        if "val_loss" in self.state:
-                            post["val"] = f"{self.state['val_loss']:.3f}"
-                        bar.set_postfix(post)
+                    if progress is not None:
+                        progress.update(self.step, loss, tokens_per_step / dt, self.state.get("val_loss"),
+                                        evaluated)
                     if self.step % c.checkpoint_every == 0 or self.step == c.steps:
                         self.save()
                     if self.strategy.any_rank(interrupt.requested):  # all ranks stop at the same step
@@ -510,8 +523,8 @@ class Trainer:
                             f"continue with --resume --out {self.out_dir}"
                         )
         finally:
-            if bar is not None:
-                bar.close()
+            if progress is not None:
+                progress.close()
             if metrics is not None:
                 metrics.close()
 
@@ -524,4 +537,21 @@ class Trainer:
             out_dir=str(self.out_dir),
         )
         return self._write_summary(result)
+
+    def write_figures(self) -> List[Path]:
+        """Draw the run's figures into its directory (``attnres.analysis.plots.plot_run``): loss.png and,
+        for depth-attention schemes, depth_weights.png of the model now on the first validation batch.
+        Rank 0 draws; the depth weights need the whole model in one process (no DDP, FSDP2, pipeline)."""
+        if not self.is_main:
+            return []
+        from attnres.analysis.depth import write_depth_weights
+        from attnres.analysis.plots import plot_run
+        from attnres.data import eval_batches
+
+        if not self.strategy.distributed:
+            x, _ = next(iter(eval_batches(self.data.val.tokens, self.cfg.batch_size, self.cfg.seq_len,
+                                          max_batches=1)))
+            with self._autocast():
+                write_depth_weights(self.model, x.to(self.device), self.out_dir)
+        return plot_run(self.out_dir)
 

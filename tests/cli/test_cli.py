@@ -8,7 +8,7 @@ import pytest
 
 import attnres.cli
 from attnres.cli import build_parser, main
-from attnres.cli.options import CLIError, parse_set, run_overrides
+from attnres.cli.options import CLIError, parse_set, run_overrides, unescape
 
 
 def test_set_values_are_literals_booleans_none_or_text():
@@ -36,16 +36,53 @@ def test_run_options_layer_config_file_then_set_then_flags(tmp_path):
     cfg = tmp_path / "run.toml"
     cfg.write_text('preset = "tiny"\n[train]\nsteps = 3\nlr = 0.1\n[model]\nd_model = 48\n')
     args = build_parser().parse_args(["train", "--config", str(cfg), "--set", "steps=4", "--set", "lr=0.2",
-                                      "--lr", "0.3", "--schedule", "GPipe", "--no-pp-cache"])
-    assert run_overrides(args) == {"preset": "tiny", "steps": 4, "lr": 0.3, "d_model": 48,
-                                   "pp_schedule": "GPipe", "pp_cache": False}
-    args = build_parser().parse_args(["demo", "--schedule", "cosine", "--seed", "3"])
+                                      "--lr", "0.3", "--pp-schedule", "GPipe", "--no-pp-cache", "--threads", "2",
+                                      "--warmup-steps", "1", "--eval-every", "2", "--lr-schedule", "cosine"])
+    assert run_overrides(args) == {"preset": "tiny", "steps": 4, "lr": 0.3, "d_model": 48, "pp_schedule": "GPipe",
+                                   "pp_cache": False, "threads": 2, "warmup_steps": 1, "eval_every": 2,
+                                   "schedule": "cosine"}
+    args = build_parser().parse_args(["demo", "--lr-schedule", "cosine", "--seed", "3"])
     assert run_overrides(args) == {"schedule": "cosine", "seed": 3}
+
+
+@pytest.mark.parametrize("value, field", [("cosine", "schedule"), ("GPipe", "pp_schedule")])
+def test_schedule_is_a_deprecated_alias_of_both_schedule_flags(value, field, capsys):
+    args = build_parser().parse_args(["train", "--schedule", value])
+    assert run_overrides(args) == {field: value}
+    flag = "--lr-schedule" if field == "schedule" else "--pp-schedule"
+    assert f"--schedule is deprecated; use {flag} {value}" in capsys.readouterr().err
+    # the new flag wins over the old one
+    assert run_overrides(build_parser().parse_args(["train", "--schedule", "wsd", "--lr-schedule", "constant"])) \
+        == {"schedule": "constant"}
+
+
+def _parsers(parser, name="attnres"):
+    """Every (command, parser) below ``parser``: the verbs and the bench subcommands."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for verb, child in action.choices.items():
+                yield f"{name} {verb}", child
+                yield from _parsers(child, f"{name} {verb}")
+
+
+def test_every_help_shows_defaults_and_an_example():
+    commands = dict(_parsers(build_parser()))
+    assert len(commands) == 11 + 4  # the verbs and the benches
+    for command, parser in commands.items():
+        text = " ".join(parser.format_help().split())
+        assert "example" in text and f"{command} " in text.replace("-m attnres", "attnres"), command
+        for action in parser._actions:
+            shown = action.default is not None and action.default is not False and action.option_strings
+            if shown and action.help != argparse.SUPPRESS and action.dest != "help":
+                assert "default" in " ".join((parser._get_formatter()._expand_help(action)).split()), \
+                    (command, action.dest)
+    sample = " ".join(commands["attnres sample"].format_help().split())
+    assert "(default: ROMEO:\\n)" in sample and "(default: 200)" in sample and "(default: 0.8)" in sample
 
 
 def test_the_package_docstring_lists_every_verb():
     verbs = list(_subcommands())
-    assert len(verbs) == len(attnres.cli.VERBS) == 10
+    assert len(verbs) == len(attnres.cli.VERBS) == 11
     for verb in verbs:
         assert f"attnres {verb} " in attnres.cli.__doc__, verb
 
@@ -68,3 +105,10 @@ def test_python_dash_m_attnres_is_the_command():
     done = subprocess.run([sys.executable, "-m", "attnres", "--help"], capture_output=True, text=True,
                           cwd=root, env={"PYTHONPATH": str(root), "PATH": ""}, timeout=120)
     assert done.returncode == 0 and "experiment" in done.stdout and "convert" in done.stdout
+
+
+def test_text_flags_unescape_what_a_shell_passes_literally():
+    assert unescape(r"\n\n") == "\n\n" and unescape(r"a\tb\\n") == "a\tb\\n"
+    assert unescape("café \\x ✓") == "café \\x ✓"  # nothing else changes
+    args = build_parser().parse_args(["sample", "runs/x", "--stop", r"\n\n", "--prompt", r"ROMEO:\n"])
+    assert (args.stop, args.prompt) == ("\n\n", "ROMEO:\n")

@@ -362,6 +362,8 @@ def test_cli_experiment_report_and_errors(tmp_path, write_spec, tiny_base, capsy
     assert main(["experiment", "cli", "--no-progress", "--max-runs", "2", *common]) == 0
     assert "2 trained" in capsys.readouterr().out
     assert main(["experiment", "cli", "--no-progress", *common]) == 0
+    # the closing hint is the report command for these runs
+    assert f"report with `attnres report cli --runs {runs} --specs {specs}`" in capsys.readouterr().out
     out_dir = tmp_path / "report"
     assert main(["report", "cli", *common, "--out", str(out_dir)]) == 0
     text = (out_dir / "REPORT.md").read_text()
@@ -369,6 +371,12 @@ def test_cli_experiment_report_and_errors(tmp_path, write_spec, tiny_base, capsy
     assert f"`attnres experiment cli --max-runs 2 --runs {runs} --specs {specs}`" in text
     assert (out_dir / "loss_curves.png").exists() and "Δ vs prenorm" in text
 
+    # where no runs directory is (attnres report outside a clone): say where runs are expected
+    assert main(["report", "cli", "--specs", str(specs), "--runs", str(tmp_path / "elsewhere"),
+                 "--out", str(tmp_path / "r2")]) == 2
+    err = capsys.readouterr().err
+    assert f"runs directory {tmp_path / 'elsewhere'} does not exist" in err and "--runs" in err
+    assert not (tmp_path / "r2").exists()
     assert main(["experiment", *common]) == 0
     assert "experiments: cli" in capsys.readouterr().out
     assert main(["experiment", "nope", *common]) == 2

@@ -1,4 +1,5 @@
 """The runner: finished runs are skipped, interrupted ones resume exactly, identical configs run once."""
+import io
 import json
 import os
 import signal
@@ -73,16 +74,25 @@ def test_runs_in_slices_then_skips_what_is_finished(two_by_two):
     assert [r["state"] for r in manifest["runs"]] == ["done"] * 4
 
 
-def test_the_run_record_names_the_thread_count_it_trained_with(two_by_two):
+def test_the_run_record_names_the_thread_count_it_trained_with(two_by_two, monkeypatch):
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
     spec, root = two_by_two
+    terminal = Terminal()
+    monkeypatch.setattr("sys.stdout", terminal)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)  # the process default; --threads 1 applies when the Trainer starts
-        run_experiment(spec, root, only="prenorm/seed=0", threads=1, progress=False, log=quiet)
+        run_experiment(spec, root, only="prenorm/seed=0", threads=1, progress=True, log=quiet)
     finally:
         torch.set_num_threads(before)
     info = json.loads((plan_status(spec, root)[0].dir / RUN_FILE).read_text())
     assert "(1 threads)" in info["invocations"][0]["machine"]
+    # the progress bar is named by the run, not by its directory (the config hash)
+    status = plan_status(spec, root)[0]
+    assert f"{status.run.name}: " in terminal.getvalue() and status.run.hash not in terminal.getvalue()
 
 
 def test_an_interrupted_run_resumes_from_its_checkpoint_exactly(two_by_two, monkeypatch):

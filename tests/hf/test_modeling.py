@@ -149,14 +149,55 @@ def test_forward_matches_attnres_lm_and_loss_follows_hf_convention():
 def test_forward_rejects_what_attnres_lm_cannot_do():
     model = AttnResForCausalLM(tiny_config()).eval()
     ids = torch.randint(0, 97, (2, 8))
-    mask = torch.ones_like(ids)
-    mask[1, :3] = 0
-    with pytest.raises(NotImplementedError, match="padding"):
-        model(ids, attention_mask=mask)
     with pytest.raises(NotImplementedError, match="inputs_embeds"):
         model(inputs_embeds=torch.zeros(1, 3, 32))
-    with pytest.raises(NotImplementedError, match="output_hidden_states"):
-        model(ids, output_hidden_states=True)
+    with pytest.raises(NotImplementedError, match="output_attentions"):
+        model(ids, output_attentions=True)
+
+
+def test_hidden_states_are_the_sublayer_inputs_and_the_stream_output():
+    torch.manual_seed(0)
+    model = perturbed(AttnResForCausalLM(tiny_config(residual="full"))).double().eval()
+    ids = torch.randint(0, 97, (2, 9))
+    with torch.no_grad():
+        out = model(ids, output_hidden_states=True)
+        record = model.model(ids, return_record=True).record
+    n = model.model.config.n_sublayers
+    assert len(out.hidden_states) == n + 1 and out.hidden_states[0].shape == (2, 9, 32)
+    assert torch.equal(out.hidden_states[0], model.model.embed(ids))  # h_0 attends over the embedding alone
+    # the record's RMS of each sublayer input is that of the hidden state
+    for layer in range(n):
+        rms = out.hidden_states[layer].float().pow(2).mean().sqrt().item()
+        assert rms == pytest.approx(record.input_rms[layer], rel=1e-6)
+    # the last one is what the final norm turns into logits
+    torch.testing.assert_close(model.model.lm_head(model.model.norm(out.hidden_states[-1])), out.logits,
+                               rtol=0, atol=0)
+    assert model(ids).hidden_states is None and len(model(ids, output_hidden_states=True,
+                                                          return_dict=False)) == 2
+
+
+def test_gradient_checkpointing_through_the_hf_flag_gives_the_same_gradients():
+    torch.manual_seed(0)
+    model = perturbed(AttnResForCausalLM(tiny_config(residual="block", attnres_blocks=3))).double().train()
+    ids = torch.randint(0, 97, (2, 12))
+
+    def gradients():
+        model.zero_grad()
+        model(ids, labels=ids).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    calls = []
+    model.model.blocks[0].attn.register_forward_pre_hook(lambda *a: calls.append(1))
+    plain = gradients()
+    assert len(calls) == 1 and not model.is_activation_checkpointing
+    model.activation_checkpointing_enable()  # formerly gradient_checkpointing_enable()
+    assert model.is_activation_checkpointing and model.model.blocks[2].gradient_checkpointing
+    checkpointed = gradients()
+    assert len(calls) == 3  # the forward, and its recomputation in backward
+    for name, grad in plain.items():
+        torch.testing.assert_close(checkpointed[name], grad, rtol=1e-10, atol=1e-12)
+    model.activation_checkpointing_disable()
+    assert not model.model.blocks[0].gradient_checkpointing
 
 
 @pytest.mark.parametrize("residual", ["block", "full"])
@@ -205,6 +246,57 @@ def test_generate_batch_and_eos():
     eos = int(out[0, 7])  # the third generated token: generation stops there
     stopped = model.generate(prompts[:1], max_new_tokens=8, do_sample=False, eos_token_id=eos)
     assert stopped[0, -1].item() == eos and stopped.shape[1] <= 8
+
+
+@pytest.mark.parametrize("residual", ["block", "full"])
+def test_padded_batch_generate_matches_each_prompt_alone(residual, pad):
+    """Left-padded prompts of different lengths in one generate() call: each row generates exactly
+    what its prompt generates alone (greedy), and the forward logits agree at every real position."""
+    torch.manual_seed(0)
+    model = perturbed(AttnResForCausalLM(tiny_config(residual=residual))).double().eval()
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, 97, (n,), generator=g) for n in (4, 9, 6)]
+    ids, mask = pad(prompts, pad_id=0, side="left")
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        logits = model(ids, attention_mask=mask).logits
+    for row, p in enumerate(prompts):
+        alone = model.generate(p[None], max_new_tokens=8, do_sample=False)
+        assert out[row, ids.shape[1]:].tolist() == alone[0, len(p):].tolist()
+        with torch.no_grad():
+            torch.testing.assert_close(logits[row, -len(p):], model(p[None]).logits[0], rtol=1e-10, atol=1e-10)
+    uncached = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0,
+                              use_cache=False)
+    assert torch.equal(out, uncached)
+
+
+def test_text_generation_pipeline_batches_padded_prompts():
+    from transformers import pipeline
+
+    from attnres.data import ByteTokenizer
+    from attnres.hf import hf_tokenizer
+
+    torch.manual_seed(0)
+    model = perturbed(AttnResForCausalLM(tiny_config(vocab_size=256, residual="block"))).eval()
+    tokenizer = hf_tokenizer(ByteTokenizer())
+    texts = ["To be", "or not to be, that", "is the question:"]
+    generator = pipeline("text-generation", model=model, tokenizer=tokenizer, device="cpu")
+    kw = dict(max_new_tokens=6, do_sample=False, return_full_text=False)
+    batched = generator(texts, batch_size=2, **kw)
+    alone = [generator(text, **kw) for text in texts]
+    assert [b[0]["generated_text"] for b in batched] == [a[0]["generated_text"] for a in alone]
+    assert all(len(tokenizer(a[0]["generated_text"])["input_ids"]) >= 1 for a in alone)
+
+
+@pytest.mark.parametrize("residual", ["block", "full"])
+def test_beam_search_with_the_cache_equals_without(residual):
+    torch.manual_seed(0)
+    model = perturbed(AttnResForCausalLM(tiny_config(residual=residual))).double().eval()
+    prompts = torch.randint(0, 97, (2, 5))
+    kw = dict(max_new_tokens=7, num_beams=3, num_return_sequences=2, do_sample=False)
+    cached = model.generate(prompts, **kw)
+    assert torch.equal(cached, model.generate(prompts, use_cache=False, **kw))
+    assert cached.shape == (4, 12)
 
 
 # ----------------------------------------------------------------------------- training

@@ -151,6 +151,57 @@ def test_cli_mistral_with_window(tmp_path, capsys):
     assert err < 3e-7
 
 
+def test_exported_tokenizer_names_bos_eos_pad_and_generation_config(tmp_path):
+    """The document separator is the eos (and bos) when it is one token; padding is the NUL byte;
+    encoding is unchanged; the Hugging Face directory's generation_config.json carries them."""
+    from attnres.data import DOC_SEPARATOR
+
+    bpe = train_bpe([TEXT * 20] + ["the quick brown fox\n\n"] * 50, vocab_size=300)
+    (separator,) = bpe.encode(DOC_SEPARATOR)
+    tok = hf_tokenizer(bpe)
+    assert (tok.eos_token_id, tok.bos_token_id, tok.pad_token_id) == (separator, separator, bpe.encode("\0")[0])
+    assert tok.padding_side == "left"
+    assert tok("a\n\nb" + TEXT)["input_ids"] == bpe.encode("a\n\nb" + TEXT)  # special tokens do not split text
+    byte = hf_tokenizer(ByteTokenizer())
+    assert byte.pad_token_id == 0 and byte.eos_token_id is None  # two newlines are two byte tokens
+    run, _ = native_run(tmp_path)
+    bpe.save(run / "tokenizer.json")  # pretend the run used the BPE tokenizer
+    assert main(["convert", str(run), str(tmp_path / "hf")]) == 0
+    generation = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == separator and generation["pad_token_id"] == tok.pad_token_id
+    assert AutoTokenizer.from_pretrained(tmp_path / "hf").eos_token_id == separator
+
+
+def test_native_checkpoints_written_from_hf_are_complete_runs(tmp_path, capsys, monkeypatch):
+    """to_native / convert --to native write the tokenizer and a train config that attnres eval and
+    attnres sample accept: for a model that never was a native run (default train config) and for one
+    that was (its own train config comes back)."""
+    from attnres.hf import AttnResConfig
+    from attnres.train.config import TrainConfig
+
+    monkeypatch.setenv("ATTNRES_CACHE", str(tmp_path / "cache"))
+    torch.manual_seed(0)
+    fresh = AttnResForCausalLM(AttnResConfig(vocab_size=256, d_model=32, n_layers=2, n_heads=4, max_seq_len=32))
+    path = hf_to_native(fresh, tmp_path / "fresh", tokenizer=ByteTokenizer())
+    assert read_checkpoint_state(path)["train_config"]["seq_len"] == 32
+    # a run of attnres train, through Hugging Face and back
+    run, lm = native_run(tmp_path)
+    trained = TrainConfig(tokenizer="byte", seq_len=16, batch_size=2, out_dir=str(run)).to_dict()
+    save_checkpoint(run / "checkpoint", model=lm, optimizer=None, step=7, train_state={},
+                    model_config=lm.config.to_dict(), train_config=trained)
+    back = AttnResForCausalLM.from_native(run).to_native(tmp_path / "back")
+    assert read_checkpoint_state(back)["train_config"] == trained
+    assert main(["convert", str(run), str(tmp_path / "hf")]) == 0
+    assert main(["convert", str(tmp_path / "hf"), str(tmp_path / "cli-back"), "--to", "native"]) == 0
+    assert read_checkpoint_state(tmp_path / "cli-back")["train_config"] == trained
+    capsys.readouterr()
+    for directory in (path, back, tmp_path / "cli-back"):
+        assert main(["eval", str(directory), "--batches", "1"]) == 0
+        assert json.loads(capsys.readouterr().out)["step"] == 0
+        assert main(["sample", str(directory), "--prompt", "ab", "--max-new-tokens", "3"]) == 0
+        assert capsys.readouterr().out.startswith("ab")
+
+
 def test_convert_never_replaces_a_training_checkpoint_without_force(tmp_path, capsys):
     run, _ = native_run(tmp_path)
     assert main(["convert", str(run), str(tmp_path / "hf")]) == 0

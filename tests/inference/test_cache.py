@@ -79,3 +79,40 @@ def test_cache_holds_keys_and_values_only():
     cache = KVCache.for_model(model, batch_size=2)
     c = model.config
     assert cache.nbytes() == 2 * c.n_layers * 2 * c.n_kv_heads * c.head_dim * c.max_seq_len * 4
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("residual", ["prenorm", "block", "full", "mudd"])
+def test_padded_batch_prefill_and_decode_equal_each_prompt_alone(residual, side, pad):
+    """Chunked prefill of a padded batch, then cached decoding with the mask grown by one column per
+    step: each row's logits are those of its prompt and continuation run alone (float64, 1e-10)."""
+    model = model_for(residual, torch.float64)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(1, 61, (n,), generator=g) for n in (6, 11, 3)]
+    ids, mask = pad(prompts, pad_id=9, side=side)
+    steps = torch.randint(1, 61, (3, 4), generator=g)  # the tokens each row decodes next
+    cache = KVCache.for_model(model, batch_size=3)
+    with torch.no_grad():
+        prefill = chunked_prefill(model, ids, cache, 4, all_logits=True, attention_mask=mask)
+        decoded = []
+        for s in range(steps.shape[1]):
+            mask = torch.cat([mask, torch.ones(3, 1, dtype=mask.dtype)], dim=1)
+            decoded.append(model(steps[:, s:s + 1], cache=cache, attention_mask=mask)[:, 0])
+        for row, p in enumerate(prompts):
+            alone = model(torch.cat([p, steps[row]])[None])[0]
+            real = mask[row, :ids.shape[1]].bool()
+            torch.testing.assert_close(prefill[row][real], alone[:len(p)], rtol=1e-10, atol=1e-10)
+            torch.testing.assert_close(torch.stack([d[row] for d in decoded]), alone[len(p):],
+                                       rtol=1e-10, atol=1e-10)
+
+
+def test_cache_reorders_rows_for_beam_search():
+    model = model_for("block", torch.float64)
+    x = tokens(8)
+    cache = KVCache.for_model(model, batch_size=2)
+    with torch.no_grad():
+        model(x[:, :5], cache=cache)
+        cache.reorder_cache(torch.tensor([1, 1]))  # both rows continue row 1
+        out = model(x[1:, 5:].expand(2, -1), cache=cache)
+        alone = model(x[1:])[:, 5:]
+    torch.testing.assert_close(out, alone.expand(2, -1, -1), rtol=1e-10, atol=1e-10)

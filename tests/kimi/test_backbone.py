@@ -104,3 +104,13 @@ def test_experts_are_muon_matrices_and_the_rest_is_sorted():
     assert kinds["blocks.0.attn.forget_gate.A_log"] == "no_decay"
     assert kinds["blocks.0.attn.conv1d.weight"] == "no_decay"
     assert kinds["blocks.0.attn.q_proj.weight"] == "matrix"
+
+
+def test_padded_batches_are_refused_by_name_and_full_masks_run():
+    model = AttnResLM(ModelConfig(**{**TINY, "n_layers": 2, "kimi_layer_pattern": "KM"})).eval()
+    ids = torch.randint(0, 40, (2, 6))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, attention_mask=torch.ones(2, 6)), model(ids), rtol=0, atol=0)
+        with pytest.raises(ValueError, match=r"backbone='kimi_linear' does not run padded batches") as e:
+            model(ids, attention_mask=torch.tensor([[0, 1, 1, 1, 1, 1], [1] * 6]))
+    assert "\n" not in str(e.value)

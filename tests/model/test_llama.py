@@ -49,3 +49,27 @@ def test_every_scheme_gets_the_same_sublayer_weights_for_one_seed(make):
         state = make(residual, **extra).state_dict()
         for name, value in base.items():
             assert torch.equal(state[name], value), (residual, name)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("residual", sorted(RESIDUALS))
+def test_padded_rows_equal_each_prompt_run_alone(residual, side, make, pad):
+    """Full forward with an attention mask: every real position of a padded row has the logits of its
+    prompt run alone (float64, every scheme, padding on either side)."""
+    model = make(residual)
+    randomize(model.residual)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, 50, (n,), generator=g) for n in (5, 9, 2)]
+    ids, mask = pad(prompts, pad_id=7, side=side)
+    out = model(ids, attention_mask=mask)
+    assert torch.isfinite(out).all()  # padding queries too
+    for row, p in enumerate(prompts):
+        alone = model(p[None])[0]
+        torch.testing.assert_close(out[row][mask[row].bool()], alone, rtol=1e-10, atol=1e-10)
+    # an all-ones mask is no mask at all
+    assert torch.equal(model(ids, attention_mask=torch.ones_like(ids)), model(ids))
+
+
+def test_attention_mask_of_the_wrong_shape_is_a_clear_error(make, tokens):
+    with pytest.raises(ValueError, match=r"attention_mask has shape \(2, 6\); expected \(2, 7\)"):
+        make("block")(tokens(t=7), attention_mask=torch.ones(2, 6))

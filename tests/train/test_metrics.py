@@ -5,6 +5,8 @@ from __future__ import annotations
 import csv
 import json
 import math
+import sys
+import types
 
 import numpy as np
 import pytest
@@ -73,3 +75,43 @@ def test_metrics_logger_files_and_resume(tmp_path):
             log.log({"step": 1}, step=1)
         with pytest.raises(ValueError, match="kind"):
             log.log({"x": 1}, step=1, kind="../evil")
+
+
+def test_trackers_that_are_not_installed_are_one_clear_error(monkeypatch, capsys):
+    from attnres.cli import main
+    from attnres.train.metrics import check_trackers
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb fails, installed or not
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    with pytest.raises(ValueError, match=r"--log wandb: wandb is not installed; pip install wandb \(WANDB_MODE"):
+        check_trackers(["wandb"])
+    with pytest.raises(ValueError, match=r"pip install 'attnres\[tb\]'"):
+        check_trackers(["tensorboard"])
+    with pytest.raises(ValueError, match="unknown tracker 'mlflow'"):
+        check_trackers(["mlflow"])
+    assert main(["train", "--preset", "tiny", "--log", "wandb", "--out", "unused"]) == 2
+    assert "attnres train: error: --log wandb: wandb is not installed" in capsys.readouterr().err
+
+
+def test_wandb_gets_every_numeric_metric_by_kind(tmp_path, monkeypatch):
+    """The wiring to a Weights & Biases run, through a stand-in module with wandb's calls."""
+    calls = []
+
+    class Run:
+        def log(self, values, step):
+            calls.append(("log", values, step))
+
+        def finish(self):
+            calls.append(("finish",))
+
+    def init(**kwargs):
+        calls.append(("init", kwargs))
+        return Run()
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init))
+    with MetricsLogger(tmp_path / "run", tensorboard=False, wandb_config={"train": {"lr": 0.1}}) as m:
+        m.log({"loss": 2.5, "note": "text", "flag": True}, step=3)
+        m.log({"val_loss": 2.25}, step=3, kind="eval")
+    assert calls[0] == ("init", {"project": "attnres", "name": "run", "dir": str(tmp_path / "run"),
+                                 "config": {"train": {"lr": 0.1}}})
+    assert calls[1:] == [("log", {"train/loss": 2.5}, 3), ("log", {"eval/val_loss": 2.25}, 3), ("finish",)]

@@ -107,8 +107,21 @@ def run_cli(*argv):
 def test_cli_train_eval_sample(corpus, tmp_path, capsys):
     out = tmp_path / "run"
     assert run_cli("train", "--preset", "tiny", "--data", corpus, "--out", out, "--steps", 12,
-                   "--set", "warmup_steps=2", "--residual", "full", "--no-progress") == 0
-    assert "val loss" in capsys.readouterr().out
+                   "--warmup-steps", 2, "--eval-every", 6, "--residual", "full") == 0
+    printed = capsys.readouterr().out
+    assert "val loss" in printed and f"attnres plot {out}" in printed
+    # stdout is no terminal here: plain lines, no bar
+    assert "step 6/12  loss" in printed and "  val " in printed and "\r" not in printed
+    # the run's figures, and the depth weights they draw: one row per sublayer and the output
+    config = json.loads((out / "config.json").read_text())
+    assert config["train"]["warmup_steps"] == 2 and config["train"]["eval_every"] == 6
+    depth = json.loads((out / "depth_weights.json").read_text())
+    assert len(depth["weights"]) == 2 * config["model"]["n_layers"] + 1 and depth["sources"][0] == "emb"
+    for png in ("loss.png", "depth_weights.png"):
+        assert (out / png).stat().st_size > 1000
+        (out / png).unlink()
+    assert run_cli("plot", out) == 0 and (out / "loss.png").is_file() and (out / "depth_weights.png").is_file()
+    assert "written:" in capsys.readouterr().out
     assert run_cli("eval", out, "--batches", 2) == 0
     ev = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert ev["step"] == 12 and ev["val_loss"] > 0 and ev["val_bpb"] > 0
@@ -217,3 +230,15 @@ def test_bf16_autocast_training_runs(corpus, tmp_path):
     result = Trainer(*configs(corpus, tmp_path / "run", residual="block", precision="bf16", steps=4,
                               warmup_steps=1)).run()
     assert result.steps == 4 and math.isfinite(result.val_loss)
+
+
+def test_schemes_without_depth_weights_get_the_loss_figure_only(tmp_path, make, tokens, capsys):
+    from attnres.analysis.depth import write_depth_weights
+    from attnres.analysis.plots import plot_run
+
+    assert write_depth_weights(make("prenorm"), tokens(), tmp_path) is None
+    assert not (tmp_path / "depth_weights.json").exists()
+    assert run_cli("plot", tmp_path) == 2
+    assert "has no metrics.jsonl" in capsys.readouterr().err
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"kind": "train", "step": 1, "tokens": 8, "loss": 4.0}) + "\n")
+    assert [p.name for p in plot_run(tmp_path)] == ["loss.png"]

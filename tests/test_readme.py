@@ -1,0 +1,145 @@
+"""README.md's snippets, run as written so that they cannot drift: every ```python block runs (in order,
+in one namespace, as a reader pasting them into one session would, with small stand-ins for the inputs
+the text leaves to the reader), the values its comments state are compared with what runs, and every
+``attnres`` command of the ```bash blocks parses with the real CLI parser."""
+import ast
+import os
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+import torch
+
+from attnres.cli import build_parser
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the snippets load local directories only
+README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+
+
+def blocks(language: str):
+    return re.findall(rf"```{language}\n(.*?)```", README, flags=re.DOTALL)
+
+
+def commands():
+    """Every ``attnres`` command of the bash blocks, as argv after ``attnres`` (torchrun ``-m attnres`` too)."""
+    found = []
+    for block in blocks("bash"):
+        for line in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(line, comments=True)
+            while words:
+                cut = words.index(";") if ";" in words else len(words)
+                command, words = words[:cut], words[cut + 1:]
+                if command[:1] == ["attnres"]:
+                    found.append(command[1:])
+                elif command[:1] == ["torchrun"]:
+                    found.append(command[command.index("attnres") + 1:])
+    return found
+
+
+def comment_after(code: str, expression: str) -> str:
+    """The comment the README writes after ``expression`` on its line."""
+    match = re.search(re.escape(expression) + r"\s*#(.*)", code)
+    assert match, f"README no longer comments {expression}"
+    return match.group(1)
+
+
+def test_the_readme_has_the_snippets_this_test_knows():
+    python = blocks("python")
+    assert len(python) == 5, "a new ```python block in README.md: give it its inputs in this test"
+    assert len(commands()) >= 15
+
+
+@pytest.mark.parametrize("argv", commands(), ids=" ".join)
+def test_every_readme_command_parses(argv):
+    args = build_parser().parse_args(argv)
+    assert callable(args.func)
+    if getattr(args, "stop", None) is not None:
+        assert args.stop == "\n\n"  # the shell passes backslash-n; the CLI turns it into a newline
+
+
+def test_the_python_snippets_of_use_it_run_and_state_what_they_compute(tmp_path, monkeypatch):
+    import torch.distributed as dist
+
+    use_it, op, inference = blocks("python")[:3]
+    g = torch.Generator().manual_seed(0)
+    namespace = {
+        # the op alone: sources [K, B, T, D] and the parameters of one sublayer
+        "sources": torch.randn(3, 2, 5, 16, generator=g), "query": torch.randn(16, generator=g),
+        "key_norm_weight": 1 + 0.1 * torch.randn(16, generator=g),
+        # inference: the prompts the text leaves to the reader
+        "prompt": torch.randint(1, 4096, (1, 12), generator=g), "next_token": torch.tensor([[7]]),
+        "long_prompt": torch.randint(1, 4096, (1, 200), generator=g),
+        "padded_ids": torch.randint(1, 4096, (2, 9), generator=g),
+        "padding_mask": torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 1], [1] * 9]),
+    }
+    torch.manual_seed(0)
+    exec(use_it, namespace)
+    # the values the comments state
+    sources = ast.literal_eval(re.search(r"(\[.*\])", comment_after(use_it, "out.record.sources[5]")).group(1))
+    assert namespace["out"].record.sources[5] == sources
+    shape = re.search(r"= (\[[\d, ]+\])", comment_after(use_it, "out.record.weights[5]")).group(1)
+    assert list(namespace["out"].record.weights[5].shape) == ast.literal_eval(shape)
+    assert list(namespace["logits"].shape) == ast.literal_eval(comment_after(use_it, "(2, 64)))").strip())
+    exec(op, namespace)
+    assert namespace["h"].shape == (2, 5, 16)
+    # sharded_prefill runs under torch.distributed: one process is a group of one
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{tmp_path / 'rendezvous'}")
+    try:
+        exec(inference, namespace)
+    finally:
+        dist.destroy_process_group()
+    assert namespace["logits"].shape == (2, 9, 4096)
+
+
+def hf_directories(transformers):
+    """In the current directory, what the Hugging Face snippets name: a local LLaMA with 8 sublayers,
+    a run of attnres train (BPE tokenizer, a small local corpus) and its Hugging Face export."""
+    from attnres import AttnResLM, ModelConfig
+    from attnres.checkpoint import save_checkpoint
+    from attnres.data import train_bpe
+    from attnres.hf import convert_directory
+    from attnres.train.config import TrainConfig
+
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        max_position_embeddings=32)).save_pretrained("path/to/llama")
+    Path("corpus").mkdir()
+    for i in range(5):
+        Path(f"corpus/work{i}.txt").write_text(f"ROMEO: work {i}, " + "soft light breaks. " * (10 + i))
+    texts = [p.read_text() for p in sorted(Path("corpus").iterdir())]
+    bpe = train_bpe(texts + ["x\n\n"] * 20, vocab_size=300)
+    lm = AttnResLM(ModelConfig(vocab_size=bpe.vocab_size, d_model=32, n_layers=2, n_heads=4, max_seq_len=64))
+    save_checkpoint("runs/block/checkpoint", model=lm, optimizer=None, step=5, train_state={},
+                    model_config=lm.config.to_dict(),
+                    train_config=TrainConfig(data="corpus", val_fraction=0.4, out_dir="runs/block").to_dict())
+    bpe.save("runs/block/tokenizer.json")
+    convert_directory("runs/block", "out/block-hf", log=lambda line: None)
+    return lm
+
+
+def test_the_hugging_face_snippet_runs(tmp_path, monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    monkeypatch.chdir(tmp_path)
+    lm = hf_directories(transformers)
+    namespace = {"input_ids": torch.randint(0, 96, (1, 5))}
+    exec(blocks("python")[3], namespace)
+    assert namespace["greedy"].shape[0] == 2 and namespace["beams"].shape[0] == 2
+    assert len(namespace["texts"]) == 2
+    assert len(namespace["hidden"]) == 2 * lm.config.n_layers + 1
+    assert Path("runs/block-native/state.json").is_file() and Path("runs/block-native/tokenizer.json").is_file()
+
+
+def test_the_harness_snippet_runs(tmp_path, monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("lm_eval")
+    pytest.importorskip("accelerate")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    hf_directories(transformers)
+    namespace = {}
+    exec("import attnres.hf\n" + blocks("python")[4], namespace)  # the HF snippet above it imported attnres.hf
+    assert namespace["results"]["bits_per_byte,none"] > 0
