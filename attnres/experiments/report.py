@@ -907,7 +907,6 @@ def _kimi_linear(rep: Report) -> None:
     col = rep.col
     base = col.spec.baseline or "prenorm"
     backbones, schemes = col.points("backbone"), col.points("scheme")
-    others = [s for s in schemes if s != base]
     verdicts: Dict[str, Dict[str, Paired]] = {}
     for bb in backbones:
         ref = col.losses(backbone=bb, scheme=base)

@@ -28,14 +28,14 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Callable, Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 import torch
 
 from attnres.hf.configuration import AttnResConfig
 from attnres.hf.convert import ConversionError, _read_safetensors_dir
 from attnres.hf.modeling import AttnResForCausalLM
-from attnres.model.backbones import KDA, MLA, layer_kinds
+from attnres.model.backbones import KDA, MLA
 from attnres.model.config import ModelConfig
 from attnres.model.llama import AttnResLM, rope_tables
 from attnres.residual import build_residual

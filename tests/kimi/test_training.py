@@ -57,7 +57,7 @@ def test_train_kimi_tiny_with_muon_logs_expert_load_and_resumes_bit_identically(
     monkeypatch.setattr(Trainer, "train_step", original)
     Trainer(model_cfg, train_cfg, resume=True).run()
     assert [r["loss"] for r in rows(tmp_path / "part")] == [r["loss"] for r in train]
-    assert [r[f"moe_load.2"] for r in rows(tmp_path / "part")] == [r["moe_load.2"] for r in train]
+    assert [r["moe_load.2"] for r in rows(tmp_path / "part")] == [r["moe_load.2"] for r in train]
     assert rows(tmp_path / "part", "eval")[-1]["val_loss"] == rows(full, "eval")[-1]["val_loss"]
 
 
