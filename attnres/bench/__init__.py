@@ -9,7 +9,9 @@ Every bench module has the same three parts, which the registry names:
 
 ``train``: step time and peak memory of residual schemes; ``op``: the depth-attention op against
 the machine's copy bandwidth; ``decode``: prefill throughput, decode latency and residual I/O;
-``pipeline``: pipeline traffic and step time with and without cross-stage caching (torchrun).
+``pipeline``: pipeline traffic and step time with and without cross-stage caching (torchrun);
+``kimi``: our Kimi Linear backbone against transformers' ``KimiLinearForCausalLM`` (max |Δ logit|,
+float64) and cached decoding against the full forward.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, FrozenSet
 
-from attnres.bench import decode, op, pipeline, train
+from attnres.bench import decode, kimi, op, pipeline, train
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,12 @@ BENCHES: Dict[str, Bench] = {
         "pipeline traffic and step time with and without cross-stage caching (docs/method.md §7); runs "
         "under torchrun, one process per pipeline rank (--set pp=P)",
         "torchrun --nproc-per-node 2 -m attnres bench pipeline --set pp=2 --set vpp=2"),
+    "kimi": Bench(
+        kimi.KimiBenchConfig, kimi.run, kimi.format_table,
+        "max |logit difference| of the kimi_linear backbone (prenorm, and Block and Full AttnRes with zero "
+        "queries) from transformers' KimiLinearForCausalLM in float64, and of cached decoding from the full "
+        "forward (needs transformers)",
+        "attnres bench kimi"),
 }
 
 

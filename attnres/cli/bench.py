@@ -11,7 +11,7 @@ from attnres.files import atomic_write_text
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks: train (step time, memory), op (bandwidth), decode, pipeline",
+    p = sub.add_parser("bench", help="benchmarks: train (step time, memory), op (bandwidth), decode, pipeline, kimi (exactness)",
                        description="Benchmarks; `attnres bench NAME --help` describes each one.",
                        epilog="examples:\n" + "\n".join(f"  {bench.example}" for bench in BENCHES.values()))
     benches = p.add_subparsers(dest="what", metavar="NAME", required=True)

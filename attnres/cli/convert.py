@@ -9,19 +9,23 @@ RETROFIT_ARGS = ("residual", "attnres_blocks", "attnres_block_size", "max_seq_le
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("convert", help="retrofit a HF LLaMA/Mistral/Qwen2 into AttnRes; native <-> HF",
+    p = sub.add_parser("convert", help="retrofit a HF LLaMA/Mistral/Qwen2/Kimi Linear into AttnRes; native <-> HF",
                        description=(
-        "SOURCE is a Hugging Face LLaMA, Mistral or Qwen2 causal-LM directory (retrofitted into AttnRes "
-        "with zero-initialised queries, so its logits are unchanged up to RMSNorm eps), an AttnRes "
-        "Hugging Face directory, or a run/checkpoint directory of attnres train. Needs transformers "
-        "(pip install 'attnres[hf]')."), epilog=examples(
+        "SOURCE is a Hugging Face LLaMA, Mistral, Qwen2 or Kimi Linear causal-LM directory (retrofitted into "
+        "AttnRes with zero-initialised queries, so its logits are unchanged up to RMSNorm eps; a Kimi Linear "
+        "checkpoint in the released AttnRes layout, docs/method.md §10, loads as the Block AttnRes it is), an "
+        "AttnRes Hugging Face directory, or a run/checkpoint directory of attnres train. --to kimi_linear "
+        "writes a model with the Kimi Linear backbone as a Kimi Linear checkpoint (the §10 layout for Block "
+        "AttnRes). Needs transformers (pip install 'attnres[hf]')."), epilog=examples(
         "attnres convert ./llama ./llama-attnres --residual block --attnres-blocks 8",
+        "attnres convert ./kimi-linear ./k3-layout --to kimi_linear --set attnres_scale_norm_eps=false",
         "attnres convert runs/block out/block-hf                  # native -> Hugging Face",
         "attnres convert out/block-hf runs/block-native           # and back: eval / sample take it"))
     p.add_argument("source", help="model directory (config.json + weights) or attnres run/checkpoint directory")
     p.add_argument("out", help="output directory")
-    p.add_argument("--to", choices=("hf", "native"), default=None,
-                   help="output format (default: hf, or native for an AttnRes HF source)")
+    p.add_argument("--to", choices=("hf", "native", "kimi_linear"), default=None,
+                   help="output format (default: hf, or native for an AttnRes HF source); kimi_linear: a Kimi "
+                   "Linear checkpoint (docs/method.md §10 layout for Block AttnRes)")
     p.add_argument("--residual", choices=("block", "full", "prenorm"), default=None,
                    help="retrofit: residual scheme (default block)")
     p.add_argument("--attnres-blocks", dest="attnres_blocks", type=int, default=None,

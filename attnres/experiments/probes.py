@@ -48,6 +48,12 @@ def _nan_to_none(matrix) -> Optional[list]:
             for row in np.asarray(matrix, dtype=float).tolist()]
 
 
+def _sublayer_output(output) -> torch.Tensor:
+    """What a sublayer hands the stream: transformers' attention modules (Kimi Linear's MLA) return
+    (output, attention weights)."""
+    return output[0] if isinstance(output, tuple) else output
+
+
 def gradient_probe(model, x: torch.Tensor, y: torch.Tensor) -> dict:
     """One forward (with the depth record) and backward pass: magnitudes per depth."""
     from attnres.model.llama import lm_loss
@@ -57,6 +63,7 @@ def gradient_probe(model, x: torch.Tensor, y: torch.Tensor) -> dict:
 
     def keep_grad(index):
         def hook(module, inputs, output):
+            output = _sublayer_output(output)
             if output.requires_grad:
                 output.register_hook(lambda g: grads.__setitem__(index, _rms(g)))
         return hook
@@ -90,7 +97,8 @@ def mixing_matrix(model, x: torch.Tensor, max_tokens: int = MIXING_TOKENS) -> di
     for i, block in enumerate(model.blocks):
         for l, norm, sub in ((2 * i, block.attn_norm, block.attn), (2 * i + 1, block.mlp_norm, block.mlp)):
             handles.append(norm.register_forward_pre_hook(lambda m, a, l=l: inputs.__setitem__(l, a[0])))
-            handles.append(sub.register_forward_hook(lambda m, a, o, l=l: outputs.__setitem__(l, o)))
+            handles.append(sub.register_forward_hook(
+                lambda m, a, o, l=l: outputs.__setitem__(l, _sublayer_output(o))))
     try:
         model(x)
     finally:

@@ -69,7 +69,8 @@ EXPERIMENT_KEYS = frozenset({"name", "description", "report", "seeds", "budget_c
 TOP_LEVEL_KEYS = ("experiment", "base", "grid", "axis", "runs")
 # report kind -> the axes its sections read (attnres.experiments.report)
 REPORT_AXES = {"scaling": ("size", "scheme"), "ablations": (), "block-size": (), "arena": ("scheme", "budget"),
-               "dynamics": ("scheme",), "arch-sweep": ("shape", "scheme"), "demo": ("scheme",), "generic": ()}
+               "dynamics": ("scheme",), "arch-sweep": ("shape", "scheme"), "demo": ("scheme",),
+               "kimi-linear": ("backbone", "scheme"), "generic": ()}
 DEFAULT_TOKENS_PER_SECOND = 6000.0
 SPECS_ENV = "ATTNRES_EXPERIMENTS"
 # the specs of this checkout (attnres demo reads its spec here, wherever it is run from)

@@ -13,10 +13,14 @@ no ``trust_remote_code``:
 - :func:`convert_to_attnres`: retrofit a pretrained LLaMA / Mistral / Qwen2 causal LM into
   AttnRes with the same logits (zero-initialised queries, docs/method.md §3);
 - :func:`native_to_hf` / :func:`hf_to_native`: the trainer's checkpoints <-> this format;
+- :func:`convert_kimi_linear` / :func:`save_kimi_linear` (``attnres.hf.kimi``): Kimi Linear checkpoints
+  (plain, retrofitted; or the released AttnRes layout of docs/method.md §10) <-> our
+  ``backbone="kimi_linear"`` models; ``AutoModelForCausalLM`` loads the §10 layout as ours after this
+  import;
 - :func:`source_kind` / :func:`convert_directory`: what a model directory holds, and converting it
   (the ``attnres convert`` command).
 
-Modules import one way: ``directories`` -> ``convert`` -> ``modeling`` -> ``configuration``.
+Modules import one way: ``directories`` -> ``kimi`` -> ``convert`` -> ``modeling`` -> ``configuration``.
 """
 import transformers
 
@@ -29,11 +33,13 @@ from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 from attnres.hf.configuration import AttnResConfig  # noqa: E402
 from attnres.hf.convert import ConversionError, convert_to_attnres, hf_tokenizer  # noqa: E402
 from attnres.hf.directories import SOURCE_KINDS, convert_directory, source_kind  # noqa: E402
+from attnres.hf.kimi import convert_kimi_linear, register_auto_model, save_kimi_linear  # noqa: E402
 from attnres.hf.modeling import AttnResForCausalLM, AttnResPreTrainedModel, hf_to_native, native_to_hf  # noqa: E402
 
 AutoConfig.register(AttnResConfig.model_type, AttnResConfig, exist_ok=True)
 AutoModelForCausalLM.register(AttnResConfig, AttnResForCausalLM, exist_ok=True)
+register_auto_model()  # kimi_linear checkpoints in the released AttnRes layout (docs/method.md §10) load as ours
 
 __all__ = ["AttnResConfig", "AttnResForCausalLM", "AttnResPreTrainedModel", "ConversionError", "SOURCE_KINDS",
-           "convert_directory", "convert_to_attnres", "hf_to_native", "hf_tokenizer", "native_to_hf",
-           "source_kind"]
+           "convert_directory", "convert_kimi_linear", "convert_to_attnres", "hf_to_native", "hf_tokenizer",
+           "native_to_hf", "save_kimi_linear", "source_kind"]

@@ -1,16 +1,21 @@
 """Model directories: what one holds, and converting it into another format (``attnres convert``).
 
-A source directory is one of three kinds (:data:`SOURCE_KINDS`):
+A source directory is one of four kinds (:data:`SOURCE_KINDS`):
 
-``native``      a run or checkpoint directory of ``attnres train`` (``state.json``)
-``attnres``     a Hugging Face directory of an ``AttnResForCausalLM`` (``model_type = "attnres"``)
-``pretrained``  any other Hugging Face causal-LM directory: a LLaMA / Mistral / Qwen2 model to
-                retrofit (``convert_to_attnres`` rejects the architectures it cannot express)
+``native``       a run or checkpoint directory of ``attnres train`` (``state.json``)
+``attnres``      a Hugging Face directory of an ``AttnResForCausalLM`` (``model_type = "attnres"``)
+``kimi_linear``  a Kimi Linear checkpoint (``model_type = "kimi_linear"``, or a multimodal one whose
+                 text model is): plain PreNorm, retrofitted like a pretrained model, or the released
+                 AttnRes layout of docs/method.md §10, loaded as the Block AttnRes it is
+                 (``attnres.hf.kimi``)
+``pretrained``   any other Hugging Face causal-LM directory: a LLaMA / Mistral / Qwen2 model to
+                 retrofit (``convert_to_attnres`` rejects the architectures it cannot express)
 
 :func:`convert_directory` writes native sources as Hugging Face directories, AttnRes
 Hugging Face directories as native checkpoints, and retrofits pretrained models into
-either format. Its errors name the ``attnres convert`` flags, since that is where the
-options come from.
+either format; every model with the Kimi Linear backbone can also be written as a Kimi
+Linear checkpoint (``to="kimi_linear"``: §10 layout for Block AttnRes). Its errors name the
+``attnres convert`` flags, since that is where the options come from.
 """
 from __future__ import annotations
 
@@ -26,9 +31,11 @@ from attnres.files import CHECKPOINT_DIR, TOKENIZER_FILE
 from attnres.hf.configuration import AttnResConfig
 from attnres.hf.convert import (ConversionError, conversion_error, convert_to_attnres, copy_tokenizer_files,
                                 hf_tokenizer, reading_model)
-from attnres.hf.modeling import hf_to_native, native_to_hf_with_tokenizer
+from attnres.hf.modeling import AttnResForCausalLM, hf_to_native, native_to_hf_with_tokenizer
 
-SOURCE_KINDS = ("native", "attnres", "pretrained")
+SOURCE_KINDS = ("native", "attnres", "kimi_linear", "pretrained")
+OUTPUT_FORMATS = ("hf", "native", "kimi_linear")
+RETROFIT_KINDS = ("pretrained", "kimi_linear")
 HF_CONFIG_FILE = "config.json"  # Hugging Face's name; a native run has one too, beside its checkpoint
 # retrofit options with a flag of their own; every other one is a ModelConfig field given with --set
 RETROFIT_FLAGS = {"residual": "--residual", "attnres_blocks": "--attnres-blocks",
@@ -50,20 +57,25 @@ def source_kind(path) -> str:
         if not isinstance(config, dict):
             raise ConversionError(f"{path / HF_CONFIG_FILE} holds a JSON {type(config).__name__}, not an "
                                   "object; restore the model directory's config.json")
-        return "attnres" if config.get("model_type") == AttnResConfig.model_type else "pretrained"
+        if config.get("model_type") == AttnResConfig.model_type:
+            return "attnres"
+        text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+        return "kimi_linear" if "kimi_linear" in (config.get("model_type"), text.get("model_type")) else "pretrained"
     raise ConversionError(f"{path} is neither a Hugging Face model directory ({HF_CONFIG_FILE}) nor a run or "
                           f"checkpoint directory of attnres train ({STATE_FILE})")
 
 
 def _check_request(src: Path, out: Path, kind: str, to: str, retrofit: Dict[str, Any], force: bool) -> None:
     """The combinations ``attnres convert`` refuses, before anything is loaded."""
-    if kind != "pretrained" and retrofit:
+    if kind not in RETROFIT_KINDS and retrofit:
         flags = [flag for key, flag in RETROFIT_FLAGS.items() if key in retrofit]
         if set(retrofit) - set(RETROFIT_FLAGS):
             flags.append("--set")
         what = "a native checkpoint" if kind == "native" else "already AttnRes"
         raise ConversionError(f"{', '.join(flags)} apply only when retrofitting a pretrained "
-                              f"LLaMA / Mistral / Qwen2 directory; {src} is {what}")
+                              f"LLaMA / Mistral / Qwen2 / Kimi Linear directory; {src} is {what}")
+    if to not in OUTPUT_FORMATS:
+        raise ConversionError(f"--to {to}: choose one of {', '.join(OUTPUT_FORMATS)}")
     if (kind, to) in (("native", "native"), ("attnres", "hf")):
         raise ConversionError(f"{src} is already in the {to} format; pick --to {'hf' if to == 'native' else 'native'}")
     # the same rule for both formats: a native output may be a run's training checkpoint
@@ -77,10 +89,12 @@ def convert_directory(source, out, *, to: Optional[str] = None, retrofit: Option
                       log: Callable[[str], None] = print) -> Path:
     """Convert the model directory ``source`` into ``out``; returns the directory written.
 
-    ``to``: "hf" or "native" (default: native for an AttnRes Hugging Face source, else hf).
-    ``retrofit``: options for :func:`convert_to_attnres` (``residual``, default "block";
-    ``attnres_blocks``, ``attnres_block_size``, ``max_seq_len`` and other ModelConfig fields), only
-    for pretrained sources. ``dtype``: a torch dtype name for the weights ("auto" or None: the
+    ``to``: "hf", "native" or "kimi_linear" (default: native for an AttnRes Hugging Face source, else
+    hf); "kimi_linear" takes models with the Kimi Linear backbone (prenorm, or Block AttnRes in the
+    released layout of docs/method.md §10). ``retrofit``: options for :func:`convert_to_attnres` /
+    :func:`attnres.hf.kimi.convert_kimi_linear` (``residual``, default "block"; ``attnres_blocks``,
+    ``attnres_block_size``, ``max_seq_len`` and other ModelConfig fields), only for pretrained and
+    plain Kimi Linear sources. ``dtype``: a torch dtype name for the weights ("auto" or None: the
     source's). ``verify``: load the pretrained source as well and report the largest logit
     difference. ``force``: write a Hugging Face directory into a non-empty ``out``. The tokenizer
     travels along. Progress lines go to ``log``.
@@ -92,43 +106,89 @@ def convert_directory(source, out, *, to: Optional[str] = None, retrofit: Option
     _check_request(src, out, kind, to, retrofit, force)
     dtype = None if dtype in (None, "auto") else getattr(torch, dtype)
 
+    tokenizer = None
     if kind == "native":
         model, tokenizer = native_to_hf_with_tokenizer(src)
         if dtype is not None:
             model = model.to(dtype)
-        model.save_pretrained(str(out))
-        if tokenizer is not None:
-            hf_tokenizer(tokenizer).save_pretrained(str(out))
-        log(f"native checkpoint {src} -> Hugging Face AttnResForCausalLM in {out}"
-            f"{'' if tokenizer is None else ' (with its tokenizer)'}")
-        return out
+    elif kind == "attnres":
+        from transformers import AutoModelForCausalLM
 
-    from transformers import AutoModelForCausalLM
-
-    load_kw = {"local_files_only": True, **({} if dtype is None else {"dtype": dtype})}
-    if kind == "attnres":
         with reading_model(src):
-            model = AutoModelForCausalLM.from_pretrained(str(src), **load_kw)
+            model = AutoModelForCausalLM.from_pretrained(str(src), local_files_only=True,
+                                                         **({} if dtype is None else {"dtype": dtype}))
+    elif kind == "kimi_linear":
+        with reading_model(src):
+            model = _convert_kimi_linear(src, retrofit, dtype, verify, log)
     else:
-        retrofit.setdefault("residual", DEFAULT_RETROFIT_RESIDUAL)
-        if verify:
-            with reading_model(src):
-                pretrained = AutoModelForCausalLM.from_pretrained(str(src), **load_kw).eval()
-            model = convert_to_attnres(pretrained, copy_weights=False, **retrofit)
-            err = conversion_error(pretrained, model)
-            log(f"max |logit difference| source vs AttnRes on random tokens: {err:.3g} "
-                f"({model.dtype}; zero queries make them equal up to RMSNorm eps, see attnres.hf.convert)")
+        model = _retrofit(src, retrofit, dtype, verify, log)
+
+    if to == "hf":
+        model.save_pretrained(str(out))
+        if kind == "native":
+            if tokenizer is not None:
+                hf_tokenizer(tokenizer).save_pretrained(str(out))
+            log(f"native checkpoint {src} -> Hugging Face AttnResForCausalLM in {out}"
+                f"{'' if tokenizer is None else ' (with its tokenizer)'}")
         else:
-            model = convert_to_attnres(str(src), dtype=dtype, **retrofit)
-        c = model.config
-        blocks = f", {c.model_config().num_blocks} depth blocks" if c.residual == "block" else ""
-        log(f"{src}: {c.n_layers} layers, d_model={c.d_model} -> residual={c.residual}{blocks}")
-        if to == "hf":
-            model.save_pretrained(str(out))
             copied = copy_tokenizer_files(src, out)
             log(f"written {out}{' with ' + ', '.join(copied) if copied else ''}")
-            return out
+        return out
+    if to == "kimi_linear":
+        from attnres.hf.kimi import save_kimi_linear
+
+        save_kimi_linear(model, out)
+        copied = copy_tokenizer_files(src, out) if kind != "native" else []
+        c = model.config.model_config()
+        layout = "plain (PreNorm)" if c.residual == "prenorm" else "the AttnRes layout of docs/method.md §10"
+        log(f"written Kimi Linear checkpoint {out}, {layout}{' with ' + ', '.join(copied) if copied else ''}")
+        return out
     tokenizer = load_tokenizer(src / TOKENIZER_FILE) if (src / TOKENIZER_FILE).is_file() else None
     path = hf_to_native(model, out, tokenizer)
     log(f"written native weights-only checkpoint {path} (attnres sample / load_model read it)")
     return path
+
+
+def _retrofit(src: Path, retrofit: Dict[str, Any], dtype, verify: bool, log) -> AttnResForCausalLM:
+    """A LLaMA / Mistral / Qwen2 directory as AttnRes (``convert_to_attnres``)."""
+    from transformers import AutoModelForCausalLM
+
+    retrofit.setdefault("residual", DEFAULT_RETROFIT_RESIDUAL)
+    if verify:
+        load_kw = {"local_files_only": True, **({} if dtype is None else {"dtype": dtype})}
+        with reading_model(src):
+            pretrained = AutoModelForCausalLM.from_pretrained(str(src), **load_kw).eval()
+        model = convert_to_attnres(pretrained, copy_weights=False, **retrofit)
+        err = conversion_error(pretrained, model)
+        log(f"max |logit difference| source vs AttnRes on random tokens: {err:.3g} "
+            f"({model.dtype}; zero queries make them equal up to RMSNorm eps, see attnres.hf.convert)")
+    else:
+        model = convert_to_attnres(str(src), dtype=dtype, **retrofit)
+    c = model.config
+    blocks = f", {c.model_config().num_blocks} depth blocks" if c.residual == "block" else ""
+    log(f"{src}: {c.n_layers} layers, d_model={c.d_model} -> residual={c.residual}{blocks}")
+    return model
+
+
+def _convert_kimi_linear(src: Path, retrofit: Dict[str, Any], dtype, verify: bool, log) -> AttnResForCausalLM:
+    """A Kimi Linear directory: a plain one retrofitted (``residual`` default "block"), a §10 one as is."""
+    from transformers import AutoConfig
+
+    from attnres.hf.kimi import attn_res_block_size, convert_kimi_linear, kimi_conversion_error
+    from attnres.model.backbones import layer_kinds
+
+    released = attn_res_block_size(AutoConfig.from_pretrained(str(src), local_files_only=True)) is not None
+    if not released:
+        retrofit.setdefault("residual", DEFAULT_RETROFIT_RESIDUAL)
+    residual = retrofit.pop("residual", None)
+    model = convert_kimi_linear(src, residual, dtype=dtype, **retrofit)
+    c = model.config.model_config()
+    blocks = f", {c.num_blocks} depth blocks of S={c.block_size}" if c.residual == "block" else ""
+    log(f"{src}: kimi_linear{' (AttnRes layout, docs/method.md §10)' if released else ''}, {c.n_layers} layers "
+        f"({''.join(layer_kinds(c))}), d_model={c.d_model}{f', {c.moe_experts} experts' if c.moe_experts else ''}"
+        f" -> residual={c.residual}{blocks}")
+    if verify and not released:
+        err = kimi_conversion_error(src, model)
+        log(f"max |logit difference| transformers' KimiLinearForCausalLM vs converted, random tokens: {err:.3g} "
+            f"({model.dtype}; transformers' RMSNorm computes in float32)")
+    return model

@@ -90,7 +90,7 @@ def _init_attnres_lm(lm: AttnResLM) -> None:
 def _reset_rope(lm: AttnResLM) -> None:
     """The RoPE tables are non-persistent buffers: never in a checkpoint, always recomputed."""
     cfg = lm.config
-    cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+    cos, sin = rope_tables(cfg.rope_dim, cfg.max_seq_len, cfg.rope_theta)
     lm.rope_cos.copy_(cos.to(dtype=lm.rope_cos.dtype, device=lm.rope_cos.device))
     lm.rope_sin.copy_(sin.to(dtype=lm.rope_sin.dtype, device=lm.rope_sin.device))
 
@@ -247,15 +247,15 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         window), exactly like :func:`attnres.inference.sampling.generate`. ``use_cache=False`` recomputes the
         cropped sequence every step. The ``attention_mask`` travels whole (cached and new columns, as
         AttnResLM takes it); the window counts columns, padding included."""
-        from attnres.inference.cache import KVCache
-
         limit = self.config.max_seq_len
         if use_cache is False:
             cache = None
             new = input_ids[:, -limit:]
         else:
             if cache is None:
-                cache = KVCache.for_model(self.model, input_ids.shape[0])
+                from attnres.inference import make_cache
+
+                cache = make_cache(self.model, input_ids.shape[0])  # KVCache, or HybridCache (Kimi Linear)
             new = input_ids[:, cache.length:]
             if input_ids.shape[1] > limit or cache.room() < new.shape[1]:
                 cache.reset()

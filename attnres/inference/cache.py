@@ -145,3 +145,21 @@ class StaticKVCache(KVCache):
 
     def reset(self) -> None:
         self.position.zero_()
+
+
+def _hybrid_cache(model, batch_size: int, max_len: Optional[int] = None):
+    from attnres.inference.hybrid_cache import HybridCache  # needs transformers
+
+    return HybridCache.for_model(model, batch_size, max_len)
+
+
+# the caches a backbone can name (``attnres.model.backbones.BackboneInfo.cache``)
+CACHE_KINDS = {"kv": KVCache.for_model, "hybrid": _hybrid_cache}
+
+
+def make_cache(model, batch_size: int, max_len: Optional[int] = None):
+    """An empty decoding cache for ``model`` (an ``AttnResLM``): the kind its backbone names, for
+    ``batch_size`` sequences of up to ``max_len`` positions (default ``max_seq_len``)."""
+    from attnres.model.backbones import BACKBONES
+
+    return CACHE_KINDS[BACKBONES[model.config.backbone].cache](model, batch_size, max_len)

@@ -1,6 +1,7 @@
 """Text generation: temperature, top-k and top-p (nucleus) sampling with a seed.
 
-Decoding runs through a KV cache (``attnres.inference.KVCache``): the prompt is
+Decoding runs through the cache of the model's backbone (``make_cache``: a ``KVCache``,
+or Kimi Linear's ``HybridCache``): the prompt is
 prefilled once and each new token costs one single-position forward pass. Once
 the sequence reaches ``max_seq_len`` the model sees the last ``max_seq_len``
 tokens, exactly as the uncached path (``use_cache=False``) does: each further
@@ -13,7 +14,7 @@ from typing import Iterator, Optional, Union
 
 import torch
 
-from attnres.inference.cache import KVCache
+from attnres.inference.cache import make_cache
 from attnres.inference.compiled import CompiledDecoder
 
 
@@ -83,7 +84,7 @@ def _generate(model, input_ids, max_new_tokens, *, temperature, top_k, top_p, se
         step = CompiledDecoder(model, 1, setting=compile)
         cache = step.cache
     elif use_cache:
-        cache = KVCache.for_model(model, 1)
+        cache = make_cache(model, 1)
         step = lambda tokens: model(tokens, cache=cache)  # noqa: E731
     pending = ids[:, -limit:]  # tokens the model has not seen yet
     for position in range(max_new_tokens):

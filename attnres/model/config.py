@@ -7,6 +7,7 @@ import typing
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Union
 
+from attnres.model.backbones import BACKBONES, validate_backbone
 from attnres.residual import RESIDUALS, validate_scheme
 from attnres.residual.options import bad_option as _bad
 from attnres.residual.options import is_positive_int as _positive_int
@@ -50,10 +51,33 @@ def check_field_types(config) -> None:
 
 @dataclass
 class ModelConfig:
-    """A LLaMA-style decoder with a pluggable residual stream.
+    """A decoder (LLaMA-style, or Kimi Linear) with a pluggable residual stream.
 
     Sizes count Transformer blocks (``n_layers`` = L_b); the residual schemes
     count sublayers (L = 2 * n_layers: one attention and one MLP each).
+
+    ``backbone``: a name from ``attnres.model.backbones.BACKBONES``: "llama" (GQA
+    attention with RoPE, SwiGLU MLP) or "kimi_linear" (transformers' Kimi Linear
+    sublayers; needs ``pip install 'attnres[hf]'``). The Kimi Linear fields apply to
+    "kimi_linear" only (setting one for "llama" is an error), and ``rope_theta`` to
+    "llama" only:
+    - ``kimi_layer_pattern``: each layer's attention, "K" (Kimi Delta Attention) or
+      "M" (multi-head latent attention), repeated over the layers; "KKKM" (3:1, the
+      paper's) by default.
+    - ``kda_heads``, ``kda_head_dim``, ``kda_conv_kernel``: KDA heads (default
+      n_heads), head width (default d_model // n_heads), short-convolution width.
+    - ``mla_kv_rank`` (latent key/value rank, default d_model // 2), ``mla_q_rank``
+      (None: uncompressed queries), ``mla_qk_nope_dim`` / ``mla_v_dim`` (per-head
+      query-key and value widths, default d_model // n_heads), ``mla_qk_rope_dim``
+      (the key part shared by all heads; half the head width by default; Kimi Linear
+      applies no rotation to it). MLA uses ``n_heads``; ``n_kv_heads`` must equal it.
+    - ``moe_experts`` (0: a dense SwiGLU MLP of width ``d_ff`` everywhere), ``moe_top_k``,
+      ``moe_shared_experts``, ``moe_d_ff`` (expert width; default
+      ceil(d_ff / (top_k + shared))), ``moe_dense_layers`` (leading layers that keep
+      the dense MLP), ``moe_routed_scale`` and ``moe_renormalize`` (transformers'
+      ``routed_scaling_factor`` / ``norm_topk_prob``), ``moe_bias_update_rate``
+      (aux-loss-free balancing: after each training step every expert's routing
+      bias moves by this much toward the mean load; 0: off).
 
     Residual options (docs/method.md §3-5):
     - ``residual``: a name from ``attnres.residual.RESIDUALS``
@@ -114,6 +138,7 @@ class ModelConfig:
     - ``gated_heads`` (H, default 8): heads of the "gated" rival's depth attention.
     """
 
+    backbone: str = "llama"
     vocab_size: int = 4096
     d_model: int = 128
     n_layers: int = 8
@@ -151,6 +176,24 @@ class ModelConfig:
     mhc_sinkhorn_iters: int = 20
     gated_heads: int = 8
 
+    kimi_layer_pattern: str = "KKKM"
+    kda_heads: Optional[int] = None
+    kda_head_dim: Optional[int] = None
+    kda_conv_kernel: int = 4
+    mla_kv_rank: Optional[int] = None
+    mla_q_rank: Optional[int] = None
+    mla_qk_nope_dim: Optional[int] = None
+    mla_qk_rope_dim: Optional[int] = None
+    mla_v_dim: Optional[int] = None
+    moe_experts: int = 0
+    moe_top_k: int = 2
+    moe_shared_experts: int = 1
+    moe_d_ff: Optional[int] = None
+    moe_dense_layers: int = 1
+    moe_routed_scale: float = 1.0
+    moe_renormalize: bool = True
+    moe_bias_update_rate: float = 1e-3
+
     def __post_init__(self):
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
@@ -167,6 +210,11 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    @property
+    def rope_dim(self) -> int:
+        """Width of the rotary tables: head_dim for "llama", 0 for a backbone without RoPE."""
+        return BACKBONES[self.backbone].rope_dim(self)
 
     @property
     def block_sizes(self) -> List[int]:
@@ -191,8 +239,9 @@ class ModelConfig:
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
-        """The decoder's own fields here; the residual scheme and its options by the registry; last,
-        every field's type (the checks above give the more specific messages first)."""
+        """The decoder's own fields here; the backbone and the residual scheme, each with its options,
+        by their registries; last, every field's type (the checks above give the more specific
+        messages first)."""
         positive = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len")
         for name in positive:
             value = getattr(self, name)
@@ -202,17 +251,9 @@ class ModelConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise _bad(name, value, "must be a positive number")
-        if self.d_model % self.n_heads:
-            raise _bad("n_heads", self.n_heads,
-                       f"must divide d_model={self.d_model}; pick a divisor of {self.d_model}")
-        if self.head_dim % 2:
-            raise _bad("n_heads", self.n_heads,
-                       f"gives odd head_dim={self.head_dim}; RoPE needs an even head dimension")
-        if self.n_heads % self.n_kv_heads:
-            raise _bad("n_kv_heads", self.n_kv_heads,
-                       f"must divide n_heads={self.n_heads} (grouped-query attention)")
         if not isinstance(self.tie_embeddings, bool):
             raise _bad("tie_embeddings", self.tie_embeddings, "must be True or False")
+        validate_backbone(self)
         validate_scheme(self)
         check_field_types(self)
 

@@ -11,13 +11,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import partial
-from typing import Dict, Iterable, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import Tensor, nn
 
+from attnres.model.backbones import BACKBONES
 from attnres.model.checkpointing import check_checkpointing, run_segments, segment_layers
 from attnres.model.config import ModelConfig
 from attnres.residual import DepthRecord, build_residual
@@ -177,6 +178,14 @@ def output_logits(norm: nn.Module, lm_head: nn.Module, y: Tensor) -> Tensor:
     return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
 
 
+def set_norm_eps(norm: nn.Module, eps: float) -> None:
+    """torch's RMSNorm keeps its eps in ``eps``, transformers' RMSNorms (Kimi Linear) in ``variance_epsilon``."""
+    if hasattr(norm, "variance_epsilon"):
+        norm.variance_epsilon = eps
+    else:
+        norm.eps = eps
+
+
 @dataclass
 class LMOutput:
     logits: Tensor
@@ -184,29 +193,35 @@ class LMOutput:
 
 
 class AttnResLM(nn.Module):
-    """Decoder-only LM: embedding, n_layers blocks driven through a residual stream, norm, head."""
+    """Decoder-only LM: embedding, n_layers blocks driven through a residual stream, norm, head.
+
+    The blocks come from the backbone registry (``attnres.model.backbones``): the TransformerBlock
+    above for "llama", transformers' Kimi Linear sublayers for "kimi_linear"; the embedding, the
+    residual stream, the final norm and the head are the same for every backbone."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         config.validate()
         self.config = config
+        backbone = BACKBONES[config.backbone]
         self.embed = nn.Embedding(config.vocab_size, config.d_model)
-        self.blocks = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layers))
+        self.blocks = nn.ModuleList(backbone.block(config, i) for i in range(config.n_layers))
         # the scheme may draw random numbers (e.g. MUDD, low-rank Highway); on a forked RNG so that,
         # for one seed, every scheme gets the same embedding and sublayer weights as prenorm
         with torch.random.fork_rng(devices=[]):
             self.residual = build_residual(config)
-        self.norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
+        self.norm = backbone.norm(config)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         # a scheme that rescales what a norm reads says by how much its eps must follow (AttnRes'
         # attnres_scale_norm_eps: exact PreNorm equivalence at init); 1 for every other scheme
         for i, block in enumerate(self.blocks):
-            block.attn_norm.eps = config.norm_eps * self.residual.norm_eps_scale(2 * i)
-            block.mlp_norm.eps = config.norm_eps * self.residual.norm_eps_scale(2 * i + 1)
-        self.norm.eps = config.norm_eps * self.residual.norm_eps_scale(config.n_sublayers)
-        cos, sin = rope_tables(config.head_dim, config.max_seq_len, config.rope_theta)
+            set_norm_eps(block.attn_norm, config.norm_eps * self.residual.norm_eps_scale(2 * i))
+            set_norm_eps(block.mlp_norm, config.norm_eps * self.residual.norm_eps_scale(2 * i + 1))
+        set_norm_eps(self.norm, config.norm_eps * self.residual.norm_eps_scale(config.n_sublayers))
+        # width 0 for a backbone without rotary positions (Kimi Linear): the blocks get empty tables
+        cos, sin = rope_tables(config.rope_dim, config.max_seq_len, config.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.activation_checkpointing = "none"  # a training setting, not part of the model's function
@@ -218,9 +233,13 @@ class AttnResLM(nn.Module):
         blocks) or "sublayer" (recompute inside each attention and MLP sublayer). Results are unchanged."""
         mode = "none" if mode is None else mode  # `--set activation_checkpointing=none` reads as None
         check_checkpointing(mode)
+        if mode == "sublayer" and not all(hasattr(block, "gradient_checkpointing") for block in self.blocks):
+            raise ValueError(f"activation_checkpointing='sublayer' is invalid for backbone={self.config.backbone!r}: "
+                             "its blocks have no per-sublayer checkpointing; use 'block' or 'none'")
         self.activation_checkpointing = mode
         for block in self.blocks:
-            block.gradient_checkpointing = mode == "sublayer"  # transformers' per-layer flag
+            if hasattr(block, "gradient_checkpointing"):
+                block.gradient_checkpointing = mode == "sublayer"  # transformers' per-layer flag
 
     def reset_parameters(self) -> None:
         """Normal(0, init_std) weights; the two projections that write into the residual
@@ -237,12 +256,14 @@ class AttnResLM(nn.Module):
                 nn.init.normal_(module.weight, mean=0.0, std=std * scale)
             elif isinstance(module, nn.RMSNorm):
                 nn.init.ones_(module.weight)
+        BACKBONES[self.config.backbone].init_weights(self)  # what the rule above does not cover
 
     def forward(self, input_ids: Tensor, *, cache=None, attention_mask: Optional[Tensor] = None,
                 return_record: bool = False):
         """input_ids [B, T] -> logits [B, T, V] (at least float32, under autocast too).
 
-        ``cache`` (``attnres.inference.KVCache``): the tokens continue the cached
+        ``cache`` (``attnres.inference.make_cache(model, batch_size)``: a ``KVCache``, or for
+        Kimi Linear a ``HybridCache``): the tokens continue the cached
         sequence (positions ``cache.length`` onwards) and their keys/values are
         appended; prefill, chunked prefill and decoding are all this call. The
         residual stream needs no cache: depth attention is per token.
@@ -277,6 +298,10 @@ class AttnResLM(nn.Module):
                     "(batch, cached + new positions): pass the mask of the whole sequence so far")
             if bool(attention_mask.all()):
                 attention_mask = None
+            elif not BACKBONES[self.config.backbone].padded_batches:
+                raise ValueError(
+                    f"attention_mask with padding: backbone={self.config.backbone!r} does not run padded batches "
+                    "(its recurrent layers would carry the padding's state); run each sequence alone, unpadded")
         record = DepthRecord() if return_record else None
         if attention_mask is None:
             cos, sin = self.rope_cos[positions], self.rope_sin[positions]
@@ -296,18 +321,32 @@ class AttnResLM(nn.Module):
         logits = output_logits(self.norm, self.lm_head, stream.end())
         return LMOutput(logits, record) if return_record else logits
 
+    # ------------------------------------------------------------------ decoding and training steps
+    def step_counters(self) -> List[Tensor]:
+        """Statistics the blocks accumulate over a training step (MoE expert loads; none for dense
+        blocks). Data-parallel runs sum them over replicas, in place, before ``end_step``."""
+        return BACKBONES[self.config.backbone].step_counters(self)
+
+    def end_step(self) -> Dict[str, object]:
+        """After each optimizer step: the blocks' per-step updates (MoE: the aux-loss-free router-bias
+        balancing) and what they report (MoE: expert load and imbalance per layer); {} for dense
+        blocks. The trainer logs the report with the step's metrics."""
+        return BACKBONES[self.config.backbone].end_step(self)
+
     # ------------------------------------------------------------------ bookkeeping
     def param_kinds(self) -> Dict[str, str]:
-        """Every parameter name -> "matrix" (hidden 2-D weights: Muon, decayed), "embedding",
-        "head", or "no_decay" (norms, every residual-scheme parameter)."""
+        """Every parameter name -> "matrix" (hidden weight matrices, and stacks of them such as MoE
+        experts: Muon, decayed), "embedding", "head", or "no_decay" (norms, biases, convolution
+        filters, every residual-scheme parameter)."""
         kinds = {}
         residual = {f"residual.{n}" for n in self.residual.no_weight_decay()}
+        stacks = set(BACKBONES[self.config.backbone].matrix_stacks(self))
         for name, p in self.named_parameters():
             if name == "embed.weight":
                 kinds[name] = "embedding"
             elif name == "lm_head.weight":
                 kinds[name] = "head"
-            elif name in residual or p.dim() < 2:
+            elif name in residual or not (p.dim() == 2 or name in stacks):
                 kinds[name] = "no_decay"
             else:
                 kinds[name] = "matrix"

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from attnres.model.backbones import BACKBONES
 from attnres.model.config import ModelConfig
 from attnres.residual import RESIDUALS
 
@@ -36,14 +37,9 @@ def scheme_config(config: ModelConfig, name: str) -> ModelConfig:
 
 
 def base_params(config: ModelConfig) -> int:
-    """Parameters of the PreNorm model (``AttnResLM`` with ``residual='prenorm'``)."""
-    d, V = config.d_model, config.vocab_size
-    kv = config.n_kv_heads * config.head_dim
-    attn = 2 * d * d + 2 * d * kv
-    mlp = 3 * d * config.d_ff
-    per_block = attn + mlp + 2 * d  # two pre-norms
-    head = 0 if config.tie_embeddings else V * d
-    return V * d + head + config.n_layers * per_block + d  # + final norm
+    """Parameters of the PreNorm model (``AttnResLM`` with ``residual='prenorm'``), as its backbone
+    counts them (``attnres.model.backbones``)."""
+    return BACKBONES[config.backbone].params(config)
 
 
 def schemes_table(config: Optional[ModelConfig] = None) -> str:
@@ -53,7 +49,8 @@ def schemes_table(config: Optional[ModelConfig] = None) -> str:
     base = base_params(config)
     L = config.n_sublayers
     lines = [
-        f"Residual schemes for d_model={config.d_model}, {config.n_layers} Transformer blocks "
+        f"Residual schemes for the {config.backbone} backbone, d_model={config.d_model}, {config.n_layers} "
+        "Transformer blocks "
         f"(L={L} sublayers), vocabulary {config.vocab_size}: PreNorm model {base:,} parameters.",
         "",
         "| scheme | weight type | source | params added | % of model | depth state (d floats/token) "

@@ -103,6 +103,11 @@ class SingleProcess:
     def reduce_gradients(self) -> None:
         pass
 
+    def end_step(self) -> Dict[str, object]:
+        """After the optimizer step: the model's per-step update and report (``AttnResLM.end_step``:
+        MoE router balancing and expert loads; {} for dense models)."""
+        return self.model.end_step()
+
     def clip_grad_norm(self, max_norm: float) -> None:
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
 
@@ -168,6 +173,11 @@ class DataParallel(_Distributed):
             return "per attention/MLP sublayer (FSDP2 units; the residual stream stays eager)"
         self.wrapped.compile(backend=compile_model_backend(setting))  # DDP: dynamo splits at buckets
         return "whole model under DDP"
+
+    def end_step(self) -> Dict[str, object]:
+        for counter in self.model.step_counters():  # every replica updates from the global counts
+            dist.all_reduce(counter)
+        return self.model.end_step()
 
     def _rows(self, x: Tensor) -> slice:
         b = x.shape[0]
@@ -251,6 +261,18 @@ class PipelineParallel(_Distributed):
 
     def clip_grad_norm(self, max_norm: float) -> None:
         self.pipeline.clip_grad_norm_(max_norm)  # replicas hold equal gradients: their norm is global
+
+    def end_step(self) -> Dict[str, object]:
+        """Each rank updates its own blocks (from counts summed over replicas); rank 0 gets every
+        rank's report."""
+        if self.dp > 1:
+            for counter in self.model.step_counters():
+                dist.all_reduce(counter, group=self.dp_group)
+        report = self.model.end_step()
+        first = dist.get_rank(self.pp_group) == 0
+        pieces = [None] * dist.get_world_size(self.pp_group) if first else None
+        dist.gather_object(report, pieces, group=self.pp_group, group_dst=0)
+        return {k: v for piece in pieces for k, v in piece.items()} if first else {}
 
     def gather(self, optimizer):
         local = (full_model_state(self.model), named_optimizer_state(optimizer))

@@ -185,7 +185,7 @@ def scheme_options() -> Dict[str, Option]:
 
 def validate_scheme(config) -> None:
     """``config.residual`` names a registered scheme and its options pass their checks."""
-    if config.residual not in RESIDUALS:
+    if not isinstance(config.residual, str) or config.residual not in RESIDUALS:
         raise bad_option("residual", config.residual, f"choose one of {sorted(RESIDUALS)}")
     check_scheme_options(config, RESIDUALS)
     info = RESIDUALS[config.residual]

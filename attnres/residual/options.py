@@ -63,10 +63,13 @@ def positive_int(what: str, upper: Optional[Callable[[Any], int]] = None, upper_
 # ----------------------------------------------------------------------------- validation
 
 
-def check_scheme_options(config, registry: Mapping[str, Any]) -> None:
-    """Every scheme option of ``config`` that is set: it belongs to ``config.residual`` (or is
-    not exclusive) and passes its check. Raises the ValueError of ``bad_option``."""
+def check_scheme_options(config, registry: Mapping[str, Any], selector: str = "residual") -> None:
+    """Every scheme option of ``config`` that is set: it belongs to the registry entry that
+    ``config.<selector>`` names (or is not exclusive) and passes its check. Raises the ValueError of
+    ``bad_option``. The backbone registry (``attnres.model.backbones``) checks its options the same
+    way, with ``selector="backbone"``."""
     defaults = {f.name: f.default for f in dataclasses.fields(config)}
+    chosen = getattr(config, selector)
     owners: dict = {}
     for name, info in registry.items():
         for option_name, option in info.options.items():
@@ -75,11 +78,11 @@ def check_scheme_options(config, registry: Mapping[str, Any]) -> None:
         value = getattr(config, option_name)
         if value == defaults[option_name] and type(value) is type(defaults[option_name]):
             continue
-        if config.residual not in schemes and option.exclusive:
+        if chosen not in schemes and option.exclusive:
             names = " or ".join(repr(s) for s in schemes)
             raise bad_option(option_name, value,
-                             f"applies to residual={names} only (residual={config.residual!r}); "
-                             f"drop it or set residual={names.split(' or ')[0]}")
+                             f"applies to {selector}={names} only ({selector}={chosen!r}); "
+                             f"drop it or set {selector}={names.split(' or ')[0]}")
         problem = option.check(value, config)
         if problem is not None:
             raise bad_option(option_name, value, problem)

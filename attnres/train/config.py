@@ -166,6 +166,22 @@ PRESETS: Dict[str, Dict[str, Dict[str, Any]]] = {
         "train": dict(tokenizer="bpe", vocab_size=4096, seq_len=128, batch_size=16, steps=600,
                       warmup_steps=60, eval_every=100, eval_batches=16, checkpoint_every=100),
     },
+    # Kimi Linear (docs/method.md §10's backbone): 3 KDA : 1 MLA, mixture of experts after a dense first
+    # layer. Seconds: the Kimi Linear tests
+    "kimi-tiny": {
+        "model": dict(backbone="kimi_linear", d_model=32, n_layers=4, n_heads=2, max_seq_len=32, moe_experts=4,
+                      moe_top_k=2),
+        "train": dict(tokenizer="byte", seq_len=32, batch_size=4, steps=30, warmup_steps=3,
+                      eval_every=10, eval_batches=2, checkpoint_every=10, lr=3e-3),
+    },
+    # about the demo's cost per step on CPU: transformers' KDA runs its reference (Python-loop) kernel
+    # without flash-linear-attention, so width and sequence are halved against "demo" to match its time
+    "kimi-demo": {
+        "model": dict(backbone="kimi_linear", d_model=64, n_layers=8, n_heads=4, max_seq_len=64, moe_experts=8,
+                      moe_top_k=2),
+        "train": dict(tokenizer="bpe", vocab_size=4096, seq_len=64, batch_size=16, steps=600,
+                      warmup_steps=60, eval_every=100, eval_batches=16, checkpoint_every=100),
+    },
     # deeper and wider, for a longer CPU run or a GPU
     "small": {
         "model": dict(d_model=256, n_layers=12, n_heads=4, max_seq_len=256),
@@ -256,6 +272,7 @@ def build_configs(preset: Optional[str] = None, overrides: Optional[Dict[str, An
     train_kw.update(t)
     train = TrainConfig(**train_kw)
     model_kw.setdefault("max_seq_len", train.seq_len)
-    if isinstance(model_kw["max_seq_len"], int):  # any other type: ModelConfig names the field
+    if isinstance(model_kw["max_seq_len"], int) and not isinstance(model_kw["max_seq_len"], bool):
+        # any other type (True is an int to Python, not to a config): ModelConfig names the field
         model_kw["max_seq_len"] = max(model_kw["max_seq_len"], train.seq_len)
     return ModelConfig(**model_kw), train

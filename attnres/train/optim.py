@@ -4,8 +4,10 @@ The model tells us how to treat each parameter through ``model.param_kinds()``,
 which maps every name in ``model.named_parameters()`` to one of
 :data:`PARAM_KINDS`:
 
-``"matrix"``     2-D hidden weight matrices inside the Transformer blocks.
-                 Weight-decayed; optimized by Muon when ``name="muon"``.
+``"matrix"``     2-D hidden weight matrices inside the Transformer blocks, and 3-D
+                 stacks of independent matrices [n, rows, cols] (MoE expert weights).
+                 Weight-decayed; optimized by Muon when ``name="muon"`` (each matrix of
+                 a stack on its own: :class:`StackedMuon`).
 ``"embedding"``  token embedding. Weight-decayed, always AdamW.
 ``"head"``       LM head (absent when tied to the embedding). Weight-decayed, AdamW.
 ``"no_decay"``   norm weights, AttnRes pseudo-queries, key-norm weights, scalars
@@ -43,7 +45,8 @@ from torch import nn
 
 from attnres.parallel.state import unwrap
 
-__all__ = ["PARAM_KINDS", "OPTIMIZER_NAMES", "CombinedOptimizer", "build_optimizer", "group_parameters"]
+__all__ = ["PARAM_KINDS", "OPTIMIZER_NAMES", "CombinedOptimizer", "StackedMuon", "build_optimizer",
+           "group_parameters"]
 
 PARAM_KINDS = ("matrix", "embedding", "head", "no_decay")
 OPTIMIZER_NAMES = ("adamw", "muon")
@@ -96,13 +99,52 @@ def group_parameters(model: nn.Module) -> dict[str, list[tuple[str, nn.Parameter
     for n, p in named:
         if not p.requires_grad:
             continue
-        if kinds[n] == "matrix" and p.ndim != 2:
+        if kinds[n] == "matrix" and p.ndim not in (2, 3):
             raise ValueError(
-                f"parameter {n} is marked 'matrix' but has shape {tuple(p.shape)}; only 2-D "
-                "hidden weight matrices may be 'matrix' (Muon needs 2-D); use 'no_decay' or another kind"
+                f"parameter {n} is marked 'matrix' but has shape {tuple(p.shape)}; only 2-D hidden weight "
+                "matrices (or 3-D stacks of them) may be 'matrix'; use 'no_decay' or another kind"
             )
         groups[kinds[n]].append((n, p))
     return groups
+
+
+class StackedMuon(torch.optim.Muon):
+    """``torch.optim.Muon`` that also takes 3-D parameters holding a stack of independent matrices
+    [n, rows, cols] (MoE expert weights): each matrix is one Muon parameter, with its own
+    orthogonalisation and shape-adjusted learning rate, exactly as if it were a separate 2-D tensor.
+    Momentum buffers keep the stack's shape. On 2-D parameters it is torch's Muon unchanged: the
+    update is torch's own (``torch.optim._muon.muon``), fed the matrices as views."""
+
+    def __init__(self, params, **kwargs):
+        # torch validates the hyperparameters (and rejects 3-D tensors): let it do the former on a stand-in
+        defaults = torch.optim.Muon([torch.zeros(1, 1, requires_grad=True)], **kwargs).defaults
+        torch.optim.Optimizer.__init__(self, params, defaults)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.ndim not in (2, 3):
+                    raise ValueError(f"Muon takes matrices or stacks of them; got a parameter of size {p.size()}")
+
+    def _init_group(self, group, params_with_grad, grads, muon_momentum_bufs):
+        has_complex = super()._init_group(group, params_with_grad, grads, muon_momentum_bufs)
+        for tensors in (params_with_grad, grads, muon_momentum_bufs):
+            tensors[:] = [m for t in tensors for m in _matrices(t)]
+        return has_complex
+
+
+def _matrices(t: torch.Tensor) -> tuple:
+    """The independent matrices of a parameter (or its gradient / momentum), as views that share its
+    storage. FSDP2 shards dimension 0, which for a stack is the expert dimension: each rank holds whole
+    matrices, so its local shard is unbound (the update needs no communication)."""
+    if t.ndim != 3:
+        return (t,)
+    from torch.distributed.tensor import DTensor, Shard
+
+    if isinstance(t, DTensor):
+        if any(not (p.is_replicate() or p == Shard(0)) for p in t.placements):
+            raise ValueError(f"StackedMuon: a stack of matrices sharded as {t.placements} splits its matrices; "
+                             "shard the stack on dimension 0 (whole matrices per rank)")
+        t = t.to_local()
+    return t.unbind(0)
 
 
 class CombinedOptimizer:
@@ -210,7 +252,7 @@ def build_optimizer(
     ``name="adamw"``: one AdamW with a ``decay`` group (matrix, embedding, head)
     and a ``no_decay`` group (weight decay 0).
 
-    ``name="muon"``: ``torch.optim.Muon`` over the ``matrix`` parameters
+    ``name="muon"``: ``torch.optim.Muon`` (:class:`StackedMuon`) over the ``matrix`` parameters
     (lr ``muon_lr`` or ``lr``; weight decay ``muon_weight_decay`` or
     ``weight_decay``; ``adjust_lr_fn=muon_adjust_lr_fn``) plus AdamW over
     embedding/head (decayed) and no_decay parameters.
@@ -242,7 +284,7 @@ def build_optimizer(
     m_lr = lr if muon_lr is None else muon_lr
     m_wd = weight_decay if muon_weight_decay is None else muon_weight_decay
     if groups["matrix"]:
-        optimizers["muon"] = torch.optim.Muon(
+        optimizers["muon"] = StackedMuon(
             [_named_group("matrix", groups["matrix"], m_lr, m_wd)],
             lr=m_lr,
             weight_decay=m_wd,

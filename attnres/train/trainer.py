@@ -272,6 +272,7 @@ class Trainer:
                                       **options)
         self.step = 0
         self.saved_step: Optional[int] = None  # the step of the checkpoint on disk, if any
+        self.step_report = {}  # what the model reports after each step (MoE expert loads)
         self.state = {"tokens": 0, "elapsed": 0.0, "train_loss": float("nan"),
                       "data_digest": self.data.data_digest}
         if self.resume:
@@ -444,6 +445,7 @@ class Trainer:
             self.strategy.clip_grad_norm(c.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.step_report = self.strategy.end_step()
         self.step += 1
         self._last_lr = lr
         return loss_sum / c.grad_accum
@@ -509,7 +511,7 @@ class Trainer:
                     self.state["elapsed"] += dt
                     self.state["train_loss"] = loss
                     row = {"loss": loss, "lr": self._last_lr, "tokens": self.state["tokens"],
-                           "step_seconds": dt, "tokens_per_second": tokens_per_step / dt}
+                           "step_seconds": dt, "tokens_per_second": tokens_per_step / dt, **self.step_report}
                     evaluated = self.step % c.eval_every == 0 or self.step == c.steps
                     if evaluated:
                         ev = self.evaluate()
