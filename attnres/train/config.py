@@ -60,7 +60,8 @@ class TrainConfig:
     dist_timeout: float = 600.0  # seconds a collective may wait before the job fails
     # speed and memory knobs that leave the arithmetic as it is (a run may resume with them changed)
     compile: Union[bool, str] = False  # torch.compile: true (inductor) or a backend name, e.g. "aot_eager"
-    activation_checkpointing: str = "none"  # none | block | sublayer (attnres.model.checkpointing)
+    # none | block | sublayer (attnres.model.checkpointing); None (what `--set ...=none` reads as) is "none"
+    activation_checkpointing: Optional[str] = "none"
 
     def __post_init__(self):
         self.validate()
