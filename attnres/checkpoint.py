@@ -87,6 +87,11 @@ class CheckpointError(ValueError):
     """A checkpoint is missing, incomplete, corrupt, or does not fit the model."""
 
 
+def _unparsable(fpath, error: Exception) -> CheckpointError:
+    return CheckpointError(f"{fpath} cannot be parsed as safetensors ({type(error).__name__}: {error}). "
+                           "Fix: copy the file again or resume from an older checkpoint")
+
+
 # --------------------------------------------------------------------------- fs helpers
 
 
@@ -413,10 +418,7 @@ def _load_weights(fpath: Path, model: nn.Module) -> dict[str, torch.Tensor]:
             meta = f.metadata() or {}
         aliases = json.loads(meta.get(_ALIAS_KEY, "{}"))
     except Exception as e:  # safetensors raises its own error types
-        raise CheckpointError(
-            f"{fpath} cannot be parsed as safetensors ({type(e).__name__}: {e}). "
-            "Fix: copy the file again or resume from an older checkpoint"
-        ) from e
+        raise _unparsable(fpath, e) from e
     for alias, src in aliases.items():
         tensors[alias] = tensors[src]
     expected = unwrap(model).state_dict()
@@ -600,10 +602,7 @@ def _check_config_fits_weights(ckpt: Path, config: ModelConfig) -> None:
             saved = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
             aliases = json.loads((f.metadata() or {}).get(_ALIAS_KEY, "{}"))
     except Exception as e:  # safetensors raises its own error types
-        raise CheckpointError(
-            f"{fpath} cannot be parsed as safetensors ({type(e).__name__}: {e}). "
-            "Fix: copy the file again or resume from an older checkpoint"
-        ) from e
+        raise _unparsable(fpath, e) from e
     for alias, src in aliases.items():
         if src in saved:
             saved[alias] = saved[src]

@@ -1,10 +1,17 @@
 """Fixtures shared by the whole suite. Helper modules (reference.py: float64 references written
 loop by loop; stand_in.py: a tiny LM for the training parts) are importable by name because
 pyproject.toml puts tests/ on the path."""
-import pytest
-import torch
+import os
 
-from attnres import AttnResLM, ModelConfig
+# nothing may download at run time: Hugging Face libraries stay offline in every test (set before
+# anything imports huggingface_hub, which reads them once)
+for _var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HUB_DISABLE_TELEMETRY"):
+    os.environ.setdefault(_var, "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from attnres import AttnResLM, ModelConfig  # noqa: E402
 
 # reference comparisons must never run under TF32
 torch.backends.cuda.matmul.allow_tf32 = False

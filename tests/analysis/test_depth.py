@@ -2,22 +2,8 @@
 import math
 
 import pytest
-import torch
 
-from attnres import AttnResLM, ModelConfig
 from attnres.analysis.depth import depth_weight_matrix, routing_sharpness
-from reference import randomize
-
-BASE = dict(vocab_size=50, d_model=16, n_layers=3, n_heads=2, max_seq_len=16)  # L = 6
-
-
-def record_of(residual, randomized=True, **overrides):
-    torch.manual_seed(0)
-    model = AttnResLM(ModelConfig(**{**BASE, "residual": residual, **overrides})).double()
-    if randomized:
-        randomize(model.residual, scale=0.5 if residual != "gated" else 0.3)
-    x = torch.randint(0, 50, (2, 5), generator=torch.Generator().manual_seed(1))
-    return model(x, return_record=True).record
 
 
 # ----------------------------------------------------------------------------- routing sharpness
@@ -27,7 +13,7 @@ PROBED = [("full", {}), ("block", {}), ("full", {"attnres_sources": "states"}), 
 
 
 @pytest.mark.parametrize("residual,overrides", PROBED)
-def test_routing_sharpness_from_the_record(residual, overrides):
+def test_routing_sharpness_from_the_record(residual, overrides, record_of):
     record = record_of(residual, **overrides)
     probe = routing_sharpness(record)
     assert len(probe["max_weight"]) == len(probe["entropy"]) == 7  # L sublayers + the final aggregation
@@ -48,7 +34,7 @@ def test_routing_sharpness_from_the_record(residual, overrides):
         assert probe["max_weight"][0] == 1.0
 
 
-def test_uniform_weights_give_one_over_k_and_log_k():
+def test_uniform_weights_give_one_over_k_and_log_k(record_of):
     probe = routing_sharpness(record_of("full", randomized=False))
     for l, k in enumerate(probe["n_sources"]):
         assert k == l + 1
@@ -56,12 +42,12 @@ def test_uniform_weights_give_one_over_k_and_log_k():
         assert probe["entropy"][l] == pytest.approx(math.log(k), rel=1e-6, abs=1e-7)
 
 
-def test_no_depth_weights_no_probe():
+def test_no_depth_weights_no_probe(record_of):
     assert routing_sharpness(record_of("prenorm", randomized=False)) is None
     assert routing_sharpness(record_of("mhc")) is None
 
 
-def test_states_sources_are_named_and_placed_in_the_matrix():
+def test_states_sources_are_named_and_placed_in_the_matrix(record_of):
     record = record_of("full", attnres_sources="states")
     assert record.sources[3] == ["emb", "s1", "s2", "s3"]
     assert depth_weight_matrix(record).shape == (7, 7)

@@ -4,25 +4,11 @@ import json
 
 import numpy as np
 import pytest
-import torch
 
-from attnres import AttnResLM, ModelConfig
 from attnres.analysis.depth import depth_weight_matrix
 from attnres.analysis.placement import (best_block_sizes, block_fit_error, block_mass, learned_block_sizes,
                                         runs_depth_weights)
 from attnres.cli import main
-from reference import randomize
-
-BASE = dict(vocab_size=50, d_model=16, n_layers=3, n_heads=2, max_seq_len=16)  # L = 6
-
-
-def record_of(residual, randomized=True, **overrides):
-    torch.manual_seed(0)
-    model = AttnResLM(ModelConfig(**{**BASE, "residual": residual, **overrides})).double()
-    if randomized:
-        randomize(model.residual, scale=0.5 if residual != "gated" else 0.3)
-    x = torch.randint(0, 50, (2, 5), generator=torch.Generator().manual_seed(1))
-    return model(x, return_record=True).record
 
 
 # ----------------------------------------------------------------------------- placement
@@ -84,7 +70,7 @@ def test_objectives_by_hand():
     assert best_block_sizes(a, 2) == [2, 1] and best_block_sizes(a, 2, objective="fit") in ([2, 1], [1, 2])
 
 
-def test_fit_error_is_zero_when_the_weights_are_constant_on_the_blocks():
+def test_fit_error_is_zero_when_the_weights_are_constant_on_the_blocks(record_of):
     L, sizes = 6, [2, 3, 1]
     a = np.full((L + 1, L + 1), np.nan)
     starts = [1, 3, 6]
@@ -96,34 +82,34 @@ def test_fit_error_is_zero_when_the_weights_are_constant_on_the_blocks():
     assert best_block_sizes(a, 3, objective="fit") == sizes
 
 
-def write_run(tmp_path, residual="full", **overrides):
+def write_run(record_of, config, tmp_path, residual="full", **overrides):
     from attnres.experiments.probes import _nan_to_none
 
     record = record_of(residual, **overrides)
     run = tmp_path / residual
     run.mkdir()
-    cfg = ModelConfig(**{**BASE, "residual": residual, **overrides})
+    cfg = config(residual, **overrides)
     (run / "config.json").write_text(json.dumps({"model": cfg.to_dict(), "train": {}}))
     (run / "probes.json").write_text(json.dumps({"depth_weights": _nan_to_none(depth_weight_matrix(record))}))
     return run, depth_weight_matrix(record)
 
 
-def test_learned_block_sizes_from_a_run_directory(tmp_path, capsys):
-    run, matrix = write_run(tmp_path)
+def test_learned_block_sizes_from_a_run_directory(tmp_path, capsys, record_of, config):
+    run, matrix = write_run(record_of, config, tmp_path)
     for objective in ("mass", "fit"):
         sizes = learned_block_sizes(run, 3, objective=objective)
         assert sizes == best_block_sizes(matrix, 3, objective=objective)
-        cfg = ModelConfig(**BASE, residual="block", attnres_block_sizes=sizes)  # usable as it is
+        cfg = config("block", attnres_block_sizes=sizes)  # usable as it is
         assert cfg.num_blocks == 3
     assert main(["placement", str(run), "--blocks", "3", "--max-size", "3"]) == 0
     line = capsys.readouterr().out.splitlines()[0]
     assert line == f"attnres_block_sizes = {best_block_sizes(matrix, 3, max_size=3)}"
 
 
-def test_placement_from_several_runs_uses_their_mean_weights(tmp_path, capsys):
-    one, a = write_run(tmp_path)
+def test_placement_from_several_runs_uses_their_mean_weights(tmp_path, capsys, record_of, config):
+    one, a = write_run(record_of, config, tmp_path)
     (tmp_path / "seed2").mkdir()
-    two, b = write_run(tmp_path / "seed2", attnres_kernel="sigmoid")  # other weights, same depth
+    two, b = write_run(record_of, config, tmp_path / "seed2", attnres_kernel="sigmoid")  # other weights, same depth
     mean = runs_depth_weights([one, two])
     np.testing.assert_array_equal(np.isnan(mean), np.isnan(a))
     np.testing.assert_allclose(mean[~np.isnan(a)], ((a + b) / 2)[~np.isnan(a)], rtol=1e-15)
@@ -133,8 +119,8 @@ def test_placement_from_several_runs_uses_their_mean_weights(tmp_path, capsys):
         f"attnres_block_sizes = {best_block_sizes(mean, 2, objective='fit')}"
 
 
-def test_placement_needs_a_full_outputs_run(tmp_path, capsys):
-    run, _ = write_run(tmp_path, "block")
+def test_placement_needs_a_full_outputs_run(tmp_path, capsys, record_of, config):
+    run, _ = write_run(record_of, config, tmp_path, "block")
     with pytest.raises(ValueError, match="needs a Full AttnRes run over sublayer outputs"):
         learned_block_sizes(run, 3)
     assert main(["placement", str(run), "--blocks", "3"]) == 2

@@ -1,10 +1,4 @@
 """The Hugging Face tests run offline and only where transformers is installed (pip install attnres[hf])."""
-import os
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
-
 try:
     from transformers.utils import logging as hf_logging
 except ImportError:  # the optional extra is not installed: nothing here to run

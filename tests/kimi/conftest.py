@@ -1,10 +1,4 @@
 """The Kimi Linear tests need transformers' Kimi Linear modules (pip install attnres[hf]); offline."""
-import os
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
-
 try:
     from transformers import KimiLinearConfig  # noqa: F401
     from transformers.utils import logging as hf_logging
