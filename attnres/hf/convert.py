@@ -108,16 +108,21 @@ def _read_safetensors_dir(path: Path) -> Optional[Dict[str, torch.Tensor]]:
     return tensors
 
 
+def read_source_config(path: Path, expected: str):
+    """The transformers config of a local checkpoint directory (offline); ``expected`` names what the
+    caller takes, for the error when the directory has no config.json."""
+    if not (path / "config.json").is_file():
+        raise ConversionError(f"{path} has no config.json: pass {expected} or a model object")
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(path), local_files_only=True)
+
+
 def _load_source(model_or_dir, copy_weights: bool) -> Tuple[Any, Dict[str, torch.Tensor]]:
     """(HF config, state dict) of a model object or a local directory."""
     if isinstance(model_or_dir, (str, os.PathLike)):
         path = Path(model_or_dir)
-        if not (path / "config.json").is_file():
-            raise ConversionError(f"{path} has no config.json: pass a Hugging Face model directory "
-                                  "(config.json + weights) or a model object")
-        from transformers import AutoConfig
-
-        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+        config = read_source_config(path, "a Hugging Face model directory (config.json + weights)")
         with reading_model(path):
             tensors = _read_safetensors_dir(path)
             if tensors is None:  # e.g. pytorch_model.bin: let transformers read it

@@ -33,7 +33,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 import torch
 
 from attnres.hf.configuration import AttnResConfig
-from attnres.hf.convert import ConversionError, _read_safetensors_dir
+from attnres.hf.convert import ConversionError, _read_safetensors_dir, read_source_config
 from attnres.hf.modeling import AttnResForCausalLM
 from attnres.model.backbones import KDA, MLA
 from attnres.model.config import ModelConfig
@@ -320,12 +320,7 @@ def _load_source(source) -> Tuple[Any, Dict[str, torch.Tensor]]:
     model object."""
     if isinstance(source, (str, os.PathLike)):
         path = Path(source)
-        if not (path / "config.json").is_file():
-            raise ConversionError(f"{path} has no config.json: pass a kimi_linear checkpoint directory "
-                                  "(config.json + safetensors) or a model object")
-        from transformers import AutoConfig
-
-        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+        config = read_source_config(path, "a kimi_linear checkpoint directory (config.json + safetensors)")
         kimi_model_fields(config)  # what the backbone cannot express fails before anything is loaded
         return config, _load_directory(path, config)
     config = getattr(source, "config", None)
