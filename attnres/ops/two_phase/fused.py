@@ -1,23 +1,16 @@
-"""Two-phase depth attention for Block AttnRes (docs/method.md §6), differentiable, for training and inference.
+"""Two-phase depth attention, the fused path the residual streams run (docs/method.md §6).
 
-Pseudo-queries do not depend on the input, so the S sublayers of a depth block
-can attend to the completed blocks [b_0 … b_{n-1}] all at once:
+The same math as ``naive.py`` (read that first), as custom autograd Functions:
 
-- **Phase 1** (once per depth block): one pass over the cached sources computes,
-  for every query s, the normalised output ``h1_s = sum_i alpha_si v_i`` and the
-  log-sum-exp ``lse_s`` of its logits (float32). Backward also runs once per
-  block, so the sources are read and their gradients written once per block
-  instead of once per sublayer: that is where the S-fold saving comes from.
-- **Phase 2** (per sublayer): attend to the one intra-block source, the partial
-  sum p, and merge exactly: ``lse = logaddexp(lse_s, z_p)``,
-  ``h = exp(lse_s - lse) h1_s + exp(z_p - lse) p`` (``merge_partial``).
+- ``_Phase1``: all S queries of a depth block in one pass over the completed sources, which it
+  reads in place from the stream's buffer. Backward also runs once per block, so the sources are
+  read and their gradients written once per block instead of once per sublayer: that is where
+  the S-fold saving comes from.
+- ``_MergePartial``: Phase 2 for the common case (one head, softmax, key norm) with a lean
+  backward that writes dh1 and dp once each.
 
-``lse`` together with ``h1`` is the same information as the (o, m, l) statistics
-of ``DepthStats`` (o / l = h1, m + log l = lse), in a form that needs no rescaling
-of o when merging.
-
-The inverse RMS of each source, ``r_i = rsqrt(mean(v_i^2) + eps)``, is computed
-once when the source is written (``inverse_rms``) and reused by every reader.
+The inverse RMS of each source is computed once when the source is written (``inverse_rms``) and
+reused by every reader; its gradient is recomputed here from the values.
 """
 from __future__ import annotations
 
@@ -26,18 +19,10 @@ from typing import Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from attnres.ops.depth_attention import _compute_dtype, apply_function, autocast_off
-
-
-def inverse_rms(v: Tensor, eps: float) -> Tensor:
-    """r = rsqrt(mean(v^2) + eps) over the last dim, float32 (float64 for float64 input)."""
-    cd = _compute_dtype(v.dtype)
-    ms = torch.linalg.vector_norm(v, dim=-1, dtype=cd).pow(2) / v.shape[-1]
-    return torch.rsqrt(ms + eps)
-
-
-def _split_heads(x: Tensor, heads: int) -> Tensor:
-    return x.unflatten(-1, (heads, x.shape[-1] // heads))
+from attnres.ops.common import DepthStats, apply_function, autocast_off, compute_dtype, inverse_rms, split_heads
+from attnres.ops.depth_attention.naive import check_kernel
+from attnres.ops.two_phase import naive
+from attnres.ops.two_phase.naive import check_phase1_inputs
 
 
 class _Phase1(torch.autograd.Function):
@@ -60,7 +45,7 @@ class _Phase1(torch.autograd.Function):
         kernel, heads = opts
         b, t, n, d = values.shape
         s_count = queries.shape[0]
-        cd = _compute_dtype(values.dtype)
+        cd = compute_dtype(values.dtype)
         v3 = values.to(cd).flatten(0, 1)  # [BT, n, D] (a view for float32 buffers)
         u = queries.to(cd).reshape(s_count, d)
         if key_weights is not None:
@@ -69,7 +54,7 @@ class _Phase1(torch.autograd.Function):
         if heads == 1:
             dots = torch.bmm(v3, u.t().expand(v3.shape[0], d, s_count)).unsqueeze(-1)  # [BT, n, S, 1]
         else:
-            dots = torch.einsum("xnhe,she->xnsh", _split_heads(v3, heads), _split_heads(u, heads))
+            dots = torch.einsum("xnhe,she->xnsh", split_heads(v3, heads), split_heads(u, heads))
         r = inv_rms.to(cd).flatten(0, 1) if inv_rms is not None else None  # [BT, n]
         z = dots * r[:, :, None, None] if r is not None else dots  # [BT, n, S, H]
         if kernel == "softmax":
@@ -109,7 +94,7 @@ class _Phase1(torch.autograd.Function):
         if heads == 1:
             galpha = torch.bmm(v3, gh.transpose(1, 2)).unsqueeze(-1)
         else:
-            galpha = torch.einsum("xnhe,xshe->xnsh", _split_heads(v3, heads), _split_heads(gh, heads))
+            galpha = torch.einsum("xnhe,xshe->xnsh", split_heads(v3, heads), split_heads(gh, heads))
         if kernel == "softmax":
             gz = alpha * (galpha - (alpha * galpha).sum(dim=1, keepdim=True))
             if g_lse is not None:
@@ -124,8 +109,8 @@ class _Phase1(torch.autograd.Function):
             gv = torch.mm(gdots.reshape(-1, s_count), u).view(v3.shape[0], n, d)
             gv.baddbmm_(alpha.squeeze(-1), gh)
         else:
-            gv = torch.einsum("xnsh,xshe->xnhe", alpha, _split_heads(gh, heads))
-            gv = gv + torch.einsum("xnsh,she->xnhe", gdots, _split_heads(u, heads))
+            gv = torch.einsum("xnsh,xshe->xnhe", alpha, split_heads(gh, heads))
+            gv = gv + torch.einsum("xnsh,she->xnhe", gdots, split_heads(u, heads))
             gv = gv.flatten(-2)
         if r is not None:
             # r = rsqrt(mean(v^2) + eps): dr/dv = -r^3 v / D, weighted by sum_s gz * dots
@@ -140,7 +125,7 @@ class _Phase1(torch.autograd.Function):
                 gd = gdots.squeeze(-1)
                 du = sum(torch.mm(gd[:, i].t(), v3[:, i]) for i in range(n))
             else:
-                du = torch.einsum("xnsh,xnhe->she", gdots, _split_heads(v3, heads)).reshape(s_count, d)
+                du = torch.einsum("xnsh,xnhe->she", gdots, split_heads(v3, heads)).reshape(s_count, d)
             if ctx.needs_input_grad[0]:
                 gq = (du * g if g is not None else du).reshape(queries.shape).to(queries.dtype)
             if g is not None and ctx.needs_input_grad[1]:
@@ -155,31 +140,37 @@ def _mix(alpha: Tensor, v3: Tensor, heads: int) -> Tensor:
     """sum_i alpha[x, i, s, h] v3[x, i, h-channels] -> [BT, S, D]."""
     if heads == 1:
         return torch.bmm(alpha.squeeze(-1).transpose(1, 2).to(v3.dtype), v3)
-    out = torch.einsum("xnsh,xnhe->xshe", alpha.to(v3.dtype), _split_heads(v3, heads))
+    out = torch.einsum("xnsh,xnhe->xshe", alpha.to(v3.dtype), split_heads(v3, heads))
     return out.flatten(-2)
-
-
-def phase1(values: Tensor, inv_rms: Optional[Tensor], queries: Tensor, key_weights: Optional[Tensor],
-           producers: Sequence[Tensor], *, kernel: str = "softmax") -> Tuple[Tensor, Tensor]:
-    """Phase 1 for S queries: values [B, T, n, D] (may be a buffer view), inv_rms [B, T, n] (None: no
-    key norm), queries [S, D] or [S, H, D/H], key_weights [S, D] or None; gradients flow to
-    ``producers`` (the n source tensors). Returns (h1 [B, T, S, D], lse [B, T, S, H]); h1's
-    S slices along dim 2 are the op's separate outputs, so read them with ``h1.unbind(2)``
-    or ``h1[:, :, s]`` freely."""
-    h1s, lse = phase1_outputs(values, inv_rms, queries, key_weights, producers, kernel=kernel)
-    return torch.stack(h1s, dim=2), lse
 
 
 def phase1_outputs(values: Tensor, inv_rms: Optional[Tensor], queries: Tensor,
                    key_weights: Optional[Tensor], producers: Sequence[Tensor], *,
                    kernel: str = "softmax") -> Tuple[Tuple[Tensor, ...], Tensor]:
-    """``phase1`` returning the S outputs h1_s [B, T, D] as a tuple (no stacking): the form the
-    residual stream uses, so each sublayer's gradient reaches Phase 1's backward on its own."""
+    """Phase 1 over rows of the residual stream's buffer, the form the streams use.
+
+    values [B, T, n, D] is read in place (a view into the buffer: later writes to other rows are
+    fine); gradients go to ``producers``, the n autograd tensors whose values the rows hold.
+    Returns the S outputs h1_s [B, T, D] as a tuple, so each sublayer's gradient reaches the
+    backward on its own (no zero-filled [B, T, S, D] assembled by slicing), and lse [B, T, S, H].
+    """
+    check_kernel(kernel)
+    heads = check_phase1_inputs(values, inv_rms, queries, key_weights)
     if values.shape[2] != len(producers):
         raise ValueError(f"values hold {values.shape[2]} sources but {len(producers)} producers were given")
-    heads = 1 if queries.dim() == 2 else queries.shape[1]
     *h1s, lse = apply_function(_Phase1, queries, key_weights, values, inv_rms, (kernel, heads), *producers)
     return tuple(h1s), lse
+
+
+def phase1(values: Tensor, inv_rms: Optional[Tensor], queries: Tensor, key_weights: Optional[Tensor] = None,
+           *, kernel: str = "softmax") -> DepthStats:
+    """Phase 1 as one custom-autograd op; the arguments and result of ``naive.phase1``.
+
+    The key-norm gradient is taken through values (inv_rms must be ``inverse_rms(values, eps)``;
+    its own graph is not used).
+    """
+    h1s, lse = phase1_outputs(values, inv_rms, queries, key_weights, values.unbind(2), kernel=kernel)
+    return DepthStats(torch.stack(h1s, dim=2), lse)
 
 
 class _MergePartial(torch.autograd.Function):
@@ -192,7 +183,7 @@ class _MergePartial(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h1, lse1, partial, query, key_weight, eps):
         with torch.autocast(partial.device.type, enabled=False):
-            cd = _compute_dtype(partial.dtype)
+            cd = compute_dtype(partial.dtype)
             p, h1c = partial.to(cd), h1.to(cd)
             u = query.to(cd) * key_weight.to(cd)
             s = torch.matmul(p, u)  # [B, T]
@@ -224,54 +215,11 @@ class _MergePartial(torch.autograd.Function):
                 (gu * g).to(query.dtype), (gu * q).to(key_weight.dtype), None)
 
 
-def merge_partial(h1: Tensor, lse1: Tensor, partial: Tensor, query: Tensor,
-                  key_weight: Optional[Tensor], eps: float, kernel: str = "softmax") -> Tensor:
-    """Phase 2: fold the intra-block partial sum p into a Phase-1 result, exactly.
-
-    h1 [B, T, D], lse1 [B, T, H]; query [D] or [H, D/H]. The common case (one head,
-    softmax, key norm) runs as one custom-autograd op; the others as plain autograd.
-    """
-    heads = lse1.shape[-1]
-    if heads == 1 and kernel == "softmax" and key_weight is not None:
-        return apply_function(_MergePartial, h1, lse1, partial, query.reshape(-1), key_weight, eps)
-    d = partial.shape[-1]
-    cd = _compute_dtype(partial.dtype)
-    u = query.to(cd).reshape(d)
-    if key_weight is not None:
-        u = u * key_weight.to(cd)
-    pc = partial.to(cd)
-    if heads == 1:
-        z = torch.matmul(pc, u).unsqueeze(-1)  # [B, T, 1]
-    else:
-        z = torch.einsum("bthe,he->bth", _split_heads(pc, heads), _split_heads(u, heads))
-    if key_weight is not None:
-        z = z * inverse_rms(pc, eps).unsqueeze(-1)
-    if kernel == "softmax":
-        # weight of the partial sum: exp(z - logaddexp(lse1, z)) = sigmoid(z - lse1)
-        w = torch.sigmoid(z - lse1.to(cd))
-        if heads == 1:
-            h = torch.lerp(h1.to(cd), pc, w)
-        else:
-            h = torch.lerp(_split_heads(h1.to(cd), heads), _split_heads(pc, heads), w.unsqueeze(-1))
-            h = h.flatten(-2)
-    else:
-        w = torch.sigmoid(z)
-        h = h1.to(cd) + (pc * w if heads == 1 else (_split_heads(pc, heads) * w.unsqueeze(-1)).flatten(-2))
-    return h.to(partial.dtype)
-
-
-def merge_outputs(h1: Tensor, lse1: Tensor, h2: Tensor, lse2: Tensor, kernel: str = "softmax"
-                  ) -> Tuple[Tensor, Tensor]:
-    """Exactly combine two depth attentions over disjoint source sets, each given as its normalised
-    output and log-sum-exp (h [B, T, D], lse [B, T, H]): returns (h, lse) over the union.
-    For the sigmoid kernel the outputs are unnormalised sums and simply add."""
-    if kernel != "softmax":
-        return h1 + h2, lse1
-    heads = lse1.shape[-1]
-    w = torch.sigmoid(lse2 - lse1)  # the second set's share of the total mass
-    if heads == 1:
-        h = torch.lerp(h1, h2.to(h1.dtype), w.to(h1.dtype))
-    else:
-        h = torch.lerp(_split_heads(h1, heads), _split_heads(h2.to(h1.dtype), heads),
-                       w.to(h1.dtype).unsqueeze(-1)).flatten(-2)
-    return h, torch.logaddexp(lse1, lse2)
+def merge_partial(stats: DepthStats, partial: Tensor, query: Tensor, key_weight: Optional[Tensor], eps: float,
+                  kernel: str = "softmax") -> Tensor:
+    """Phase 2; the arguments and result of ``naive.merge_partial``. The common case (one head,
+    softmax, key norm) runs as one custom-autograd op, the others as the plain reference."""
+    check_kernel(kernel)
+    if stats.lse.shape[-1] == 1 and kernel == "softmax" and key_weight is not None:
+        return apply_function(_MergePartial, stats.h, stats.lse, partial, query.reshape(-1), key_weight, eps)
+    return naive.merge_partial(stats, partial, query, key_weight, eps, kernel)
