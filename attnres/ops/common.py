@@ -10,7 +10,10 @@ rescaling o: the second set's share of the union is ``sigmoid(lse_b - lse_a)``.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+import importlib
+import os
+from types import ModuleType
+from typing import Dict, NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -73,3 +76,20 @@ def apply_function(function, *args):
     if torch.is_grad_enabled():
         return function.apply(*args)
     return function.forward(_Unrecorded(), *args)
+
+
+_TRITON_KERNELS: Dict[str, Optional[ModuleType]] = {}  # module name -> module, None when unavailable
+
+
+def triton_kernels(module_name: str) -> Optional[ModuleType]:
+    """A module of Triton kernels, imported on first use; None when triton is missing or
+    ``ATTNRES_TRITON=0`` (read on every call, so it can be switched at run time). The fast paths
+    call this only for CUDA tensors, so nothing imports triton on a CPU-only machine."""
+    if os.environ.get("ATTNRES_TRITON", "1") == "0":
+        return None
+    if module_name not in _TRITON_KERNELS:
+        try:
+            _TRITON_KERNELS[module_name] = importlib.import_module(module_name)
+        except ImportError:
+            _TRITON_KERNELS[module_name] = None
+    return _TRITON_KERNELS[module_name]

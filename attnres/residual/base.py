@@ -39,8 +39,7 @@ from torch import Tensor, nn
 from attnres.ops.depth_attention import depth_attention_reference, fused_depth_attention
 from attnres.ops.gated_depth_attention import gated_depth_attention
 from attnres.ops.token_queries import merge_partial_token, phase1_token_queries
-from attnres.ops.two_phase.fused import merge_partial, phase1_outputs
-from attnres.ops.two_phase.naive import merge
+from attnres.ops.two_phase.fused import merge, merge_partial, phase1_outputs
 
 
 def store_row(buffer: Tensor, row: int, v: Tensor) -> None:

@@ -16,13 +16,12 @@ needs triton); ``depth_attention`` chooses between this path and the reference.
 """
 from __future__ import annotations
 
-import os
 from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
 
-from attnres.ops.common import apply_function, autocast_off, compute_dtype, split_heads
+from attnres.ops.common import apply_function, autocast_off, compute_dtype, split_heads, triton_kernels
 from attnres.ops.depth_attention.naive import (
     DepthAttentionOutput,
     check_kernel,
@@ -186,21 +185,9 @@ def _weighted_sum(v: Tensor, w: Tensor, heads: int) -> Tensor:
 
 
 # ----------------------------------------------------------------------------- Triton dispatch
-_TRITON = None  # attnres.ops.depth_attention.triton once imported, False when unavailable
-
-
 def _triton_module():
-    """The Triton kernels' module, or None (triton missing, or ATTNRES_TRITON=0)."""
-    global _TRITON
-    if os.environ.get("ATTNRES_TRITON", "1") == "0":
-        return None
-    if _TRITON is None:
-        try:
-            from attnres.ops.depth_attention import triton as module
-        except ImportError:
-            module = False
-        _TRITON = module
-    return _TRITON or None
+    """The depth-attention kernels (``triton.py``), or None (triton missing, or ATTNRES_TRITON=0)."""
+    return triton_kernels("attnres.ops.depth_attention.triton")
 
 
 def fused_depth_attention(

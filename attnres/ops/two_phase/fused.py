@@ -11,6 +11,10 @@ The same math as ``naive.py`` (read that first), as custom autograd Functions:
 
 The inverse RMS of each source is computed once when the source is written (``inverse_rms``) and
 reused by every reader; its gradient is recomputed here from the values.
+
+Triton. For CUDA float32/bfloat16/float16 tensors, ``_Phase1``'s forward and ``merge`` (when no
+gradient is needed) run the kernels of ``triton.py`` (imported on first use; ``ATTNRES_TRITON=0``
+turns them off); ``_Phase1``'s backward then recomputes the weights from the saved lse.
 """
 from __future__ import annotations
 
@@ -19,7 +23,15 @@ from typing import Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from attnres.ops.common import DepthStats, apply_function, autocast_off, compute_dtype, inverse_rms, split_heads
+from attnres.ops.common import (
+    DepthStats,
+    apply_function,
+    autocast_off,
+    compute_dtype,
+    inverse_rms,
+    split_heads,
+    triton_kernels,
+)
 from attnres.ops.depth_attention.naive import check_kernel
 from attnres.ops.two_phase import naive
 from attnres.ops.two_phase.naive import check_phase1_inputs
@@ -42,47 +54,49 @@ class _Phase1(torch.autograd.Function):
 
     @staticmethod
     def _forward(ctx, queries, key_weights, values, inv_rms, opts, producers):
-        kernel, heads = opts
+        kernel, heads, kernels = opts
         b, t, n, d = values.shape
         s_count = queries.shape[0]
         cd = compute_dtype(values.dtype)
-        v3 = values.to(cd).flatten(0, 1)  # [BT, n, D] (a view for float32 buffers)
-        u = queries.to(cd).reshape(s_count, d)
-        if key_weights is not None:
-            u = u * key_weights.to(cd)
-        # raw dot products, per head: [BT, n, S*H]
-        if heads == 1:
-            dots = torch.bmm(v3, u.t().expand(v3.shape[0], d, s_count)).unsqueeze(-1)  # [BT, n, S, 1]
+        if kernels is not None:
+            # the Triton forward keeps nothing of size n: backward recomputes the weights from lse
+            h1, lse = kernels.phase1(values, inv_rms, queries, key_weights, kernel=kernel)
+            alpha = dots = None
+            saved_lse = lse.flatten(0, 1)
         else:
-            dots = torch.einsum("xnhe,she->xnsh", split_heads(v3, heads), split_heads(u, heads))
-        r = inv_rms.to(cd).flatten(0, 1) if inv_rms is not None else None  # [BT, n]
-        z = dots * r[:, :, None, None] if r is not None else dots  # [BT, n, S, H]
-        if kernel == "softmax":
-            lse = torch.logsumexp(z, dim=1)  # [BT, S, H]
-            alpha = torch.exp(z - lse.unsqueeze(1))
-        else:
-            lse = torch.zeros(z.shape[0], s_count, heads, dtype=cd, device=z.device)
-            alpha = torch.sigmoid(z)
-        h1 = _mix(alpha, v3, heads)  # [BT, S, D]
+            v3 = values.to(cd).flatten(0, 1)  # [BT, n, D] (a view for float32 buffers)
+            dots, z = _logits(v3, inv_rms, queries, key_weights, heads)
+            if kernel == "softmax":
+                lse = torch.logsumexp(z, dim=1)  # [BT, S, H]
+                alpha = torch.exp(z - lse.unsqueeze(1))
+            else:
+                lse = torch.zeros(z.shape[0], s_count, heads, dtype=cd, device=z.device)
+                alpha = torch.sigmoid(z)
+            h1 = _mix(alpha, v3, heads).view(b, t, s_count, d)
+            lse = lse.view(b, t, s_count, heads)
+            saved_lse = None
         # buffer views: kept on ctx, not saved (later writes go to other rows, which bumps the
         # buffer's version counter but never changes the rows read here)
         ctx.values, ctx.inv_rms = values, inv_rms
         ctx.opts = (kernel, heads, cd, [(p.shape, p.dtype) for p in producers])
-        ctx.save_for_backward(queries, key_weights, alpha, dots)
+        ctx.save_for_backward(queries, key_weights, alpha, dots, saved_lse)
         # one output per query: each sublayer's gradient then arrives on its own, with no
         # zero-filled [B, T, S, D] assembled by slicing
-        return (*h1.view(b, t, s_count, d).unbind(2), lse.view(b, t, s_count, heads))
+        return (*h1.unbind(2), lse)
 
     @staticmethod
     @autocast_off
     def backward(ctx, *grads_out):
         *g_h1s, g_lse = grads_out
-        queries, key_weights, alpha, dots = ctx.saved_tensors
+        queries, key_weights, alpha, dots, lse = ctx.saved_tensors
         kernel, heads, cd, producer_meta = ctx.opts
         values, inv_rms = ctx.values, ctx.inv_rms
         b, t, n, d = values.shape
         s_count = queries.shape[0]
         v3 = values.to(cd).flatten(0, 1)
+        if alpha is None:  # a Triton forward: recompute the weights (one [BT, n, S, H] pass)
+            dots, z = _logits(v3, inv_rms, queries, key_weights, heads)
+            alpha = torch.exp(z - lse.unsqueeze(1)) if kernel == "softmax" else torch.sigmoid(z)
         gh = torch.stack([g if g is not None else torch.zeros(b, t, d, dtype=cd, device=values.device)
                           for g in g_h1s], dim=2).to(cd).flatten(0, 1)  # [BT, S, D]
         q = queries.to(cd).reshape(s_count, d)
@@ -136,6 +150,31 @@ class _Phase1(torch.autograd.Function):
         return (gq, gg, None, None, None, *grads)
 
 
+def _logits(v3: Tensor, inv_rms: Optional[Tensor], queries: Tensor, key_weights: Optional[Tensor],
+            heads: int) -> Tuple[Tensor, Tensor]:
+    """(raw dot products v_i . u_s, logits z = r_i dots), both [BT, n, S, H], from v3 [BT, n, D]."""
+    cd, d = v3.dtype, v3.shape[-1]
+    s_count = queries.shape[0]
+    u = queries.to(cd).reshape(s_count, d)
+    if key_weights is not None:
+        u = u * key_weights.to(cd)
+    if heads == 1:
+        dots = torch.bmm(v3, u.t().expand(v3.shape[0], d, s_count)).unsqueeze(-1)  # [BT, n, S, 1]
+    else:
+        dots = torch.einsum("xnhe,she->xnsh", split_heads(v3, heads), split_heads(u, heads))
+    r = inv_rms.to(cd).flatten(0, 1) if inv_rms is not None else None  # [BT, n]
+    return dots, (dots * r[:, :, None, None] if r is not None else dots)
+
+
+def _triton_for(x: Tensor):
+    """The Triton two-phase kernels for CUDA float32/bfloat16/float16 tensors, or None: torch runs
+    float64 (the reference precision), CPU tensors, and everything when triton is missing or
+    ``ATTNRES_TRITON=0``."""
+    if x.device.type != "cuda" or x.dtype == torch.float64:
+        return None
+    return triton_kernels("attnres.ops.two_phase.triton")
+
+
 def _mix(alpha: Tensor, v3: Tensor, heads: int) -> Tensor:
     """sum_i alpha[x, i, s, h] v3[x, i, h-channels] -> [BT, S, D]."""
     if heads == 1:
@@ -158,7 +197,11 @@ def phase1_outputs(values: Tensor, inv_rms: Optional[Tensor], queries: Tensor,
     heads = check_phase1_inputs(values, inv_rms, queries, key_weights)
     if values.shape[2] != len(producers):
         raise ValueError(f"values hold {values.shape[2]} sources but {len(producers)} producers were given")
-    *h1s, lse = apply_function(_Phase1, queries, key_weights, values, inv_rms, (kernel, heads), *producers)
+    kernels = _triton_for(values)
+    if kernels is not None and not kernels.fits(heads, values.shape[-1]):
+        kernels = None
+    *h1s, lse = apply_function(_Phase1, queries, key_weights, values, inv_rms, (kernel, heads, kernels),
+                               *producers)
     return tuple(h1s), lse
 
 
@@ -213,6 +256,15 @@ class _MergePartial(torch.autograd.Function):
         gu = torch.matmul(gs.reshape(-1), p.reshape(-1, d))  # sum over tokens of gs * p
         return (gh1.to(h1.dtype), (-gz).unsqueeze(-1).to(cd), gp.to(partial.dtype),
                 (gu * g).to(query.dtype), (gu * q).to(key_weight.dtype), None)
+
+
+def merge(a: DepthStats, b: DepthStats, kernel: str = "softmax") -> DepthStats:
+    """The arguments and result of ``naive.merge``; the Triton kernel for CUDA statistics when no
+    gradient is needed (it has no backward; the merge is elementwise, so autograd's is cheap)."""
+    kernels = _triton_for(a.h)
+    if kernels is not None and not (torch.is_grad_enabled() and any(x.requires_grad for x in (*a, *b))):
+        return kernels.merge(a, b, kernel)
+    return naive.merge(a, b, kernel)
 
 
 def merge_partial(stats: DepthStats, partial: Tensor, query: Tensor, key_weight: Optional[Tensor], eps: float,

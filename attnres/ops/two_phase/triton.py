@@ -2,8 +2,10 @@
 
 The same contract as ``naive.py`` (read that first): ``phase1`` reads the n completed sources once
 for all S queries of a depth block, ``merge`` combines two ``DepthStats`` exactly. Forward only:
-neither has a backward kernel, so they serve inference (and refuse inputs that require grad while
-grad mode is on; ``fused.py`` is the differentiable path).
+neither has a backward kernel (called directly they refuse inputs that require grad while grad mode
+is on). ``fused.py`` routes CUDA calls here: its Phase-1 autograd Function runs this forward and
+recomputes the weights from lse in its backward; its ``merge`` uses the kernel when no gradient is
+needed.
 
 - phase 1: each program owns a tile of BLOCK_T tokens and BLOCK_S queries; it walks the sources
   once with an online softmax (running max m and normaliser l per token, query and head, as in
@@ -35,7 +37,7 @@ from attnres.ops.depth_attention.triton import (
 )
 from attnres.ops.two_phase.naive import check_phase1_inputs
 
-__all__ = ["merge", "phase1"]
+__all__ = ["fits", "merge", "phase1"]
 
 
 @triton.jit
@@ -136,6 +138,11 @@ def _phase1_tile(heads: int, d: int, s: int) -> Tuple[int, int, int, int, int]:
     return bt, bs, bh, bdh, warps
 
 
+def fits(heads: int, d: int) -> bool:
+    """Whether one program can hold a token's D channels of ``heads`` heads (padded to powers of two)."""
+    return pow2(heads) * pow2(d // heads) <= MAX_PADDED_WIDTH
+
+
 def _refuse_autograd(name: str, *tensors: Optional[Tensor]) -> None:
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         raise RuntimeError(f"the Triton {name} has no backward; use attnres.ops.two_phase.fused "
@@ -156,7 +163,7 @@ def phase1(values: Tensor, inv_rms: Optional[Tensor], queries: Tensor, key_weigh
     b, t, n, d = values.shape
     if d > 1 and values.stride(3) != 1:
         values = values.contiguous()
-    if pow2(heads) * pow2(d // heads) > MAX_PADDED_WIDTH:
+    if not fits(heads, d):
         raise ValueError(f"phase1: D={d} is too wide for one program")
     s = queries.shape[0]
     cd = compute_dtype(values.dtype)

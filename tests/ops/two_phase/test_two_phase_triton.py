@@ -10,7 +10,7 @@ tp = import_kernels("attnres.ops.two_phase.triton")
 
 from attnres.ops import depth_attention  # noqa: E402
 from attnres.ops.common import DepthStats, inverse_rms  # noqa: E402
-from attnres.ops.two_phase import naive  # noqa: E402
+from attnres.ops.two_phase import fused, naive  # noqa: E402
 
 EPS = 1e-6
 F64 = dict(rtol=1e-12, atol=1e-12)
@@ -118,3 +118,106 @@ def test_refuses_what_it_cannot_do():
         tp.phase1(values, inv, torch.randn(2, 3, 2, 2, 4, dtype=torch.float64, device=DEVICE), kws)
     with pytest.raises(ValueError, match="do not line up"):
         tp.merge(stats, DepthStats(stats.h[:, :1], stats.lse[:, :1]))
+
+
+# ----------------------------------------------------------------------------- routing (fused -> triton)
+
+
+def route_to_triton(monkeypatch):
+    """Make the fused two-phase ops take their Triton route for these (CPU, interpreted) tensors, as
+    they do for CUDA float32/bfloat16/float16 ones; returns the list of kernel calls."""
+    calls = []
+
+    def kernels_for(x):
+        calls.append(x.shape)
+        return tp
+
+    monkeypatch.setattr(fused, "_triton_for", kernels_for)
+    return calls
+
+
+@pytest.mark.parametrize("kernel,key_norm,heads", [("softmax", True, 1), ("softmax", True, 2),
+                                                   ("sigmoid", True, 1), ("softmax", False, 2)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_routed_phase1_equals_torch_forward_and_backward(monkeypatch, kernel, key_norm, heads, dtype):
+    values, queries, kws = make_block(K=4, S=3, D=8, heads=heads, dtype=dtype, seed=14)
+    g = torch.Generator().manual_seed(15)
+    gh = [torch.randn(2, 3, 8, generator=g, dtype=torch.float64).to(DEVICE) for _ in range(3)]
+    glse = torch.randn(2, 3, 3, heads, generator=g, dtype=torch.float64).to(DEVICE)
+
+    def run():
+        producers = [values[:, :, i].clone().requires_grad_() for i in range(4)]
+        q, kw = queries.clone().requires_grad_(), kws.clone().requires_grad_()
+        inv = inverse_rms(values, EPS) if key_norm else None
+        h1s, lse = fused.phase1_outputs(values, inv, q, kw if key_norm else None, producers, kernel=kernel)
+        loss = sum((h * g_).sum() for h, g_ in zip(h1s, gh))
+        if kernel == "softmax":
+            loss = loss + (lse * glse).sum()
+        grads = torch.autograd.grad(loss, [q, kw, *producers] if key_norm else [q, *producers])
+        return (*h1s, lse, *grads)
+
+    want = run()
+    calls = route_to_triton(monkeypatch)
+    got = run()
+    assert len(calls) == 1
+    tol = F64 if dtype == torch.float64 else F32
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **tol)
+
+
+def test_routed_merge_only_without_gradients(monkeypatch):
+    values, queries, kws = make_block(K=5, S=2, D=8, heads=2, dtype=torch.float32, seed=16)
+    inv = inverse_rms(values, EPS)
+    a = naive.phase1(values[:, :, :2], inv[:, :, :2], queries, kws)
+    b = naive.phase1(values[:, :, 2:], inv[:, :, 2:], queries, kws)
+    want = naive.merge(a, b)
+    calls = route_to_triton(monkeypatch)
+    got = fused.merge(a, b)
+    assert len(calls) == 1
+    for x, y in zip(got, want):
+        torch.testing.assert_close(x, y, **F32)
+    # a merge that needs a gradient stays with torch (the kernel has no backward)
+    h = a.h.clone().requires_grad_()
+    merged = fused.merge(DepthStats(h, a.lse), b)
+    merged.h.sum().backward()
+    assert h.grad is not None
+    torch.testing.assert_close(merged.h, want.h, **F32)
+
+
+@pytest.mark.parametrize("residual,overrides", [
+    ("block", {"attnres_heads": 2}),
+    ("full", {"attnres_group_size": 2}),  # Phase 1 per group, then merges inside the group
+    ("block", {"attnres_key_norm": False, "attnres_kernel": "sigmoid"}),
+])
+def test_whole_model_through_the_routed_two_phase_path(monkeypatch, residual, overrides):
+    # the default attnres_impl ("two_phase"): every Phase 1 of a small float64 model (forward and
+    # backward) and every merge of a no-grad forward go through the Triton kernels: same results
+    from attnres import AttnResLM, ModelConfig
+    from reference import randomize
+
+    cfg = ModelConfig(vocab_size=40, d_model=12, n_layers=3, n_heads=2, max_seq_len=8, residual=residual,
+                      **({"attnres_blocks": 2} if residual == "block" else {}), **overrides)
+    assert cfg.attnres_impl == "two_phase"
+    torch.manual_seed(0)
+    model = randomize(AttnResLM(cfg).to(device=DEVICE, dtype=torch.float64))
+    ids = torch.randint(0, 40, (2, 6), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+
+    def loss_grads_and_logits():
+        model.zero_grad()
+        logits = model(ids)
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten())
+        loss.backward()
+        with torch.no_grad():
+            again = model(ids)
+        return loss.detach(), again, {n: p.grad.clone() for n, p in model.named_parameters()
+                                      if p.grad is not None}
+
+    want_loss, want_logits, want = loss_grads_and_logits()
+    calls = route_to_triton(monkeypatch)
+    loss, logits, got = loss_grads_and_logits()
+    assert calls
+    torch.testing.assert_close(loss, want_loss, **F64)
+    torch.testing.assert_close(logits, want_logits, **F64)
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-10, atol=1e-12, msg=name)
