@@ -14,6 +14,15 @@ F64_GRAD = dict(rtol=1e-10, atol=1e-12)
 IMPLS = {"naive": naive, "fused": fused}
 
 
+def assert_all_close(got, want):
+    """Pairwise equal to float64 gradient rounding; None (an unused input's gradient) only opposite None."""
+    for a, b in zip(got, want, strict=True):
+        if b is None:
+            assert a is None
+        else:
+            torch.testing.assert_close(a, b, **F64_GRAD)
+
+
 def inputs(n=5, S=3, B=2, T=3, D=8, heads=1, seed=0):
     g = torch.Generator().manual_seed(seed)
     v = torch.randn(n, B, T, D, generator=g, dtype=torch.float64) * 1.5 + 0.2
@@ -74,11 +83,7 @@ def test_fused_phase1_equals_naive_values_and_grads(kernel, key_norm, heads):
         loss = (stats.h * gh).sum() + ((stats.lse * glse).sum() if kernel == "softmax" else 0)
         loss.backward()
         results.append((stats.h, stats.lse, values.grad, qq.grad, kk.grad if key_norm else None))
-    for a, b in zip(*results):
-        if b is None:
-            assert a is None
-        else:
-            torch.testing.assert_close(a, b, **F64_GRAD)
+    assert_all_close(*results)
 
 
 @pytest.mark.parametrize("kernel", ["softmax", "sigmoid"])
@@ -160,11 +165,7 @@ def test_merge_partial_gradcheck_and_fused_equals_naive(heads, kernel, key_norm)
     for impl in (fused, naive):
         h = run(impl)(*args)
         grads.append((h, *torch.autograd.grad((h * gh).sum(), args, allow_unused=True)))
-    for a, b in zip(*grads):
-        if b is None:
-            assert a is None
-        else:
-            torch.testing.assert_close(a, b, **F64_GRAD)
+    assert_all_close(*grads)
 
 
 @pytest.mark.parametrize("kernel", ["softmax", "sigmoid"])
