@@ -104,10 +104,18 @@ def status_of(run: PlannedRun, runs_root, name: str, index: Optional[List[tuple]
         return RunStatus(run, run_dir, "partial", int(step))
     root = Path(runs_root)
     if root.is_dir():
+        payload = hash_payload(run.model, run.train)
         for other in sorted(root.iterdir()):
+            if other.name == name:
+                continue
             cand = other / run.hash
-            if other.name != name and is_done(cand, run.hash):
+            if is_done(cand, run.hash):
                 return RunStatus(run, run_dir, "reusable", run.train.steps, source=cand)
+            # the other experiment may hold it under an older hash (fields added since, at defaults):
+            # the copy keeps that name, which the alias lookup above then finds as done
+            for stored, d in _finished_index(other):
+                if payload_compatible(stored, payload):
+                    return RunStatus(run, run_dir.parent / d.name, "reusable", run.train.steps, source=d)
     return RunStatus(run, run_dir, "missing")
 
 
@@ -322,7 +330,7 @@ def _reuse(s: RunStatus, spec: ExperimentSpec, log, command: str) -> None:
     atomic_write_json(s.dir / RUN_FILE, info)
     _record_invocation(s.dir, spec, s.run, {"reused_from": str(s.source), "command": command,
                                             "time": time.strftime("%Y-%m-%d %H:%M:%S")})
-    log(f"[{s.run.name}] reused the finished run {s.source} (same config hash)")
+    log(f"[{s.run.name}] reused the finished run {s.source} (same config)")
 
 
 def execute_one(s: RunStatus, spec: ExperimentSpec, *, progress: bool = True, threads: Optional[int] = None,

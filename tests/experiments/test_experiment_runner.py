@@ -236,6 +236,35 @@ def test_runs_stay_finished_when_the_library_adds_config_fields(two_by_two):
     assert plan_status(spec, root)[0].state == "missing"
 
 
+def test_another_experiments_run_under_an_older_hash_is_reused(tmp_path, write_spec, tiny_base):
+    """A run another experiment finished before a config field existed is copied, not trained again,
+    and the copy keeps the older name under which the alias lookup finds it done."""
+    specs, root = tmp_path / "specs", tmp_path / "runs"
+    for name in ("first", "second"):
+        write_spec(specs, name, f"""
+            [experiment]
+            name = "{name}"
+            {tiny_base()}
+        """)
+    first, second = load_spec("first", specs), load_spec("second", specs)
+    run_experiment(first, root, progress=False, log=quiet)
+    (done,) = plan_status(first, root)
+    old_dir = done.dir.parent / "0123456789ab"
+    done.dir.rename(old_dir)
+    info = json.loads((old_dir / RUN_FILE).read_text())
+    del info["hashed_config"]["model"]["highway_rank"]  # None, the default: the same run
+    (old_dir / RUN_FILE).write_text(json.dumps(info))
+    summary = json.loads((old_dir / SUMMARY_FILE).read_text())
+    (old_dir / SUMMARY_FILE).write_text(json.dumps({**summary, "config_hash": "0123456789ab"}))
+
+    (s,) = plan_status(second, root)
+    assert s.state == "reusable" and s.source == old_dir
+    counts = run_experiment(second, root, progress=False, log=quiet)
+    assert counts == {**counts, "reused": 1, "trained": 0}
+    (s,) = plan_status(second, root)
+    assert s.state == "done" and s.dir == root / "second" / "0123456789ab"
+
+
 def test_a_config_another_process_trains_is_left_to_it(two_by_two):
     """Two `attnres experiment` processes side by side: each config hash trains in one process only."""
     import subprocess
