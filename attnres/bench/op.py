@@ -241,7 +241,12 @@ def time_triton_vs_torch(
             queries = queries.view(S, heads, D // heads)
         kws = torch.ones(S, D, device=dev) if normalize_keys else None
         phase1_args = (values, inv, queries, kws)
-        out["phase1_torch_ms"] = bench(lambda: two_phase_fused.phase1(*phase1_args, kernel=kernel), rep=rep_ms)
+
+        def phase1_torch():
+            with _without_triton():
+                return two_phase_fused.phase1(*phase1_args, kernel=kernel)
+
+        out["phase1_torch_ms"] = bench(phase1_torch, rep=rep_ms)
         out["phase1_triton_ms"] = bench(lambda: two_phase_triton.phase1(*phase1_args, kernel=kernel), rep=rep_ms)
         a = two_phase_triton.phase1(buffer[:, :, :K - 1], None if inv is None else inv[:, :, :K - 1],
                                     queries, kws, kernel=kernel)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from reference import logits, naive
-from attnres.ops import depth_attention, depth_attention_reference, fused_depth_attention, merge_stats
+from attnres.ops import depth_attention, fused_depth_attention, merge_stats
 
 
 def make_inputs(K=5, B=2, T=3, D=8, heads=1, per_token=False, dtype=torch.float64, seed=0):
