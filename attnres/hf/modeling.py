@@ -19,7 +19,7 @@ import math
 from contextlib import contextmanager
 from itertools import chain
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -180,8 +180,34 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
     # ------------------------------------------------------------------ forward
     def _run(self, input_ids: Tensor, cache=None, attention_mask: Optional[Tensor] = None) -> Tensor:
         """The one place the wrapped AttnResLM runs. With ``cache`` (an ``attnres.inference.KVCache``)
-        ``input_ids`` are the tokens after the cached positions; ``attention_mask`` covers both."""
+        ``input_ids`` are the tokens after the cached positions; ``attention_mask`` covers both. A
+        ``CompiledDecoder`` (see :meth:`compile_decoding`) runs them through its compiled step."""
+        from attnres.inference import CompiledDecoder
+
+        if isinstance(cache, CompiledDecoder):
+            if attention_mask is not None and not bool(attention_mask.all()):
+                raise ValueError("compiled decoding does not run padded batches (its static cache has no "
+                                 "padding mask); generate them without compile_decoding(), or one prompt at a time")
+            return cache(input_ids)
         return self.model(input_ids, cache=cache, attention_mask=attention_mask)
+
+    def compile_decoding(self, setting: Union[bool, str] = True) -> "AttnResForCausalLM":
+        """Make ``generate()`` decode through ``attnres.inference.CompiledDecoder``: the forward compiled
+        (``setting``: True for inductor, or a torch.compile backend name) over a static KV cache, once
+        for the prompt's shape and once for one token, then reused by later calls with the same batch
+        size. Greedy, sampling and beam search; not padded batches or Kimi Linear (its recurrent
+        state is not a KV cache). ``compile_decoding(False)`` goes back to eager decoding."""
+        from attnres.model.compile import check_compile_setting
+
+        check_compile_setting(setting, field="compile_decoding(setting)")
+        if setting:
+            from attnres.model.backbones import BACKBONES
+
+            if BACKBONES[self.config.backbone].cache != "kv":
+                raise ValueError(f"compile_decoding: backbone={self.config.backbone!r} keeps recurrent state "
+                                 "that the static KV cache does not hold; generate with it eager")
+        self._decoding, self._decoders = setting, {}
+        return self
 
     def forward(
         self,
@@ -252,7 +278,15 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
             cache = None
             new = input_ids[:, -limit:]
         else:
-            if cache is None:
+            if cache is None and getattr(self, "_decoding", False):
+                from attnres.inference import CompiledDecoder
+
+                batch = input_ids.shape[0]
+                if batch not in self._decoders:  # compiled once per batch size, kept for later calls
+                    self._decoders[batch] = CompiledDecoder(self.model, batch, setting=self._decoding)
+                cache = self._decoders[batch]
+                cache.reset()
+            elif cache is None:
                 from attnres.inference import make_cache
 
                 cache = make_cache(self.model, input_ids.shape[0])  # KVCache, or HybridCache (Kimi Linear)

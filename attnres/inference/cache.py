@@ -146,6 +146,14 @@ class StaticKVCache(KVCache):
     def reset(self) -> None:
         self.position.zero_()
 
+    def reorder_cache(self, beam_idx: Tensor) -> None:
+        """As ``KVCache.reorder_cache``, but in place: a compiled step holds these very buffers, and
+        new tensor objects would make it recompile."""
+        for layer in range(len(self.keys)):
+            index = beam_idx.to(self.keys[layer].device)
+            self.keys[layer].copy_(self.keys[layer].index_select(0, index))
+            self.values[layer].copy_(self.values[layer].index_select(0, index))
+
 
 def _hybrid_cache(model, batch_size: int, max_len: Optional[int] = None):
     from attnres.inference.hybrid_cache import HybridCache  # needs transformers

@@ -28,6 +28,11 @@ class CompiledDecoder:
 
     def __init__(self, model, batch_size: int, max_len: Optional[int] = None,
                  setting: Union[bool, str] = True):
+        from attnres.model.backbones import BACKBONES
+
+        if BACKBONES[model.config.backbone].cache != "kv":
+            raise ValueError(f"compiled decoding: backbone={model.config.backbone!r} keeps recurrent state "
+                             "that the static KV cache does not hold; decode it eager (compile off)")
         self.model = model
         self.cache = StaticKVCache.for_model(model, batch_size, max_len)
         # dynamic=False: one graph per shape (prefill, one token) rather than a symbolic-shape graph
@@ -45,8 +50,19 @@ class CompiledDecoder:
         # tensor ([B, 1] with stride T) would otherwise recompile the step (a few bytes per token)
         return self._step(ids.clone(memory_format=torch.contiguous_format))
 
+    @property
+    def length(self) -> int:
+        return self.cache.length
+
+    def get_seq_length(self, layer: int = 0) -> int:
+        """Cached positions (the name transformers' generate() asks a cache for)."""
+        return self.cache.length
+
     def room(self) -> int:
         return self.cache.room()
 
     def reset(self) -> None:
         self.cache.reset()
+
+    def reorder_cache(self, beam_idx: Tensor) -> None:
+        self.cache.reorder_cache(beam_idx)

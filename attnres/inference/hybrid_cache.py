@@ -72,6 +72,12 @@ class HybridCache:
         self.layers = DynamicCache(config=self.hf_config)
         self.length = 0
 
+    def reorder_cache(self, beam_idx: Tensor) -> None:
+        """Keep, for each row, the state of row ``beam_idx[row]`` (beam search re-ranks its beams after
+        every step): MLA latents and KDA convolution and recurrent states alike, by transformers' own
+        per-layer reorder."""
+        self.layers.reorder_cache(beam_idx)
+
     def get_seq_length(self, layer: int = 0) -> int:
         """Cached positions (the name transformers' generate() asks a cache for)."""
         return self.length

@@ -299,6 +299,35 @@ def test_beam_search_with_the_cache_equals_without(residual):
     assert cached.shape == (4, 12)
 
 
+@pytest.mark.parametrize("residual", ["block", pytest.param("full", marks=pytest.mark.compile_heavy)])
+def test_compiled_generate_equals_eager_and_compiles_once(residual):
+    """compile_decoding(): generate() through a compiled step over a static KV cache gives the eager
+    tokens (greedy past max_seq_len, beam search), and a second call with the same batch size
+    compiles nothing new."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    model = perturbed(AttnResForCausalLM(tiny_config(residual=residual))).eval()
+    prompt = torch.randint(0, 97, (1, 6))
+    eager = model.generate(prompt, max_new_tokens=38, do_sample=False)
+    prompts = torch.randint(0, 97, (2, 5))
+    beams = dict(max_new_tokens=6, num_beams=3, num_return_sequences=2, do_sample=False)
+    eager_beams = model.generate(prompts, **beams)
+    torch._dynamo.reset()
+    model.compile_decoding("aot_eager")
+    assert torch.equal(model.generate(prompt, max_new_tokens=38, do_sample=False), eager)
+    counters.clear()
+    assert torch.equal(model.generate(prompt, max_new_tokens=38, do_sample=False), eager)
+    assert counters["stats"]["unique_graphs"] == 0, dict(counters["stats"])
+    assert torch.equal(model.generate(prompts, **beams), eager_beams)  # in-place beam reorder
+    with pytest.raises(ValueError, match="compiled decoding does not run padded batches"):
+        model.generate(prompts, attention_mask=torch.tensor([[0, 1, 1, 1, 1], [1] * 5]), max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"compile_decoding\(setting\)='nope' is not a torch.compile backend"):
+        model.compile_decoding("nope")
+    model.compile_decoding(False)
+    assert torch.equal(model.generate(prompt, max_new_tokens=38, do_sample=False), eager)
+
+
 # ----------------------------------------------------------------------------- training
 
 

@@ -132,3 +132,33 @@ def test_convert_kimi_linear_directories(tmp_path):
     plain = KimiLinearForCausalLM.from_pretrained(str(tmp_path / "pre"))
     plain.config._experts_implementation = "eager"  # the source's expert loop (grouped_mm sums in another order)
     assert torch.equal(plain(ids).logits, expected)
+
+
+def test_beam_search_reorders_the_hybrid_cache():
+    """Beam search re-ranks beams after every step and reorders the cache: MLA latents and KDA states
+    of the kept rows. With length_penalty 0 a beam's score is the sum of its tokens' log-probabilities,
+    which the full forward (no cache) recomputes."""
+    import attnres.hf  # noqa: F401
+    from attnres.hf import AttnResForCausalLM
+    from attnres.inference.hybrid_cache import HybridCache
+
+    torch.manual_seed(2)
+    model = AttnResLM(ModelConfig(backbone="kimi_linear", vocab_size=40, d_model=16, n_layers=4, n_heads=2,
+                                  max_seq_len=16, moe_experts=4, residual="block")).double().eval()
+    prompts = torch.randint(0, 40, (2, 5))
+    with torch.no_grad():
+        cache = HybridCache.for_model(model, 2)
+        model(prompts, cache=cache)
+        cache.reorder_cache(torch.tensor([1, 1]))  # both rows continue row 1
+        nxt = torch.tensor([[7], [7]])
+        logits = model(nxt, cache=cache)[:, -1]
+        alone = model(torch.cat([prompts[1:], nxt[1:]], dim=1))[:, -1]
+    torch.testing.assert_close(logits, alone.expand(2, -1), rtol=0, atol=1e-6)  # KDA runs in float32
+
+    hf = AttnResForCausalLM.from_attnres_lm(model).eval()
+    out = hf.generate(prompts[:1], max_new_tokens=6, do_sample=False, num_beams=3, num_return_sequences=3,
+                      length_penalty=0.0, early_stopping=True, output_scores=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        logp = torch.log_softmax(model(out.sequences)[:, 4:-1], dim=-1)
+    total = logp.gather(-1, out.sequences[:, 5:, None]).squeeze(-1).sum(-1)
+    torch.testing.assert_close(out.sequences_scores.double(), total, rtol=0, atol=1e-5)
