@@ -11,6 +11,10 @@ for _var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HUB_DISABLE_TELEMETRY
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# Triton's interpreter (CPU runs of the kernel tests) must be on before anything imports triton
+# (torch.compile tests do); otherwise the kernel tests skip themselves in a full run
+import interpreted_triton  # noqa: E402,F401
+
 from attnres import AttnResLM, ModelConfig  # noqa: E402
 
 # reference comparisons must never run under TF32

@@ -30,6 +30,15 @@ def naive(sources, query, key_weight, eps, kernel, normalize_keys):
     return h, (alpha.squeeze(-1) if H == 1 else alpha)
 
 
+def logits(sources, query, key_weight, eps, normalize_keys=True):
+    """The logits of docs/method.md §3 for one static query, vectorised: [K, B, T, H] (float64)."""
+    keys = sources
+    if normalize_keys:
+        keys = sources * torch.rsqrt(sources.pow(2).mean(-1, keepdim=True) + eps) * key_weight
+    heads = 1 if query.dim() == 1 else query.shape[0]
+    return (keys * query.reshape(-1)).unflatten(-1, (heads, -1)).sum(-1)
+
+
 def naive_stream_inputs(residual, embedding, outputs):
     """Recompute every sublayer input h_l and the final aggregation from docs/method.md §3-4.
 

@@ -83,6 +83,8 @@ def test_the_python_snippets_of_use_it_run_and_state_what_they_compute(tmp_path,
     assert list(namespace["logits"].shape) == ast.literal_eval(comment_after(use_it, "(2, 64)))").strip())
     exec(op, namespace)
     assert namespace["h"].shape == (2, 5, 16)
+    for merged, whole in zip(namespace["merged"], namespace["out"].stats):
+        torch.testing.assert_close(merged, whole)
     # sharded_prefill runs under torch.distributed: one process is a group of one
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{tmp_path / 'rendezvous'}")

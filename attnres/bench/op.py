@@ -14,18 +14,24 @@ We time it on sources laid out as the residual stream keeps them (a
 Implementations: `fused` (the per-sublayer custom autograd op), `reference`
 (plain autograd over a stacked tensor), and `two_phase` (one Phase-1 pass for S
 queries, reported per query, i.e. per sublayer).
+
+``time_triton_vs_torch`` times the Triton kernels against the torch paths on a GPU (not part of
+the command: no GPU here).
 """
 from __future__ import annotations
 
+import os
 import statistics
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, List
+from typing import Callable, Dict, Iterator, List
 
 import torch
 
+from attnres.ops.common import inverse_rms
 from attnres.ops.depth_attention import depth_attention_reference, fused_depth_attention
-from attnres.ops.two_phase import inverse_rms, phase1
+from attnres.ops.two_phase.fused import phase1_outputs
 from attnres.train.progress import progress_bar
 
 
@@ -111,11 +117,11 @@ def run(cfg: OpBenchConfig) -> dict:
 
         def p1_fwd():
             with torch.no_grad():
-                return phase1(view, inv, qs, ws, producers)
+                return phase1_outputs(view, inv, qs, ws, producers)
 
         def p1_fwd_bwd():
-            h1, lse = phase1(view, inv, qs, ws, producers)
-            torch.autograd.backward([h1], [gh.unsqueeze(2).expand_as(h1)])
+            h1s, _ = phase1_outputs(view, inv, qs, ws, producers)
+            torch.autograd.backward(h1s, [gh] * len(h1s))
 
         for name, fwd, fwd_bwd, per in (("fused", fused_fwd, fused_fwd_bwd, 1),
                                         ("reference", ref_fwd, ref_fwd_bwd, 1),
@@ -150,3 +156,102 @@ def format_table(result: dict) -> str:
                      f"{r['fwd_frac_of_copy']:.0%} | {r['bwd_ms']:.2f} | {r['bwd_gbps']:.2f} | "
                      f"{r['bwd_frac_of_copy']:.0%} | {r['copy_gbps']:.2f} |")
     return "\n".join(lines)
+
+
+@contextmanager
+def _without_triton() -> Iterator[None]:
+    """The torch fused path even for CUDA tensors (its documented switch, read on every call)."""
+    before = os.environ.get("ATTNRES_TRITON")
+    os.environ["ATTNRES_TRITON"] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["ATTNRES_TRITON"]
+        else:
+            os.environ["ATTNRES_TRITON"] = before
+
+
+def time_triton_vs_torch(
+    B: int = 8,
+    T: int = 2048,
+    D: int = 1024,
+    K: int = 9,
+    heads: int = 1,
+    S: int = 4,
+    dtype: torch.dtype = torch.bfloat16,
+    kernel: str = "softmax",
+    normalize_keys: bool = True,
+    device: str = "cuda",
+    rep_ms: int = 100,
+) -> Dict[str, float]:
+    """Milliseconds per call, Triton vs the torch paths, on a GPU (needs triton; not run by the tests).
+
+    Times the forward, the forward + backward of the op in the residual stream's layout (K sources
+    as rows of a [B, T, K+1, D] buffer), Phase 1 for S queries (forward) and the merge. Also
+    reports the effective bandwidth of the Triton forward in GB/s (bytes that must move: K sources
+    read, h written) and the largest difference between the two forwards.
+    """
+    import triton.testing
+
+    from attnres.ops.depth_attention.triton import triton_fused_depth_attention
+    from attnres.ops.two_phase import fused as two_phase_fused
+    from attnres.ops.two_phase import naive as two_phase_naive
+    from attnres.ops.two_phase import triton as two_phase_triton
+
+    dev = torch.device(device)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    buffer = torch.randn(B, T, K + 1, D, device=dev, dtype=dtype, generator=gen)
+    producers = [buffer[:, :, i].clone().requires_grad_() for i in range(K)]
+    segments = (buffer[:, :, :K],)
+    shape = (D,) if heads == 1 else (heads, D // heads)
+    query = (0.1 * torch.randn(shape, device=dev, generator=gen)).requires_grad_()
+    key_weight = torch.ones(D, device=dev, requires_grad=True)
+    gh = torch.randn(B, T, D, device=dev, dtype=dtype, generator=gen)
+    opts = dict(kernel=kernel, normalize_keys=normalize_keys)
+
+    def torch_fwd():
+        with _without_triton():
+            return fused_depth_attention(segments, producers, query, key_weight, **opts)
+
+    def triton_fwd():
+        return triton_fused_depth_attention(segments, producers, query, key_weight, **opts)
+
+    def fwd_bwd(fn):
+        def run():
+            fn().backward(gh)
+        return run
+
+    bench = triton.testing.do_bench
+    out: Dict[str, float] = {}
+    with torch.no_grad():
+        out["fwd_torch_ms"] = bench(torch_fwd, rep=rep_ms)
+        out["fwd_triton_ms"] = bench(triton_fwd, rep=rep_ms)
+    out["fwd_bwd_torch_ms"] = bench(fwd_bwd(torch_fwd), rep=rep_ms)
+    out["fwd_bwd_triton_ms"] = bench(fwd_bwd(triton_fwd), rep=rep_ms)
+    moved = (K + 1) * B * T * D * buffer.element_size()
+    out["fwd_triton_GBps"] = moved / (out["fwd_triton_ms"] * 1e-3) / 1e9
+    with torch.no_grad():
+        out["fwd_max_abs_diff"] = (triton_fwd().float() - torch_fwd().float()).abs().max().item()
+
+        values = buffer[:, :, :K]
+        inv = inverse_rms(values, 1e-6) if normalize_keys else None
+        queries = 0.1 * torch.randn(S, D, device=dev, generator=gen)
+        if heads > 1:
+            queries = queries.view(S, heads, D // heads)
+        kws = torch.ones(S, D, device=dev) if normalize_keys else None
+        phase1_args = (values, inv, queries, kws)
+
+        def phase1_torch():
+            with _without_triton():
+                return two_phase_fused.phase1(*phase1_args, kernel=kernel)
+
+        out["phase1_torch_ms"] = bench(phase1_torch, rep=rep_ms)
+        out["phase1_triton_ms"] = bench(lambda: two_phase_triton.phase1(*phase1_args, kernel=kernel), rep=rep_ms)
+        a = two_phase_triton.phase1(buffer[:, :, :K - 1], None if inv is None else inv[:, :, :K - 1],
+                                    queries, kws, kernel=kernel)
+        b = two_phase_triton.phase1(buffer[:, :, K - 1:K], None if inv is None else inv[:, :, K - 1:K],
+                                    queries, kws, kernel=kernel)
+        out["merge_torch_ms"] = bench(lambda: two_phase_naive.merge(a, b, kernel), rep=rep_ms)
+        out["merge_triton_ms"] = bench(lambda: two_phase_triton.merge(a, b, kernel), rep=rep_ms)
+    return out

@@ -1,20 +1,19 @@
-"""Pure functions: the math of depth attention, each with a plain reference beside the fast path."""
+"""Pure functions: the math of depth attention, one folder per op, each with its plain reference
+(``naive.py``) beside the fast paths (``fused.py``, ``triton.py``)."""
+from attnres.ops.common import DepthStats
 from attnres.ops.depth_attention import (
     DepthAttentionOutput,
-    DepthStats,
     depth_attention,
     depth_attention_reference,
-    finalize_stats,
     fused_depth_attention,
-    merge_stats,
 )
+from attnres.ops.two_phase.naive import merge as merge_stats
 
 __all__ = [
     "DepthAttentionOutput",
     "DepthStats",
     "depth_attention",
     "depth_attention_reference",
-    "finalize_stats",
     "fused_depth_attention",
     "merge_stats",
 ]

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnres.ops.depth_attention import _compute_dtype
+from attnres.ops.common import compute_dtype
 
 
 def gated_depth_attention(current: Tensor, sources: Sequence[Tensor], q_weight: Tensor, q_bias: Tensor,
@@ -55,7 +55,7 @@ def gated_depth_attention(current: Tensor, sources: Sequence[Tensor], q_weight: 
     else:
         keys = F.linear(values, k_weight.to(dtype), k_bias.to(dtype)).view(b, t, k_count, heads, dh)
         z = torch.einsum("bthe,btkhe->btkh", q, keys)
-    cd = _compute_dtype(dtype)
+    cd = compute_dtype(dtype)
     alpha = torch.softmax(z.to(cd) / math.sqrt(dh), dim=2)  # [B, T, K, H]
     a = alpha.to(dtype)
     if absorbed:

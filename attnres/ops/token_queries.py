@@ -12,7 +12,8 @@ sublayers of depth block n (b_{n-1}), so:
 - ``phase1_token_queries``: Phase 1 with one query per (token, sublayer): the
   completed sources are read once per block for all S queries, as in §6;
 - ``merge_partial_token``: Phase 2, the exact online-softmax merge of the
-  intra-block partial sum with a per-token query.
+  intra-block partial sum with a per-token query (attnres.ops.two_phase.naive.merge_partial
+  with the query per token).
 
 Plain autograd: Phase 1 stacks its n sources once per block (a copy autograd
 can keep; the stream's buffer is written in place later, so a view of it
@@ -25,8 +26,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from attnres.ops.depth_attention import _compute_dtype
-from attnres.ops.two_phase import inverse_rms
+from attnres.ops.common import DepthStats, compute_dtype, inverse_rms
 
 
 def low_rank_queries(base: Tensor, up: Tensor, down: Tensor, h: Tensor) -> Tensor:
@@ -56,7 +56,7 @@ def phase1_token_queries(sources: Sequence[Tensor], queries: Tensor, key_weights
     lse [B, T, S, H] float32/float64). With the sigmoid kernel h1 is the unnormalised sum and lse is 0.
     """
     heads = _heads_of(queries, 4)
-    cd = _compute_dtype(sources[0].dtype)
+    cd = compute_dtype(sources[0].dtype)
     v = torch.stack(sources, dim=2).to(cd)  # [B, T, n, D]
     b, t, n, d = v.shape
     s_count = queries.shape[2]
@@ -76,16 +76,16 @@ def phase1_token_queries(sources: Sequence[Tensor], queries: Tensor, key_weights
     return h1.unbind(2), lse
 
 
-def merge_partial_token(h1: Tensor, lse1: Tensor, partial: Tensor, query: Tensor, key_weight: Optional[Tensor],
+def merge_partial_token(stats: DepthStats, partial: Tensor, query: Tensor, key_weight: Optional[Tensor],
                         eps: float, kernel: str = "softmax") -> Tensor:
     """Phase 2 with a per-token query: fold the partial sum p into a Phase-1 result, exactly.
 
-    h1 [B, T, D], lse1 [B, T, H], partial [B, T, D], query [B, T, D] or [B, T, H, D/H], key_weight [D] or
+    stats: h [B, T, D], lse [B, T, H]; partial [B, T, D], query [B, T, D] or [B, T, H, D/H], key_weight [D] or
     None. Softmax: h = (1 - w) h1 + w p with w = sigmoid(z_p - lse1); sigmoid: h = h1 + sigmoid(z_p) p.
     Returns partial's dtype.
     """
     heads = _heads_of(query, 3)
-    cd = _compute_dtype(partial.dtype)
+    cd = compute_dtype(partial.dtype)
     b, t, d = partial.shape
     p = partial.to(cd)
     u = query.to(cd).reshape(b, t, d)
@@ -95,9 +95,9 @@ def merge_partial_token(h1: Tensor, lse1: Tensor, partial: Tensor, query: Tensor
     z = (ph * u.view(b, t, heads, d // heads)).sum(-1)  # [B, T, H]
     if key_weight is not None:
         z = z * inverse_rms(p, eps).unsqueeze(-1)
-    h1h = h1.to(cd).view(b, t, heads, d // heads)
+    h1h = stats.h.to(cd).view(b, t, heads, d // heads)
     if kernel == "softmax":
-        h = torch.lerp(h1h, ph, torch.sigmoid(z - lse1.to(cd)).unsqueeze(-1))
+        h = torch.lerp(h1h, ph, torch.sigmoid(z - stats.lse.to(cd)).unsqueeze(-1))
     else:
         h = h1h + torch.sigmoid(z).unsqueeze(-1) * ph
     return h.reshape(b, t, d).to(partial.dtype)

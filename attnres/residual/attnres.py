@@ -46,7 +46,7 @@ from torch import Tensor, nn
 
 from attnres.ops.depth_attention import depth_attention_reference
 from attnres.ops.token_queries import low_rank_queries
-from attnres.ops.two_phase import inverse_rms
+from attnres.ops.common import DepthStats, inverse_rms
 from attnres.residual.base import ResidualScheme, Stream
 from attnres.residual.options import Option, boolean, is_positive_int, one_of, positive_int
 
@@ -415,13 +415,13 @@ class DepthAttentionStream(Stream):
             inv = self.inv_rms[:, :, n:m] if self.inv_rms is not None else None
             (h2,), lse2 = self.ops.phase1(self.buffer[:, :, n:m], inv, q, kw, self.sources[n:m],
                                           kernel=s.kernel)
-            h, lse = self.ops.merge(h, lse, h2, lse2[:, :, 0], s.kernel)
+            h, lse = self.ops.merge(DepthStats(h, lse), DepthStats(h2, lse2[:, :, 0]), s.kernel)
         if self.partial is None:
             return h.to(self.sources[0].dtype)
         if token_queries is not None:
-            return self.ops.merge_partial_token(h, lse, self.partial, token_queries[:, :, i], self._key_weight(l),
+            return self.ops.merge_partial_token(DepthStats(h, lse), self.partial, token_queries[:, :, i], self._key_weight(l),
                                                 s.eps, s.kernel)
-        return self.ops.merge_partial(h, lse, self.partial, s.queries[l], self._key_weight(l), s.eps,
+        return self.ops.merge_partial(DepthStats(h, lse), self.partial, s.queries[l], self._key_weight(l), s.eps,
                                       s.kernel)
 
     def _aggregate(self, l: int) -> Tensor:

@@ -39,7 +39,7 @@ from torch import Tensor, nn
 from attnres.ops.depth_attention import depth_attention_reference, fused_depth_attention
 from attnres.ops.gated_depth_attention import gated_depth_attention
 from attnres.ops.token_queries import merge_partial_token, phase1_token_queries
-from attnres.ops.two_phase import merge_outputs, merge_partial, phase1_outputs
+from attnres.ops.two_phase.fused import merge, merge_partial, phase1_outputs
 
 
 def store_row(buffer: Tensor, row: int, v: Tensor) -> None:
@@ -59,7 +59,7 @@ class StreamOps:
     accumulate: Callable = operator.add
     store: Callable = store_row
     phase1: Callable = phase1_outputs
-    merge: Callable = merge_outputs
+    merge: Callable = merge
     merge_partial: Callable = merge_partial
     attend: Callable = fused_depth_attention
     attend_reference: Callable = depth_attention_reference

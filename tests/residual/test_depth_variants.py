@@ -14,6 +14,7 @@ import torch
 from attnres import AttnResLM, ModelConfig
 from attnres.inference import KVCache, chunked_prefill
 from attnres.model.llama import output_logits, run_blocks
+from attnres.ops.common import DepthStats
 from attnres.ops.token_queries import low_rank_queries, merge_partial_token, phase1_token_queries
 from attnres.residual import RESIDUALS, IOCounter, observing, source_plan
 from reference import randomize
@@ -406,7 +407,7 @@ def test_token_query_ops_match_the_definitions_and_merge_exactly(heads, kernel, 
     # merging the partial sum equals attending over sources + partial at once
     both, _ = _naive_token_phase(sources, queries, kw, 1e-6, kernel, partial=partial)
     for s in range(S):
-        merged = merge_partial_token(h1[s], lse[:, :, s], partial, queries[:, :, s],
+        merged = merge_partial_token(DepthStats(h1[s], lse[:, :, s]), partial, queries[:, :, s],
                                      kw[s] if kw is not None else None, 1e-6, kernel)
         torch.testing.assert_close(merged, both[:, :, s], rtol=1e-12, atol=1e-12)
 
@@ -419,7 +420,7 @@ def test_token_query_ops_gradcheck():
 
     def f(q, k, p, *srcs):
         h1, lse = phase1_token_queries(list(srcs), q, k, eps=1e-6)
-        return merge_partial_token(h1[1], lse[:, :, 1], p, q[:, :, 1], k[1], 1e-6)
+        return merge_partial_token(DepthStats(h1[1], lse[:, :, 1]), p, q[:, :, 1], k[1], 1e-6)
 
     assert torch.autograd.gradcheck(f, (queries, kw, partial, *sources))
 

@@ -1,191 +1,36 @@
-"""Depth attention: a softmax (or sigmoid) attention over a stack of sources.
+"""Depth attention, the fused path: what the residual streams run (docs/method.md §3).
 
-This is docs/method.md §3 as pure functions. For sources v_0 … v_{K-1}, a query q and a
-key-norm weight g:
-
-    logit_i = q · RMSNorm_g(v_i)        (no 1/sqrt(d) temperature)
-    alpha   = softmax_i(logit)          (per token, and per head)
-    h       = sum_i alpha_i v_i
-
-Keys equal values, so the normalised keys never need to exist in memory:
+The same math as ``naive.py`` (read that first), as a custom autograd Function that saves only
+``[B, T, K]``-sized tensors and recomputes the rest from the sources in backward. Keys equal
+values, so the normalised keys never need to exist in memory:
 ``q · (v_i * r_i * g) = r_i * (v_i · (q * g))`` with ``r_i = rsqrt(mean(v_i^2) + eps)``.
 
-Layouts. The public functions take the ``[K, B, T, D]`` of docs/method.md. Internally we
-work on ``[B, T, K, D]`` ("depth next to channels") because then the weighted
-sum is one batched ``[1, K] @ [K, D]`` product per token, and the residual
-stream's preallocated buffer can hand out views of its first ``k`` sources
-without copying.
+Layouts. The public functions take the ``[K, B, T, D]`` of docs/method.md. Internally we work on
+``[B, T, K, D]`` ("depth next to channels") because then the weighted sum is one batched
+``[1, K] @ [K, D]`` product per token, and the residual stream's preallocated buffer can hand out
+views of its first ``k`` sources without copying.
 
-Heads. A query of shape ``[H, D/H]`` splits the channels into H groups with
-their own weights (Table 4, "multi-head"). The key RMSNorm still runs over the
-whole ``D``-vector (the same φ as single-head), so with zero queries every head
-is uniform and the zero-query equivalence holds for any H.
-
-Precision. Logits, softmax statistics and weights are float32 for float32,
-bfloat16 and float16 inputs (float64 stays float64, for gradcheck).
-
-Two implementations compute the same thing:
-- ``impl="reference"``: plain autograd, easy to read, saves large intermediates.
-- ``impl="fused"``: a custom autograd Function that saves only ``[B, T, K]``
-  sized tensors and recomputes the rest from the sources in backward. It can
-  also read sources in place from a buffer (see ``fused_depth_attention``).
+Dispatch. ``fused_depth_attention`` runs the Triton kernels of ``triton.py`` for CUDA tensors
+when triton is installed and the case is covered (imported on first use, so this module never
+needs triton); ``depth_attention`` chooses between this path and the reference.
 """
 from __future__ import annotations
 
-import functools
-from typing import NamedTuple, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
 
-KERNELS = ("softmax", "sigmoid")
+from attnres.ops.common import apply_function, autocast_off, compute_dtype, split_heads, triton_kernels
+from attnres.ops.depth_attention.naive import (
+    DepthAttentionOutput,
+    check_kernel,
+    depth_attention_reference,
+    is_per_token,
+    query_heads,
+)
+
 IMPLS = ("fused", "reference")
-
-
-class DepthStats(NamedTuple):
-    """Unnormalised online-softmax statistics of one depth attention (docs/method.md §6).
-
-    ``o`` is ``sum_i exp(logit_i - m) v_i`` ([B, T, D], float32), ``m`` the
-    running max and ``l`` the normaliser ``sum_i exp(logit_i - m)`` ([B, T] or
-    [B, T, H]). ``finalize_stats`` turns them into h = o / l.
-    """
-
-    o: Tensor
-    m: Tensor
-    l: Tensor
-
-
-class DepthAttentionOutput(NamedTuple):
-    h: Tensor
-    weights: Optional[Tensor]  # [K, B, T] or [K, B, T, H]
-    stats: Optional[DepthStats]
-
-
-# ----------------------------------------------------------------------------- helpers
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _query_heads(query: Tensor, d: int) -> int:
-    """Number of depth-attention heads implied by the query's shape."""
-    if query.dim() in (1, 3):  # [D] or [B, T, D]
-        if query.shape[-1] != d:
-            raise ValueError(f"query has {query.shape[-1]} channels, sources have {d}")
-        return 1
-    if query.dim() in (2, 4):  # [H, D/H] or [B, T, H, D/H]
-        h, dh = query.shape[-2:]
-        if h * dh != d:
-            raise ValueError(f"query heads {h} x {dh} do not cover the {d} source channels")
-        return h
-    raise ValueError(
-        f"query must be [D], [H, D/H], [B, T, D] or [B, T, H, D/H]; got shape {tuple(query.shape)}"
-    )
-
-
-def _head_view(x: Tensor, heads: int) -> Tensor:
-    """[..., D] -> [..., H, D/H]."""
-    return x.unflatten(-1, (heads, x.shape[-1] // heads))
-
-
-def _per_token(query: Tensor) -> bool:
-    return query.dim() >= 3
-
-
-def _check_kernel(kernel: str) -> None:
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel={kernel!r} is not supported; use one of {KERNELS}")
-
-
-def _expand_heads(x: Tensor, d: int) -> Tensor:
-    """Per-head quantity [..., H] -> per-channel [..., D]."""
-    return x.repeat_interleave(d // x.shape[-1], dim=-1)
-
-
-# ----------------------------------------------------------------------------- reference
-
-
-def _reference_logits(v: Tensor, query: Tensor, key_weight: Optional[Tensor], eps: float,
-                      normalize_keys: bool) -> Tensor:
-    """v: [B, T, K, D] (compute dtype). Returns logits [B, T, K, H]."""
-    d = v.shape[-1]
-    heads = _query_heads(query, d)
-    keys = v
-    if normalize_keys:
-        keys = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
-        if key_weight is not None:
-            keys = keys * key_weight.to(v.dtype)
-    q = query.to(v.dtype)
-    q = q.reshape(*q.shape[:-2], d) if heads > 1 else q  # [D] or [B, T, D]
-    q = q.unsqueeze(-2) if _per_token(query) else q  # broadcast over K
-    return _head_view(keys * q, heads).sum(-1)
-
-
-def depth_attention_reference(
-    sources: Tensor,
-    query: Tensor,
-    key_weight: Optional[Tensor] = None,
-    *,
-    eps: float = 1e-6,
-    kernel: str = "softmax",
-    normalize_keys: bool = True,
-) -> DepthAttentionOutput:
-    """Plain-autograd depth attention over sources [K, B, T, D]; returns h, weights and stats."""
-    _check_kernel(kernel)
-    cd = _compute_dtype(sources.dtype)
-    v = sources.movedim(0, 2).to(cd)  # [B, T, K, D]
-    d = v.shape[-1]
-    z = _reference_logits(v, query, key_weight, eps, normalize_keys)  # [B, T, K, H]
-    stats = None
-    if kernel == "softmax":
-        m = z.amax(dim=2)
-        p = torch.exp(z - m.unsqueeze(2))
-        l = p.sum(dim=2)
-        o = (_expand_heads(p, d) * v).sum(2)  # [B, T, D]
-        stats = DepthStats(o, m, l)
-        alpha = p / l.unsqueeze(2)
-    else:
-        alpha = torch.sigmoid(z)
-    h = (_expand_heads(alpha, d) * v).sum(2).to(sources.dtype)
-    weights = alpha.movedim(2, 0)  # [K, B, T, H]
-    if weights.shape[-1] == 1 and query.dim() in (1, 3):
-        weights = weights.squeeze(-1)
-        if stats is not None:
-            stats = DepthStats(stats.o, stats.m.squeeze(-1), stats.l.squeeze(-1))
-    return DepthAttentionOutput(h, weights, stats)
-
-
-# ----------------------------------------------------------------------------- fused
-
-
-def autocast_off(backward):
-    """A Function's backward run with autocast off, as its forward is: compiled training traces the
-    backward together with the forward, inside the caller's autocast, which would otherwise
-    recast the backward's products (bf16 mixed with our float32 statistics fails)."""
-    @functools.wraps(backward)
-    def run(ctx, *grads):
-        device = next(g.device.type for g in grads if g is not None)
-        with torch.autocast(device, enabled=False):
-            return backward(ctx, *grads)
-
-    return run
-
-
-class _Unrecorded:
-    """The autograd context a Function's forward gets when nothing is recorded for backward."""
-
-    def save_for_backward(self, *tensors) -> None:
-        pass
-
-
-def apply_function(function, *args):
-    """``function.apply(*args)``, or with grad mode off its forward called directly: nothing is
-    recorded then anyway, and dynamo (torch 2.13) mis-passes the arguments when it inlines some
-    Functions' forward under no_grad (a compiled decoding step failed with unpacking errors)."""
-    if torch.is_grad_enabled():
-        return function.apply(*args)
-    return function.forward(_Unrecorded(), *args)
 
 
 class _FusedDepthAttention(torch.autograd.Function):
@@ -210,9 +55,9 @@ class _FusedDepthAttention(torch.autograd.Function):
     def _forward(ctx, query, key_weight, segments, opts, producers):
         eps, kernel, normalize_keys = opts
         d = segments[0].shape[-1]
-        heads = _query_heads(query, d)
-        cd = _compute_dtype(segments[0].dtype)
-        per_token = _per_token(query)
+        heads = query_heads(query, d)
+        cd = compute_dtype(segments[0].dtype)
+        per_token = is_per_token(query)
         q = query.to(cd).reshape(*query.shape[:-2], d) if heads > 1 else query.to(cd)
         u = q * key_weight.to(cd) if (normalize_keys and key_weight is not None) else q
 
@@ -274,8 +119,8 @@ class _FusedDepthAttention(torch.autograd.Function):
         grads, gu = [], None
         start = 0
         u_b = u.unsqueeze(-2) if per_token else u  # broadcast over k
-        gh_h = _head_view(gh, heads).unsqueeze(2)  # [B, T, 1, H, Dh]
-        u_h = _head_view(u_b, heads)
+        gh_h = split_heads(gh, heads).unsqueeze(2)  # [B, T, 1, H, Dh]
+        u_h = split_heads(u_b, heads)
         for seg in segments:
             k = seg.shape[2]
             v = seg.to(cd)
@@ -324,8 +169,8 @@ def _dot_sources(v: Tensor, u: Tensor, heads: int, per_token: bool) -> Tensor:
         if per_token:
             return torch.matmul(v, u.unsqueeze(-1))  # [B, T, k, 1]
         return torch.matmul(v, u).unsqueeze(-1)
-    vh = _head_view(v, heads)
-    uh = _head_view(u, heads)
+    vh = split_heads(v, heads)
+    uh = split_heads(u, heads)
     if per_token:
         return torch.einsum("btkhe,bthe->btkh", vh, uh)
     return torch.einsum("btkhe,he->btkh", vh, uh)
@@ -335,28 +180,14 @@ def _weighted_sum(v: Tensor, w: Tensor, heads: int) -> Tensor:
     """sum_k w[b, t, k, h] v[b, t, k, h-channels]: v [B, T, k, D], w [B, T, k, H] -> [B, T, D]."""
     if heads == 1:
         return torch.matmul(w.squeeze(-1).unsqueeze(-2).to(v.dtype), v).squeeze(-2)
-    out = torch.einsum("btkh,btkhe->bthe", w.to(v.dtype), _head_view(v, heads))
+    out = torch.einsum("btkh,btkhe->bthe", w.to(v.dtype), split_heads(v, heads))
     return out.flatten(-2)
 
 
 # ----------------------------------------------------------------------------- Triton dispatch
-_TRITON = None  # attnres.ops.triton_depth_attention once imported, False when unavailable
-
-
 def _triton_module():
-    """The Triton kernels' module, or None (triton missing, or ATTNRES_TRITON=0)."""
-    global _TRITON
-    import os
-
-    if os.environ.get("ATTNRES_TRITON", "1") == "0":
-        return None
-    if _TRITON is None:
-        try:
-            from attnres.ops import triton_depth_attention as module
-        except ImportError:
-            module = False
-        _TRITON = module
-    return _TRITON or None
+    """The depth-attention kernels (``triton.py``), or None (triton missing, or ATTNRES_TRITON=0)."""
+    return triton_kernels("attnres.ops.depth_attention.triton")
 
 
 def fused_depth_attention(
@@ -376,7 +207,7 @@ def fused_depth_attention(
     ``producers``: the K autograd tensors [B, T, D] those values came from;
     gradients flow to them. Returns h [B, T, D].
     """
-    _check_kernel(kernel)
+    check_kernel(kernel)
     n = sum(seg.shape[2] for seg in segments)
     if n != len(producers):
         raise ValueError(f"segments hold {n} sources but {len(producers)} producers were given")
@@ -414,13 +245,14 @@ def depth_attention(
     key_weight: the key RMSNorm weight [D]; ignored when ``normalize_keys`` is off.
     kernel: "softmax" or "sigmoid" (unnormalised weights, Table 4).
     return_weights: also return alpha [K, B, T] (or [K, B, T, H]).
-    return_stats: also return the float32 online-softmax statistics
-    ``DepthStats(o, m, l)`` for the two-phase computation (softmax only).
+    return_stats: also return ``DepthStats(h, lse)`` in the compute dtype, the form in which a
+    depth attention over some sources merges with one over others (softmax only; the two-phase
+    ``merge``).
 
     Returns h, or ``DepthAttentionOutput(h, weights, stats)`` when any
     ``return_*`` flag is set.
     """
-    _check_kernel(kernel)
+    check_kernel(kernel)
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r} is not supported; use one of {IMPLS}")
     if sources.dim() != 4:
@@ -440,20 +272,3 @@ def depth_attention(
         (sources.movedim(0, 2),), sources.unbind(0), query, key_weight,
         eps=eps, kernel=kernel, normalize_keys=normalize_keys,
     )
-
-
-def merge_stats(a: DepthStats, b: DepthStats) -> DepthStats:
-    """Exactly combine the statistics of two disjoint source sets (online softmax, docs/method.md §6)."""
-    m = torch.maximum(a.m, b.m)
-    ea, eb = torch.exp(a.m - m), torch.exp(b.m - m)
-    d = a.o.shape[-1]
-    wa = _expand_heads(ea.unsqueeze(-1) if ea.dim() == a.o.dim() - 1 else ea, d)
-    wb = _expand_heads(eb.unsqueeze(-1) if eb.dim() == b.o.dim() - 1 else eb, d)
-    return DepthStats(wa * a.o + wb * b.o, m, ea * a.l + eb * b.l)
-
-
-def finalize_stats(stats: DepthStats, dtype: Optional[torch.dtype] = None) -> Tensor:
-    """h = o / l, cast to ``dtype`` (default: keep the statistics' dtype)."""
-    l = stats.l.unsqueeze(-1) if stats.l.dim() == stats.o.dim() - 1 else stats.l
-    h = stats.o / _expand_heads(l, stats.o.shape[-1])
-    return h if dtype is None else h.to(dtype)

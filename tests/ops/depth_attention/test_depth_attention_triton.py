@@ -1,16 +1,11 @@
-"""Triton depth-attention kernels against the float64 references.
-
-Without a GPU the kernels run in Triton's interpreter on CPU tensors. The
-interpreter has to be switched on before the first ``import triton`` (triton's
-own ``@jit`` helpers are defined at import), so this module sets
-``TRITON_INTERPRET=1`` before importing it. With a GPU (and TRITON_INTERPRET not
-set) the same tests run the compiled kernels on CUDA.
+"""The Triton depth-attention kernels against the float64 references (tests/interpreted_triton.py says
+how they run without a GPU).
 
 Tolerances: float64 inputs run the kernels in float64 and must match the loop
 reference to 1e-12 (values) / 1e-10 (gradients); float32 inputs must match the
 float64 reference to rtol 1e-4, atol 1e-5 (the same bound as the torch fused op).
 """
-import importlib
+import dataclasses
 import itertools
 import os
 import sys
@@ -18,29 +13,14 @@ import sys
 import pytest
 import torch
 
-ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1"
-if not ON_GPU and "triton" not in sys.modules:
-    # stays set for the session: triton defines more @jit helpers lazily (at the first launch)
-    os.environ["TRITON_INTERPRET"] = "1"
-pytest.importorskip("triton")
-tda = importlib.import_module("attnres.ops.triton_depth_attention")
-if not ON_GPU and not tda.INTERPRETED:
-    pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set; run this file alone",
-                allow_module_level=True)
+from interpreted_triton import DEVICE, ON_GPU, import_kernels
+
+tda = import_kernels("attnres.ops.depth_attention.triton")
 
 from reference import naive  # noqa: E402
-from attnres.ops import (  # noqa: E402
-    DepthStats,
-    depth_attention,
-    finalize_stats,
-    fused_depth_attention,
-    merge_stats,
-)
+from attnres.ops import depth_attention, fused_depth_attention  # noqa: E402
+from attnres.ops.depth_attention import fused as fused_module  # noqa: E402
 
-# the module (``attnres.ops.depth_attention`` as an attribute is the re-exported function)
-da_module = importlib.import_module("attnres.ops.depth_attention")
-
-DEVICE = "cuda" if ON_GPU else "cpu"
 F64 = dict(rtol=1e-12, atol=1e-12)
 F64_GRAD = dict(rtol=1e-10, atol=1e-12)
 F32 = dict(rtol=1e-4, atol=1e-5)
@@ -175,87 +155,6 @@ def test_zero_query_gives_the_mean():
     torch.testing.assert_close(h, sources.mean(0), **F64)
 
 
-# ----------------------------------------------------------------------------- two-phase
-
-
-def make_block(K=4, S=3, B=2, T=3, D=8, heads=1, dtype=torch.float64, seed=10):
-    g = torch.Generator().manual_seed(seed)
-    sources = torch.randn(K, B, T, D, generator=g, dtype=torch.float64) * 2 + 0.3
-    queries = torch.randn(S, D, generator=g, dtype=torch.float64)
-    if heads > 1:
-        queries = queries.view(S, heads, D // heads)
-    key_weights = torch.rand(S, D, generator=g, dtype=torch.float64) + 0.5
-    return tuple(x.to(DEVICE, dtype) for x in (sources, queries, key_weights))
-
-
-@pytest.mark.parametrize("heads,D,S,K", [(1, 8, 3, 4), (2, 6, 5, 2), (3, 12, 1, 1)])
-@pytest.mark.parametrize("normalize_keys", [True, False])
-def test_phase1_matches_reference(heads, D, S, K, normalize_keys):
-    sources, queries, kws = make_block(K=K, S=S, D=D, heads=heads)
-    got = tda.phase1(sources, queries, kws, normalize_keys=normalize_keys)
-    want = tda.phase1_reference(sources, queries, kws, normalize_keys=normalize_keys)
-    stat_shape = (S, 2, 3) if heads == 1 else (S, 2, 3, heads)
-    assert got.o.shape == (S, 2, 3, D) and got.m.shape == got.l.shape == stat_shape
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, **F64)
-    # float32 sources: float32 statistics, close to the float64 ones
-    got32 = tda.phase1(sources.float(), queries.float(), kws.float(), normalize_keys=normalize_keys)
-    assert all(x.dtype == torch.float32 for x in got32)
-    for a, b in zip(got32, want):
-        torch.testing.assert_close(a.double(), b, **F32)
-
-
-def test_phase1_reads_a_strided_buffer_in_place():
-    sources, queries, kws = make_block(K=3, S=2, D=8)
-    buffer = torch.full((2, 3, 5, 8), 99.0, dtype=torch.float64, device=DEVICE)
-    buffer[:, :, :3] = sources.movedim(0, 2)
-    view = buffer[:, :, :3].movedim(2, 0)  # [K, B, T, D] with strides over the buffer
-    got = tda.phase1(view, queries, kws)
-    want = tda.phase1_reference(sources, queries, kws)
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, **F64)
-
-
-@pytest.mark.parametrize("heads", [1, 4])
-def test_merge_matches_merge_stats(heads):
-    sources, queries, kws = make_block(K=5, S=2, D=8, heads=heads)
-    a = tda.phase1(sources[:3], queries, kws)
-    b = tda.phase1(sources[3:], queries, kws)
-    got = tda.merge(*a, *b)
-    want = merge_stats(a, b)
-    for x, y in zip(got, want):
-        torch.testing.assert_close(x, y, **F64)
-    torch.testing.assert_close(tda.merge_reference(*a, *b).o, want.o, rtol=0, atol=0)
-    # merging the two halves is exact: the same as one pass over all sources
-    whole = tda.phase1(sources, queries, kws)
-    torch.testing.assert_close(got.m, whole.m, **F64)
-    torch.testing.assert_close(finalize_stats(got), finalize_stats(whole), **F64)
-
-
-@pytest.mark.parametrize("heads", [1, 2])
-def test_two_phase_block_equals_plain_forward(heads):
-    # one depth block of S sublayers over completed blocks b_0..b_{n-1} (docs/method.md §6): phase 1 once,
-    # then each sublayer i >= 2 merges its one intra-block source, the partial sum b_n^{i-1}
-    S, D = 3, 8
-    blocks, queries, kws = make_block(K=3, S=S, D=D, heads=heads, seed=11)
-    g = torch.Generator().manual_seed(12)
-    outputs = [torch.randn(2, 3, D, generator=g, dtype=torch.float64).to(DEVICE) for _ in range(S)]
-    stats = tda.phase1(blocks, queries, kws)
-    partial = None
-    for i in range(S):
-        if partial is None:
-            h = finalize_stats(DepthStats(stats.o[i], stats.m[i], stats.l[i]))
-            sources = blocks
-        else:
-            one = tda.phase1(partial.unsqueeze(0), queries[i:i + 1], kws[i:i + 1])
-            merged = tda.merge(stats.o[i], stats.m[i], stats.l[i], one.o[0], one.m[0], one.l[0])
-            h = finalize_stats(merged)
-            sources = torch.cat([blocks, partial.unsqueeze(0)])
-        want = depth_attention(sources, queries[i], kws[i], impl="reference")
-        torch.testing.assert_close(h, want, **F64)
-        partial = outputs[i] if partial is None else partial + outputs[i]
-
-
 # ----------------------------------------------------------------------------- support and dispatch
 
 
@@ -305,7 +204,7 @@ def test_dispatch_hook_uses_triton_on_cuda(monkeypatch):
     monkeypatch.setenv("ATTNRES_TRITON", "0")
     fused_depth_attention([sources.movedim(0, 2)], producers, query, kw)
     assert calls == [1]
-    assert da_module._triton_module() is None
+    assert fused_module._triton_module() is None
 
 
 def test_kernels_compile_for_sm90_without_a_gpu():
@@ -315,7 +214,7 @@ def test_kernels_compile_for_sm90_without_a_gpu():
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = env.get("TRITON_DEFAULT_FP_FUSION", "1")
-    code = ("from attnres.ops.triton_depth_attention import compile_check\n"
+    code = ("from attnres.ops.triton_build import compile_check\n"
             "r = compile_check(arch=90, d=96, heads=3)\n"
             "assert len(r) == 8 and all(regs != 0 for regs, _ in r.values()), r\n"
             "print(r)\n")
@@ -333,8 +232,8 @@ def test_kernels_compile_for_sm90_without_a_gpu():
 def test_whole_model_through_the_triton_op(monkeypatch, residual, overrides):
     # every depth aggregation of a small float64 model (forward and backward) goes through
     # the Triton op instead of the torch fused one: same loss, same gradients
-    import attnres.residual.attnres as stream_module
     from attnres import AttnResLM, ModelConfig
+    from attnres.residual.base import PLAIN_OPS, Stream
 
     cfg = ModelConfig(vocab_size=40, d_model=12, n_layers=2, n_heads=2, max_seq_len=8,
                       residual=residual, attnres_impl="fused", **overrides)
@@ -364,7 +263,7 @@ def test_whole_model_through_the_triton_op(monkeypatch, residual, overrides):
         calls.append(1)
         return tda.triton_fused_depth_attention(*args, **kwargs)
 
-    monkeypatch.setattr(stream_module, "fused_depth_attention", through_triton)
+    monkeypatch.setattr(Stream, "ops", dataclasses.replace(PLAIN_OPS, attend=through_triton))
     loss, got = loss_and_grads()
     assert len(calls) == cfg.n_sublayers + 1
     torch.testing.assert_close(loss, want_loss, **F64)

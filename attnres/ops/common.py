@@ -1,0 +1,95 @@
+"""What every depth-attention op shares: the statistics format, precision, heads and autograd plumbing.
+
+``DepthStats`` is the one format in which a depth attention over a *subset* of the sources is
+handed on to be merged with another (docs/method.md §6): the normalised output and the
+log-sum-exp of the logits. It is what ``depth_attention(..., return_stats=True)``, every
+``phase1`` and every ``merge`` return. Compared with the unnormalised (o, m, l) of flash
+attention it carries the same information (h = o / l, lse = m + log l) and merges without
+rescaling o: the second set's share of the union is ``sigmoid(lse_b - lse_a)``.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+from types import ModuleType
+from typing import Dict, NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+
+class DepthStats(NamedTuple):
+    """A depth attention over some of the sources, in the form that merges exactly.
+
+    ``h``: the output ``sum_i alpha_i v_i`` over those sources ([..., D]); ``lse``: the
+    log-sum-exp of their logits ([..., H], H = 1 for a single-head query), both in the compute
+    dtype (float32, float64 for float64 sources). For the sigmoid kernel h is the unnormalised
+    sum, lse is zero and merging adds.
+    """
+
+    h: Tensor
+    lse: Tensor
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Logits, statistics and weights: float32 for float32/bfloat16/float16, float64 for float64."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def split_heads(x: Tensor, heads: int) -> Tensor:
+    """[..., D] -> [..., H, D/H]."""
+    return x.unflatten(-1, (heads, x.shape[-1] // heads))
+
+
+def inverse_rms(v: Tensor, eps: float) -> Tensor:
+    """r = rsqrt(mean(v^2) + eps) over the last dim, in the compute dtype (the key RMSNorm's scale)."""
+    cd = compute_dtype(v.dtype)
+    ms = torch.linalg.vector_norm(v, dim=-1, dtype=cd).pow(2) / v.shape[-1]
+    return torch.rsqrt(ms + eps)
+
+
+def autocast_off(backward):
+    """A Function's backward run with autocast off, as its forward is: compiled training traces the
+    backward together with the forward, inside the caller's autocast, which would otherwise
+    recast the backward's products (bf16 mixed with our float32 statistics fails)."""
+    @functools.wraps(backward)
+    def run(ctx, *grads):
+        device = next(g.device.type for g in grads if g is not None)
+        with torch.autocast(device, enabled=False):
+            return backward(ctx, *grads)
+
+    return run
+
+
+class _Unrecorded:
+    """The autograd context a Function's forward gets when nothing is recorded for backward."""
+
+    def save_for_backward(self, *tensors) -> None:
+        pass
+
+
+def apply_function(function, *args):
+    """``function.apply(*args)``, or with grad mode off its forward called directly: nothing is
+    recorded then anyway, and dynamo (torch 2.13) mis-passes the arguments when it inlines some
+    Functions' forward under no_grad (a compiled decoding step failed with unpacking errors)."""
+    if torch.is_grad_enabled():
+        return function.apply(*args)
+    return function.forward(_Unrecorded(), *args)
+
+
+_TRITON_KERNELS: Dict[str, Optional[ModuleType]] = {}  # module name -> module, None when unavailable
+
+
+def triton_kernels(module_name: str) -> Optional[ModuleType]:
+    """A module of Triton kernels, imported on first use; None when triton is missing or
+    ``ATTNRES_TRITON=0`` (read on every call, so it can be switched at run time). The fast paths
+    call this only for CUDA tensors, so nothing imports triton on a CPU-only machine."""
+    if os.environ.get("ATTNRES_TRITON", "1") == "0":
+        return None
+    if module_name not in _TRITON_KERNELS:
+        try:
+            _TRITON_KERNELS[module_name] = importlib.import_module(module_name)
+        except ImportError:
+            _TRITON_KERNELS[module_name] = None
+    return _TRITON_KERNELS[module_name]

@@ -1,0 +1,277 @@
+"""Two-phase depth attention, the fused path the residual streams run (docs/method.md §6).
+
+The same math as ``naive.py`` (read that first), as custom autograd Functions:
+
+- ``_Phase1``: all S queries of a depth block in one pass over the completed sources, which it
+  reads in place from the stream's buffer. Backward also runs once per block, so the sources are
+  read and their gradients written once per block instead of once per sublayer: that is where
+  the S-fold saving comes from.
+- ``_MergePartial``: Phase 2 for the common case (one head, softmax, key norm) with a lean
+  backward that writes dh1 and dp once each.
+
+The inverse RMS of each source is computed once when the source is written (``inverse_rms``) and
+reused by every reader; its gradient is recomputed here from the values.
+
+Triton. For CUDA float32/bfloat16/float16 tensors, ``_Phase1``'s forward and ``merge`` (when no
+gradient is needed) run the kernels of ``triton.py`` (imported on first use; ``ATTNRES_TRITON=0``
+turns them off); ``_Phase1``'s backward then recomputes the weights from the saved lse.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from attnres.ops.common import (
+    DepthStats,
+    apply_function,
+    autocast_off,
+    compute_dtype,
+    inverse_rms,
+    split_heads,
+    triton_kernels,
+)
+from attnres.ops.depth_attention.naive import check_kernel
+from attnres.ops.two_phase import naive
+from attnres.ops.two_phase.naive import check_phase1_inputs
+
+
+class _Phase1(torch.autograd.Function):
+    """All S pseudo-queries of a depth block against its completed sources in one pass.
+
+    ``values``: [B, T, n, D] (a view into the stream's buffer, stored on ctx, not
+    saved: later writes touch other rows only); ``inv_rms``: [B, T, n] or None
+    (no key norm); ``producers``: the n autograd tensors behind the rows.
+    Returns S tensors h1_s [B, T, D] (compute dtype) and lse [B, T, S, H] (float32;
+    for the sigmoid kernel h1 is the unnormalised sum and lse is unused).
+    """
+
+    @staticmethod
+    def forward(ctx, queries, key_weights, values, inv_rms, opts, *producers):
+        with torch.autocast(values.device.type, enabled=False):
+            return _Phase1._forward(ctx, queries, key_weights, values, inv_rms, opts, producers)
+
+    @staticmethod
+    def _forward(ctx, queries, key_weights, values, inv_rms, opts, producers):
+        kernel, heads, kernels = opts
+        b, t, n, d = values.shape
+        s_count = queries.shape[0]
+        cd = compute_dtype(values.dtype)
+        if kernels is not None:
+            # the Triton forward keeps nothing of size n: backward recomputes the weights from lse
+            h1, lse = kernels.phase1(values, inv_rms, queries, key_weights, kernel=kernel)
+            alpha = dots = None
+            saved_lse = lse.flatten(0, 1)
+        else:
+            v3 = values.to(cd).flatten(0, 1)  # [BT, n, D] (a view for float32 buffers)
+            dots, z = _logits(v3, inv_rms, queries, key_weights, heads)
+            if kernel == "softmax":
+                lse = torch.logsumexp(z, dim=1)  # [BT, S, H]
+                alpha = torch.exp(z - lse.unsqueeze(1))
+            else:
+                lse = torch.zeros(z.shape[0], s_count, heads, dtype=cd, device=z.device)
+                alpha = torch.sigmoid(z)
+            h1 = _mix(alpha, v3, heads).view(b, t, s_count, d)
+            lse = lse.view(b, t, s_count, heads)
+            saved_lse = None
+        # buffer views: kept on ctx, not saved (later writes go to other rows, which bumps the
+        # buffer's version counter but never changes the rows read here)
+        ctx.values, ctx.inv_rms = values, inv_rms
+        ctx.opts = (kernel, heads, cd, [(p.shape, p.dtype) for p in producers])
+        ctx.save_for_backward(queries, key_weights, alpha, dots, saved_lse)
+        # one output per query: each sublayer's gradient then arrives on its own, with no
+        # zero-filled [B, T, S, D] assembled by slicing
+        return (*h1.unbind(2), lse)
+
+    @staticmethod
+    @autocast_off
+    def backward(ctx, *grads_out):
+        *g_h1s, g_lse = grads_out
+        queries, key_weights, alpha, dots, lse = ctx.saved_tensors
+        kernel, heads, cd, producer_meta = ctx.opts
+        values, inv_rms = ctx.values, ctx.inv_rms
+        b, t, n, d = values.shape
+        s_count = queries.shape[0]
+        v3 = values.to(cd).flatten(0, 1)
+        if alpha is None:  # a Triton forward: recompute the weights (one [BT, n, S, H] pass)
+            dots, z = _logits(v3, inv_rms, queries, key_weights, heads)
+            alpha = torch.exp(z - lse.unsqueeze(1)) if kernel == "softmax" else torch.sigmoid(z)
+        gh = torch.stack([g if g is not None else torch.zeros(b, t, d, dtype=cd, device=values.device)
+                          for g in g_h1s], dim=2).to(cd).flatten(0, 1)  # [BT, S, D]
+        q = queries.to(cd).reshape(s_count, d)
+        g = key_weights.to(cd) if key_weights is not None else None
+        u = q * g if g is not None else q
+        r = inv_rms.to(cd).flatten(0, 1) if inv_rms is not None else None
+
+        # dL/dalpha[s, i] = gh_s . v_i (per head): [BT, n, S, H]
+        if heads == 1:
+            galpha = torch.bmm(v3, gh.transpose(1, 2)).unsqueeze(-1)
+        else:
+            galpha = torch.einsum("xnhe,xshe->xnsh", split_heads(v3, heads), split_heads(gh, heads))
+        if kernel == "softmax":
+            gz = alpha * (galpha - (alpha * galpha).sum(dim=1, keepdim=True))
+            if g_lse is not None:
+                gz = gz + alpha * g_lse.to(cd).flatten(0, 1).unsqueeze(1)
+        else:
+            gz = galpha * alpha * (1 - alpha)
+        gdots = gz * r[:, :, None, None] if r is not None else gz  # through z = r * dots
+
+        # dv_i = sum_s alpha_si gh_s + sum_s gdots_si u_s (+ key-norm term), one batched product
+        if heads == 1:
+            # u is shared by all tokens: a plain [BT*n, S] @ [S, D] product, then add alpha @ gh in place
+            gv = torch.mm(gdots.reshape(-1, s_count), u).view(v3.shape[0], n, d)
+            gv.baddbmm_(alpha.squeeze(-1), gh)
+        else:
+            gv = torch.einsum("xnsh,xshe->xnhe", alpha, split_heads(gh, heads))
+            gv = gv + torch.einsum("xnsh,she->xnhe", gdots, split_heads(u, heads))
+            gv = gv.flatten(-2)
+        if r is not None:
+            # r = rsqrt(mean(v^2) + eps): dr/dv = -r^3 v / D, weighted by sum_s gz * dots
+            cv = -(gz * dots).sum(dim=(2, 3)) * r.pow(3) / d  # [BT, n]
+            gv.addcmul_(cv.unsqueeze(-1), v3)
+
+        gq = gg = None
+        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
+            # du_s = sum over tokens and sources of gdots_si v_i (per head)
+            if heads == 1:
+                # one [S, BT] @ [BT, D] product per source reads the strided buffer rows in place
+                gd = gdots.squeeze(-1)
+                du = sum(torch.mm(gd[:, i].t(), v3[:, i]) for i in range(n))
+            else:
+                du = torch.einsum("xnsh,xnhe->she", gdots, split_heads(v3, heads)).reshape(s_count, d)
+            if ctx.needs_input_grad[0]:
+                gq = (du * g if g is not None else du).reshape(queries.shape).to(queries.dtype)
+            if g is not None and ctx.needs_input_grad[1]:
+                gg = (du * q).to(key_weights.dtype)
+
+        gv = gv.view(b, t, n, d)
+        grads = [gv[:, :, i].reshape(shape).to(dtype) for i, (shape, dtype) in enumerate(producer_meta)]
+        return (gq, gg, None, None, None, *grads)
+
+
+def _logits(v3: Tensor, inv_rms: Optional[Tensor], queries: Tensor, key_weights: Optional[Tensor],
+            heads: int) -> Tuple[Tensor, Tensor]:
+    """(raw dot products v_i . u_s, logits z = r_i dots), both [BT, n, S, H], from v3 [BT, n, D]."""
+    cd, d = v3.dtype, v3.shape[-1]
+    s_count = queries.shape[0]
+    u = queries.to(cd).reshape(s_count, d)
+    if key_weights is not None:
+        u = u * key_weights.to(cd)
+    if heads == 1:
+        dots = torch.bmm(v3, u.t().expand(v3.shape[0], d, s_count)).unsqueeze(-1)  # [BT, n, S, 1]
+    else:
+        dots = torch.einsum("xnhe,she->xnsh", split_heads(v3, heads), split_heads(u, heads))
+    r = inv_rms.to(cd).flatten(0, 1) if inv_rms is not None else None  # [BT, n]
+    return dots, (dots * r[:, :, None, None] if r is not None else dots)
+
+
+def _triton_for(x: Tensor):
+    """The Triton two-phase kernels for CUDA float32/bfloat16/float16 tensors, or None: torch runs
+    float64 (the reference precision), CPU tensors, and everything when triton is missing or
+    ``ATTNRES_TRITON=0``."""
+    if x.device.type != "cuda" or x.dtype == torch.float64:
+        return None
+    return triton_kernels("attnres.ops.two_phase.triton")
+
+
+def _mix(alpha: Tensor, v3: Tensor, heads: int) -> Tensor:
+    """sum_i alpha[x, i, s, h] v3[x, i, h-channels] -> [BT, S, D]."""
+    if heads == 1:
+        return torch.bmm(alpha.squeeze(-1).transpose(1, 2).to(v3.dtype), v3)
+    out = torch.einsum("xnsh,xnhe->xshe", alpha.to(v3.dtype), split_heads(v3, heads))
+    return out.flatten(-2)
+
+
+def phase1_outputs(values: Tensor, inv_rms: Optional[Tensor], queries: Tensor,
+                   key_weights: Optional[Tensor], producers: Sequence[Tensor], *,
+                   kernel: str = "softmax") -> Tuple[Tuple[Tensor, ...], Tensor]:
+    """Phase 1 over rows of the residual stream's buffer, the form the streams use.
+
+    values [B, T, n, D] is read in place (a view into the buffer: later writes to other rows are
+    fine); gradients go to ``producers``, the n autograd tensors whose values the rows hold.
+    Returns the S outputs h1_s [B, T, D] as a tuple, so each sublayer's gradient reaches the
+    backward on its own (no zero-filled [B, T, S, D] assembled by slicing), and lse [B, T, S, H].
+    """
+    check_kernel(kernel)
+    heads = check_phase1_inputs(values, inv_rms, queries, key_weights)
+    if values.shape[2] != len(producers):
+        raise ValueError(f"values hold {values.shape[2]} sources but {len(producers)} producers were given")
+    kernels = _triton_for(values)
+    if kernels is not None and not kernels.fits(heads, values.shape[-1]):
+        kernels = None
+    *h1s, lse = apply_function(_Phase1, queries, key_weights, values, inv_rms, (kernel, heads, kernels),
+                               *producers)
+    return tuple(h1s), lse
+
+
+def phase1(values: Tensor, inv_rms: Optional[Tensor], queries: Tensor, key_weights: Optional[Tensor] = None,
+           *, kernel: str = "softmax") -> DepthStats:
+    """Phase 1 as one custom-autograd op; the arguments and result of ``naive.phase1``.
+
+    The key-norm gradient is taken through values (inv_rms must be ``inverse_rms(values, eps)``;
+    its own graph is not used).
+    """
+    h1s, lse = phase1_outputs(values, inv_rms, queries, key_weights, values.unbind(2), kernel=kernel)
+    return DepthStats(torch.stack(h1s, dim=2), lse)
+
+
+class _MergePartial(torch.autograd.Function):
+    """merge_partial for one head, softmax, key norm: the common case, with a lean backward.
+
+    h = lerp(h1, p, w), w = sigmoid(z - lse1), z = r_p (p . u), u = q * g. Backward
+    needs h1, p and [B, T]-sized scalars; it writes dh1 and dp once each.
+    """
+
+    @staticmethod
+    def forward(ctx, h1, lse1, partial, query, key_weight, eps):
+        with torch.autocast(partial.device.type, enabled=False):
+            cd = compute_dtype(partial.dtype)
+            p, h1c = partial.to(cd), h1.to(cd)
+            u = query.to(cd) * key_weight.to(cd)
+            s = torch.matmul(p, u)  # [B, T]
+            r = inverse_rms(p, eps)
+            w = torch.sigmoid(r * s - lse1.to(cd).squeeze(-1))
+            h = torch.lerp(h1c, p, w.unsqueeze(-1))
+            ctx.save_for_backward(h1, partial, query, key_weight, s, r, w)
+            return h.to(partial.dtype)
+
+    @staticmethod
+    @autocast_off
+    def backward(ctx, gh):
+        h1, partial, query, key_weight, s, r, w = ctx.saved_tensors
+        cd = s.dtype
+        p, h1c, gh = partial.to(cd), h1.to(cd), gh.to(cd)
+        q, g = query.to(cd), key_weight.to(cd)
+        d = p.shape[-1]
+        # dL/dw = gh . (p - h1)
+        gw = torch.linalg.vecdot(gh, p - h1c)
+        gz = gw * w * (1 - w)
+        gs, gr = gz * r, gz * s
+        w_ = w.unsqueeze(-1)
+        gh1 = gh * (1 - w_)
+        gp = gh * w_
+        gp.addcmul_(gs.unsqueeze(-1), q * g)
+        gp.addcmul_((-gr * r.pow(3) / d).unsqueeze(-1), p)
+        gu = torch.matmul(gs.reshape(-1), p.reshape(-1, d))  # sum over tokens of gs * p
+        return (gh1.to(h1.dtype), (-gz).unsqueeze(-1).to(cd), gp.to(partial.dtype),
+                (gu * g).to(query.dtype), (gu * q).to(key_weight.dtype), None)
+
+
+def merge(a: DepthStats, b: DepthStats, kernel: str = "softmax") -> DepthStats:
+    """The arguments and result of ``naive.merge``; the Triton kernel for CUDA statistics when no
+    gradient is needed (it has no backward; the merge is elementwise, so autograd's is cheap)."""
+    kernels = _triton_for(a.h)
+    if kernels is not None and not (torch.is_grad_enabled() and any(x.requires_grad for x in (*a, *b))):
+        return kernels.merge(a, b, kernel)
+    return naive.merge(a, b, kernel)
+
+
+def merge_partial(stats: DepthStats, partial: Tensor, query: Tensor, key_weight: Optional[Tensor], eps: float,
+                  kernel: str = "softmax") -> Tensor:
+    """Phase 2; the arguments and result of ``naive.merge_partial``. The common case (one head,
+    softmax, key norm) runs as one custom-autograd op, the others as the plain reference."""
+    check_kernel(kernel)
+    if stats.lse.shape[-1] == 1 and kernel == "softmax" and key_weight is not None:
+        return apply_function(_MergePartial, stats.h, stats.lse, partial, query.reshape(-1), key_weight, eps)
+    return naive.merge_partial(stats, partial, query, key_weight, eps, kernel)

@@ -1,0 +1,190 @@
+"""Two-phase depth attention, naive and fused: Phase 1 for S queries at once, the exact merge and
+Phase 2, against the float64 loop-by-loop reference in tests/reference.py and against each other."""
+import pytest
+import torch
+
+from attnres.ops.common import DepthStats, inverse_rms
+from attnres.ops.two_phase import fused, naive
+from reference import logits
+from reference import naive as loop_reference
+
+EPS = 1e-6
+F64 = dict(rtol=1e-12, atol=1e-12)
+F64_GRAD = dict(rtol=1e-10, atol=1e-12)
+IMPLS = {"naive": naive, "fused": fused}
+
+
+def assert_all_close(got, want):
+    """Pairwise equal to float64 gradient rounding; None (an unused input's gradient) only opposite None."""
+    for a, b in zip(got, want, strict=True):
+        if b is None:
+            assert a is None
+        else:
+            torch.testing.assert_close(a, b, **F64_GRAD)
+
+
+def inputs(n=5, S=3, B=2, T=3, D=8, heads=1, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    v = torch.randn(n, B, T, D, generator=g, dtype=torch.float64) * 1.5 + 0.2
+    qshape = (S, D) if heads == 1 else (S, heads, D // heads)
+    q = torch.randn(qshape, generator=g, dtype=torch.float64)
+    kw = torch.rand(S, D, generator=g, dtype=torch.float64) + 0.5
+    p = torch.randn(B, T, D, generator=g, dtype=torch.float64)
+    return v, q, kw, p
+
+
+def in_buffer(v, extra_rows=2):
+    """v [n, B, T, D] as the first n rows of a wider [B, T, n + extra, D] buffer, like the stream's."""
+    n, B, T, D = v.shape
+    buffer = torch.full((B, T, n + extra_rows, D), 7.0, dtype=v.dtype)
+    buffer[:, :, :n] = v.movedim(0, 2)
+    return buffer[:, :, :n]
+
+
+def run_phase1(impl, v, q, kw, kernel, key_norm):
+    values = in_buffer(v)
+    inv = inverse_rms(values, EPS) if key_norm else None
+    return IMPLS[impl].phase1(values, inv, q, kw if key_norm else None, kernel=kernel)
+
+
+@pytest.mark.parametrize("impl", list(IMPLS))
+@pytest.mark.parametrize("kernel", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("key_norm", [True, False])
+@pytest.mark.parametrize("heads", [1, 2])
+def test_phase1_equals_one_attention_per_query(impl, kernel, key_norm, heads):
+    v, q, kw, _ = inputs(heads=heads)
+    stats = run_phase1(impl, v, q, kw, kernel, key_norm)
+    assert isinstance(stats, DepthStats)
+    assert stats.h.shape == (2, 3, q.shape[0], 8) and stats.lse.shape == (2, 3, q.shape[0], heads)
+    for s in range(q.shape[0]):
+        want, _ = loop_reference(v, q[s], kw[s], EPS, kernel, key_norm)
+        torch.testing.assert_close(stats.h[:, :, s], want, **F64)
+        if kernel == "softmax":
+            z = logits(v, q[s], kw[s], EPS, key_norm)
+            torch.testing.assert_close(stats.lse[:, :, s], torch.logsumexp(z, dim=0), **F64)
+        else:
+            assert (stats.lse == 0).all()
+
+
+@pytest.mark.parametrize("kernel", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("key_norm", [True, False])
+@pytest.mark.parametrize("heads", [1, 2])
+def test_fused_phase1_equals_naive_values_and_grads(kernel, key_norm, heads):
+    v, q, kw, _ = inputs(n=4, S=3, heads=heads, seed=1)
+    g = torch.Generator().manual_seed(2)
+    gh = torch.randn(2, 3, 3, 8, generator=g, dtype=torch.float64)
+    glse = torch.randn(2, 3, 3, heads, generator=g, dtype=torch.float64)
+    results = []
+    for impl in IMPLS.values():
+        values = v.movedim(0, 2).clone().requires_grad_()
+        qq, kk = q.clone().requires_grad_(), kw.clone().requires_grad_()
+        inv = inverse_rms(values, EPS) if key_norm else None
+        stats = impl.phase1(values, inv, qq, kk if key_norm else None, kernel=kernel)
+        loss = (stats.h * gh).sum() + ((stats.lse * glse).sum() if kernel == "softmax" else 0)
+        loss.backward()
+        results.append((stats.h, stats.lse, values.grad, qq.grad, kk.grad if key_norm else None))
+    assert_all_close(*results)
+
+
+@pytest.mark.parametrize("kernel", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("key_norm", [True, False])
+@pytest.mark.parametrize("heads", [1, 2])
+def test_fused_phase1_gradcheck(kernel, key_norm, heads):
+    v, q, kw, _ = inputs(n=3, S=2, B=1, T=2, D=4, heads=heads)
+    producers = [x.clone().requires_grad_() for x in v.unbind(0)]
+    q.requires_grad_()
+    kw.requires_grad_()
+
+    def f(q, kw, *vs):
+        # the values and inverse RMS are rebuilt from the producers so gradcheck's perturbations reach them
+        values = torch.stack(vs, dim=2)
+        inv = inverse_rms(values, EPS) if key_norm else None
+        h1s, lse = fused.phase1_outputs(values, inv, q, kw if key_norm else None, vs, kernel=kernel)
+        return (*h1s, lse) if kernel == "softmax" else h1s
+
+    assert torch.autograd.gradcheck(f, (q, kw, *producers), eps=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("impl", list(IMPLS))
+@pytest.mark.parametrize("kernel", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("key_norm", [True, False])
+@pytest.mark.parametrize("heads", [1, 2])
+def test_phase1_then_merge_partial_equals_attention_over_all_sources(impl, kernel, key_norm, heads):
+    v, q, kw, p = inputs(heads=heads)
+    stats = run_phase1(impl, v, q, kw, kernel, key_norm)
+    everything = torch.cat([v, p.unsqueeze(0)])
+    for s in range(q.shape[0]):
+        one = DepthStats(stats.h[:, :, s], stats.lse[:, :, s])
+        h = IMPLS[impl].merge_partial(one, p, q[s], kw[s] if key_norm else None, EPS, kernel)
+        want, _ = loop_reference(everything, q[s], kw[s], EPS, kernel, key_norm)
+        torch.testing.assert_close(h, want, **F64)
+
+
+def test_float32_phase1_matches_float64():
+    v, q, kw, _ = inputs(n=6, S=4, B=2, T=5, D=16, seed=2)
+    for impl in IMPLS:
+        outs = {}
+        for dtype in (torch.float64, torch.float32):
+            stats = run_phase1(impl, v.to(dtype), q.to(dtype), kw.to(dtype), "softmax", True)
+            assert stats.h.dtype == stats.lse.dtype == dtype
+            outs[dtype] = stats
+        for a, b in zip(outs[torch.float32], outs[torch.float64]):
+            torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5)
+
+
+def test_clear_errors():
+    v, q, kw, _ = inputs()
+    values = v.movedim(0, 2)
+    with pytest.raises(ValueError, match="5 sources but 4 producers"):
+        fused.phase1_outputs(values, None, q, None, list(v.unbind(0))[:4])
+    for impl in IMPLS.values():
+        with pytest.raises(ValueError, match="key_weights must be"):
+            impl.phase1(values, None, q, kw[:2])
+        with pytest.raises(ValueError, match="inv_rms must be"):
+            impl.phase1(values, inverse_rms(values[:, :, :2], EPS), q, kw)
+        with pytest.raises(ValueError, match="kernel='relu'"):
+            impl.phase1(values, None, q, kw, kernel="relu")
+
+
+@pytest.mark.parametrize("heads,kernel,key_norm", [(1, "softmax", True), (2, "softmax", True),
+                                                   (1, "sigmoid", True), (1, "softmax", False)])
+def test_merge_partial_gradcheck_and_fused_equals_naive(heads, kernel, key_norm):
+    v, q, kw, p = inputs(n=2, S=1, B=2, T=2, D=4, heads=heads, seed=5)
+    stats = run_phase1("naive", v, q, kw, kernel, key_norm)
+    args = (stats.h[:, :, 0].detach().clone().requires_grad_(), stats.lse[:, :, 0].detach().clone().requires_grad_(),
+            p.clone().requires_grad_(), q[0].clone().requires_grad_(), kw[0].clone().requires_grad_())
+
+    def run(impl):
+        def f(h1, lse, p, q, kw):
+            return impl.merge_partial(DepthStats(h1, lse), p, q, kw if key_norm else None, EPS, kernel)
+        return f
+
+    assert torch.autograd.gradcheck(run(fused), args, eps=1e-6, atol=1e-8)
+    gh = torch.randn(2, 2, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    grads = []
+    for impl in (fused, naive):
+        h = run(impl)(*args)
+        grads.append((h, *torch.autograd.grad((h * gh).sum(), args, allow_unused=True)))
+    assert_all_close(*grads)
+
+
+@pytest.mark.parametrize("kernel", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("heads", [1, 2])
+def test_merge_of_two_source_sets_is_exact(kernel, heads):
+    v, q, kw, _ = inputs(n=7, heads=heads, seed=4)
+    whole = run_phase1("naive", v, q, kw, kernel, True)
+    a = run_phase1("naive", v[:3], q, kw, kernel, True)
+    b = run_phase1("naive", v[3:], q, kw, kernel, True)
+    merged = naive.merge(a, b, kernel)
+    torch.testing.assert_close(merged.h, whole.h, **F64)
+    if kernel == "softmax":
+        torch.testing.assert_close(merged.lse, whole.lse, **F64)
+
+
+def test_merge_gradcheck():
+    v, q, kw, _ = inputs(n=4, S=2, B=1, T=2, D=4, heads=2, seed=7)
+    a = run_phase1("naive", v[:2], q, kw, "softmax", True)
+    b = run_phase1("naive", v[2:], q, kw, "softmax", True)
+    args = tuple(x.detach().clone().requires_grad_() for x in (*a, *b))
+    assert torch.autograd.gradcheck(lambda ha, la, hb, lb: tuple(naive.merge(DepthStats(ha, la), DepthStats(hb, lb))),
+                                    args, eps=1e-6, atol=1e-8)
