@@ -85,17 +85,31 @@ def _finished_index(exp_dir: Path) -> List[tuple]:
     return out
 
 
-def status_of(run: PlannedRun, runs_root, name: str, index: Optional[List[tuple]] = None) -> RunStatus:
+def _compatible_run(exp_dir: Path, payload: dict, skip: str, indexes: Optional[Dict[Path, List[tuple]]]):
+    """A finished run in ``exp_dir`` (other than directory ``skip``) that computed what ``payload`` asks
+    for under an older hash (the library has since added config fields, at their defaults), or None.
+    ``indexes`` memoises each directory's index across the runs of one plan."""
+    index = indexes.get(exp_dir) if indexes is not None else None
+    if index is None:
+        index = _finished_index(exp_dir)
+        if indexes is not None:
+            indexes[exp_dir] = index
+    return next((d for stored, d in index if d.name != skip and payload_compatible(stored, payload)), None)
+
+
+def status_of(run: PlannedRun, runs_root, name: str,
+              indexes: Optional[Dict[Path, List[tuple]]] = None) -> RunStatus:
     """The state of one planned run. A finished run whose hash differs only because the library has
-    since added config fields (at their defaults) counts as done, in its own directory."""
+    since added config fields (at their defaults) counts as done, in its own directory; one in another
+    experiment is reusable (copied under its own name, which the first rule then finds)."""
     run_dir = experiment_dir(runs_root, name) / run.hash
     if is_done(run_dir, run.hash):
         return RunStatus(run, run_dir, "done", run.train.steps)
+    payload = hash_payload(run.model, run.train)
     if not run_dir.exists():
-        payload = hash_payload(run.model, run.train)
-        for stored, d in index if index is not None else _finished_index(experiment_dir(runs_root, name)):
-            if d.name != run.hash and payload_compatible(stored, payload):
-                return RunStatus(run, d, "done", run.train.steps)
+        alias = _compatible_run(run_dir.parent, payload, run.hash, indexes)
+        if alias is not None:
+            return RunStatus(run, alias, "done", run.train.steps)
     div = read_json(run_dir / DIVERGED_FILE)
     if div and div.get("config_hash") == run.hash:
         return RunStatus(run, run_dir, "diverged", int(div.get("step", 0)))
@@ -104,25 +118,22 @@ def status_of(run: PlannedRun, runs_root, name: str, index: Optional[List[tuple]
         return RunStatus(run, run_dir, "partial", int(step))
     root = Path(runs_root)
     if root.is_dir():
-        payload = hash_payload(run.model, run.train)
         for other in sorted(root.iterdir()):
             if other.name == name:
                 continue
             cand = other / run.hash
             if is_done(cand, run.hash):
                 return RunStatus(run, run_dir, "reusable", run.train.steps, source=cand)
-            # the other experiment may hold it under an older hash (fields added since, at defaults):
-            # the copy keeps that name, which the alias lookup above then finds as done
-            for stored, d in _finished_index(other):
-                if payload_compatible(stored, payload):
-                    return RunStatus(run, run_dir.parent / d.name, "reusable", run.train.steps, source=d)
+            alias = _compatible_run(other, payload, run.hash, indexes)
+            if alias is not None:
+                return RunStatus(run, run_dir.parent / alias.name, "reusable", run.train.steps, source=alias)
     return RunStatus(run, run_dir, "missing")
 
 
 def plan_status(spec: ExperimentSpec, runs_root=DEFAULT_RUNS_ROOT) -> List[RunStatus]:
     """The state of every planned run (entries sharing a hash share a directory)."""
-    index = _finished_index(experiment_dir(runs_root, spec.name))
-    return [status_of(run, runs_root, spec.name, index) for run in expand(spec)]
+    indexes: Dict[Path, List[tuple]] = {}  # each experiment directory read once for the whole plan
+    return [status_of(run, runs_root, spec.name, indexes) for run in expand(spec)]
 
 
 def matches(run: PlannedRun, pattern: Optional[str]) -> bool:
