@@ -201,11 +201,9 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
 
         check_compile_setting(setting, field="compile_decoding(setting)")
         if setting:
-            from attnres.model.backbones import BACKBONES
+            from attnres.inference.compiled import check_static_cache
 
-            if BACKBONES[self.config.backbone].cache != "kv":
-                raise ValueError(f"compile_decoding: backbone={self.config.backbone!r} keeps recurrent state "
-                                 "that the static KV cache does not hold; generate with it eager")
+            check_static_cache(self.config, "compile_decoding")
         self._decoding, self._decoders = setting, {}
         return self
 

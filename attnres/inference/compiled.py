@@ -18,6 +18,16 @@ from attnres.inference.cache import StaticKVCache
 from attnres.model.compile import compile_backend
 
 
+def check_static_cache(config, who: str) -> None:
+    """A one-line error unless the backbone's decoding state is a KV cache, which ``StaticKVCache``
+    holds (Kimi Linear's recurrent KDA state is not)."""
+    from attnres.model.backbones import BACKBONES
+
+    if BACKBONES[config.backbone].cache != "kv":
+        raise ValueError(f"{who}: backbone={config.backbone!r} keeps recurrent state that the static KV cache "
+                         "does not hold; decode it eager (compile off)")
+
+
 class CompiledDecoder:
     """``model`` (an AttnResLM) behind a static KV cache for ``batch_size`` sequences, its forward
     compiled with ``setting`` (True: inductor, or a backend name).
@@ -28,11 +38,7 @@ class CompiledDecoder:
 
     def __init__(self, model, batch_size: int, max_len: Optional[int] = None,
                  setting: Union[bool, str] = True):
-        from attnres.model.backbones import BACKBONES
-
-        if BACKBONES[model.config.backbone].cache != "kv":
-            raise ValueError(f"compiled decoding: backbone={model.config.backbone!r} keeps recurrent state "
-                             "that the static KV cache does not hold; decode it eager (compile off)")
+        check_static_cache(model.config, "compiled decoding")
         self.model = model
         self.cache = StaticKVCache.for_model(model, batch_size, max_len)
         # dynamic=False: one graph per shape (prefill, one token) rather than a symbolic-shape graph

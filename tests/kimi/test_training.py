@@ -162,3 +162,17 @@ def test_beam_search_reorders_the_hybrid_cache():
         logp = torch.log_softmax(model(out.sequences)[:, 4:-1], dim=-1)
     total = logp.gather(-1, out.sequences[:, 5:, None]).squeeze(-1).sum(-1)
     torch.testing.assert_close(out.sequences_scores.double(), total, rtol=0, atol=1e-5)
+
+
+def test_compiled_decoding_is_refused_by_name():
+    """The static KV cache holds no KDA state: compiled decoding says so before compiling anything."""
+    import attnres.hf  # noqa: F401
+    from attnres.hf import AttnResForCausalLM
+    from attnres.inference import CompiledDecoder
+
+    model = AttnResLM(ModelConfig(backbone="kimi_linear", vocab_size=40, d_model=16, n_layers=2, n_heads=2,
+                                  max_seq_len=12, moe_experts=0)).eval()
+    for refuse in (lambda: CompiledDecoder(model, 1, setting="aot_eager"),
+                   lambda: AttnResForCausalLM.from_attnres_lm(model).compile_decoding("aot_eager")):
+        with pytest.raises(ValueError, match=r"backbone='kimi_linear' keeps recurrent state .*\(compile off\)"):
+            refuse()
