@@ -108,6 +108,18 @@ def _read_safetensors_dir(path: Path) -> Optional[Dict[str, torch.Tensor]]:
     return tensors
 
 
+def check_state_fits(state: Dict[str, torch.Tensor], expected: Dict[str, torch.Tensor], what: str) -> None:
+    """One-line errors for a state dict (``what``: "source", "checkpoint") that lacks tensors the
+    model's ``expected`` state dict has, or holds them in other shapes."""
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        raise ConversionError(f"the {what} lacks tensors the model needs: {missing[:8]}")
+    shapes = [f"{k}: {what} {tuple(state[k].shape)}, expected {tuple(expected[k].shape)}"
+              for k in expected if tuple(state[k].shape) != tuple(expected[k].shape)]
+    if shapes:
+        raise ConversionError(f"tensor shapes do not match the config: {shapes[:4]}")
+
+
 def read_source_config(path: Path, expected: str):
     """The transformers config of a local checkpoint directory (offline); ``expected`` names what the
     caller takes, for the error when the directory has no config.json."""
@@ -358,14 +370,7 @@ def convert_to_attnres(model_or_dir, residual: str = "block", attnres_blocks: Op
     with torch.device("cpu"):
         residual_params = build_residual(model_config).state_dict()  # zero queries, unit key norms
     state.update({f"residual.{k}": v.to(dtype=dtype, device=device) for k, v in residual_params.items()})
-    expected = lm.state_dict()
-    missing = sorted(set(expected) - set(state))
-    if missing:
-        raise ConversionError(f"the source lacks tensors the model needs: {missing[:8]}")
-    shapes = [f"{k}: source {tuple(state[k].shape)}, expected {tuple(expected[k].shape)}"
-              for k in expected if tuple(state[k].shape) != tuple(expected[k].shape)]
-    if shapes:
-        raise ConversionError(f"tensor shapes do not match the config: {shapes[:4]}")
+    check_state_fits(state, lm.state_dict(), "source")
     lm.load_state_dict(state, strict=True, assign=True)
     if tie:
         lm.lm_head.weight = lm.embed.weight

@@ -33,7 +33,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 import torch
 
 from attnres.hf.configuration import AttnResConfig
-from attnres.hf.convert import ConversionError, _read_safetensors_dir, read_source_config
+from attnres.hf.convert import ConversionError, _read_safetensors_dir, check_state_fits, read_source_config
 from attnres.hf.modeling import AttnResForCausalLM
 from attnres.model.backbones import KDA, MLA
 from attnres.model.config import ModelConfig
@@ -350,13 +350,7 @@ def build_lm(model_config: ModelConfig, weights: Mapping[str, torch.Tensor],
     expected = lm.state_dict()
     if model_config.tie_embeddings:
         expected.pop("lm_head.weight", None)
-    missing = sorted(set(expected) - set(state))
-    if missing:
-        raise ConversionError(f"the checkpoint lacks tensors the model needs: {missing[:8]}")
-    shapes = [f"{k}: checkpoint {tuple(state[k].shape)}, expected {tuple(expected[k].shape)}"
-              for k in expected if tuple(state[k].shape) != tuple(expected[k].shape)]
-    if shapes:
-        raise ConversionError(f"tensor shapes do not match the config: {shapes[:4]}")
+    check_state_fits(state, expected, "checkpoint")
     # integer buffers keep their dtype; the routers' balancing bias is never below float32 (transformers
     # pins it there in 16-bit models), and float64 where the weights are (bit-exact round trips)
     for k, v in expected.items():

@@ -187,3 +187,17 @@ def test_bad_requests():
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=50))
     with pytest.raises(ConversionError, match=r"model_type='gpt2'.*llama, mistral, qwen2"):
         convert_to_attnres(gpt2)
+
+
+def test_a_state_that_does_not_fit_the_model_is_named():
+    """One check for both loaders (LLaMA-family sources, Kimi Linear checkpoints): missing tensors and
+    wrong shapes are listed by name."""
+    from attnres.hf.convert import ConversionError, check_state_fits
+
+    expected = {"a.weight": torch.zeros(2, 3), "b.weight": torch.zeros(4)}
+    check_state_fits({"a.weight": torch.ones(2, 3), "b.weight": torch.ones(4), "extra": torch.ones(1)},
+                     expected, "source")
+    with pytest.raises(ConversionError, match=r"the checkpoint lacks tensors the model needs: \['b.weight'\]"):
+        check_state_fits({"a.weight": torch.ones(2, 3)}, expected, "checkpoint")
+    with pytest.raises(ConversionError, match=r"a.weight: source \(3, 2\), expected \(2, 3\)"):
+        check_state_fits({"a.weight": torch.ones(3, 2), "b.weight": torch.ones(4)}, expected, "source")
