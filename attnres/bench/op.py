@@ -11,6 +11,13 @@ We time it on sources laid out as the residual stream keeps them (a
   (`Tensor.copy_`, counting bytes read + written), the practical ceiling;
 - the ratio of the two.
 
+Timing: every row and the copy run in turn within each of ``repeats`` rounds, and the table
+reports the best round of each (the JSON also keeps medians): on a shared machine the bandwidth
+available drifts, and the best of interleaved rounds is what the op and the copy each achieve under
+the same conditions. Backward = (forward + backward) - forward, the backward taken with
+``torch.autograd.grad`` so that it measures the gradients the op returns, not their accumulation into
+leaf tensors' ``.grad`` across repeats.
+
 Implementations: `fused` (the per-sublayer custom autograd op), `reference`
 (plain autograd over a stacked tensor), and `two_phase` (one Phase-1 pass for S
 queries, reported per query, i.e. per sublayer).
@@ -51,28 +58,34 @@ class OpBenchConfig:
         return cls(seq_len=128, sources=[4, 8, 16], repeats=7)
 
 
-def _median_time(fn: Callable[[], object], repeats: int, device: str) -> float:
-    fn()
-    ts = []
-    for _ in range(repeats):
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
+def _interleaved_times(fns: Dict[str, Callable[[], object]], repeats: int,
+                       device: str) -> Dict[str, List[float]]:
+    """Seconds per call of every function, ``repeats`` rounds that each run all of them in turn.
+
+    Interleaving matters on a shared machine: the memory bandwidth available changes from second
+    to second (we have seen a plain copy run at 20 and at 55 GB/s minutes apart), and a ratio is
+    only meaningful between timings that saw the same conditions."""
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    for fn in fns.values():  # warm-up: allocator, kernel selection
         fn()
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+    times: Dict[str, List[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            times[name].append(time.perf_counter() - t0)
+    return times
 
 
-def copy_bandwidth(n_bytes: int, cfg: OpBenchConfig) -> float:
-    """GB/s of dst.copy_(src) for n_bytes, counting read + write."""
+def _copy(n_bytes: int, cfg: OpBenchConfig) -> Callable[[], object]:
+    """dst.copy_(src) over n_bytes (preallocated, so this is the bandwidth ceiling)."""
     dtype = getattr(torch, cfg.dtype)
     n = max(1, n_bytes // torch.finfo(dtype).bits * 8)
     src = torch.randn(n, dtype=dtype, device=cfg.device)
     dst = torch.empty_like(src)
-    t = _median_time(lambda: dst.copy_(src), cfg.repeats, cfg.device)
-    return 2 * n * src.element_size() / t / 1e9
+    return lambda: dst.copy_(src)
 
 
 def run(cfg: OpBenchConfig) -> dict:
@@ -89,53 +102,54 @@ def run(cfg: OpBenchConfig) -> dict:
         w = (torch.rand(D, generator=g, dtype=dtype) + 0.5).to(cfg.device).requires_grad_()
         gh = torch.randn(B, T, D, generator=g, dtype=dtype).to(cfg.device)
         stacked = torch.stack(producers).detach().requires_grad_()
-
-        fwd_bytes = (K + 1) * B * T * D * esize
-        bwd_bytes = (2 * K + 1) * B * T * D * esize
-        copy_bw = copy_bandwidth(fwd_bytes, cfg)
-
-        def fused_fwd():
-            with torch.no_grad():
-                return fused_depth_attention([view], producers, q, w)
-
-        def fused_fwd_bwd():
-            h = fused_depth_attention([view], producers, q, w)
-            h.backward(gh)
-
-        def ref_fwd():
-            with torch.no_grad():
-                return depth_attention_reference(stacked, q, w).h
-
-        def ref_fwd_bwd():
-            h = depth_attention_reference(stacked, q, w).h
-            h.backward(gh)
-
         S = cfg.queries
         qs = torch.randn(S, D, generator=g, dtype=dtype).to(cfg.device).requires_grad_()
         ws = (torch.rand(S, D, generator=g, dtype=dtype) + 0.5).to(cfg.device).requires_grad_()
         inv = inverse_rms(view, 1e-6)
 
-        def p1_fwd():
-            with torch.no_grad():
-                return phase1_outputs(view, inv, qs, ws, producers)
+        fwd_bytes = (K + 1) * B * T * D * esize
+        bwd_bytes = (2 * K + 1) * B * T * D * esize
 
-        def p1_fwd_bwd():
-            h1s, _ = phase1_outputs(view, inv, qs, ws, producers)
-            torch.autograd.backward(h1s, [gh] * len(h1s))
+        # backward through torch.autograd.grad: the gradients the op returns, not their
+        # accumulation into leaves' .grad across repeats (which a model step does not do either)
+        impls = {
+            "fused": (lambda: fused_depth_attention([view], producers, q, w),
+                      lambda h: torch.autograd.grad(h, [*producers, q, w], gh), 1),
+            "reference": (lambda: depth_attention_reference(stacked, q, w).h,
+                          lambda h: torch.autograd.grad(h, [stacked, q, w], gh), 1),
+            f"two_phase (S={S}, per query)": (
+                lambda: phase1_outputs(view, inv, qs, ws, producers)[0],
+                lambda h1s: torch.autograd.grad(h1s, [*producers, qs, ws], [gh] * len(h1s)), S),
+        }
 
-        for name, fwd, fwd_bwd, per in (("fused", fused_fwd, fused_fwd_bwd, 1),
-                                        ("reference", ref_fwd, ref_fwd_bwd, 1),
-                                        (f"two_phase (S={S}, per query)", p1_fwd, p1_fwd_bwd, S)):
-            tf = _median_time(fwd, cfg.repeats, cfg.device) / per
-            tfb = _median_time(fwd_bwd, cfg.repeats, cfg.device) / per
-            tb = max(tfb - tf, 1e-12)
+        def no_grad(fwd):
+            def run_fwd():
+                with torch.no_grad():
+                    return fwd()
+            return run_fwd
+
+        fns: Dict[str, Callable[[], object]] = {"copy": _copy(fwd_bytes, cfg)}
+        for name, (fwd, bwd, _) in impls.items():
+            fns[name + " fwd"] = no_grad(fwd)
+            fns[name + " fwd+bwd"] = lambda fwd=fwd, bwd=bwd: bwd(fwd())
+        times = _interleaved_times(fns, cfg.repeats, cfg.device)
+        copy_bw = 2 * fwd_bytes / min(times["copy"]) / 1e9
+        copy_bw_median = 2 * fwd_bytes / statistics.median(times["copy"]) / 1e9
+        for name, (_, _, per) in impls.items():
+            tf = min(times[name + " fwd"]) / per
+            tb = max(min(times[name + " fwd+bwd"]) / per - tf, 1e-12)
+            tf_med = statistics.median(times[name + " fwd"]) / per
+            tb_med = max(statistics.median(times[name + " fwd+bwd"]) / per - tf_med, 1e-12)
             rows.append({
                 "K": K, "impl": name, "fwd_ms": tf * 1e3, "bwd_ms": tb * 1e3,
+                "fwd_ms_median": tf_med * 1e3, "bwd_ms_median": tb_med * 1e3,
                 "fwd_min_bytes": fwd_bytes, "bwd_min_bytes": bwd_bytes,
                 "fwd_gbps": fwd_bytes / tf / 1e9, "bwd_gbps": bwd_bytes / tb / 1e9,
-                "copy_gbps": copy_bw,
+                "copy_gbps": copy_bw, "copy_gbps_median": copy_bw_median,
                 "fwd_frac_of_copy": fwd_bytes / tf / 1e9 / copy_bw,
                 "bwd_frac_of_copy": bwd_bytes / tb / 1e9 / copy_bw,
+                "fwd_frac_of_copy_median": fwd_bytes / tf_med / 1e9 / copy_bw_median,
+                "bwd_frac_of_copy_median": bwd_bytes / tb_med / 1e9 / copy_bw_median,
             })
     return {"config": cfg.__dict__, "threads": torch.get_num_threads(), "torch": torch.__version__,
             "rows": rows}
@@ -145,8 +159,9 @@ def format_table(result: dict) -> str:
     c = result["config"]
     lines = [
         f"bench op: B={c['batch_size']}, T={c['seq_len']}, D={c['d_model']}, {c['dtype']}, "
-        f"device={c['device']}, {result['threads']} threads, torch {result['torch']}; median of "
-        f"{c['repeats']}. Minimum bytes: fwd (K+1)BTD, bwd (2K+1)BTD elements.",
+        f"device={c['device']}, {result['threads']} threads, torch {result['torch']}; best of "
+        f"{c['repeats']} rounds, each running the copy and every row in turn (medians in the JSON). "
+        f"Minimum bytes: fwd (K+1)BTD, bwd (2K+1)BTD elements.",
         "",
         "| K | impl | fwd ms | fwd GB/s | fwd / copy | bwd ms | bwd GB/s | bwd / copy | copy GB/s |",
         "|---:|---|---:|---:|---:|---:|---:|---:|---:|",

@@ -52,6 +52,18 @@ def test_bench_op_table(capsys):
         assert f"| 3 | {impl}" in text
 
 
+def test_bench_op_interleaves_rows_with_the_copy():
+    """Every round runs each function once, in turn, so the op and its copy ceiling are timed under
+    the same machine conditions."""
+    from attnres.bench.op import _interleaved_times
+
+    calls = []
+    fns = {name: (lambda name=name: calls.append(name)) for name in ("copy", "a fwd", "a fwd+bwd")}
+    times = _interleaved_times(fns, repeats=3, device="cpu")
+    assert calls == ["copy", "a fwd", "a fwd+bwd"] * 4  # one warm-up round, then three timed
+    assert {name: len(t) for name, t in times.items()} == {"copy": 3, "a fwd": 3, "a fwd+bwd": 3}
+
+
 def test_bench_bad_option(capsys):
     assert main(["bench", "op", "--set", "widgets=3"]) == 2
     assert "unknown benchmark option" in capsys.readouterr().err
