@@ -4,7 +4,9 @@ A batch that cannot fit should be refused in one line that says what would fit, 
 allocator error many gigabytes in. The estimate counts what a step cannot avoid holding (fp32
 weights, gradients and the optimizer's two moments; per token the sublayers' saved inputs, the
 attention scores and the logits with their softmax and gradient) and nothing it might avoid, so it
-errs low: it refuses only batches that clearly do not fit.
+errs low: it refuses only batches that clearly do not fit. With activation checkpointing it counts
+what the mode keeps (one d-vector per token at each checkpoint boundary) and the largest piece
+recomputed at once (a segment of Transformer blocks for "block", one sublayer for "sublayer").
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from typing import Optional
 import torch
 
 from attnres.model import ModelConfig
+from attnres.model.checkpointing import segment_layers
 
 __all__ = ["available_memory", "estimate_step_memory", "check_memory"]
 
@@ -21,18 +24,28 @@ _GIB = 1 << 30
 _FLOAT = 4  # bytes of an fp32 value
 
 
-def _fixed_and_per_token(model: ModelConfig, seq_len: int) -> tuple[int, int]:
+def _fixed_and_per_token(model: ModelConfig, seq_len: int, checkpointing: str = "none") -> tuple[int, int]:
     d, ff, layers = model.d_model, model.d_ff, model.n_layers
     per_layer = 4 * d * d + 3 * d * ff  # attention and SwiGLU projections (GQA only shrinks K, V)
     params = layers * per_layer + model.vocab_size * d * (1 if model.tie_embeddings else 2)
     fixed = 4 * params * _FLOAT  # weights, gradients, two optimizer moments
-    per_token = _FLOAT * (layers * (8 * d + 2 * ff + model.n_heads * seq_len) + 3 * model.vocab_size)
+    attention = 4 * d + model.n_heads * seq_len  # saved per token by one attention sublayer
+    mlp = 4 * d + 2 * ff  # ... and by one SwiGLU sublayer
+    if checkpointing == "block":
+        segments = segment_layers(model)
+        activations = max(len(s) for s in segments) * (attention + mlp) + len(segments) * d
+    elif checkpointing == "sublayer":
+        activations = 2 * layers * d + max(attention, mlp)
+    else:
+        activations = layers * (attention + mlp)
+    per_token = _FLOAT * (activations + 3 * model.vocab_size)
     return fixed, per_token
 
 
-def estimate_step_memory(model: ModelConfig, batch_size: int, seq_len: int) -> int:
-    """Bytes one optimizer step holds at least (a low estimate; see the module docstring)."""
-    fixed, per_token = _fixed_and_per_token(model, seq_len)
+def estimate_step_memory(model: ModelConfig, batch_size: int, seq_len: int, checkpointing: str = "none") -> int:
+    """Bytes one optimizer step holds at least (a low estimate; see the module docstring);
+    ``checkpointing``: the ``activation_checkpointing`` mode."""
+    fixed, per_token = _fixed_and_per_token(model, seq_len, checkpointing)
     return fixed + batch_size * seq_len * per_token
 
 
@@ -52,6 +65,11 @@ def available_memory(device: torch.device) -> Optional[int]:
     return None
 
 
+def _largest_batch(model: ModelConfig, train, available: int, checkpointing: str) -> int:
+    fixed, per_token = _fixed_and_per_token(model, train.seq_len, checkpointing)
+    return max(0, (available - fixed) // (per_token * train.seq_len)) * train.dp
+
+
 def check_memory(model: ModelConfig, train, device: torch.device, available: Optional[int] = None) -> None:
     """Refuse a single-pipeline-stage run whose step clearly does not fit on ``device`` (ValueError
     naming batch_size, the estimate and the largest batch size that fits). ``train`` is a TrainConfig;
@@ -62,13 +80,15 @@ def check_memory(model: ModelConfig, train, device: torch.device, available: Opt
     if available is None:
         return
     rank_batch = math.ceil(train.batch_size / train.dp)
-    need = estimate_step_memory(model, rank_batch, train.seq_len)
+    mode = train.activation_checkpointing
+    need = estimate_step_memory(model, rank_batch, train.seq_len, mode)
     if need <= available:
         return
-    fixed, per_token = _fixed_and_per_token(model, train.seq_len)
-    fits = max(0, (available - fixed) // (per_token * train.seq_len)) * train.dp
+    fits = _largest_batch(model, train, available, mode)
     advice = (f"batch_size <= {fits} fits (use grad_accum for a larger effective batch)" if fits >= 1
               else "not even batch_size=1 fits: use a smaller model or seq_len")
+    if mode == "none" and (with_checkpointing := _largest_batch(model, train, available, "block")) > fits:
+        advice += f", or activation_checkpointing='block' fits batch_size <= {with_checkpointing}"
     raise ValueError(
         f"TrainConfig.batch_size={train.batch_size} needs about {need / _GIB:,.1f} GiB for one training step "
         f"(a low estimate) but {available / _GIB:,.1f} GiB is free on {device}; {advice}")
