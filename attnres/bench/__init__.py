@@ -8,7 +8,7 @@ Every bench module has the same three parts, which the registry names:
 - ``format_table(result) -> str``: the markdown table printed by the command.
 
 ``train``: step time and peak memory of residual schemes; ``op``: the depth-attention op against
-the machine's copy bandwidth; ``decode``: prefill throughput, decode latency and residual I/O;
+the machine's copy bandwidth; ``graph``: the ops torch.compile traces per scheme; ``decode``: prefill throughput, decode latency and residual I/O;
 ``pipeline``: pipeline traffic and step time with and without cross-stage caching (torchrun);
 ``kimi``: our Kimi Linear backbone against transformers' ``KimiLinearForCausalLM`` (max |Δ logit|,
 float64) and cached decoding against the full forward.
@@ -19,7 +19,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, FrozenSet
 
-from attnres.bench import decode, kimi, op, pipeline, train
+from attnres.bench import decode, graph, kimi, op, pipeline, train
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,11 @@ BENCHES: Dict[str, Bench] = {
         op.OpBenchConfig, op.run, op.format_table,
         "the depth-attention op alone against this machine's copy bandwidth",
         "attnres bench op --quick"),
+    "graph": Bench(
+        graph.GraphBenchConfig, graph.run, graph.format_table,
+        "what torch.compile traces for each scheme: ATen ops, matrix products and copies of the forward and "
+        "backward graphs of one training step, and graph breaks (dynamo + AOT autograd, no code generation)",
+        "attnres bench graph --variants prenorm,block,full"),
     "decode": Bench(
         decode.DecodeBenchConfig, decode.run, decode.format_table,
         "KV-cached prefill throughput and per-token decode latency, and the residual I/O per sublayer "

@@ -118,7 +118,7 @@ def test_every_bench_has_the_registry_interface():
     from attnres.bench import BENCHES, bench_config
     from attnres.cli import build_parser
 
-    assert set(BENCHES) == {"train", "op", "decode", "pipeline", "kimi"}
+    assert set(BENCHES) == {"train", "op", "graph", "decode", "pipeline", "kimi"}
     for name, bench in BENCHES.items():
         assert build_parser().parse_args(["bench", name]).what == name  # the command offers the registry
         quick = bench.config.quick()
@@ -153,3 +153,21 @@ def test_each_bench_has_its_own_help(capsys):
         shown = " ".join(capsys.readouterr().out.split())
         assert bench.example in shown and ("--variants" in shown) == ("variants" in bench.options)
     assert "torchrun" in BENCHES["pipeline"].summary and "torchrun" in BENCHES["pipeline"].example
+
+
+def test_bench_graph_counts_the_traced_ops_and_sees_the_fusible_form(monkeypatch):
+    """`attnres bench graph` traces without breaks, and under torch.compile Full AttnRes' one-query
+    products are traced as multiply + sum (fewer matrix products than the eager form would give)."""
+    from attnres.bench import graph
+    from attnres.ops.two_phase import fused
+
+    cfg = graph.GraphBenchConfig(n_layers=2, blocks=2, variants=["prenorm", "full"])
+    rows = graph.run(cfg)["rows"]
+    assert all(r["graphs"] == 1 and r["graph_breaks"] == 0 for r in rows.values())
+    assert rows["full"]["forward_ops"] > rows["prenorm"]["forward_ops"]
+    assert rows["full"]["forward_copies"] > 0 == rows["prenorm"]["forward_copies"]
+    monkeypatch.setattr(fused, "_fusible", lambda: False)
+    eager_form = graph.trace(cfg, "full")
+    assert rows["full"]["forward_matmuls"] < eager_form["forward_matmuls"]
+    assert rows["full"]["backward_matmuls"] < eager_form["backward_matmuls"]
+    assert "| full | 1 | 0 |" in graph.format_table({"config": cfg.__dict__, "torch": "x", "rows": rows})
