@@ -119,3 +119,21 @@ def test_compiled_decoding_logits_equal_the_kv_cache_in_float64():
     assert decoder.cache.length == 20 and decoder.room() == 72 - 20
     with pytest.raises(ValueError, match="static KV cache has room for 52"):
         decoder(tokens(2, 53))
+
+
+@pytest.mark.parametrize("residual", ["block", "full"])
+def test_the_forms_compiled_streams_trace_equal_the_eager_ones_in_float64(monkeypatch, residual):
+    """Under torch.compile the two-phase ops write one-query products as multiply + sum; that form,
+    run eagerly through whole models in float64, gives the eager path's logits and gradients."""
+    model = tiny(residual, dtype=torch.float64, n_layers=3, attnres_key_norm=True)
+    x = tokens(2, 12)
+    results = []
+    for compiling in (False, True):
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda compiling=compiling: compiling)
+        model.zero_grad()
+        out = model(x)
+        out.sin().sum().backward()
+        results.append((out.detach(), grads(model)))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-12, atol=1e-12)
+    for name, g in results[0][1].items():
+        torch.testing.assert_close(results[1][1][name], g, rtol=1e-10, atol=1e-12, msg=name)
