@@ -47,6 +47,28 @@ def run_phase1(impl, v, q, kw, kernel, key_norm):
     return IMPLS[impl].phase1(values, inv, q, kw if key_norm else None, kernel=kernel)
 
 
+def phase1_with_grads(impl, v, q, kw, gh, glse, kernel, key_norm):
+    """Phase 1's outputs and the gradients of sum(h * gh) + sum(lse * glse) for values, q and kw."""
+    values = v.movedim(0, 2).clone().requires_grad_()
+    qq, kk = q.clone().requires_grad_(), kw.clone().requires_grad_()
+    inv = inverse_rms(values, EPS) if key_norm else None
+    stats = impl.phase1(values, inv, qq, kk if key_norm else None, kernel=kernel)
+    loss = (stats.h * gh).sum() + ((stats.lse * glse).sum() if kernel == "softmax" else 0)
+    loss.backward()
+    return stats.h, stats.lse, values.grad, qq.grad, kk.grad if key_norm else None
+
+
+def phase1_of_producers(kernel, key_norm):
+    """fused.phase1_outputs as a function of (q, kw, *producers) for gradcheck: the values and
+    inverse RMS are rebuilt from the producers so gradcheck's perturbations reach them."""
+    def f(q, kw, *vs):
+        values = torch.stack(vs, dim=2)
+        inv = inverse_rms(values, EPS) if key_norm else None
+        h1s, lse = fused.phase1_outputs(values, inv, q, kw if key_norm else None, vs, kernel=kernel)
+        return (*h1s, lse) if kernel == "softmax" else h1s
+    return f
+
+
 @pytest.mark.parametrize("impl", list(IMPLS))
 @pytest.mark.parametrize("kernel", ["softmax", "sigmoid"])
 @pytest.mark.parametrize("key_norm", [True, False])
@@ -74,16 +96,7 @@ def test_fused_phase1_equals_naive_values_and_grads(kernel, key_norm, heads):
     g = torch.Generator().manual_seed(2)
     gh = torch.randn(2, 3, 3, 8, generator=g, dtype=torch.float64)
     glse = torch.randn(2, 3, 3, heads, generator=g, dtype=torch.float64)
-    results = []
-    for impl in IMPLS.values():
-        values = v.movedim(0, 2).clone().requires_grad_()
-        qq, kk = q.clone().requires_grad_(), kw.clone().requires_grad_()
-        inv = inverse_rms(values, EPS) if key_norm else None
-        stats = impl.phase1(values, inv, qq, kk if key_norm else None, kernel=kernel)
-        loss = (stats.h * gh).sum() + ((stats.lse * glse).sum() if kernel == "softmax" else 0)
-        loss.backward()
-        results.append((stats.h, stats.lse, values.grad, qq.grad, kk.grad if key_norm else None))
-    assert_all_close(*results)
+    assert_all_close(*(phase1_with_grads(impl, v, q, kw, gh, glse, kernel, key_norm) for impl in IMPLS.values()))
 
 
 @pytest.mark.parametrize("kernel", ["softmax", "sigmoid"])
@@ -95,14 +108,7 @@ def test_fused_phase1_gradcheck(kernel, key_norm, heads):
     q.requires_grad_()
     kw.requires_grad_()
 
-    def f(q, kw, *vs):
-        # the values and inverse RMS are rebuilt from the producers so gradcheck's perturbations reach them
-        values = torch.stack(vs, dim=2)
-        inv = inverse_rms(values, EPS) if key_norm else None
-        h1s, lse = fused.phase1_outputs(values, inv, q, kw if key_norm else None, vs, kernel=kernel)
-        return (*h1s, lse) if kernel == "softmax" else h1s
-
-    assert torch.autograd.gradcheck(f, (q, kw, *producers), eps=1e-6, atol=1e-8)
+    assert torch.autograd.gradcheck(phase1_of_producers(kernel, key_norm), (q, kw, *producers), eps=1e-6, atol=1e-8)
 
 
 @pytest.mark.parametrize("impl", list(IMPLS))
@@ -198,26 +204,11 @@ def test_the_pointwise_form_compiled_graphs_use_equals_naive(monkeypatch, kernel
     monkeypatch.setattr(fused, "_fusible", lambda: True)
     v, q, kw, p = inputs(n=4, S=1, seed=7)
     gh = torch.randn(2, 3, 1, 8, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
-    results = []
-    for impl in IMPLS.values():
-        values = v.movedim(0, 2).clone().requires_grad_()
-        qq, kk = q.clone().requires_grad_(), kw.clone().requires_grad_()
-        inv = inverse_rms(values, EPS) if key_norm else None
-        stats = impl.phase1(values, inv, qq, kk if key_norm else None, kernel=kernel)
-        loss = (stats.h * gh).sum() + (stats.lse.sin().sum() if kernel == "softmax" else 0)
-        loss.backward()
-        results.append((stats.h, stats.lse, values.grad, qq.grad, kk.grad if key_norm else None))
-    assert_all_close(*results)
-
+    glse = torch.randn(2, 3, 1, 1, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    assert_all_close(*(phase1_with_grads(impl, v, q, kw, gh, glse, kernel, key_norm) for impl in IMPLS.values()))
     producers = [x[:, :1].clone().requires_grad_() for x in v.unbind(0)]
-
-    def f(q, kw, *vs):
-        values = torch.stack(vs, dim=2)
-        inv = inverse_rms(values, EPS) if key_norm else None
-        h1s, lse = fused.phase1_outputs(values, inv, q, kw if key_norm else None, vs, kernel=kernel)
-        return (*h1s, lse) if kernel == "softmax" else h1s
-
-    assert torch.autograd.gradcheck(f, (q.clone().requires_grad_(), kw.clone().requires_grad_(), *producers),
+    assert torch.autograd.gradcheck(phase1_of_producers(kernel, key_norm),
+                                    (q.clone().requires_grad_(), kw.clone().requires_grad_(), *producers),
                                     eps=1e-6, atol=1e-8)
     if kernel == "softmax" and key_norm:  # the lean merge's case
         stats = naive.phase1(in_buffer(v), inverse_rms(in_buffer(v), EPS), q, kw)
