@@ -198,9 +198,9 @@ def _provenance(col: Collected, command: str, report_seconds: float) -> List[str
               f"{', '.join(sorted(sources))} (their time counts there)") if reused else ""
     lines = ["## Provenance", "",
              f"- Report: `{command}` (regenerates every number from the cached runs; no training)",
-             f"- Runs produced by: " + ("; ".join(f"`{c}`" for c in commands) if commands
+             "- Runs produced by: " + ("; ".join(f"`{c}`" for c in commands) if commands
                                        else f"`attnres experiment {spec.name}` (no runs yet)"),
-             f"- Machine: " + ("; ".join(machines) if machines else machine()),
+             "- Machine: " + ("; ".join(machines) if machines else machine()),
              f"- Code: runs at commit {', '.join(f'`{c}`' for c in commits) or '—'}; report written at "
              f"`{git_commit()}`",
              f"- Spec: `{spec.path}` (sha256 `{spec.sha256[:16]}`)",
