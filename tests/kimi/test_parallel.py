@@ -43,8 +43,13 @@ def test_parallel_kimi_linear_equals_one_process(corpus, one_process, tmp_path, 
     spawn(trainer_run, 2, MODEL, overrides(corpus, tmp_path / "two", **layout), False, str(tmp_path / "two.pt"))
     one, two = one_process, train_rows(tmp_path / "two")
     assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], rel=1e-5)
+    # a load is a share of the step's routing choices. Two ranks see other float rounding in the
+    # router (half batches), so a near-tie between two experts may send one token elsewhere (seen:
+    # one choice of 128 in one layer); anything more means the counts were not summed alike
+    model_cfg, train_cfg = build_configs(None, {**MODEL, **overrides(corpus, tmp_path / "cfg")})
+    one_choice = 1 / (train_cfg.batch_size * train_cfg.seq_len * model_cfg.moe_top_k)
     for a, b in zip(one, two):  # the same expert loads, from every layer (both pipeline stages)
         loads = sorted(k for k in a if k.startswith("moe_"))
         assert loads == sorted(k for k in b if k.startswith("moe_")) and len(loads) == 6
         for k in loads:
-            assert b[k] == pytest.approx(a[k], abs=1e-4), k
+            assert b[k] == pytest.approx(a[k], abs=1.5 * one_choice), k  # (the log rounds to 5 decimals)
