@@ -8,9 +8,9 @@ Every bench module has the same three parts, which the registry names:
 - ``format_table(result) -> str``: the markdown table printed by the command.
 
 ``train``: step time and peak memory of residual schemes; ``op``: the depth-attention op against
-the machine's copy bandwidth; ``graph``: the ops torch.compile traces per scheme; ``decode``: prefill throughput, decode latency and residual I/O;
-``pipeline``: pipeline traffic and step time with and without cross-stage caching (torchrun);
-``kimi``: our Kimi Linear backbone against transformers' ``KimiLinearForCausalLM`` (max |Δ logit|,
+the machine's copy bandwidth; ``graph``: the ops torch.compile traces per scheme; ``decode``:
+prefill throughput, decode latency and residual I/O; ``pipeline``: pipeline traffic and step time
+with and without cross-stage caching (torchrun); ``kimi``: our Kimi Linear backbone against transformers' ``KimiLinearForCausalLM`` (max |Δ logit|,
 float64) and cached decoding against the full forward.
 """
 from __future__ import annotations

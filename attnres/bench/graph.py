@@ -17,7 +17,7 @@ from typing import Counter, Dict, List, Optional
 
 import torch
 
-from attnres.bench.train import DEFAULT_VARIANTS, variant_config
+from attnres.bench.train import DEFAULT_VARIANTS, model_config
 from attnres.model import AttnResLM
 from attnres.train.progress import progress_bar
 
@@ -27,6 +27,7 @@ COPIES = ("aten.copy.", "aten.copy_.", "aten.slice_scatter.", "aten.select_scatt
 
 @dataclass
 class GraphBenchConfig:
+    # the model fields of ``train.BenchConfig``, so that ``train.model_config`` builds each variant
     d_model: int = 32
     n_layers: int = 12
     n_heads: int = 2
@@ -67,9 +68,7 @@ def trace(cfg: GraphBenchConfig, variant: str) -> dict:
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
-    model = AttnResLM(variant_config(variant, blocks=cfg.blocks, vocab_size=cfg.vocab_size, d_model=cfg.d_model,
-                                     n_layers=cfg.n_layers, n_heads=cfg.n_heads,
-                                     max_seq_len=cfg.seq_len)).to(cfg.device)
+    model = AttnResLM(model_config(cfg, variant)).to(cfg.device)
     x = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.seq_len), device=cfg.device)
     torch.compile(model, backend=backend)(x).float().square().mean().backward()
     row = {"graphs": len(graphs["forward"]), "graph_breaks": sum(counters["graph_break"].values())}

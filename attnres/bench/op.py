@@ -122,15 +122,9 @@ def run(cfg: OpBenchConfig) -> dict:
                 lambda h1s: torch.autograd.grad(h1s, [*producers, qs, ws], [gh] * len(h1s)), S),
         }
 
-        def no_grad(fwd):
-            def run_fwd():
-                with torch.no_grad():
-                    return fwd()
-            return run_fwd
-
         fns: Dict[str, Callable[[], object]] = {"copy": _copy(fwd_bytes, cfg)}
         for name, (fwd, bwd, _) in impls.items():
-            fns[name + " fwd"] = no_grad(fwd)
+            fns[name + " fwd"] = torch.no_grad()(fwd)
             fns[name + " fwd+bwd"] = lambda fwd=fwd, bwd=bwd: bwd(fwd())
         times = _interleaved_times(fns, cfg.repeats, cfg.device)
         copy_bw = 2 * fwd_bytes / min(times["copy"]) / 1e9

@@ -94,7 +94,8 @@ def variant_config(variant: str, *, blocks: int, **sizes) -> ModelConfig:
     return ModelConfig(**{"residual": residual, "attnres_impl": impl, **sizes, **extra, **options})
 
 
-def model_config(cfg: BenchConfig, variant: str) -> ModelConfig:
+def model_config(cfg, variant: str) -> ModelConfig:
+    """The variant's model at ``cfg``'s sizes (a BenchConfig, or any config with its model fields)."""
     return variant_config(variant, blocks=cfg.blocks, vocab_size=cfg.vocab_size, d_model=cfg.d_model,
                           n_layers=cfg.n_layers, n_heads=cfg.n_heads, max_seq_len=cfg.seq_len)
 
