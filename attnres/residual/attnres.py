@@ -10,7 +10,10 @@ Per forward pass the stream keeps:
 - ``buffer``: the same values in a preallocated [B, T, N + 1, D] tensor
   (fused path only), written once per completed block, so a read hands the
   depth-attention op a view of its first n rows instead of stacking the
-  history every sublayer;
+  history every sublayer. A two-phase stream traced by ``torch.compile`` keeps
+  no buffer: its Phase 1 reads ``sources`` as separate tensors
+  (``attnres.ops.two_phase.compiled``), which the compiler fuses and
+  differentiates without copies;
 - ``partial``: the running sum b_n^i of the current depth block, or None at
   a block's start (the first sublayer of a block sees no partial sum: a zero
   source would add a bogus term to the softmax).
@@ -47,7 +50,7 @@ from torch import Tensor, nn
 from attnres.ops.depth_attention import depth_attention_reference
 from attnres.ops.token_queries import low_rank_queries
 from attnres.ops.common import DepthStats, inverse_rms
-from attnres.residual.base import ResidualScheme, Stream
+from attnres.residual.base import COMPILED_OPS, ResidualScheme, Stream
 from attnres.residual.options import Option, boolean, is_positive_int, one_of, positive_int
 
 WEIGHTS = ("pseudo_query", "input_query", "low_rank_query", "scalar")
@@ -300,9 +303,19 @@ class DepthAttentionResidual(ResidualScheme):
         for row, v in enumerate(history[1:], start=1):
             if stream.buffer is not None:
                 stream._store(row, v)
+            if stream.source_inv_rms is not None:
+                stream.source_inv_rms.append(inverse_rms(v, self.eps))
         stream.sources = history
         stream.partial = state[0] if state else None
         return stream
+
+
+def _compiled_form() -> bool:
+    """Whether a stream starts inside torch.compile's trace. Such a stream keeps no buffer and runs
+    ``COMPILED_OPS``: under the compiler, row writes into a buffer become copies of it, the
+    partitioner keeps a version of it per read, and matrix products in the hand-written backwards
+    cannot fuse (``attnres.ops.two_phase.compiled``)."""
+    return torch.compiler.is_compiling()
 
 
 class DepthAttentionStream(Stream):
@@ -318,11 +331,19 @@ class DepthAttentionStream(Stream):
                           and (scheme.weights_kind == "pseudo_query"
                                or (scheme.weights_kind == "low_rank_query" and scheme.block_size > 1)))
         self.token_queries = scheme.weights_kind == "low_rank_query"
+        # traced by torch.compile: Phase 1 over the sources as separate tensors, no buffer
+        self.unstacked = self.two_phase and not self.token_queries and _compiled_form()
         self.buffer = self.inv_rms = None
+        # inverse RMS of each completed source, as autograd tensors (unstacked streams with key norm)
+        self.source_inv_rms: Optional[List[Tensor]] = None
         # (block start, S tensors h1 [B, T, D], lse [B, T, S, H], per-token queries or None) of the
         # current block
         self._phase1 = None
-        if self.fused:
+        if self.unstacked:
+            self.ops = COMPILED_OPS
+            if scheme.key_norm:
+                self.source_inv_rms = [inverse_rms(embedding, scheme.eps)]
+        elif self.fused:
             b, t, d = embedding.shape
             self.buffer = embedding.new_empty(b, t, scheme.num_blocks + 1, d)
             if self.two_phase and scheme.key_norm and not self.token_queries:
@@ -332,11 +353,9 @@ class DepthAttentionStream(Stream):
             self._store(0, embedding)
 
     def state_bytes(self) -> int:
-        held = self.buffer if self.buffer is not None else torch.stack(self.sources)
-        total = held.numel() * held.element_size()
-        if self.inv_rms is not None:
-            total += self.inv_rms.numel() * self.inv_rms.element_size()
-        return total
+        held = [self.buffer] if self.buffer is not None else list(self.sources)
+        held += [self.inv_rms] if self.inv_rms is not None else (self.source_inv_rms or [])
+        return sum(t.numel() * t.element_size() for t in held)
 
     def _store(self, row: int, v: Tensor) -> None:
         """Write a completed source into the buffer (values, and its inverse RMS once for all readers)."""
@@ -379,6 +398,17 @@ class DepthAttentionStream(Stream):
         return self.scheme.key_norm_weight[l] if self.scheme.key_norm else None
 
     # ------------------------------------------------------------------ aggregation
+    def _phase1_over(self, a: int, b: int, queries: Tensor, key_weights: Optional[Tensor]):
+        """Phase 1 of ``queries`` over completed sources a..b-1: buffer rows read in place, or
+        (traced by torch.compile) the source tensors themselves."""
+        kernel = self.scheme.kernel
+        if self.unstacked:
+            inv = self.source_inv_rms[a:b] if self.source_inv_rms is not None else None
+            return self.ops.phase1_sources(self.sources[a:b], inv, queries, key_weights, kernel=kernel)
+        inv = self.inv_rms[:, :, a:b] if self.inv_rms is not None else None
+        return self.ops.phase1(self.buffer[:, :, a:b], inv, queries, key_weights, self.sources[a:b],
+                               kernel=kernel)
+
     def _two_phase(self, l: int) -> Tensor:
         s = self.scheme
         start = s.group_start[l]
@@ -399,9 +429,7 @@ class DepthAttentionStream(Stream):
                 queries = s.queries[start:stop]
                 if s.heads > 1:
                     queries = queries.view(stop - start, s.heads, -1)
-                inv = self.inv_rms[:, :, :n] if self.inv_rms is not None else None
-                h1, lse = self.ops.phase1(self.buffer[:, :, :n], inv, queries, key_weights,
-                                          self.sources[:n], kernel=s.kernel)
+                h1, lse = self._phase1_over(0, n, queries, key_weights)
             self._phase1 = (start, h1, lse, queries if self.token_queries else None)
         _, h1, lse, token_queries = self._phase1
         i = l - start
@@ -412,9 +440,7 @@ class DepthAttentionStream(Stream):
             if s.heads > 1:
                 q = q.view(1, s.heads, -1)
             kw = s.key_norm_weight[l:l + 1] if s.key_norm else None
-            inv = self.inv_rms[:, :, n:m] if self.inv_rms is not None else None
-            (h2,), lse2 = self.ops.phase1(self.buffer[:, :, n:m], inv, q, kw, self.sources[n:m],
-                                          kernel=s.kernel)
+            (h2,), lse2 = self._phase1_over(n, m, q, kw)
             h, lse = self.ops.merge(DepthStats(h, lse), DepthStats(h2, lse2[:, :, 0]), s.kernel)
         if self.partial is None:
             return h.to(self.sources[0].dtype)
@@ -477,6 +503,8 @@ class DepthAttentionStream(Stream):
         if complete > len(self.sources):  # the depth block just closed
             if self.buffer is not None:
                 self._store(len(self.sources), self.partial)
+            if self.source_inv_rms is not None:
+                self.source_inv_rms.append(inverse_rms(self.partial, self.scheme.eps))
             self.sources.append(self.partial)
             self.partial = None
 

@@ -39,6 +39,8 @@ from torch import Tensor, nn
 from attnres.ops.depth_attention import depth_attention_reference, fused_depth_attention
 from attnres.ops.gated_depth_attention import gated_depth_attention
 from attnres.ops.token_queries import merge_partial_token, phase1_token_queries
+from attnres.ops.two_phase import naive as two_phase_naive
+from attnres.ops.two_phase.compiled import phase1_sources
 from attnres.ops.two_phase.fused import merge, merge_partial, phase1_outputs
 
 
@@ -53,12 +55,15 @@ class StreamOps:
     """The tensor operations a stream's arithmetic is made of, as one table an observer can wrap.
 
     ``accumulate(s, f)``: a running sum s + f. ``store(buffer, row, v)``: a completed source copied
-    into a preallocated buffer. The rest are the depth-attention ops of ``attnres.ops``.
+    into a preallocated buffer. The rest are the depth-attention ops of ``attnres.ops``;
+    ``phase1`` reads the buffer, ``phase1_sources`` the sources as separate tensors (the form
+    compiled streams use, ``COMPILED_OPS``).
     """
 
     accumulate: Callable = operator.add
     store: Callable = store_row
     phase1: Callable = phase1_outputs
+    phase1_sources: Callable = phase1_sources
     merge: Callable = merge
     merge_partial: Callable = merge_partial
     attend: Callable = fused_depth_attention
@@ -69,6 +74,9 @@ class StreamOps:
 
 
 PLAIN_OPS = StreamOps()
+# what a stream traced by torch.compile runs: plain autograd, which inductor fuses and
+# differentiates itself (attnres.ops.two_phase.compiled says why)
+COMPILED_OPS = StreamOps(merge_partial=two_phase_naive.merge_partial)
 
 
 class Stream:

@@ -15,6 +15,7 @@ write and before the end. Two ship with the library:
   accumulate (s + f)      2 (s and f)                          1
   store (into a buffer)   1                                    1
   phase1                  the n completed sources, once        one output per query (S)
+  phase1_sources          the n completed sources, once        one output per query (S)
   merge (two outputs)     2                                    1
   merge_partial           2 (the Phase-1 output, the partial)  1
   attend (one query)      every source it reads                1
@@ -109,6 +110,7 @@ IO_RULES: Dict[str, Callable[..., Tuple[int, int]]] = {
     "accumulate": lambda s, f: (2, 1),
     "store": lambda buffer, row, v: (1, 1),
     "phase1": lambda values, inv_rms, queries, *rest, **kw: (_vectors(values), queries.shape[0]),
+    "phase1_sources": lambda sources, inv_rms, queries, *rest, **kw: (len(sources), queries.shape[0]),
     "merge": lambda *args, **kw: (2, 1),
     "merge_partial": lambda *args, **kw: (2, 1),
     "attend": lambda segments, producers, *rest, **kw: (len(producers), 1),

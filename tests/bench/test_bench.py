@@ -155,19 +155,23 @@ def test_each_bench_has_its_own_help(capsys):
     assert "torchrun" in BENCHES["pipeline"].summary and "torchrun" in BENCHES["pipeline"].example
 
 
-def test_bench_graph_counts_the_traced_ops_and_sees_the_fusible_form(monkeypatch):
-    """`attnres bench graph` traces without breaks, and under torch.compile Full AttnRes' one-query
-    products are traced as multiply + sum (fewer matrix products than the eager form would give)."""
+def test_bench_graph_counts_the_traced_ops_and_sees_the_unstacked_form(monkeypatch):
+    """`attnres bench graph` traces without breaks, and under torch.compile Block and Full AttnRes
+    add no matrix product and no buffer copy to prenorm's graphs (the unstacked Phase 1); the
+    eager form, traced as it is, has both."""
     from attnres.bench import graph
-    from attnres.ops.two_phase import fused
+    from attnres.residual import attnres
 
-    cfg = graph.GraphBenchConfig(n_layers=2, blocks=2, variants=["prenorm", "full"])
+    cfg = graph.GraphBenchConfig(n_layers=2, blocks=2, variants=["prenorm", "block", "full"])
     rows = graph.run(cfg)["rows"]
     assert all(r["graphs"] == 1 and r["graph_breaks"] == 0 for r in rows.values())
-    assert rows["full"]["forward_ops"] > rows["prenorm"]["forward_ops"]
-    assert rows["full"]["forward_copies"] > 0 == rows["prenorm"]["forward_copies"]
-    monkeypatch.setattr(fused, "_fusible", lambda: False)
-    eager_form = graph.trace(cfg, "full")
-    assert rows["full"]["forward_matmuls"] < eager_form["forward_matmuls"]
-    assert rows["full"]["backward_matmuls"] < eager_form["backward_matmuls"]
+    for name in ("block", "full"):
+        assert rows[name]["forward_ops"] > rows["prenorm"]["forward_ops"]
+        for kind in ("forward", "backward"):
+            assert rows[name][f"{kind}_matmuls"] == rows["prenorm"][f"{kind}_matmuls"], (name, kind)
+            assert rows[name][f"{kind}_copies"] == 0, (name, kind)
+    monkeypatch.setattr(attnres, "_compiled_form", lambda: False)
+    buffered = graph.trace(cfg, "full")
+    assert buffered["forward_matmuls"] > rows["full"]["forward_matmuls"]
+    assert buffered["forward_copies"] > 0
     assert "| full | 1 | 0 |" in graph.format_table({"config": cfg.__dict__, "torch": "x", "rows": rows})

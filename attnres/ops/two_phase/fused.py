@@ -105,10 +105,7 @@ class _Phase1(torch.autograd.Function):
         r = inv_rms.to(cd).flatten(0, 1) if inv_rms is not None else None
 
         # dL/dalpha[s, i] = gh_s . v_i (per head): [BT, n, S, H]
-        pointwise = heads == 1 and s_count == 1 and _fusible()
-        if pointwise:
-            galpha = (v3 * gh).sum(-1, keepdim=True).unsqueeze(-1)
-        elif heads == 1:
+        if heads == 1:
             galpha = torch.bmm(v3, gh.transpose(1, 2)).unsqueeze(-1)
         else:
             galpha = torch.einsum("xnhe,xshe->xnsh", split_heads(v3, heads), split_heads(gh, heads))
@@ -121,9 +118,7 @@ class _Phase1(torch.autograd.Function):
         gdots = gz * r[:, :, None, None] if r is not None else gz  # through z = r * dots
 
         # dv_i = sum_s alpha_si gh_s + sum_s gdots_si u_s (+ key-norm term), one batched product
-        if pointwise:
-            gv = alpha.squeeze(-1) * gh + gdots.squeeze(-1) * u
-        elif heads == 1:
+        if heads == 1:
             # u is shared by all tokens: a plain [BT*n, S] @ [S, D] product, then add alpha @ gh in place
             gv = torch.mm(gdots.reshape(-1, s_count), u).view(v3.shape[0], n, d)
             gv.baddbmm_(alpha.squeeze(-1), gh)
@@ -139,9 +134,7 @@ class _Phase1(torch.autograd.Function):
         gq = gg = None
         if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
             # du_s = sum over tokens and sources of gdots_si v_i (per head)
-            if pointwise:
-                du = (gdots.squeeze(-1) * v3).sum(dim=(0, 1)).unsqueeze(0)
-            elif heads == 1:
+            if heads == 1:
                 # one [S, BT] @ [BT, D] product per source reads the strided buffer rows in place
                 gd = gdots.squeeze(-1)
                 du = sum(torch.mm(gd[:, i].t(), v3[:, i]) for i in range(n))
@@ -165,22 +158,12 @@ def _logits(v3: Tensor, inv_rms: Optional[Tensor], queries: Tensor, key_weights:
     u = queries.to(cd).reshape(s_count, d)
     if key_weights is not None:
         u = u * key_weights.to(cd)
-    if heads == 1 and s_count == 1 and _fusible():
-        dots = (v3 * u).sum(-1, keepdim=True).unsqueeze(-1)  # [BT, n, 1, 1]
-    elif heads == 1:
+    if heads == 1:
         dots = torch.bmm(v3, u.t().expand(v3.shape[0], d, s_count)).unsqueeze(-1)  # [BT, n, S, 1]
     else:
         dots = torch.einsum("xnhe,she->xnsh", split_heads(v3, heads), split_heads(u, heads))
     r = inv_rms.to(cd).flatten(0, 1) if inv_rms is not None else None  # [BT, n]
     return dots, (dots * r[:, :, None, None] if r is not None else dots)
-
-
-def _fusible() -> bool:
-    """Write matrix-vector products as multiply + sum. Under torch.compile a product with one query
-    (Full AttnRes' small in-group Phase 1, the merge's logit) is a BLAS call that inductor cannot
-    fuse with the pointwise work around it; as a reduction it joins the surrounding loops. Eager
-    keeps the products, which do not materialise the [.., D] temporaries."""
-    return torch.compiler.is_compiling()
 
 
 def _triton_for(x: Tensor):
@@ -194,8 +177,6 @@ def _triton_for(x: Tensor):
 
 def _mix(alpha: Tensor, v3: Tensor, heads: int) -> Tensor:
     """sum_i alpha[x, i, s, h] v3[x, i, h-channels] -> [BT, S, D]."""
-    if heads == 1 and alpha.shape[2] == 1 and _fusible():
-        return (alpha.squeeze(-1).to(v3.dtype) * v3).sum(1, keepdim=True)
     if heads == 1:
         return torch.bmm(alpha.squeeze(-1).transpose(1, 2).to(v3.dtype), v3)
     out = torch.einsum("xnsh,xnhe->xshe", alpha.to(v3.dtype), split_heads(v3, heads))
@@ -248,7 +229,7 @@ class _MergePartial(torch.autograd.Function):
             cd = compute_dtype(partial.dtype)
             p, h1c = partial.to(cd), h1.to(cd)
             u = query.to(cd) * key_weight.to(cd)
-            s = (p * u).sum(-1) if _fusible() else torch.matmul(p, u)  # [B, T]
+            s = torch.matmul(p, u)  # [B, T]
             r = inverse_rms(p, eps)
             w = torch.sigmoid(r * s - lse1.to(cd).squeeze(-1))
             h = torch.lerp(h1c, p, w.unsqueeze(-1))
@@ -272,8 +253,7 @@ class _MergePartial(torch.autograd.Function):
         gp = gh * w_
         gp.addcmul_(gs.unsqueeze(-1), q * g)
         gp.addcmul_((-gr * r.pow(3) / d).unsqueeze(-1), p)
-        # sum over tokens of gs * p
-        gu = (gs.unsqueeze(-1) * p).sum(dim=(0, 1)) if _fusible() else torch.matmul(gs.reshape(-1), p.reshape(-1, d))
+        gu = torch.matmul(gs.reshape(-1), p.reshape(-1, d))  # sum over tokens of gs * p
         return (gh1.to(h1.dtype), (-gz).unsqueeze(-1).to(cd), gp.to(partial.dtype),
                 (gu * g).to(query.dtype), (gu * q).to(key_weight.dtype), None)
 

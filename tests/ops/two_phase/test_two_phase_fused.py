@@ -195,25 +195,3 @@ def test_merge_gradcheck():
     assert torch.autograd.gradcheck(lambda ha, la, hb, lb: tuple(naive.merge(DepthStats(ha, la), DepthStats(hb, lb))),
                                     args, eps=1e-6, atol=1e-8)
 
-
-@pytest.mark.parametrize("kernel", ["softmax", "sigmoid"])
-@pytest.mark.parametrize("key_norm", [True, False])
-def test_the_pointwise_form_compiled_graphs_use_equals_naive(monkeypatch, kernel, key_norm):
-    """Under torch.compile one-query products are written as multiply + sum (``fused._fusible``);
-    that form, run eagerly here, against the naive ops: values, gradients, gradcheck."""
-    monkeypatch.setattr(fused, "_fusible", lambda: True)
-    v, q, kw, p = inputs(n=4, S=1, seed=7)
-    gh = torch.randn(2, 3, 1, 8, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
-    glse = torch.randn(2, 3, 1, 1, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
-    assert_all_close(*(phase1_with_grads(impl, v, q, kw, gh, glse, kernel, key_norm) for impl in IMPLS.values()))
-    producers = [x[:, :1].clone().requires_grad_() for x in v.unbind(0)]
-    assert torch.autograd.gradcheck(phase1_of_producers(kernel, key_norm),
-                                    (q.clone().requires_grad_(), kw.clone().requires_grad_(), *producers),
-                                    eps=1e-6, atol=1e-8)
-    if kernel == "softmax" and key_norm:  # the lean merge's case
-        stats = naive.phase1(in_buffer(v), inverse_rms(in_buffer(v), EPS), q, kw)
-        args = (stats.h[:, :, 0].clone().requires_grad_(), stats.lse[:, :, 0].clone().requires_grad_(),
-                p.clone().requires_grad_(), q[0].clone().requires_grad_(), kw[0].clone().requires_grad_())
-        assert torch.autograd.gradcheck(
-            lambda h1, lse, p, q, kw: fused.merge_partial(DepthStats(h1, lse), p, q, kw, EPS, kernel),
-            args, eps=1e-6, atol=1e-8)

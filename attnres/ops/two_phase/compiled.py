@@ -1,0 +1,84 @@
+"""Two-phase depth attention in the form ``torch.compile`` traces: plain autograd over
+the sources as separate tensors.
+
+The fused path (``fused.py``) reads the sources in place from a preallocated buffer that the
+stream writes row by row, and its custom backwards are traced as written. Under the compiler
+both cost what eager mode does not: functionalization turns every row write into a copy of the
+buffer, the partitioner keeps one version of the buffer per Phase-1 read for backward, and the
+matrix products inside the hand-written backwards cannot fuse with the loops around them. Here
+nothing is stacked or written in place, and every step is a pointwise op or a reduction over D:
+
+- the logits of source i are ``r_i * (v_i . u_s)``, one reduction per source (no [B, T, n, D]);
+- the outputs are ``sum_i alpha_is v_i``, n multiply-adds, which inductor fuses into one loop.
+
+Autograd then saves the sources themselves, which the stream keeps alive anyway, and the
+[B, T, n, S, H] weights; inductor generates the backward and may recompute an output from them
+instead of keeping it. Eager mode runs this too (the tests compare it with ``naive.py`` in
+float64), but allocates an [B, T, S, D] temporary per source: the streams use it only while
+compiling.
+
+Merges are elementwise; the compiled streams use ``naive.merge`` and ``naive.merge_partial``.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from attnres.ops.common import compute_dtype, split_heads
+from attnres.ops.depth_attention.naive import check_kernel
+
+
+def phase1_sources(sources: Sequence[Tensor], inv_rms: Optional[Sequence[Tensor]], queries: Tensor,
+                   key_weights: Optional[Tensor] = None, *,
+                   kernel: str = "softmax") -> Tuple[Tuple[Tensor, ...], Tensor]:
+    """Phase 1 of S static queries over n completed sources given as n tensors.
+
+    sources: n tensors [B, T, D]; inv_rms: n tensors [B, T] (``inverse_rms(v_i, eps)``, with their
+    autograd graphs: the key-norm gradient flows through them) or None (no key norm); queries
+    [S, D] or [S, H, D/H]; key_weights [S, D] or None. Returns (S outputs h1_s [B, T, D],
+    lse [B, T, S, H]) in the compute dtype, as ``fused.phase1_outputs`` does. With the sigmoid
+    kernel h1 is the unnormalised sum and lse is zero.
+    """
+    check_kernel(kernel)
+    if not sources:
+        raise ValueError("phase1_sources needs at least one source")
+    if inv_rms is not None and len(inv_rms) != len(sources):
+        raise ValueError(f"{len(inv_rms)} inverse RMS tensors for {len(sources)} sources")
+    d = sources[0].shape[-1]
+    if queries.dim() not in (2, 3):
+        raise ValueError(f"queries must be [S, D] or [S, H, D/H]; got {tuple(queries.shape)}")
+    heads = 1 if queries.dim() == 2 else queries.shape[1]
+    if heads * queries.shape[-1] != d:
+        raise ValueError(f"queries {tuple(queries.shape)} do not cover the {d} source channels")
+    if key_weights is not None and tuple(key_weights.shape) != (queries.shape[0], d):
+        raise ValueError(f"key_weights must be [S, D]; got {tuple(key_weights.shape)}")
+    cd = compute_dtype(sources[0].dtype)
+    s_count = queries.shape[0]
+    u = queries.to(cd).reshape(s_count, d)
+    if key_weights is not None:
+        u = u * key_weights.to(cd)
+    u = split_heads(u, heads)  # [S, H, e]
+    values = [split_heads(v.to(cd), heads).unsqueeze(2) for v in sources]  # n x [B, T, 1, H, e]
+
+    logits = []
+    for i, v in enumerate(values):
+        z = (v * u).sum(-1)  # [B, T, S, H]: a reduction over e, fusible (no matrix product)
+        if inv_rms is not None:
+            z = z * inv_rms[i].to(cd)[:, :, None, None]
+        logits.append(z)
+    z = torch.stack(logits, dim=2)  # [B, T, n, S, H]: weights only, nothing of size D
+    if kernel == "softmax":
+        lse = torch.logsumexp(z, dim=2)
+        alpha = torch.exp(z - lse.unsqueeze(2))
+    else:
+        lse = z.new_zeros(z.shape[:2] + z.shape[3:])
+        alpha = torch.sigmoid(z)
+
+    h = None
+    for i, v in enumerate(values):
+        term = alpha[:, :, i].unsqueeze(-1) * v  # [B, T, S, H, e]
+        h = term if h is None else h + term
+    h = h.flatten(-2)  # [B, T, S, D]
+    return tuple(h.unbind(2)), lse
