@@ -10,8 +10,8 @@ Per forward pass the stream keeps:
 - ``buffer``: the same values in a preallocated [B, T, N + 1, D] tensor
   (fused path only), written once per completed block, so a read hands the
   depth-attention op a view of its first n rows instead of stacking the
-  history every sublayer. A two-phase stream traced by ``torch.compile`` keeps
-  no buffer: its Phase 1 reads ``sources`` as separate tensors
+  history every sublayer. A two-phase stream that ``torch.compile`` traces for
+  training keeps no buffer: its Phase 1 reads ``sources`` as separate tensors
   (``attnres.ops.two_phase.compiled``), which the compiler fuses and
   differentiates without copies;
 - ``partial``: the running sum b_n^i of the current depth block, or None at
@@ -311,11 +311,13 @@ class DepthAttentionResidual(ResidualScheme):
 
 
 def _compiled_form() -> bool:
-    """Whether a stream starts inside torch.compile's trace. Such a stream keeps no buffer and runs
-    ``COMPILED_OPS``: under the compiler, row writes into a buffer become copies of it, the
-    partitioner keeps a version of it per read, and matrix products in the hand-written backwards
-    cannot fuse (``attnres.ops.two_phase.compiled``)."""
-    return torch.compiler.is_compiling()
+    """Whether a stream is traced by torch.compile for training. Such a stream keeps no buffer and
+    runs ``COMPILED_OPS``: under the compiler, row writes into a buffer become copies of it, the
+    partitioner keeps a version of it per read for backward, and matrix products in the
+    hand-written backwards cannot fuse (``attnres.ops.two_phase.compiled``). Without gradients
+    (compiled prefill and decoding) none of that applies and the buffered path decodes faster
+    (README "Performance")."""
+    return torch.compiler.is_compiling() and torch.is_grad_enabled()
 
 
 class DepthAttentionStream(Stream):
@@ -331,7 +333,7 @@ class DepthAttentionStream(Stream):
                           and (scheme.weights_kind == "pseudo_query"
                                or (scheme.weights_kind == "low_rank_query" and scheme.block_size > 1)))
         self.token_queries = scheme.weights_kind == "low_rank_query"
-        # traced by torch.compile: Phase 1 over the sources as separate tensors, no buffer
+        # traced by torch.compile for training: Phase 1 over the sources as separate tensors, no buffer
         self.unstacked = self.two_phase and not self.token_queries and _compiled_form()
         self.buffer = self.inv_rms = None
         # inverse RMS of each completed source, as autograd tensors (unstacked streams with key norm)

@@ -74,7 +74,7 @@ class StreamOps:
 
 
 PLAIN_OPS = StreamOps()
-# what a stream traced by torch.compile runs: plain autograd, which inductor fuses and
+# what a stream traced by torch.compile for training runs: plain autograd, which inductor fuses and
 # differentiates itself (attnres.ops.two_phase.compiled says why)
 COMPILED_OPS = StreamOps(merge_partial=two_phase_naive.merge_partial)
 

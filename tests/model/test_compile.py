@@ -137,3 +137,16 @@ def test_the_forms_compiled_streams_trace_equal_the_eager_ones_in_float64(monkey
     torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-12, atol=1e-12)
     for name, g in results[0][1].items():
         torch.testing.assert_close(results[1][1][name], g, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_compiled_training_streams_keep_no_buffer_and_inference_streams_do(monkeypatch):
+    """Traced for training, a two-phase stream reads its sources as separate tensors (no buffer to
+    functionalize into copies); traced without gradients (prefill, decoding) it keeps the buffer."""
+    model = tiny("block", attnres_key_norm=True)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    x = torch.randn(2, 5, 32)
+    stream = model.residual.begin(x)
+    assert stream.unstacked and stream.buffer is None and len(stream.source_inv_rms) == 1
+    with torch.no_grad():
+        stream = model.residual.begin(x)
+    assert not stream.unstacked and stream.buffer is not None

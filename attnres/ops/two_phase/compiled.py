@@ -1,4 +1,4 @@
-"""Two-phase depth attention in the form ``torch.compile`` traces: plain autograd over
+"""Two-phase depth attention in the form ``torch.compile`` traces for training: plain autograd over
 the sources as separate tensors.
 
 The fused path (``fused.py``) reads the sources in place from a preallocated buffer that the
@@ -18,6 +18,8 @@ float64), but allocates an [B, T, S, D] temporary per source: the streams use it
 compiling.
 
 Merges are elementwise; the compiled streams use ``naive.merge`` and ``naive.merge_partial``.
+Without gradients (compiled prefill and decoding) the streams keep the buffered fused path: no
+versions are saved then, and it decoded faster (README "Performance").
 """
 from __future__ import annotations
 
