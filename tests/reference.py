@@ -91,3 +91,15 @@ def randomize(module, seed=1, scale=0.5):
                 noise = noise / p.shape[-1] ** 0.5
             p.add_(noise)
     return module
+
+
+def two_phase_inputs(n=5, S=3, B=2, T=3, D=8, heads=1, seed=0):
+    """Random float64 inputs of the two-phase ops: n sources [n, B, T, D], S queries ([S, D] or
+    [S, H, D/H]), key weights [S, D] away from zero, a partial sum [B, T, D]."""
+    g = torch.Generator().manual_seed(seed)
+    v = torch.randn(n, B, T, D, generator=g, dtype=torch.float64) * 1.5 + 0.2
+    qshape = (S, D) if heads == 1 else (S, heads, D // heads)
+    q = torch.randn(qshape, generator=g, dtype=torch.float64)
+    kw = torch.rand(S, D, generator=g, dtype=torch.float64) + 0.5
+    p = torch.randn(B, T, D, generator=g, dtype=torch.float64)
+    return v, q, kw, p

@@ -30,6 +30,7 @@ from torch import Tensor
 
 from attnres.ops.common import compute_dtype, split_heads
 from attnres.ops.depth_attention.naive import check_kernel
+from attnres.ops.two_phase.naive import check_queries
 
 
 def phase1_sources(sources: Sequence[Tensor], inv_rms: Optional[Sequence[Tensor]], queries: Tensor,
@@ -49,13 +50,7 @@ def phase1_sources(sources: Sequence[Tensor], inv_rms: Optional[Sequence[Tensor]
     if inv_rms is not None and len(inv_rms) != len(sources):
         raise ValueError(f"{len(inv_rms)} inverse RMS tensors for {len(sources)} sources")
     d = sources[0].shape[-1]
-    if queries.dim() not in (2, 3):
-        raise ValueError(f"queries must be [S, D] or [S, H, D/H]; got {tuple(queries.shape)}")
-    heads = 1 if queries.dim() == 2 else queries.shape[1]
-    if heads * queries.shape[-1] != d:
-        raise ValueError(f"queries {tuple(queries.shape)} do not cover the {d} source channels")
-    if key_weights is not None and tuple(key_weights.shape) != (queries.shape[0], d):
-        raise ValueError(f"key_weights must be [S, D]; got {tuple(key_weights.shape)}")
+    heads = check_queries(queries, key_weights, d)
     cd = compute_dtype(sources[0].dtype)
     s_count = queries.shape[0]
     u = queries.to(cd).reshape(s_count, d)

@@ -35,6 +35,15 @@ def check_phase1_inputs(values: Tensor, inv_rms: Optional[Tensor], queries: Tens
     if values.dim() != 4 or values.shape[2] == 0:
         raise ValueError(f"values must be [B, T, n, D] with n >= 1; got {tuple(values.shape)}")
     b, t, n, d = values.shape
+    heads = check_queries(queries, key_weights, d)
+    if inv_rms is not None and tuple(inv_rms.shape) != (b, t, n):
+        raise ValueError(f"inv_rms must be [B, T, n] = {(b, t, n)}; got {tuple(inv_rms.shape)}")
+    return heads
+
+
+def check_queries(queries: Tensor, key_weights: Optional[Tensor], d: int) -> int:
+    """The number of heads of S queries [S, D] or [S, H, D/H] over D source channels, after checking
+    them and the key weights [S, D] (or None)."""
     if queries.dim() not in (2, 3):
         raise ValueError(f"queries must be [S, D] or [S, H, D/H]; got {tuple(queries.shape)}")
     heads = 1 if queries.dim() == 2 else queries.shape[1]
@@ -42,8 +51,6 @@ def check_phase1_inputs(values: Tensor, inv_rms: Optional[Tensor], queries: Tens
         raise ValueError(f"queries {tuple(queries.shape)} do not cover the {d} source channels")
     if key_weights is not None and tuple(key_weights.shape) != (queries.shape[0], d):
         raise ValueError(f"key_weights must be [S, D]; got {tuple(key_weights.shape)}")
-    if inv_rms is not None and tuple(inv_rms.shape) != (b, t, n):
-        raise ValueError(f"inv_rms must be [B, T, n] = {(b, t, n)}; got {tuple(inv_rms.shape)}")
     return heads
 
 

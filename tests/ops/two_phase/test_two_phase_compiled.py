@@ -6,7 +6,7 @@ import torch
 
 from attnres.ops.common import inverse_rms
 from attnres.ops.two_phase import compiled, naive
-from reference import logits
+from reference import logits, two_phase_inputs
 from reference import naive as loop_reference
 
 EPS = 1e-6
@@ -14,13 +14,8 @@ F64 = dict(rtol=1e-12, atol=1e-12)
 F64_GRAD = dict(rtol=1e-10, atol=1e-12)
 
 
-def inputs(n=5, S=3, B=2, T=3, D=8, heads=1, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    v = torch.randn(n, B, T, D, generator=g, dtype=torch.float64) * 1.5 + 0.2
-    qshape = (S, D) if heads == 1 else (S, heads, D // heads)
-    q = torch.randn(qshape, generator=g, dtype=torch.float64)
-    kw = torch.rand(S, D, generator=g, dtype=torch.float64) + 0.5
-    return v, q, kw
+def inputs(**shape):
+    return two_phase_inputs(**shape)[:3]  # sources, queries, key weights (no partial sum)
 
 
 def unstacked(sources, q, kw, kernel, key_norm):

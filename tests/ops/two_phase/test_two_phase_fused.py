@@ -5,7 +5,7 @@ import torch
 
 from attnres.ops.common import DepthStats, inverse_rms
 from attnres.ops.two_phase import fused, naive
-from reference import logits
+from reference import logits, two_phase_inputs as inputs
 from reference import naive as loop_reference
 
 EPS = 1e-6
@@ -21,16 +21,6 @@ def assert_all_close(got, want):
             assert a is None
         else:
             torch.testing.assert_close(a, b, **F64_GRAD)
-
-
-def inputs(n=5, S=3, B=2, T=3, D=8, heads=1, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    v = torch.randn(n, B, T, D, generator=g, dtype=torch.float64) * 1.5 + 0.2
-    qshape = (S, D) if heads == 1 else (S, heads, D // heads)
-    q = torch.randn(qshape, generator=g, dtype=torch.float64)
-    kw = torch.rand(S, D, generator=g, dtype=torch.float64) + 0.5
-    p = torch.randn(B, T, D, generator=g, dtype=torch.float64)
-    return v, q, kw, p
 
 
 def in_buffer(v, extra_rows=2):
