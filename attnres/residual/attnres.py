@@ -300,12 +300,8 @@ class DepthAttentionResidual(ResidualScheme):
 
     def _resume(self, history, state):
         stream = DepthAttentionStream(self, history[0])
-        for row, v in enumerate(history[1:], start=1):
-            if stream.buffer is not None:
-                stream._store(row, v)
-            if stream.source_inv_rms is not None:
-                stream.source_inv_rms.append(inverse_rms(v, self.eps))
-        stream.sources = history
+        for v in history[1:]:
+            stream._add_source(v)
         stream.partial = state[0] if state else None
         return stream
 
@@ -324,7 +320,7 @@ class DepthAttentionStream(Stream):
     def __init__(self, scheme: DepthAttentionResidual, embedding: Tensor):
         super().__init__(scheme.n_sublayers)
         self.scheme = scheme
-        self.sources: List[Tensor] = [embedding]
+        self.sources: List[Tensor] = []
         self.partial: Optional[Tensor] = None
         self.fused = scheme.impl in ("fused", "two_phase") and scheme.weights_kind != "scalar"
         # low-rank queries join Phase 1 per depth block (their input is the block's input); Full
@@ -344,7 +340,7 @@ class DepthAttentionStream(Stream):
         if self.unstacked:
             self.ops = COMPILED_OPS
             if scheme.key_norm:
-                self.source_inv_rms = [inverse_rms(embedding, scheme.eps)]
+                self.source_inv_rms = []
         elif self.fused:
             b, t, d = embedding.shape
             self.buffer = embedding.new_empty(b, t, scheme.num_blocks + 1, d)
@@ -352,19 +348,26 @@ class DepthAttentionStream(Stream):
                 self.inv_rms = embedding.new_empty(b, t, scheme.num_blocks + 1,
                                                    dtype=torch.float64 if embedding.dtype == torch.float64
                                                    else torch.float32)
-            self._store(0, embedding)
+        self._add_source(embedding)
 
     def state_bytes(self) -> int:
         held = [self.buffer] if self.buffer is not None else list(self.sources)
         held += [self.inv_rms] if self.inv_rms is not None else (self.source_inv_rms or [])
         return sum(t.numel() * t.element_size() for t in held)
 
-    def _store(self, row: int, v: Tensor) -> None:
-        """Write a completed source into the buffer (values, and its inverse RMS once for all readers)."""
-        self.ops.store(self.buffer, row, v)
+    def _add_source(self, v: Tensor) -> None:
+        """A completed source: appended to ``sources``, written into the buffer (if any), and its
+        inverse RMS computed once for all readers (into the buffer's row, or as an autograd tensor
+        for unstacked streams)."""
+        row = len(self.sources)
+        if self.buffer is not None:
+            self.ops.store(self.buffer, row, v)
         if self.inv_rms is not None:
             with torch.no_grad():
                 self.inv_rms[:, :, row].copy_(inverse_rms(v, self.scheme.eps))
+        if self.source_inv_rms is not None:
+            self.source_inv_rms.append(inverse_rms(v, self.scheme.eps))
+        self.sources.append(v)
 
     # ------------------------------------------------------------------ which sources
     def _source_rows(self, l: int) -> List[Tuple[int, int]]:
@@ -503,11 +506,7 @@ class DepthAttentionStream(Stream):
             self.partial = f
         complete, _ = self.scheme.plan[l + 1]
         if complete > len(self.sources):  # the depth block just closed
-            if self.buffer is not None:
-                self._store(len(self.sources), self.partial)
-            if self.source_inv_rms is not None:
-                self.source_inv_rms.append(inverse_rms(self.partial, self.scheme.eps))
-            self.sources.append(self.partial)
+            self._add_source(self.partial)
             self.partial = None
 
     def _end(self) -> Tensor:
