@@ -1,9 +1,11 @@
 """`attnres bench decode`: prefill throughput and per-token decode latency with the KV cache.
 
 All variants are built in one process and timed round-robin: for each repeat
-and variant, one prefill of the prompt, then ``decode_tokens`` single-token
-steps. We report the median prefill throughput, the median per-token decode
-latency and their ratios to `prenorm`.
+and variant, ``prefill_repeats`` prefills of the prompt (one prefill is short
+enough that a single sample per round is mostly scheduler noise), then
+``decode_tokens`` single-token steps. We report the median prefill throughput,
+the median per-token decode latency, their quartiles and their ratios to
+`prenorm`.
 
 Residual I/O. An ``IOCounter`` observer (``attnres.residual.observe``) counts the
 d-vectors per token the residual mechanism reads and writes, one rule per tensor
@@ -53,6 +55,7 @@ class DecodeBenchConfig:
     decode_tokens: int = 32
     batch_size: int = 1
     repeats: int = 5
+    prefill_repeats: int = 5  # prefills per variant and round
     seed: int = 0
     device: str = "cpu"
     variants: List[str] = field(default_factory=lambda: list(DEFAULT_VARIANTS))
@@ -96,6 +99,9 @@ def residual_io(model, prompt: torch.Tensor) -> Dict[str, float]:
 
 
 def run(cfg: DecodeBenchConfig) -> dict:
+    for name in ("repeats", "prefill_repeats", "decode_tokens"):
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"--set {name}={getattr(cfg, name)}: must be at least 1 (the medians need a sample)")
     if "prenorm" not in cfg.variants:
         cfg.variants = ["prenorm"] + list(cfg.variants)
     device = torch.device(cfg.device)
@@ -129,12 +135,15 @@ def run(cfg: DecodeBenchConfig) -> dict:
         for rep in progress_bar(range(cfg.repeats + 1), desc="bench decode", unit="round"):
             for v in rows_timed:
                 cache, step = session(v)
-                cache.reset()
-                sync()
-                t0 = time.perf_counter()
-                step(prompt)
-                sync()
-                t1 = time.perf_counter()
+                w0 = time.perf_counter()
+                times = []
+                for _ in range(cfg.prefill_repeats if rep else 1):
+                    cache.reset()
+                    sync()
+                    t0 = time.perf_counter()
+                    step(prompt)
+                    sync()
+                    times.append(time.perf_counter() - t0)
                 steps = []
                 for i in range(cfg.decode_tokens):
                     s0 = time.perf_counter()
@@ -142,10 +151,10 @@ def run(cfg: DecodeBenchConfig) -> dict:
                     sync()
                     steps.append(time.perf_counter() - s0)
                 if rep:
-                    prefill[v].append(t1 - t0)
+                    prefill[v].extend(times)
                     decode[v].extend(steps)
                 else:
-                    warmup[v] = time.perf_counter() - t0
+                    warmup[v] = time.perf_counter() - w0
 
     def baseline(v):  # eager rows against eager prenorm, compiled against compiled
         return "prenorm" + (COMPILED if split_compiled(v)[1] else "")
@@ -155,7 +164,9 @@ def run(cfg: DecodeBenchConfig) -> dict:
         model = models[split_compiled(v)[0]]
         p, d = statistics.median(prefill[v]), statistics.median(decode[v])
         q = statistics.quantiles(decode[v], n=4)
-        rows[v] = {"prefill_ms": p * 1e3, "prefill_tokens_per_s": cfg.batch_size * cfg.prompt_len / p,
+        qp = statistics.quantiles(prefill[v], n=4, method="inclusive")
+        rows[v] = {"prefill_ms": p * 1e3, "prefill_ms_p25": qp[0] * 1e3, "prefill_ms_p75": qp[2] * 1e3,
+                   "prefill_tokens_per_s": cfg.batch_size * cfg.prompt_len / p,
                    "prefill_ratio": p / statistics.median(prefill[baseline(v)]), "decode_ms": d * 1e3,
                    "decode_ms_p25": q[0] * 1e3, "decode_ms_p75": q[2] * 1e3,
                    "decode_ratio": d / statistics.median(decode[baseline(v)]), "warmup_s": warmup[v],
@@ -170,16 +181,18 @@ def format_table(result: dict) -> str:
         f"bench decode: d={c['d_model']}, {c['n_layers']} blocks, block N={c['blocks']}, prompt "
         f"{c['prompt_len']}, {c['decode_tokens']} decoded tokens, batch {c['batch_size']}, device="
         f"{c['device']}, {result['threads']} threads, torch {result['torch']}; medians over "
-        f"{c['repeats']} repeats",
+        f"{c['repeats']} repeats ({c.get('prefill_repeats', 1)} prefills each)",
         "",
-        "| variant | prefill tokens/s | prefill time vs prenorm | decode ms/token (p25-p75) | decode vs prenorm | "
+        "| variant | prefill tokens/s | prefill ms (p25-p75) | prefill time vs prenorm | decode ms/token (p25-p75) | decode vs prenorm | "
         "warm-up s | residual I/O per sublayer (reads + writes, d/token) | Table 1 formula |",
-        "|---|---:|---:|---:|---:|---:|---:|---|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for v, r in result["rows"].items():
         io = r["io"]
         lines.append(
-            f"| {v} | {r['prefill_tokens_per_s']:,.0f} | {r['prefill_ratio']:.3f} | {r['decode_ms']:.2f} "
+            f"| {v} | {r['prefill_tokens_per_s']:,.0f} | {r['prefill_ms']:.1f} "
+            f"({r.get('prefill_ms_p25', float('nan')):.1f}-{r.get('prefill_ms_p75', float('nan')):.1f}) | "
+            f"{r['prefill_ratio']:.3f} | {r['decode_ms']:.2f} "
             f"({r['decode_ms_p25']:.2f}-{r['decode_ms_p75']:.2f}) | {r['decode_ratio']:.3f} | "
             f"{r.get('warmup_s', float('nan')):.1f} | "
             f"{io['reads']:.2f} + {io['writes']:.2f} = {io['total']:.2f} | {r['io_formula']} |")

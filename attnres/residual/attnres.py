@@ -46,6 +46,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from attnres.ops.depth_attention import depth_attention_reference
 from attnres.ops.token_queries import low_rank_queries
@@ -256,8 +257,9 @@ class DepthAttentionResidual(ResidualScheme):
         # the first sublayer of each sublayer's Phase-1 group: its depth block, or for Full AttnRes
         # G consecutive sublayers (their later sources are merged in per sublayer)
         group = config.group_size
+        self.grouped = self.block_size == 1 and group > 1
         self.group_start = [(l // group) * group if l < L else L for l in range(L + 1)] \
-            if self.block_size == 1 and group > 1 else list(self.block_start)
+            if self.grouped else list(self.block_start)
 
         n_q = L + 1  # every sublayer plus the final aggregation
         if self.weights_kind == "pseudo_query":
@@ -306,14 +308,13 @@ class DepthAttentionResidual(ResidualScheme):
         return stream
 
 
-def _compiled_form() -> bool:
-    """Whether a stream is traced by torch.compile for training. Such a stream keeps no buffer and
-    runs ``COMPILED_OPS``: under the compiler, row writes into a buffer become copies of it, the
-    partitioner keeps a version of it per read for backward, and matrix products in the
-    hand-written backwards cannot fuse (``attnres.ops.two_phase.compiled``). Without gradients
-    (compiled prefill and decoding) none of that applies and the buffered path decodes faster
-    (README "Performance")."""
-    return torch.compiler.is_compiling() and torch.is_grad_enabled()
+def _compiled_form(embedding: Tensor) -> bool:
+    """Whether a stream is traced by torch.compile for training or prefill. Such a stream keeps no
+    buffer and runs ``COMPILED_OPS``: under the compiler, row writes into a buffer become copies
+    of it, the partitioner keeps a version of it per read for backward, and matrix products in the
+    hand-written backwards cannot fuse (``attnres.ops.two_phase.compiled``). A compiled one-token
+    step without gradients (decoding) keeps the buffer: it decoded faster (README "Performance")."""
+    return torch.compiler.is_compiling() and (torch.is_grad_enabled() or embedding.shape[1] > 1)
 
 
 class DepthAttentionStream(Stream):
@@ -329,8 +330,10 @@ class DepthAttentionStream(Stream):
                           and (scheme.weights_kind == "pseudo_query"
                                or (scheme.weights_kind == "low_rank_query" and scheme.block_size > 1)))
         self.token_queries = scheme.weights_kind == "low_rank_query"
-        # traced by torch.compile for training: Phase 1 over the sources as separate tensors, no buffer
-        self.unstacked = self.two_phase and not self.token_queries and _compiled_form()
+        # traced by torch.compile for training or prefill: Phase 1 over the sources as separate tensors, no buffer
+        self.unstacked = self.two_phase and not self.token_queries and _compiled_form(embedding)
+        # Full AttnRes's grouped Phase 1, traced for training, is recomputed in backward (_phase1_over)
+        self.recompute_phase1 = self.unstacked and scheme.grouped
         self.buffer = self.inv_rms = None
         # inverse RMS of each completed source, as autograd tensors (unstacked streams with key norm)
         self.source_inv_rms: Optional[List[Tensor]] = None
@@ -409,6 +412,13 @@ class DepthAttentionStream(Stream):
         kernel = self.scheme.kernel
         if self.unstacked:
             inv = self.source_inv_rms[a:b] if self.source_inv_rms is not None else None
+            if self.recompute_phase1 and torch.is_grad_enabled():
+                # from the sources, which backward keeps anyway. Kept instead, a group's stacked
+                # outputs and the in-group attentions raised compiled Full's step peak from 709 to
+                # 842 MiB (README "Performance"). Block, recomputing, peaked higher (762 against
+                # 739 MiB) and stepped slower, so its outputs are kept.
+                return checkpoint(self.ops.phase1_sources, self.sources[a:b], inv, queries, key_weights,
+                                  kernel=kernel, use_reentrant=False)
             return self.ops.phase1_sources(self.sources[a:b], inv, queries, key_weights, kernel=kernel)
         inv = self.inv_rms[:, :, a:b] if self.inv_rms is not None else None
         return self.ops.phase1(self.buffer[:, :, a:b], inv, queries, key_weights, self.sources[a:b],

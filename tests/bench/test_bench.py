@@ -84,14 +84,21 @@ def test_memory_probe_is_not_inherited_from_the_parent():
     assert again < small + 256, (small, again)
 
 
-def test_bench_decode_table_and_io_counts(capsys):
+def test_bench_decode_table_and_io_counts(capsys, tmp_path):
+    out = tmp_path / "decode.json"
     assert main(["bench", "decode", "--set", "d_model=32", "--set", "n_layers=2", "--set", "prompt_len=8",
-                 "--set", "decode_tokens=3", "--set", "repeats=1", "--set", "vocab_size=64",
-                 "--set", "blocks=2", "--variants", "block,block:fused,full"]) == 0
+                 "--set", "decode_tokens=3", "--set", "repeats=1", "--set", "prefill_repeats=3",
+                 "--set", "vocab_size=64", "--set", "blocks=2", "--variants", "block,block:fused,full",
+                 "--json", str(out)]) == 0
     text = capsys.readouterr().out
     for v in ("prenorm", "block", "block:fused", "full"):
         assert f"| {v} |" in text
     assert "2.00 + 1.00 = 3.00 | 3 |" in text  # the plain residual: read h and f, write h
+    assert "medians over 1 repeats (3 prefills each)" in text
+    for row in json.loads(out.read_text())["rows"].values():
+        assert row["prefill_ms_p25"] <= row["prefill_ms"] <= row["prefill_ms_p75"]
+    assert main(["bench", "decode", "--set", "prefill_repeats=0"]) == 2
+    assert "--set prefill_repeats=0: must be at least 1" in capsys.readouterr().err
 
 
 def test_residual_io_counts_follow_the_schedule():
@@ -158,7 +165,7 @@ def test_each_bench_has_its_own_help(capsys):
 def test_bench_graph_counts_the_traced_ops_and_sees_the_unstacked_form(monkeypatch):
     """`attnres bench graph` traces without breaks, and under torch.compile Block and Full AttnRes
     add no matrix product and no buffer copy to prenorm's graphs (the unstacked Phase 1); the
-    eager form, traced as it is, has both."""
+    eager form, traced as it is, has both. The saved column counts what backward keeps."""
     from attnres.bench import graph
     from attnres.residual import attnres
 
@@ -170,8 +177,18 @@ def test_bench_graph_counts_the_traced_ops_and_sees_the_unstacked_form(monkeypat
         for kind in ("forward", "backward"):
             assert rows[name][f"{kind}_matmuls"] == rows["prenorm"][f"{kind}_matmuls"], (name, kind)
             assert rows[name][f"{kind}_copies"] == 0, (name, kind)
-    monkeypatch.setattr(attnres, "_compiled_form", lambda: False)
+    # what the backward keeps (d-vectors per token): Block at L = 4, S = 2 needs at least the first
+    # block's representation and the two partial sums beyond prenorm (the merges' backward reads
+    # them); keeping much more than that (5.2 with torch 2.13) would be a regression
+    extra = rows["block"]["saved_per_token"] - rows["prenorm"]["saved_per_token"]
+    assert rows["prenorm"]["saved_per_token"] > 10 and 3 <= extra < 6, rows
+    monkeypatch.setattr(attnres, "_compiled_form", lambda embedding: False)
     buffered = graph.trace(cfg, "full")
     assert buffered["forward_matmuls"] > rows["full"]["forward_matmuls"]
     assert buffered["forward_copies"] > 0
-    assert "| full | 1 | 0 |" in graph.format_table({"config": cfg.__dict__, "torch": "x", "rows": rows})
+    # Full recomputes its grouped Phase 1 in backward: it keeps about what prenorm keeps, the buffered
+    # form (which keeps its Phase-1 and in-group outputs) several d-vectors per token more
+    assert rows["full"]["saved_per_token"] < rows["prenorm"]["saved_per_token"] + 1
+    assert buffered["saved_per_token"] > rows["full"]["saved_per_token"] + 5
+    table = graph.format_table({"config": cfg.__dict__, "torch": "x", "rows": rows})
+    assert "| full | 1 | 0 |" in table and f"| {rows['full']['saved_per_token']:.1f} |" in table

@@ -123,8 +123,9 @@ def test_compiled_decoding_logits_equal_the_kv_cache_in_float64():
 
 @pytest.mark.parametrize("residual", ["block", "full"])
 def test_the_forms_compiled_streams_trace_equal_the_eager_ones_in_float64(monkeypatch, residual):
-    """Under torch.compile the two-phase ops write one-query products as multiply + sum; that form,
-    run eagerly through whole models in float64, gives the eager path's logits and gradients."""
+    """Under torch.compile the streams run Phase 1 over the sources as separate tensors (Full AttnRes
+    recomputing it in backward); that form, run eagerly through whole models in float64, gives the
+    eager path's logits and gradients."""
     model = tiny(residual, dtype=torch.float64, n_layers=3, attnres_key_norm=True)
     x = tokens(2, 12)
     results = []
@@ -139,14 +140,20 @@ def test_the_forms_compiled_streams_trace_equal_the_eager_ones_in_float64(monkey
         torch.testing.assert_close(results[1][1][name], g, rtol=1e-10, atol=1e-12, msg=name)
 
 
-def test_compiled_training_streams_keep_no_buffer_and_inference_streams_do(monkeypatch):
-    """Traced for training, a two-phase stream reads its sources as separate tensors (no buffer to
-    functionalize into copies); traced without gradients (prefill, decoding) it keeps the buffer."""
+def test_compiled_multi_token_streams_keep_no_buffer_and_decoding_streams_do(monkeypatch):
+    """Traced for training or prefill, a two-phase stream reads its sources as separate tensors (no
+    buffer to functionalize into copies); traced for a one-token step without gradients (decoding)
+    it keeps the buffer, and so does every eager stream."""
     model = tiny("block", attnres_key_norm=True)
+    x, token = torch.randn(2, 5, 32), torch.randn(2, 1, 32)
+    assert model.residual.begin(x).buffer is not None  # eager
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    x = torch.randn(2, 5, 32)
     stream = model.residual.begin(x)
     assert stream.unstacked and stream.buffer is None and len(stream.source_inv_rms) == 1
+    assert model.residual.begin(token).unstacked  # a training step may be one token long
     with torch.no_grad():
-        stream = model.residual.begin(x)
+        assert model.residual.begin(x).unstacked  # prefill
+        stream = model.residual.begin(token)
     assert not stream.unstacked and stream.buffer is not None
+    assert not model.residual.begin(x).recompute_phase1
+    assert tiny("full", n_layers=3).residual.begin(x).recompute_phase1  # the grouped schedule

@@ -18,8 +18,10 @@ float64), but allocates an [B, T, S, D] temporary per source: the streams use it
 compiling.
 
 Merges are elementwise; the compiled streams use ``naive.merge`` and ``naive.merge_partial``.
-Without gradients (compiled prefill and decoding) the streams keep the buffered fused path: no
-versions are saved then, and it decoded faster (README "Performance").
+Compiled prefill runs this form too: without gradients no buffer versions are saved, but the
+fused Phase 1's matrix products still made Full's compiled prefill slower than this form
+(scripts/prefill_form_ab.py, README "Performance"). A compiled one-token step without
+gradients (decoding) keeps the buffered fused path, which decoded faster.
 """
 from __future__ import annotations
 
