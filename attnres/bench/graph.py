@@ -59,12 +59,10 @@ def _count(ops: Counter, names) -> int:
 def _base(node: torch.fx.Node) -> torch.fx.Node:
     """The node whose storage ``node`` shares: through views (and the items of a split)."""
     while node.op == "call_function":
-        target = node.target
-        if target is operator.getitem:
-            target = node.args[0].target
-        if not (getattr(target, "is_view", False) or target is torch.ops.aten._unsafe_view.default):
+        view = node.args[0] if node.target is operator.getitem else node  # the op an item came from
+        if not (getattr(view.target, "is_view", False) or view.target is torch.ops.aten._unsafe_view.default):
             break
-        node = node.args[0] if node.target is not operator.getitem else node.args[0].args[0]
+        node = view.args[0]
     return node
 
 
