@@ -332,8 +332,8 @@ class DepthAttentionStream(Stream):
         self.token_queries = scheme.weights_kind == "low_rank_query"
         # traced by torch.compile for training or prefill: Phase 1 over the sources as separate tensors, no buffer
         self.unstacked = self.two_phase and not self.token_queries and _compiled_form(embedding)
-        # Full AttnRes's grouped Phase 1, traced for training, is recomputed in backward (_phase1_over)
-        self.recompute_phase1 = self.unstacked and scheme.grouped and torch.is_grad_enabled()
+        # Phase 1, traced for training, is recomputed in backward (_phase1_over)
+        self.recompute_phase1 = self.unstacked and torch.is_grad_enabled()
         self.buffer = self.inv_rms = None
         # inverse RMS of each completed source, as autograd tensors (unstacked streams with key norm)
         self.source_inv_rms: Optional[List[Tensor]] = None
@@ -413,10 +413,10 @@ class DepthAttentionStream(Stream):
         if self.unstacked:
             inv = self.source_inv_rms[a:b] if self.source_inv_rms is not None else None
             if self.recompute_phase1:
-                # from the sources, which backward keeps anyway. Kept instead, a group's stacked
-                # outputs and the in-group attentions raised compiled Full's step peak from 700 to
-                # 842 MiB (README "Performance"). Block, recomputing, peaked higher (762 against
-                # 739 MiB) and stepped slower, so its outputs are kept.
+                # from the sources, which backward keeps anyway. Kept instead, a block's stacked
+                # outputs (Block) or a group's and the in-group attentions (Full) are what made
+                # AttnRes keep more for backward than prenorm; recomputed, both keep what prenorm
+                # keeps (`attnres bench graph`, README "Performance")
                 return checkpoint(self.ops.phase1_sources, self.sources[a:b], inv, queries, key_weights,
                                   kernel=kernel, use_reentrant=False)
             return self.ops.phase1_sources(self.sources[a:b], inv, queries, key_weights, kernel=kernel)

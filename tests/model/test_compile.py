@@ -123,8 +123,8 @@ def test_compiled_decoding_logits_equal_the_kv_cache_in_float64():
 
 @pytest.mark.parametrize("residual", ["block", "full"])
 def test_the_forms_compiled_streams_trace_equal_the_eager_ones_in_float64(monkeypatch, residual):
-    """Under torch.compile the streams run Phase 1 over the sources as separate tensors (Full AttnRes
-    recomputing it in backward); that form, run eagerly through whole models in float64, gives the
+    """Under torch.compile the streams run Phase 1 over the sources as separate tensors, recomputing
+    it in backward; that form, run eagerly through whole models in float64, gives the
     eager path's logits and gradients."""
     model = tiny(residual, dtype=torch.float64, n_layers=3, attnres_key_norm=True)
     x = tokens(2, 12)
@@ -155,5 +155,8 @@ def test_compiled_multi_token_streams_keep_no_buffer_and_decoding_streams_do(mon
         assert model.residual.begin(x).unstacked  # prefill
         stream = model.residual.begin(token)
     assert not stream.unstacked and stream.buffer is not None
-    assert not model.residual.begin(x).recompute_phase1
-    assert tiny("full", n_layers=3).residual.begin(x).recompute_phase1  # the grouped schedule
+    # traced for training, Phase 1 is recomputed in backward, Block's and the grouped Full's alike
+    assert model.residual.begin(x).recompute_phase1
+    assert tiny("full", n_layers=3).residual.begin(x).recompute_phase1
+    with torch.no_grad():
+        assert not model.residual.begin(x).recompute_phase1  # prefill: no backward
