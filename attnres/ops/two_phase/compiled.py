@@ -12,8 +12,9 @@ nothing is stacked or written in place, and every step is a pointwise op or a re
 - the outputs are ``sum_i alpha_is v_i``, n multiply-adds, which inductor fuses into one loop.
 
 Autograd then saves the sources themselves, which the stream keeps alive anyway, and the
-[B, T, n, S, H] weights; inductor generates the backward and may recompute an output from them
-instead of keeping it. Eager mode runs this too (the tests compare it with ``naive.py`` in
+[B, T, n, S, H] weights; inductor generates the backward. For training the streams wrap this in
+``torch.utils.checkpoint`` (``DepthAttentionStream._phase1_over``), so backward recomputes the
+outputs from the sources instead of keeping them. Eager mode runs this too (the tests compare it with ``naive.py`` in
 float64), but allocates an [B, T, S, D] temporary per source: the streams use it only while
 compiling.
 
