@@ -2,8 +2,18 @@
 
 Step time: every variant is built in one process and timed round-robin (one
 batch of steps per variant per repeat, so slow drifts of the machine hit all
-variants alike), after warm-up; we report the median, the 25-75 % spread and
-the ratio of medians to `prenorm`.
+variants alike), after warm-up; we report the median, the 25-75 % spread, the
+ratio of medians to `prenorm`, and the spread of the per-repeat ratios (each
+repeat's step over the baseline's step in the same repeat: drifts slower than
+one repeat cancel in them).
+
+Where the step goes: a few more round-robin rounds under ``torch.profiler``
+split each step into matrix products and attention (library kernels: the
+same calls in every variant that adds no matmul), generated code (inductor's
+loops, compiled rows), the optimizer, and the rest (eager ops, Python). On a
+CPU whose matmul speed drifts from run to run, the ratio at equal matmul time
+(prenorm's matmul time put in place of the variant's, shown only where both
+make the same matmul calls) resolves what the residual scheme itself costs.
 
 Peak memory: each variant runs in a fresh subprocess (a process's high-water
 mark never goes down, so variants cannot share one). On CUDA we read the
@@ -18,6 +28,7 @@ compiler's objects, so it is exact where the resident set is not.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -65,6 +76,9 @@ class BenchConfig:
     # "wall": elapsed time; "process": CPU time of this process, which other jobs on a shared machine
     # do not inflate (it counts every thread's CPU time, so it equals step time only at one thread)
     clock: str = "wall"
+    # round-robin rounds of steps_per_repeat steps under torch.profiler for the step breakdown
+    # (CPU only; 0: none)
+    profile_rounds: int = 3
 
     @classmethod
     def quick(cls) -> "BenchConfig":
@@ -149,12 +163,18 @@ def _sync(device: str) -> None:
 CLOCKS = {"wall": time.perf_counter, "process": time.process_time}
 
 
-def time_variants(cfg: BenchConfig) -> Tuple[Dict[str, List[float]], Dict[str, float]]:
-    """Step times per row (round-robin repeats) and each row's warm-up seconds (wall time; for a
-    compiled row: compilation, in the first step, and the second step's recompilation if any)."""
+def time_variants(cfg: BenchConfig) -> Tuple[Dict[str, List[float]], Dict[str, float], Dict[str, dict]]:
+    """Step times per row (round-robin repeats), each row's warm-up seconds (wall time; for a
+    compiled row: compilation, in the first step, and the second step's recompilation if any), and
+    each row's step breakdown (``step_breakdown``, medians over ``profile_rounds`` round-robin rounds
+    after the timing, the rest recomputed from them; empty with no rounds or on CUDA, whose kernels
+    the CPU profile does not time)."""
     if cfg.clock not in CLOCKS:
         raise ValueError(f"clock={cfg.clock!r} is invalid: choose one of {tuple(CLOCKS)} (wall: elapsed time; "
                          "process: CPU time, for a shared machine at --threads 1)")
+    if not isinstance(cfg.profile_rounds, int) or cfg.profile_rounds < 0:
+        raise ValueError(f"profile_rounds={cfg.profile_rounds!r} is invalid: use an integer >= 0 (0: no step "
+                         "breakdown)")
     clock = CLOCKS[cfg.clock]
     setups = {v: _setup(cfg, v) for v in rows_of(cfg)}
     warmup: Dict[str, float] = {}
@@ -173,7 +193,107 @@ def time_variants(cfg: BenchConfig) -> Tuple[Dict[str, List[float]], Dict[str, f
                 _step(model, opt, x, y)
             _sync(cfg.device)
             times[v].append((clock() - t0) / cfg.steps_per_repeat)
-    return times, warmup
+    rounds = cfg.profile_rounds if cfg.device == "cpu" else 0
+    profiled: Dict[str, List[dict]] = {v: [] for v in setups} if rounds else {}
+    for _ in progress_bar(range(rounds), desc="bench train: profile", unit="round"):
+        for v, setup in setups.items():
+            profiled[v].append(step_breakdown(*setup, steps=cfg.steps_per_repeat))
+    breakdown = {}
+    for v, parts in profiled.items():
+        b = breakdown[v] = {k: statistics.median(p[k] for p in parts) for k in parts[0]}
+        # the rest of the median step, so that the parts add up to it
+        b["rest_ms"] = b["step_ms"] - b["matmul_ms"] - b["generated_ms"] - b["optimizer_ms"]
+    return times, warmup, breakdown
+
+
+# library kernels whose work is the same in every variant that adds no matrix product
+MATMUL_OPS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addbmm", "aten::mv",
+                        "aten::addmv", "aten::dot", "mkldnn::_linear_pointwise", "mkl::_mkl_linear"})
+BREAKDOWN_PARTS = ("matmul_ms", "generated_ms", "optimizer_ms", "rest_ms")
+
+
+def _is_matmul(name: str) -> bool:
+    return name in MATMUL_OPS or "scaled_dot_product" in name
+
+
+def _is_generated(name: str) -> bool:
+    """Inductor's code: the compiled graph's own time (its loops run inside it; with
+    TORCHINDUCTOR_CPP_ENABLE_KERNEL_PROFILE=1 each loop is also an event of its own)."""
+    return "CompiledFxGraph" in name or "cpp_fused" in name
+
+
+def _within(event, test) -> bool:
+    """Whether the event or one of its enclosing events satisfies ``test(name)``."""
+    while event is not None:
+        if test(event.name):
+            return True
+        event = event.cpu_parent
+    return False
+
+
+def _is_optimizer(name: str) -> bool:
+    return name.startswith(("Optimizer.step#", "Optimizer.zero_grad#"))
+
+
+def _is_compiled_backward(name: str) -> bool:
+    return name == "CompiledFunctionBackward"  # AOT autograd's backward node, around the backward graph
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """Silence file descriptor 2: the profiler's C++ side prints two lines per start and stop
+    (``USDT: ... profiler_start``) that would drown the tables. Used around start and stop only."""
+    sys.stderr.flush()
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
+
+
+def step_breakdown(model, opt, x, y, *, steps: int = 1) -> dict:
+    """Where ``steps`` training steps spend their time, per step, from ``torch.profiler``'s CPU events
+    (self time, so nothing counts twice): ``matmul_ms`` (matrix products and attention, ``MATMUL_OPS``
+    and scaled-dot-product kernels, outside the optimizer; ``matmul_calls`` of them), ``generated_ms``
+    (compiled graphs' own time, see ``_is_generated``; ``generated_backward_ms`` of it in the backward
+    graphs, which also recompute what the forward did not keep), ``optimizer_ms`` (everything inside the
+    optimizer's step and zero_grad, Muon's matmuls included), and ``rest_ms``: the profiled wall time
+    less those three (eager ops, Python, and the profiler's own overhead). ``step_ms`` is that wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    prof = profile(activities=[ProfilerActivity.CPU])
+    with _quiet_stderr():
+        prof.start()
+    try:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            _step(model, opt, x, y)
+        wall = time.perf_counter() - t0
+    finally:
+        with _quiet_stderr():
+            prof.stop()
+    parts = dict.fromkeys(BREAKDOWN_PARTS, 0.0)
+    calls, backward = 0, 0.0
+    for e in prof.events():
+        ms = e.self_cpu_time_total / 1e3
+        if _within(e, _is_optimizer):
+            parts["optimizer_ms"] += ms
+        elif _is_matmul(e.name):
+            parts["matmul_ms"] += ms
+            calls += 1
+        elif _is_generated(e.name):
+            parts["generated_ms"] += ms
+            if _within(e, _is_compiled_backward):
+                backward += ms
+    out = {k: v / steps for k, v in parts.items()}
+    out["step_ms"] = wall * 1e3 / steps
+    out["rest_ms"] = out["step_ms"] - out["matmul_ms"] - out["generated_ms"] - out["optimizer_ms"]
+    out["matmul_calls"] = calls / steps
+    out["generated_backward_ms"] = backward / steps
+    return out
 
 
 def _rss_mib() -> float:
@@ -278,7 +398,7 @@ def measure_memory(cfg: BenchConfig, variant: str) -> dict:
 def run(cfg: BenchConfig) -> dict:
     if "prenorm" not in cfg.variants:
         cfg.variants = ["prenorm"] + list(cfg.variants)
-    times, warmup = time_variants(cfg)
+    times, warmup, breakdown = time_variants(cfg)
 
     def baseline(v):  # the prenorm row a row is compared with: eager to eager, compiled to compiled
         return "prenorm" + (COMPILED if split_compiled(v)[1] else "")
@@ -287,12 +407,24 @@ def run(cfg: BenchConfig) -> dict:
     for v, ts in times.items():
         q = statistics.quantiles(ts, n=4) if len(ts) > 1 else [ts[0]] * 3
         med = statistics.median(ts)
+        paired = [t / b for t, b in zip(ts, times[baseline(v)])]
+        pq = statistics.quantiles(paired, n=4) if len(paired) > 1 else [paired[0]] * 3
         rows[v] = {"step_ms_median": med * 1e3, "step_ms_p25": q[0] * 1e3, "step_ms_p75": q[2] * 1e3,
+                   "times_ms": [t * 1e3 for t in ts],
                    "step_ratio": med / statistics.median(times[baseline(v)]),
+                   "repeat_ratio_median": statistics.median(paired), "repeat_ratio_p25": pq[0],
+                   "repeat_ratio_p75": pq[2],
                    "tokens_per_s": cfg.batch_size * cfg.seq_len / med, "warmup_s": warmup[v],
                    "params": AttnResLM(model_config(cfg, split_compiled(v)[0])).num_params()}
         if split_compiled(v)[1]:
             rows[v]["vs_eager"] = med / statistics.median(times[split_compiled(v)[0]])
+    for v, parts in breakdown.items():
+        base = breakdown[baseline(v)]
+        rows[v]["breakdown"] = parts
+        # the step with prenorm's matmul time in place of its own: meaningful only for the same calls
+        if parts["matmul_calls"] == base["matmul_calls"]:
+            rows[v]["breakdown"]["ratio_at_equal_matmul"] = (
+                (parts["step_ms"] - parts["matmul_ms"] + base["matmul_ms"]) / base["step_ms"])
     if cfg.memory:
         mem = {v: measure_memory(cfg, v) for v in progress_bar(list(rows), desc="bench train: memory",
                                                                unit="variant")}
@@ -316,9 +448,9 @@ def format_table(result: dict) -> str:
            if c.get("activation_checkpointing", "none") != "none" else "")
         + ("; step time is process CPU time" if c.get("clock") == "process" else ""),
         "",
-        "| variant | step ms (median) | p25-p75 | vs prenorm | vs eager | warm-up s | tokens/s | peak MiB | "
-        "vs prenorm | compiler MiB | step peak MiB | vs prenorm | tensor step peak MiB | vs prenorm |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| variant | step ms (median) | p25-p75 | vs prenorm | per repeat p25-p75 | vs eager | warm-up s | tokens/s | "
+        "peak MiB | vs prenorm | compiler MiB | step peak MiB | vs prenorm | tensor step peak MiB | vs prenorm |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for v, r in result["rows"].items():
         mem = (f"{r['peak_mib']:.0f} | {r['peak_ratio']:.3f} | {r['compiler_mib']:.0f} | "
@@ -326,9 +458,30 @@ def format_table(result: dict) -> str:
                f"{r['tensor_step_peak_ratio']:.3f}") if "peak_mib" in r else " | ".join("-" * 7)
         vs_eager = f"{r['vs_eager']:.3f}" if "vs_eager" in r else "-"
         lines.append(f"| {v} | {r['step_ms_median']:.1f} | {r['step_ms_p25']:.1f}-{r['step_ms_p75']:.1f} | "
-                     f"{r['step_ratio']:.3f} | {vs_eager} | {r.get('warmup_s', float('nan')):.1f} | "
+                     f"{r['step_ratio']:.3f} | {r['repeat_ratio_p25']:.3f}-{r['repeat_ratio_p75']:.3f} | "
+                     f"{vs_eager} | {r.get('warmup_s', float('nan')):.1f} | "
                      f"{r['tokens_per_s']:,.0f} | {mem} |")
+    if any("breakdown" in r for r in result["rows"].values()):
+        lines += ["", f"Where a step goes (torch.profiler, median of {c['profile_rounds']} round-robin rounds of "
+                  f"{c['steps_per_repeat']} steps; ms per step):", "",
+                  "| variant | profiled step | matmul & attention | matmul calls | generated code | "
+                  "of it in backward | optimizer | rest | vs prenorm at equal matmul time |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for v, r in result["rows"].items():
+            b = r.get("breakdown")
+            if b is None:
+                continue
+            equal = f"{b['ratio_at_equal_matmul']:.3f}" if "ratio_at_equal_matmul" in b else "- (other matmuls)"
+            lines.append(f"| {v} | {b['step_ms']:.1f} | {b['matmul_ms']:.1f} | {b['matmul_calls']:.0f} | "
+                         f"{b['generated_ms']:.1f} | {b['generated_backward_ms']:.1f} | {b['optimizer_ms']:.1f} | "
+                         f"{b['rest_ms']:.1f} | {equal} |")
+        lines.append("")
+        lines.append("matmul & attention: library matrix products and attention kernels outside the optimizer; "
+                     "generated code: inductor's compiled graphs; rest: eager ops, Python and the profiler. 'At "
+                     "equal matmul time': the profiled step with the baseline's matmul time in place of its own, "
+                     "over the baseline's step, for rows making the same matmul calls as their baseline.")
     lines.append("")
+    lines.append("per repeat: the spread of each repeat's step over the baseline's step in the same repeat.")
     if c.get("compile"):
         lines.append("`X compiled`: torch.compile of the whole model (attnres.model.compile), compared with "
                      "compiled prenorm; 'vs eager' is the compiled step over the same variant's eager one; "

@@ -23,6 +23,17 @@ def test_bench_train_table_json_and_memory(tmp_path, capsys):
     for r in rows.values():
         assert r["step_ms_median"] > 0 and r["peak_mib"] > 0 and r["peak_ratio"] > 0
         assert r["compiler_mib"] == 0 and r["tensor_step_peak_mib"] > 0  # eager rows compile nothing
+        assert len(r["times_ms"]) == 2
+        assert r["repeat_ratio_p25"] <= r["repeat_ratio_median"] <= r["repeat_ratio_p75"]
+        b = r["breakdown"]
+        assert b["generated_ms"] == b["generated_backward_ms"] == 0 and b["matmul_ms"] > 0 and b["optimizer_ms"] > 0
+        assert b["matmul_ms"] + b["optimizer_ms"] + b["rest_ms"] == pytest.approx(b["step_ms"])
+    assert rows["prenorm"]["repeat_ratio_median"] == 1.0
+    assert rows["prenorm"]["breakdown"]["ratio_at_equal_matmul"] == 1.0
+    # eager two-phase Block runs Phase 1 with matrix products of its own: no equal-matmul ratio for it
+    assert rows["block"]["breakdown"]["matmul_calls"] > rows["prenorm"]["breakdown"]["matmul_calls"]
+    assert "ratio_at_equal_matmul" not in rows["block"]["breakdown"]
+    assert "Where a step goes" in text and "- (other matmuls)" in text
     assert rows["block"]["params"] > rows["prenorm"]["params"]
 
 
@@ -45,7 +56,60 @@ def test_tensor_step_peak_follows_the_allocators_events(monkeypatch):
     assert train.tensor_step_peak_mib(None, None, None, None) == pytest.approx(12.0, abs=0.01)
 
 
-def test_bench_train_times_any_scheme_under_the_trainers_optimizer(capsys):
+def test_step_breakdown_sorts_the_profilers_self_time(monkeypatch):
+    """Matmuls outside the optimizer, a compiled graph's own time, and the optimizer (Muon's
+    Newton-Schulz matmuls included) are told apart, and the parts add up to the profiled step."""
+    import torch
+    from torch.profiler import record_function
+
+    from attnres.bench import train
+
+    w = torch.nn.Parameter(torch.randn(64, 64))
+    opt = torch.optim.Muon([w], lr=1e-3)
+    a = torch.randn(256, 256)
+
+    def step(model, opt_, x, y):
+        h = a @ a  # one matmul
+        with record_function("## Call CompiledFxGraph fake ##"):  # what inductor's wrapper records
+            for _ in range(20):
+                h = torch.tanh(h) * 0.5  # the graph's own loops: its self time
+            h = h @ a  # a library matmul called from the graph: still a matmul
+        (w * h[:64, :64]).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    monkeypatch.setattr(train, "_step", step)
+    b = train.step_breakdown(None, opt, None, None, steps=3)
+    assert b["matmul_calls"] == 2  # Muon's Newton-Schulz matmuls count as the optimizer's
+    assert b["generated_ms"] > 0 and b["optimizer_ms"] > 0 and b["matmul_ms"] > 0 and b["rest_ms"] >= 0
+    parts = b["matmul_ms"] + b["generated_ms"] + b["optimizer_ms"] + b["rest_ms"]
+    assert parts == pytest.approx(b["step_ms"])
+
+
+@pytest.mark.compile_heavy
+def test_compiled_rows_break_down_into_generated_code_and_the_same_matmuls(tmp_path):
+    """Compiled, Block and Full AttnRes make exactly prenorm's matmul calls (so the equal-matmul
+    ratio applies to them) and spend the rest in inductor's generated code."""
+    out = tmp_path / "train.json"
+    assert main(["bench", "train", "--no-memory", "--compile", *TINY_TRAIN, "--variants", "block,full",
+                 "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    base = rows["prenorm compiled"]["breakdown"]
+    for v in ("prenorm compiled", "block compiled", "full compiled"):
+        b = rows[v]["breakdown"]
+        assert b["generated_ms"] > b["generated_backward_ms"] > 0 and b["matmul_calls"] == base["matmul_calls"]
+        assert b["ratio_at_equal_matmul"] == pytest.approx(
+            (b["step_ms"] - b["matmul_ms"] + base["matmul_ms"]) / base["step_ms"])
+
+
+def test_bench_train_profile_rounds_zero_or_bad(capsys):
+    assert main(["bench", "train", "--no-memory", *TINY_TRAIN, "--set", "profile_rounds=0", "--variants", "block"]) == 0
+    assert "Where a step goes" not in capsys.readouterr().out
+    assert main(["bench", "train", "--no-memory", *TINY_TRAIN, "--set", "profile_rounds=-1"]) == 2
+    assert "profile_rounds=-1 is invalid" in capsys.readouterr().err
+
+
+
     """The arena calibrates its equal-time budgets with this: rival schemes, Muon, default Block N."""
     import torch
 
