@@ -34,6 +34,8 @@ from typing import Dict, List, Union
 
 import torch
 
+from attnres.bench.profile import (breakdown_table, check_rounds, median_breakdown, ratio_at_equal_matmul,
+                                   time_breakdown)
 from attnres.bench.train import COMPILED, split_compiled, variant_config
 from attnres.inference.cache import KVCache
 from attnres.inference.compiled import CompiledDecoder
@@ -62,6 +64,9 @@ class DecodeBenchConfig:
     # with compile (true: inductor, or a backend name) every variant also decodes through a compiled
     # step over a static KV cache (attnres.inference.compiled), as the row "VARIANT compiled"
     compile: Union[bool, str] = False
+    # round-robin rounds of prefill_repeats prefills under torch.profiler for the prefill breakdown
+    # (attnres.bench.profile; CPU only; 0: none)
+    profile_rounds: int = 3
 
     @classmethod
     def quick(cls) -> "DecodeBenchConfig":
@@ -102,6 +107,7 @@ def run(cfg: DecodeBenchConfig) -> dict:
     for name in ("repeats", "prefill_repeats", "decode_tokens"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"--set {name}={getattr(cfg, name)}: must be at least 1 (the medians need a sample)")
+    check_rounds(cfg.profile_rounds)
     if "prenorm" not in cfg.variants:
         cfg.variants = ["prenorm"] + list(cfg.variants)
     device = torch.device(cfg.device)
@@ -155,6 +161,13 @@ def run(cfg: DecodeBenchConfig) -> dict:
                     decode[v].extend(steps)
                 else:
                     warmup[v] = time.perf_counter() - w0
+        # where a prefill goes: more round-robin rounds under the profiler, after the timing
+        profiled: Dict[str, List[dict]] = {v: [] for v in rows_timed}
+        for _ in range(cfg.profile_rounds if device.type == "cpu" else 0):
+            for v in rows_timed:
+                cache, step = session(v)
+                profiled[v].append(time_breakdown(lambda: (cache.reset(), step(prompt)), cfg.prefill_repeats))
+        breakdown = {v: median_breakdown(b) for v, b in profiled.items() if b}
 
     def baseline(v):  # eager rows against eager prenorm, compiled against compiled
         return "prenorm" + (COMPILED if split_compiled(v)[1] else "")
@@ -171,6 +184,10 @@ def run(cfg: DecodeBenchConfig) -> dict:
                    "decode_ms_p25": q[0] * 1e3, "decode_ms_p75": q[2] * 1e3,
                    "decode_ratio": d / statistics.median(decode[baseline(v)]), "warmup_s": warmup[v],
                    "io": residual_io(model, prompt), "io_formula": formula(model.config)}
+        if v in breakdown:
+            equal = ratio_at_equal_matmul(breakdown[v], breakdown[baseline(v)])
+            rows[v]["prefill_breakdown"] = {**breakdown[v],
+                                            **({"ratio_at_equal_matmul": equal} if equal is not None else {})}
     return {"config": cfg.__dict__, "threads": torch.get_num_threads(), "torch": torch.__version__,
             "rows": rows}
 
@@ -203,4 +220,6 @@ def format_table(result: dict) -> str:
         lines.append("`X compiled`: prefill and one-token steps through one compiled forward over a static KV "
                      "cache (attnres.inference.compiled), compared with compiled prenorm; its warm-up "
                      "includes the two compilations (prompt shape, one token).")
+    lines += breakdown_table(result["rows"], "prefill_breakdown", "prefill", c.get("profile_rounds", 0),
+                             c.get("prefill_repeats", 1))
     return "\n".join(lines)

@@ -28,7 +28,6 @@ compiler's objects, so it is exact where the resident set is not.
 """
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import json
 import os
@@ -44,6 +43,8 @@ import torch
 import torch.nn.functional as F
 
 from attnres.model import AttnResLM, ModelConfig
+from attnres.bench.profile import (breakdown_table, check_rounds, median_breakdown, ratio_at_equal_matmul,
+                                   time_breakdown)
 from attnres.model.compile import compile_model
 from attnres.train.config import parse_value
 from attnres.train.optim import build_optimizer
@@ -172,9 +173,7 @@ def time_variants(cfg: BenchConfig) -> Tuple[Dict[str, List[float]], Dict[str, f
     if cfg.clock not in CLOCKS:
         raise ValueError(f"clock={cfg.clock!r} is invalid: choose one of {tuple(CLOCKS)} (wall: elapsed time; "
                          "process: CPU time, for a shared machine at --threads 1)")
-    if not isinstance(cfg.profile_rounds, int) or cfg.profile_rounds < 0:
-        raise ValueError(f"profile_rounds={cfg.profile_rounds!r} is invalid: use an integer >= 0 (0: no step "
-                         "breakdown)")
+    check_rounds(cfg.profile_rounds)
     clock = CLOCKS[cfg.clock]
     setups = {v: _setup(cfg, v) for v in rows_of(cfg)}
     warmup: Dict[str, float] = {}
@@ -198,102 +197,12 @@ def time_variants(cfg: BenchConfig) -> Tuple[Dict[str, List[float]], Dict[str, f
     for _ in progress_bar(range(rounds), desc="bench train: profile", unit="round"):
         for v, setup in setups.items():
             profiled[v].append(step_breakdown(*setup, steps=cfg.steps_per_repeat))
-    breakdown = {}
-    for v, parts in profiled.items():
-        b = breakdown[v] = {k: statistics.median(p[k] for p in parts) for k in parts[0]}
-        # the rest of the median step, so that the parts add up to it
-        b["rest_ms"] = b["step_ms"] - b["matmul_ms"] - b["generated_ms"] - b["optimizer_ms"]
-    return times, warmup, breakdown
-
-
-# library kernels whose work is the same in every variant that adds no matrix product
-MATMUL_OPS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addbmm", "aten::mv",
-                        "aten::addmv", "aten::dot", "mkldnn::_linear_pointwise", "mkl::_mkl_linear"})
-BREAKDOWN_PARTS = ("matmul_ms", "generated_ms", "optimizer_ms", "rest_ms")
-
-
-def _is_matmul(name: str) -> bool:
-    return name in MATMUL_OPS or "scaled_dot_product" in name
-
-
-def _is_generated(name: str) -> bool:
-    """Inductor's code: the compiled graph's own time (its loops run inside it; with
-    TORCHINDUCTOR_CPP_ENABLE_KERNEL_PROFILE=1 each loop is also an event of its own)."""
-    return "CompiledFxGraph" in name or "cpp_fused" in name
-
-
-def _within(event, test) -> bool:
-    """Whether the event or one of its enclosing events satisfies ``test(name)``."""
-    while event is not None:
-        if test(event.name):
-            return True
-        event = event.cpu_parent
-    return False
-
-
-def _is_optimizer(name: str) -> bool:
-    return name.startswith(("Optimizer.step#", "Optimizer.zero_grad#"))
-
-
-def _is_compiled_backward(name: str) -> bool:
-    return name == "CompiledFunctionBackward"  # AOT autograd's backward node, around the backward graph
-
-
-@contextlib.contextmanager
-def _quiet_stderr():
-    """Silence file descriptor 2: the profiler's C++ side prints two lines per start and stop
-    (``USDT: ... profiler_start``) that would drown the tables. Used around start and stop only."""
-    sys.stderr.flush()
-    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
-    os.dup2(null, 2)
-    try:
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(null)
+    return times, warmup, {v: median_breakdown(parts) for v, parts in profiled.items()}
 
 
 def step_breakdown(model, opt, x, y, *, steps: int = 1) -> dict:
-    """Where ``steps`` training steps spend their time, per step, from ``torch.profiler``'s CPU events
-    (self time, so nothing counts twice): ``matmul_ms`` (matrix products and attention, ``MATMUL_OPS``
-    and scaled-dot-product kernels, outside the optimizer; ``matmul_calls`` of them), ``generated_ms``
-    (compiled graphs' own time, see ``_is_generated``; ``generated_backward_ms`` of it in the backward
-    graphs, which also recompute what the forward did not keep), ``optimizer_ms`` (everything inside the
-    optimizer's step and zero_grad, Muon's matmuls included), and ``rest_ms``: the profiled wall time
-    less those three (eager ops, Python, and the profiler's own overhead). ``step_ms`` is that wall time."""
-    from torch.profiler import ProfilerActivity, profile
-
-    prof = profile(activities=[ProfilerActivity.CPU])
-    with _quiet_stderr():
-        prof.start()
-    try:
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            _step(model, opt, x, y)
-        wall = time.perf_counter() - t0
-    finally:
-        with _quiet_stderr():
-            prof.stop()
-    parts = dict.fromkeys(BREAKDOWN_PARTS, 0.0)
-    calls, backward = 0, 0.0
-    for e in prof.events():
-        ms = e.self_cpu_time_total / 1e3
-        if _within(e, _is_optimizer):
-            parts["optimizer_ms"] += ms
-        elif _is_matmul(e.name):
-            parts["matmul_ms"] += ms
-            calls += 1
-        elif _is_generated(e.name):
-            parts["generated_ms"] += ms
-            if _within(e, _is_compiled_backward):
-                backward += ms
-    out = {k: v / steps for k, v in parts.items()}
-    out["step_ms"] = wall * 1e3 / steps
-    out["rest_ms"] = out["step_ms"] - out["matmul_ms"] - out["generated_ms"] - out["optimizer_ms"]
-    out["matmul_calls"] = calls / steps
-    out["generated_backward_ms"] = backward / steps
-    return out
+    """Where ``steps`` training steps spend their time, per step (``attnres.bench.profile``)."""
+    return time_breakdown(lambda: _step(model, opt, x, y), steps)
 
 
 def _rss_mib() -> float:
@@ -419,12 +328,8 @@ def run(cfg: BenchConfig) -> dict:
         if split_compiled(v)[1]:
             rows[v]["vs_eager"] = med / statistics.median(times[split_compiled(v)[0]])
     for v, parts in breakdown.items():
-        base = breakdown[baseline(v)]
-        rows[v]["breakdown"] = parts
-        # the step with prenorm's matmul time in place of its own: meaningful only for the same calls
-        if parts["matmul_calls"] == base["matmul_calls"]:
-            rows[v]["breakdown"]["ratio_at_equal_matmul"] = (
-                (parts["step_ms"] - parts["matmul_ms"] + base["matmul_ms"]) / base["step_ms"])
+        equal = ratio_at_equal_matmul(parts, breakdown[baseline(v)])
+        rows[v]["breakdown"] = {**parts, **({"ratio_at_equal_matmul": equal} if equal is not None else {})}
     if cfg.memory:
         mem = {v: measure_memory(cfg, v) for v in progress_bar(list(rows), desc="bench train: memory",
                                                                unit="variant")}
@@ -461,25 +366,8 @@ def format_table(result: dict) -> str:
                      f"{r['step_ratio']:.3f} | {r['repeat_ratio_p25']:.3f}-{r['repeat_ratio_p75']:.3f} | "
                      f"{vs_eager} | {r.get('warmup_s', float('nan')):.1f} | "
                      f"{r['tokens_per_s']:,.0f} | {mem} |")
-    if any("breakdown" in r for r in result["rows"].values()):
-        lines += ["", f"Where a step goes (torch.profiler, median of {c['profile_rounds']} round-robin rounds of "
-                  f"{c['steps_per_repeat']} steps; ms per step):", "",
-                  "| variant | profiled step | matmul & attention | matmul calls | generated code | "
-                  "of it in backward | optimizer | rest | vs prenorm at equal matmul time |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        for v, r in result["rows"].items():
-            b = r.get("breakdown")
-            if b is None:
-                continue
-            equal = f"{b['ratio_at_equal_matmul']:.3f}" if "ratio_at_equal_matmul" in b else "- (other matmuls)"
-            lines.append(f"| {v} | {b['step_ms']:.1f} | {b['matmul_ms']:.1f} | {b['matmul_calls']:.0f} | "
-                         f"{b['generated_ms']:.1f} | {b['generated_backward_ms']:.1f} | {b['optimizer_ms']:.1f} | "
-                         f"{b['rest_ms']:.1f} | {equal} |")
-        lines.append("")
-        lines.append("matmul & attention: library matrix products and attention kernels outside the optimizer; "
-                     "generated code: inductor's compiled graphs; rest: eager ops, Python and the profiler. 'At "
-                     "equal matmul time': the profiled step with the baseline's matmul time in place of its own, "
-                     "over the baseline's step, for rows making the same matmul calls as their baseline.")
+    lines += breakdown_table(result["rows"], "breakdown", "step", c.get("profile_rounds", 0),
+                             c["steps_per_repeat"])
     lines.append("")
     lines.append("per repeat: the spread of each repeat's step over the baseline's step in the same repeat.")
     if c.get("compile"):
