@@ -25,8 +25,11 @@ $(BIN)/.installed-test: $(BIN)/.installed
 
 install: $(BIN)/.installed
 
+# one pytest-xdist worker per core (TEST_WORKERS=0: one process, as a plain `pytest` runs)
+TEST_WORKERS ?= $(shell nproc 2>/dev/null || echo 2)
+
 test: $(BIN)/.installed-test
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS)
 
 demo: install
 	$(BIN)/attnres demo

@@ -17,6 +17,11 @@ import interpreted_triton  # noqa: E402,F401
 
 from attnres import AttnResLM, ModelConfig  # noqa: E402
 
+# `make test` runs one pytest-xdist worker per core: each computes on one thread (two workers of
+# two OpenMP threads on two cores would spin against each other); a plain `pytest` keeps torch's default
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 # reference comparisons must never run under TF32
 torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
