@@ -34,8 +34,7 @@ from typing import Dict, List, Union
 
 import torch
 
-from attnres.bench.profile import (breakdown_table, check_rounds, median_breakdown, ratio_at_equal_matmul,
-                                   time_breakdown)
+from attnres.bench.profile import breakdown_table, check_rounds, compared, round_robin_breakdowns
 from attnres.bench.train import COMPILED, split_compiled, variant_config
 from attnres.inference.cache import KVCache
 from attnres.inference.compiled import CompiledDecoder
@@ -162,12 +161,9 @@ def run(cfg: DecodeBenchConfig) -> dict:
                 else:
                     warmup[v] = time.perf_counter() - w0
         # where a prefill goes: more round-robin rounds under the profiler, after the timing
-        profiled: Dict[str, List[dict]] = {v: [] for v in rows_timed}
-        for _ in range(cfg.profile_rounds if device.type == "cpu" else 0):
-            for v in rows_timed:
-                cache, step = session(v)
-                profiled[v].append(time_breakdown(lambda: (cache.reset(), step(prompt)), cfg.prefill_repeats))
-        breakdown = {v: median_breakdown(b) for v, b in profiled.items() if b}
+        prefills = {v: (lambda s=session(v): (s[0].reset(), s[1](prompt))) for v in rows_timed}
+        breakdown = round_robin_breakdowns(prefills, cfg.profile_rounds, cfg.prefill_repeats, cfg.device,
+                                           "bench decode: profile")
 
     def baseline(v):  # eager rows against eager prenorm, compiled against compiled
         return "prenorm" + (COMPILED if split_compiled(v)[1] else "")
@@ -184,10 +180,8 @@ def run(cfg: DecodeBenchConfig) -> dict:
                    "decode_ms_p25": q[0] * 1e3, "decode_ms_p75": q[2] * 1e3,
                    "decode_ratio": d / statistics.median(decode[baseline(v)]), "warmup_s": warmup[v],
                    "io": residual_io(model, prompt), "io_formula": formula(model.config)}
-        if v in breakdown:
-            equal = ratio_at_equal_matmul(breakdown[v], breakdown[baseline(v)])
-            rows[v]["prefill_breakdown"] = {**breakdown[v],
-                                            **({"ratio_at_equal_matmul": equal} if equal is not None else {})}
+    for v, parts in compared(breakdown, baseline).items():
+        rows[v]["prefill_breakdown"] = parts
     return {"config": cfg.__dict__, "threads": torch.get_num_threads(), "torch": torch.__version__,
             "rows": rows}
 

@@ -127,6 +127,37 @@ def ratio_at_equal_matmul(row: Dict[str, float], base: Dict[str, float]) -> Opti
     return (row["step_ms"] - row["matmul_ms"] + base["matmul_ms"]) / base["step_ms"]
 
 
+def round_robin_breakdowns(calls: Dict[str, Callable[[], object]], rounds: int, per_round: int, device: str,
+                           desc: str) -> Dict[str, Dict[str, float]]:
+    """Each callable's median breakdown over ``rounds`` rounds that each run every callable
+    ``per_round`` times in turn (so drifts of the machine hit all alike); {} with no rounds or off
+    the CPU, whose profile does not time CUDA kernels."""
+    from attnres.train.progress import progress_bar
+
+    if torch_device_type(device) != "cpu" or not rounds:
+        return {}
+    samples: Dict[str, List[Dict[str, float]]] = {v: [] for v in calls}
+    for _ in progress_bar(range(rounds), desc=desc, unit="round"):
+        for v, call in calls.items():
+            samples[v].append(time_breakdown(call, per_round))
+    return {v: median_breakdown(s) for v, s in samples.items()}
+
+
+def compared(breakdowns: Dict[str, Dict[str, float]], baseline: Callable[[str], str]) -> Dict[str, Dict[str, float]]:
+    """Each row's breakdown with ``ratio_at_equal_matmul`` to its baseline row added where it applies."""
+    out = {}
+    for v, b in breakdowns.items():
+        equal = ratio_at_equal_matmul(b, breakdowns[baseline(v)])
+        out[v] = {**b, **({"ratio_at_equal_matmul": equal} if equal is not None else {})}
+    return out
+
+
+def torch_device_type(device: str) -> str:
+    import torch
+
+    return torch.device(device).type
+
+
 def check_rounds(value) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ValueError(f"profile_rounds={value!r} is invalid: use an integer >= 0 (0: no time breakdown)")

@@ -43,8 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from attnres.model import AttnResLM, ModelConfig
-from attnres.bench.profile import (breakdown_table, check_rounds, median_breakdown, ratio_at_equal_matmul,
-                                   time_breakdown)
+from attnres.bench.profile import breakdown_table, check_rounds, compared, round_robin_breakdowns, time_breakdown
 from attnres.model.compile import compile_model
 from attnres.train.config import parse_value
 from attnres.train.optim import build_optimizer
@@ -167,9 +166,8 @@ CLOCKS = {"wall": time.perf_counter, "process": time.process_time}
 def time_variants(cfg: BenchConfig) -> Tuple[Dict[str, List[float]], Dict[str, float], Dict[str, dict]]:
     """Step times per row (round-robin repeats), each row's warm-up seconds (wall time; for a
     compiled row: compilation, in the first step, and the second step's recompilation if any), and
-    each row's step breakdown (``step_breakdown``, medians over ``profile_rounds`` round-robin rounds
-    after the timing, the rest recomputed from them; empty with no rounds or on CUDA, whose kernels
-    the CPU profile does not time)."""
+    each row's step breakdown (``attnres.bench.profile.round_robin_breakdowns`` over ``profile_rounds``
+    rounds after the timing; empty with no rounds or on CUDA)."""
     if cfg.clock not in CLOCKS:
         raise ValueError(f"clock={cfg.clock!r} is invalid: choose one of {tuple(CLOCKS)} (wall: elapsed time; "
                          "process: CPU time, for a shared machine at --threads 1)")
@@ -192,12 +190,9 @@ def time_variants(cfg: BenchConfig) -> Tuple[Dict[str, List[float]], Dict[str, f
                 _step(model, opt, x, y)
             _sync(cfg.device)
             times[v].append((clock() - t0) / cfg.steps_per_repeat)
-    rounds = cfg.profile_rounds if cfg.device == "cpu" else 0
-    profiled: Dict[str, List[dict]] = {v: [] for v in setups} if rounds else {}
-    for _ in progress_bar(range(rounds), desc="bench train: profile", unit="round"):
-        for v, setup in setups.items():
-            profiled[v].append(step_breakdown(*setup, steps=cfg.steps_per_repeat))
-    return times, warmup, {v: median_breakdown(parts) for v, parts in profiled.items()}
+    calls = {v: (lambda setup=setup: _step(*setup)) for v, setup in setups.items()}
+    return times, warmup, round_robin_breakdowns(calls, cfg.profile_rounds, cfg.steps_per_repeat, cfg.device,
+                                                 "bench train: profile")
 
 
 def step_breakdown(model, opt, x, y, *, steps: int = 1) -> dict:
@@ -327,9 +322,8 @@ def run(cfg: BenchConfig) -> dict:
                    "params": AttnResLM(model_config(cfg, split_compiled(v)[0])).num_params()}
         if split_compiled(v)[1]:
             rows[v]["vs_eager"] = med / statistics.median(times[split_compiled(v)[0]])
-    for v, parts in breakdown.items():
-        equal = ratio_at_equal_matmul(parts, breakdown[baseline(v)])
-        rows[v]["breakdown"] = {**parts, **({"ratio_at_equal_matmul": equal} if equal is not None else {})}
+    for v, parts in compared(breakdown, baseline).items():
+        rows[v]["breakdown"] = parts
     if cfg.memory:
         mem = {v: measure_memory(cfg, v) for v in progress_bar(list(rows), desc="bench train: memory",
                                                                unit="variant")}
