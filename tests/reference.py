@@ -2,7 +2,7 @@
 import torch
 
 
-def naive(sources, query, key_weight, eps, kernel, normalize_keys):
+def loop_reference(sources, query, key_weight, eps, kernel, normalize_keys):
     """Per token, per head: logits, weights, output. sources [K, B, T, D] (float64)."""
     K, B, T, D = sources.shape
     H = 1 if query.dim() in (1, 3) else query.shape[-2]
@@ -39,7 +39,7 @@ def logits(sources, query, key_weight, eps, normalize_keys=True):
     return (keys * query.reshape(-1)).unflatten(-1, (heads, -1)).sum(-1)
 
 
-def naive_stream_inputs(residual, embedding, outputs):
+def reference_stream_inputs(residual, embedding, outputs):
     """Recompute every sublayer input h_l and the final aggregation from docs/method.md §3-4.
 
     ``residual`` is the model's DepthAttentionResidual (for its parameters and
@@ -69,7 +69,7 @@ def naive_stream_inputs(residual, embedding, outputs):
                 q = recent @ residual.query_proj[l].detach().double().t()
             if residual.heads > 1:
                 q = q.unflatten(-1, (residual.heads, -1))
-            h, _ = naive(stacked, q, kw, residual.eps, residual.kernel, residual.key_norm)
+            h, _ = loop_reference(stacked, q, kw, residual.eps, residual.kernel, residual.key_norm)
         inputs.append(h)
         if l == L:
             break

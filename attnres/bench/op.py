@@ -205,7 +205,7 @@ def time_triton_vs_torch(
 
     from attnres.ops.depth_attention.triton import triton_fused_depth_attention
     from attnres.ops.two_phase import fused as two_phase_fused
-    from attnres.ops.two_phase import naive as two_phase_naive
+    from attnres.ops.two_phase import reference as two_phase_reference
     from attnres.ops.two_phase import triton as two_phase_triton
 
     dev = torch.device(device)
@@ -261,6 +261,6 @@ def time_triton_vs_torch(
                                     queries, kws, kernel=kernel)
         b = two_phase_triton.phase1(buffer[:, :, K - 1:K], None if inv is None else inv[:, :, K - 1:K],
                                     queries, kws, kernel=kernel)
-        out["merge_torch_ms"] = bench(lambda: two_phase_naive.merge(a, b, kernel), rep=rep_ms)
+        out["merge_torch_ms"] = bench(lambda: two_phase_reference.merge(a, b, kernel), rep=rep_ms)
         out["merge_triton_ms"] = bench(lambda: two_phase_triton.merge(a, b, kernel), rep=rep_ms)
     return out

@@ -1,5 +1,5 @@
 """Pure functions: the math of depth attention, one folder per op, each with its plain reference
-(``naive.py``) beside the fast paths (``fused.py``, ``triton.py``)."""
+(``reference.py``) beside the fast paths (``fused.py``, ``triton.py``)."""
 from attnres.ops.common import DepthStats
 from attnres.ops.depth_attention import (
     DepthAttentionOutput,
@@ -7,7 +7,7 @@ from attnres.ops.depth_attention import (
     depth_attention_reference,
     fused_depth_attention,
 )
-from attnres.ops.two_phase.naive import merge as merge_stats
+from attnres.ops.two_phase.reference import merge as merge_stats
 
 __all__ = [
     "DepthAttentionOutput",

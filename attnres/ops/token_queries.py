@@ -12,7 +12,7 @@ sublayers of depth block n (b_{n-1}), so:
 - ``phase1_token_queries``: Phase 1 with one query per (token, sublayer): the
   completed sources are read once per block for all S queries, as in §6;
 - ``merge_partial_token``: Phase 2, the exact online-softmax merge of the
-  intra-block partial sum with a per-token query (attnres.ops.two_phase.naive.merge_partial
+  intra-block partial sum with a per-token query (attnres.ops.two_phase.reference.merge_partial
   with the query per token).
 
 Plain autograd: Phase 1 stacks its n sources once per block (a copy autograd

@@ -39,7 +39,7 @@ from torch import Tensor, nn
 from attnres.ops.depth_attention import depth_attention_reference, fused_depth_attention
 from attnres.ops.gated_depth_attention import gated_depth_attention
 from attnres.ops.token_queries import merge_partial_token, phase1_token_queries
-from attnres.ops.two_phase import naive as two_phase_naive
+from attnres.ops.two_phase import reference as two_phase_reference
 from attnres.ops.two_phase.compiled import phase1_sources
 from attnres.ops.two_phase.fused import merge, merge_partial, phase1_outputs
 
@@ -76,7 +76,7 @@ class StreamOps:
 PLAIN_OPS = StreamOps()
 # what a stream traced by torch.compile for training runs: plain autograd, which inductor fuses and
 # differentiates itself (attnres.ops.two_phase.compiled says why)
-COMPILED_OPS = StreamOps(merge_partial=two_phase_naive.merge_partial)
+COMPILED_OPS = StreamOps(merge_partial=two_phase_reference.merge_partial)
 
 
 class Stream:

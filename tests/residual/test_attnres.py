@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from attnres.residual import RESIDUALS
-from reference import naive_stream_inputs, randomize
+from reference import reference_stream_inputs, randomize
 
 # (residual, overrides) covering every option; "block" with S odd and L not divisible
 VARIANTS = [
@@ -76,7 +76,7 @@ def test_sublayer_inputs_match_float64_reference(residual, overrides, impl, make
     model = make(residual, attnres_impl=impl, **overrides)
     randomize(model.residual)
     got = capture(model, tokens())
-    want = naive_stream_inputs(model.residual, got["emb"], got["out"])
+    want = reference_stream_inputs(model.residual, got["emb"], got["out"])
     assert len(got["in"]) == model.config.n_sublayers
     for l, (a, b) in enumerate(zip(got["in"] + [got["final"]], want)):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=f"sublayer {l}")

@@ -363,7 +363,7 @@ def test_pipeline_layout_counts_uneven_blocks():
 # ----------------------------------------------------------------------------- the per-token ops
 
 
-def _naive_token_phase(sources, queries, key_weights, eps, kernel, partial=None, lse_from=None):
+def _reference_token_phase(sources, queries, key_weights, eps, kernel, partial=None, lse_from=None):
     """Per token, per query s: attention over the sources (and the partial), from the definitions."""
     B, T, S = queries.shape[:3]
     D = sources[0].shape[-1]
@@ -400,12 +400,12 @@ def test_token_query_ops_match_the_definitions_and_merge_exactly(heads, kernel, 
     queries = rnd(B, T, S, D) if heads == 1 else rnd(B, T, S, heads, D // heads)
     kw = 1 + 0.3 * rnd(S, D) if key_norm else None
     h1, lse = phase1_token_queries(sources, queries, kw, eps=1e-6, kernel=kernel)
-    want, want_lse = _naive_token_phase(sources, queries, kw, 1e-6, kernel)
+    want, want_lse = _reference_token_phase(sources, queries, kw, 1e-6, kernel)
     torch.testing.assert_close(torch.stack(h1, 2), want, rtol=1e-12, atol=1e-12)
     if kernel == "softmax":
         torch.testing.assert_close(lse, want_lse, rtol=1e-12, atol=1e-12)
     # merging the partial sum equals attending over sources + partial at once
-    both, _ = _naive_token_phase(sources, queries, kw, 1e-6, kernel, partial=partial)
+    both, _ = _reference_token_phase(sources, queries, kw, 1e-6, kernel, partial=partial)
     for s in range(S):
         merged = merge_partial_token(DepthStats(h1[s], lse[:, :, s]), partial, queries[:, :, s],
                                      kw[s] if kw is not None else None, 1e-6, kernel)

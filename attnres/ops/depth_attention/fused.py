@@ -1,6 +1,6 @@
 """Depth attention, the fused path: what the residual streams run (docs/method.md §3).
 
-The same math as ``naive.py`` (read that first), as a custom autograd Function that saves only
+The same math as ``reference.py`` (read that first), as a custom autograd Function that saves only
 ``[B, T, K]``-sized tensors and recomputes the rest from the sources in backward. Keys equal
 values, so the normalised keys never need to exist in memory:
 ``q · (v_i * r_i * g) = r_i * (v_i · (q * g))`` with ``r_i = rsqrt(mean(v_i^2) + eps)``.
@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from attnres.ops.common import apply_function, autocast_off, compute_dtype, split_heads, triton_kernels
-from attnres.ops.depth_attention.naive import (
+from attnres.ops.depth_attention.reference import (
     DepthAttentionOutput,
     check_kernel,
     depth_attention_reference,

@@ -1,6 +1,6 @@
 """Depth attention as Triton kernels (docs/method.md §3): forward and backward, for CUDA.
 
-The math is the same as ``naive.py`` and ``fused.py`` (read those first); this file only changes how the work is laid out on a GPU. For one token
+The math is the same as ``reference.py`` and ``fused.py`` (read those first); this file only changes how the work is laid out on a GPU. For one token
 and sources v_0 … v_{K-1} (keys equal values), a query q and key-norm weight g:
 
     u   = q * g                                  (q alone without key norm)
@@ -63,7 +63,7 @@ import triton.language as tl
 from torch import Tensor
 
 from attnres.ops.common import compute_dtype
-from attnres.ops.depth_attention.naive import check_kernel, query_heads
+from attnres.ops.depth_attention.reference import check_kernel, query_heads
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 MAX_SEGMENTS = 3

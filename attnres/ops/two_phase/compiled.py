@@ -14,11 +14,11 @@ nothing is stacked or written in place, and every step is a pointwise op or a re
 Autograd then saves the sources themselves, which the stream keeps alive anyway, and the
 [B, T, n, S, H] weights; inductor generates the backward. For training the streams wrap this in
 ``torch.utils.checkpoint`` (``DepthAttentionStream._phase1_over``), so backward recomputes the
-outputs from the sources instead of keeping them. Eager mode runs this too (the tests compare it with ``naive.py`` in
+outputs from the sources instead of keeping them. Eager mode runs this too (the tests compare it with ``reference.py`` in
 float64), but allocates an [B, T, S, D] temporary per source: the streams use it only while
 compiling.
 
-Merges are elementwise; the compiled streams use ``naive.merge`` and ``naive.merge_partial``.
+Merges are elementwise; the compiled streams use ``reference.merge`` and ``reference.merge_partial``.
 Compiled prefill runs this form too: without gradients no buffer versions are saved, but the
 fused Phase 1's matrix products still made Full's compiled prefill slower than this form
 (scripts/prefill_form_ab.py, README "Performance"). A compiled one-token step without
@@ -32,8 +32,8 @@ import torch
 from torch import Tensor
 
 from attnres.ops.common import compute_dtype, split_heads
-from attnres.ops.depth_attention.naive import check_kernel
-from attnres.ops.two_phase.naive import check_queries
+from attnres.ops.depth_attention.reference import check_kernel
+from attnres.ops.two_phase.reference import check_queries
 
 
 def phase1_sources(sources: Sequence[Tensor], inv_rms: Optional[Sequence[Tensor]], queries: Tensor,

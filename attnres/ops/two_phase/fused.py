@@ -1,6 +1,6 @@
 """Two-phase depth attention, the fused path the residual streams run (docs/method.md §6).
 
-The same math as ``naive.py`` (read that first), as custom autograd Functions:
+The same math as ``reference.py`` (read that first), as custom autograd Functions:
 
 - ``_Phase1``: all S queries of a depth block in one pass over the completed sources, which it
   reads in place from the stream's buffer. Backward also runs once per block, so the sources are
@@ -32,9 +32,9 @@ from attnres.ops.common import (
     split_heads,
     triton_kernels,
 )
-from attnres.ops.depth_attention.naive import check_kernel
-from attnres.ops.two_phase import naive
-from attnres.ops.two_phase.naive import check_phase1_inputs
+from attnres.ops.depth_attention.reference import check_kernel
+from attnres.ops.two_phase import reference
+from attnres.ops.two_phase.reference import check_phase1_inputs
 
 
 class _Phase1(torch.autograd.Function):
@@ -207,7 +207,7 @@ def phase1_outputs(values: Tensor, inv_rms: Optional[Tensor], queries: Tensor,
 
 def phase1(values: Tensor, inv_rms: Optional[Tensor], queries: Tensor, key_weights: Optional[Tensor] = None,
            *, kernel: str = "softmax") -> DepthStats:
-    """Phase 1 as one custom-autograd op; the arguments and result of ``naive.phase1``.
+    """Phase 1 as one custom-autograd op; the arguments and result of ``reference.phase1``.
 
     The key-norm gradient is taken through values (inv_rms must be ``inverse_rms(values, eps)``;
     its own graph is not used).
@@ -259,19 +259,19 @@ class _MergePartial(torch.autograd.Function):
 
 
 def merge(a: DepthStats, b: DepthStats, kernel: str = "softmax") -> DepthStats:
-    """The arguments and result of ``naive.merge``; the Triton kernel for CUDA statistics when no
+    """The arguments and result of ``reference.merge``; the Triton kernel for CUDA statistics when no
     gradient is needed (it has no backward; the merge is elementwise, so autograd's is cheap)."""
     kernels = _triton_for(a.h)
     if kernels is not None and not (torch.is_grad_enabled() and any(x.requires_grad for x in (*a, *b))):
         return kernels.merge(a, b, kernel)
-    return naive.merge(a, b, kernel)
+    return reference.merge(a, b, kernel)
 
 
 def merge_partial(stats: DepthStats, partial: Tensor, query: Tensor, key_weight: Optional[Tensor], eps: float,
                   kernel: str = "softmax") -> Tensor:
-    """Phase 2; the arguments and result of ``naive.merge_partial``. The common case (one head,
+    """Phase 2; the arguments and result of ``reference.merge_partial``. The common case (one head,
     softmax, key norm) runs as one custom-autograd op, the others as the plain reference."""
     check_kernel(kernel)
     if stats.lse.shape[-1] == 1 and kernel == "softmax" and key_weight is not None:
         return apply_function(_MergePartial, stats.h, stats.lse, partial, query.reshape(-1), key_weight, eps)
-    return naive.merge_partial(stats, partial, query, key_weight, eps, kernel)
+    return reference.merge_partial(stats, partial, query, key_weight, eps, kernel)

@@ -1,6 +1,6 @@
 """Two-phase depth attention as Triton kernels (docs/method.md §6): Phase 1 and the merge, for CUDA.
 
-The same contract as ``naive.py`` (read that first): ``phase1`` reads the n completed sources once
+The same contract as ``reference.py`` (read that first): ``phase1`` reads the n completed sources once
 for all S queries of a depth block, ``merge`` combines two ``DepthStats`` exactly. Forward only:
 neither has a backward kernel (called directly they refuse inputs that require grad while grad mode
 is on). ``fused.py`` routes CUDA calls here: its Phase-1 autograd Function runs this forward and
@@ -26,7 +26,7 @@ import triton.language as tl
 from torch import Tensor
 
 from attnres.ops.common import DepthStats, compute_dtype
-from attnres.ops.depth_attention.naive import check_kernel
+from attnres.ops.depth_attention.reference import check_kernel
 from attnres.ops.depth_attention.triton import (
     MAX_PADDED_WIDTH,
     check_device,
@@ -35,7 +35,7 @@ from attnres.ops.depth_attention.triton import (
     tile_coords,
     tile_shape,
 )
-from attnres.ops.two_phase.naive import check_phase1_inputs
+from attnres.ops.two_phase.reference import check_phase1_inputs
 
 __all__ = ["fits", "merge", "phase1"]
 
@@ -151,7 +151,7 @@ def _refuse_autograd(name: str, *tensors: Optional[Tensor]) -> None:
 
 def phase1(values: Tensor, inv_rms: Optional[Tensor], queries: Tensor, key_weights: Optional[Tensor] = None,
            *, kernel: str = "softmax") -> DepthStats:
-    """Phase 1 in one kernel launch; the arguments and result of ``naive.phase1``.
+    """Phase 1 in one kernel launch; the arguments and result of ``reference.phase1``.
 
     values [B, T, n, D] may have any strides over (B, T, n) (a view into the stream's buffer is
     read in place) and unit stride over D.
@@ -189,7 +189,7 @@ def phase1(values: Tensor, inv_rms: Optional[Tensor], queries: Tensor, key_weigh
 
 
 def merge(a: DepthStats, b: DepthStats, kernel: str = "softmax") -> DepthStats:
-    """The exact merge in one kernel launch; the arguments and result of ``naive.merge``."""
+    """The exact merge in one kernel launch; the arguments and result of ``reference.merge``."""
     check_kernel(kernel)
     if a.h.shape != b.h.shape or a.lse.shape != b.lse.shape or a.lse.shape[:-1] != a.h.shape[:-1]:
         raise ValueError(f"merge: statistics h {tuple(a.h.shape)} / {tuple(b.h.shape)}, lse "

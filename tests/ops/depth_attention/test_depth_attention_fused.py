@@ -1,11 +1,11 @@
-"""Depth attention, naive and fused, against the float64 loop-by-loop reference in tests/reference.py
+"""Depth attention, reference and fused, against the float64 loop-by-loop reference in tests/reference.py
 and against each other."""
 import itertools
 
 import pytest
 import torch
 
-from reference import logits, naive
+from reference import logits, loop_reference
 from attnres.ops import depth_attention, fused_depth_attention, merge_stats
 
 
@@ -25,9 +25,9 @@ CASES = list(itertools.product(["softmax", "sigmoid"], [True, False], [1, 2], [F
 
 @pytest.mark.parametrize("kernel,normalize_keys,heads,per_token", CASES)
 @pytest.mark.parametrize("impl", ["fused", "reference"])
-def test_values_match_naive(kernel, normalize_keys, heads, per_token, impl):
+def test_values_match_loop_reference(kernel, normalize_keys, heads, per_token, impl):
     sources, query, kw = make_inputs(heads=heads, per_token=per_token)
-    want_h, want_a = naive(sources, query, kw, 1e-6, kernel, normalize_keys)
+    want_h, want_a = loop_reference(sources, query, kw, 1e-6, kernel, normalize_keys)
     h = depth_attention(sources, query, kw, eps=1e-6, kernel=kernel,
                         normalize_keys=normalize_keys, impl=impl)
     torch.testing.assert_close(h, want_h, rtol=1e-12, atol=1e-12)
@@ -95,7 +95,7 @@ def test_stats_and_exact_merge(heads):
     merged = merge_stats(a, b)
     torch.testing.assert_close(merged.h, full.h, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(merged.lse, full.stats.lse, rtol=1e-12, atol=1e-12)
-    _, alpha = naive(sources, query, kw, 1e-6, "softmax", True)
+    _, alpha = loop_reference(sources, query, kw, 1e-6, "softmax", True)
     torch.testing.assert_close(full.weights, alpha, rtol=1e-12, atol=1e-12)
 
 

@@ -17,7 +17,7 @@ from interpreted_triton import DEVICE, ON_GPU, import_kernels
 
 tda = import_kernels("attnres.ops.depth_attention.triton")
 
-from reference import naive  # noqa: E402
+from reference import loop_reference  # noqa: E402
 from attnres.ops import depth_attention, fused_depth_attention  # noqa: E402
 from attnres.ops.depth_attention import fused as fused_module  # noqa: E402
 
@@ -62,7 +62,7 @@ CASES = list(itertools.product(["softmax", "sigmoid"], [True, False], SHAPES, [F
 def test_float64_values_and_grads(kernel, normalize_keys, shape, per_token):
     heads, d = shape
     sources, query, kw = make_inputs(K=4, D=d, heads=heads, per_token=per_token)
-    want_h, _ = naive(sources.cpu(), query.cpu(), kw.cpu(), 1e-6, kernel, normalize_keys)
+    want_h, _ = loop_reference(sources.cpu(), query.cpu(), kw.cpu(), 1e-6, kernel, normalize_keys)
     gh = torch.randn(2, 3, d, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     (h, *grads), (h_ref, *grads_ref) = run_both(sources, query, kw, gh.to(DEVICE), kernel,
                                                 normalize_keys)

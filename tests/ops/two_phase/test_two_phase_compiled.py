@@ -1,13 +1,14 @@
 """Phase 1 in the form compiled streams trace (``compiled.phase1_sources``: the sources as separate
-tensors, plain autograd): against the float64 loop reference per query and against ``naive.phase1``
+tensors, plain autograd): against the float64 loop reference per query and against ``reference.phase1``
 in values and gradients, and gradcheck."""
 import pytest
 import torch
 
 from attnres.ops.common import inverse_rms
-from attnres.ops.two_phase import compiled, naive
+from attnres.ops.two_phase import compiled
+from attnres.ops.two_phase import reference as two_phase_reference
 from reference import logits, two_phase_inputs
-from reference import naive as loop_reference
+from reference import loop_reference
 
 EPS = 1e-6
 F64 = dict(rtol=1e-12, atol=1e-12)
@@ -42,18 +43,18 @@ def test_phase1_sources_equals_one_attention_per_query(kernel, key_norm, heads):
 @pytest.mark.parametrize("kernel", ["softmax", "sigmoid"])
 @pytest.mark.parametrize("key_norm", [True, False])
 @pytest.mark.parametrize("heads", [1, 2])
-def test_phase1_sources_equals_naive_values_and_grads(kernel, key_norm, heads):
+def test_phase1_sources_equals_reference_values_and_grads(kernel, key_norm, heads):
     v, q, kw = inputs(n=4, S=3, heads=heads, seed=1)
     g = torch.Generator().manual_seed(2)
     gh = torch.randn(2, 3, 3, 8, generator=g, dtype=torch.float64)
     glse = torch.randn(2, 3, 3, heads, generator=g, dtype=torch.float64)
     results = []
-    for form in ("naive", "compiled"):
+    for form in ("reference", "compiled"):
         sources = [x.clone().requires_grad_() for x in v.unbind(0)]
         qq, kk = q.clone().requires_grad_(), kw.clone().requires_grad_()
-        if form == "naive":
+        if form == "reference":
             values = torch.stack(sources, dim=2)
-            stats = naive.phase1(values, inverse_rms(values, EPS) if key_norm else None, qq,
+            stats = two_phase_reference.phase1(values, inverse_rms(values, EPS) if key_norm else None, qq,
                                  kk if key_norm else None, kernel=kernel)
             h, lse = stats.h, stats.lse
         else:

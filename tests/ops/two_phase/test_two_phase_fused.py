@@ -1,17 +1,18 @@
-"""Two-phase depth attention, naive and fused: Phase 1 for S queries at once, the exact merge and
+"""Two-phase depth attention, reference and fused: Phase 1 for S queries at once, the exact merge and
 Phase 2, against the float64 loop-by-loop reference in tests/reference.py and against each other."""
 import pytest
 import torch
 
 from attnres.ops.common import DepthStats, inverse_rms
-from attnres.ops.two_phase import fused, naive
+from attnres.ops.two_phase import fused
+from attnres.ops.two_phase import reference as two_phase_reference
 from reference import logits, two_phase_inputs as inputs
-from reference import naive as loop_reference
+from reference import loop_reference
 
 EPS = 1e-6
 F64 = dict(rtol=1e-12, atol=1e-12)
 F64_GRAD = dict(rtol=1e-10, atol=1e-12)
-IMPLS = {"naive": naive, "fused": fused}
+IMPLS = {"reference": two_phase_reference, "fused": fused}
 
 
 def assert_all_close(got, want):
@@ -81,7 +82,7 @@ def test_phase1_equals_one_attention_per_query(impl, kernel, key_norm, heads):
 @pytest.mark.parametrize("kernel", ["softmax", "sigmoid"])
 @pytest.mark.parametrize("key_norm", [True, False])
 @pytest.mark.parametrize("heads", [1, 2])
-def test_fused_phase1_equals_naive_values_and_grads(kernel, key_norm, heads):
+def test_fused_phase1_equals_reference_values_and_grads(kernel, key_norm, heads):
     v, q, kw, _ = inputs(n=4, S=3, heads=heads, seed=1)
     g = torch.Generator().manual_seed(2)
     gh = torch.randn(2, 3, 3, 8, generator=g, dtype=torch.float64)
@@ -144,9 +145,9 @@ def test_clear_errors():
 
 @pytest.mark.parametrize("heads,kernel,key_norm", [(1, "softmax", True), (2, "softmax", True),
                                                    (1, "sigmoid", True), (1, "softmax", False)])
-def test_merge_partial_gradcheck_and_fused_equals_naive(heads, kernel, key_norm):
+def test_merge_partial_gradcheck_and_fused_equals_reference(heads, kernel, key_norm):
     v, q, kw, p = inputs(n=2, S=1, B=2, T=2, D=4, heads=heads, seed=5)
-    stats = run_phase1("naive", v, q, kw, kernel, key_norm)
+    stats = run_phase1("reference", v, q, kw, kernel, key_norm)
     args = (stats.h[:, :, 0].detach().clone().requires_grad_(), stats.lse[:, :, 0].detach().clone().requires_grad_(),
             p.clone().requires_grad_(), q[0].clone().requires_grad_(), kw[0].clone().requires_grad_())
 
@@ -158,7 +159,7 @@ def test_merge_partial_gradcheck_and_fused_equals_naive(heads, kernel, key_norm)
     assert torch.autograd.gradcheck(run(fused), args, eps=1e-6, atol=1e-8)
     gh = torch.randn(2, 2, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
     grads = []
-    for impl in (fused, naive):
+    for impl in (fused, two_phase_reference):
         h = run(impl)(*args)
         grads.append((h, *torch.autograd.grad((h * gh).sum(), args, allow_unused=True)))
     assert_all_close(*grads)
@@ -168,10 +169,10 @@ def test_merge_partial_gradcheck_and_fused_equals_naive(heads, kernel, key_norm)
 @pytest.mark.parametrize("heads", [1, 2])
 def test_merge_of_two_source_sets_is_exact(kernel, heads):
     v, q, kw, _ = inputs(n=7, heads=heads, seed=4)
-    whole = run_phase1("naive", v, q, kw, kernel, True)
-    a = run_phase1("naive", v[:3], q, kw, kernel, True)
-    b = run_phase1("naive", v[3:], q, kw, kernel, True)
-    merged = naive.merge(a, b, kernel)
+    whole = run_phase1("reference", v, q, kw, kernel, True)
+    a = run_phase1("reference", v[:3], q, kw, kernel, True)
+    b = run_phase1("reference", v[3:], q, kw, kernel, True)
+    merged = two_phase_reference.merge(a, b, kernel)
     torch.testing.assert_close(merged.h, whole.h, **F64)
     if kernel == "softmax":
         torch.testing.assert_close(merged.lse, whole.lse, **F64)
@@ -179,9 +180,9 @@ def test_merge_of_two_source_sets_is_exact(kernel, heads):
 
 def test_merge_gradcheck():
     v, q, kw, _ = inputs(n=4, S=2, B=1, T=2, D=4, heads=2, seed=7)
-    a = run_phase1("naive", v[:2], q, kw, "softmax", True)
-    b = run_phase1("naive", v[2:], q, kw, "softmax", True)
+    a = run_phase1("reference", v[:2], q, kw, "softmax", True)
+    b = run_phase1("reference", v[2:], q, kw, "softmax", True)
     args = tuple(x.detach().clone().requires_grad_() for x in (*a, *b))
-    assert torch.autograd.gradcheck(lambda ha, la, hb, lb: tuple(naive.merge(DepthStats(ha, la), DepthStats(hb, lb))),
+    assert torch.autograd.gradcheck(lambda ha, la, hb, lb: tuple(two_phase_reference.merge(DepthStats(ha, la), DepthStats(hb, lb))),
                                     args, eps=1e-6, atol=1e-8)
 

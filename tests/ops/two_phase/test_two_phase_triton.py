@@ -1,4 +1,4 @@
-"""The Triton Phase-1 and merge kernels against the naive two-phase ops (tests/interpreted_triton.py
+"""The Triton Phase-1 and merge kernels against the reference two-phase ops (tests/interpreted_triton.py
 says how they run without a GPU). float64 runs the kernels in float64: 1e-12; float32 must match
 the float64 reference to rtol 1e-4, atol 1e-5."""
 import pytest
@@ -10,7 +10,8 @@ tp = import_kernels("attnres.ops.two_phase.triton")
 
 from attnres.ops import depth_attention  # noqa: E402
 from attnres.ops.common import DepthStats, inverse_rms  # noqa: E402
-from attnres.ops.two_phase import fused, naive  # noqa: E402
+from attnres.ops.two_phase import fused  # noqa: E402
+from attnres.ops.two_phase import reference as two_phase_reference  # noqa: E402
 
 EPS = 1e-6
 F64 = dict(rtol=1e-12, atol=1e-12)
@@ -35,14 +36,14 @@ def phase1_both(values, queries, key_weights, key_norm, kernel):
     inv = inverse_rms(values, EPS) if key_norm else None
     kw = key_weights if key_norm else None
     return (tp.phase1(values, inv, queries, kw, kernel=kernel),
-            naive.phase1(values.double(), None if inv is None else inv.double(), queries.double(),
+            two_phase_reference.phase1(values.double(), None if inv is None else inv.double(), queries.double(),
                          None if kw is None else kw.double(), kernel=kernel))
 
 
 @pytest.mark.parametrize("heads,D,S,K", [(1, 8, 3, 4), (2, 6, 5, 2), (3, 12, 1, 1)])
 @pytest.mark.parametrize("key_norm", [True, False])
 @pytest.mark.parametrize("kernel", ["softmax", "sigmoid"])
-def test_phase1_matches_naive(heads, D, S, K, key_norm, kernel):
+def test_phase1_matches_reference(heads, D, S, K, key_norm, kernel):
     values, queries, kws = make_block(K=K, S=S, D=D, heads=heads)
     got, want = phase1_both(values, queries, kws, key_norm, kernel)
     assert got.h.shape == (2, 3, S, D) and got.lse.shape == (2, 3, S, heads)
@@ -65,13 +66,13 @@ def test_phase1_many_tokens_and_queries():
 
 @pytest.mark.parametrize("heads", [1, 4])
 @pytest.mark.parametrize("kernel", ["softmax", "sigmoid"])
-def test_merge_matches_naive_and_is_exact(heads, kernel):
+def test_merge_matches_reference_and_is_exact(heads, kernel):
     values, queries, kws = make_block(K=5, S=2, D=8, heads=heads)
     inv = inverse_rms(values, EPS)
     a = tp.phase1(values[:, :, :3], inv[:, :, :3], queries, kws, kernel=kernel)
     b = tp.phase1(values[:, :, 3:], inv[:, :, 3:], queries, kws, kernel=kernel)
     got = tp.merge(a, b, kernel)
-    want = naive.merge(a, b, kernel)
+    want = two_phase_reference.merge(a, b, kernel)
     for x, y in zip(got, want):
         torch.testing.assert_close(x, y, **F64)
     whole = tp.phase1(values, inv, queries, kws, kernel=kernel)
@@ -168,9 +169,9 @@ def test_routed_phase1_equals_torch_forward_and_backward(monkeypatch, kernel, ke
 def test_routed_merge_only_without_gradients(monkeypatch):
     values, queries, kws = make_block(K=5, S=2, D=8, heads=2, dtype=torch.float32, seed=16)
     inv = inverse_rms(values, EPS)
-    a = naive.phase1(values[:, :, :2], inv[:, :, :2], queries, kws)
-    b = naive.phase1(values[:, :, 2:], inv[:, :, 2:], queries, kws)
-    want = naive.merge(a, b)
+    a = two_phase_reference.phase1(values[:, :, :2], inv[:, :, :2], queries, kws)
+    b = two_phase_reference.phase1(values[:, :, 2:], inv[:, :, 2:], queries, kws)
+    want = two_phase_reference.merge(a, b)
     calls = route_to_triton(monkeypatch)
     got = fused.merge(a, b)
     assert len(calls) == 1

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from attnres.ops.common import DepthStats, compute_dtype, inverse_rms, split_heads
-from attnres.ops.depth_attention.naive import check_kernel
+from attnres.ops.depth_attention.reference import check_kernel
 
 
 def check_phase1_inputs(values: Tensor, inv_rms: Optional[Tensor], queries: Tensor,
