@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from attnres.inference.cache import causal_attention
+from attnres.residual import StreamObserver, observing
 
 
 class ShardedAttention:
@@ -67,17 +68,15 @@ def sharded_prefill(model, input_ids: Tensor, group: Optional[dist.ProcessGroup]
     local = t // world
     ctx = ShardedAttention(local, group)
     shard = input_ids[:, rank * local:(rank + 1) * local]
-    state = {}
-    begin = model.residual.begin
-
-    def tracking_begin(*args, **kwargs):
-        stream = begin(*args, **kwargs)
-        state["stream"] = stream
-        return stream
-
-    model.residual.begin = tracking_begin
-    try:
+    with observing(model.residual, LastStream()) as last:
         logits = model(shard, cache=ctx)
-    finally:
-        del model.residual.begin  # back to the class method
-    return logits, state["stream"].state_bytes()
+    return logits, last.stream.state_bytes()
+
+
+class LastStream(StreamObserver):
+    """Remembers the last stream of a forward pass (the one that ran the final aggregation)."""
+
+    stream = None
+
+    def attach(self, stream) -> None:
+        self.stream = stream

@@ -7,8 +7,8 @@ under ``torch.utils.checkpoint`` with exactly that as input: backward recomputes
 time from the kept history, so the activations kept for backward grow with the number of depth
 blocks N, not with the number of sublayers L.
 
-The segments go through the stream interface every scheme implements (``export`` /
-``resume``, the pipeline's hand-over), so every scheme can be checkpointed; for schemes without depth
+The segments go through the depth state every scheme hands from block to block (``DepthState``,
+the pipeline's hand-over too), so every scheme can be checkpointed; for schemes without depth
 blocks (PreNorm and the rivals) "block" uses the boundaries Block AttnRes would have with its
 default geometry. Segments are whole Transformer blocks: a depth block that ends inside a
 Transformer block (odd S) joins the next segment. Full AttnRes (S = 1) keeps every source by definition: "block" there is one
@@ -27,6 +27,8 @@ from __future__ import annotations
 from typing import List, Sequence
 
 from torch.utils.checkpoint import checkpoint
+
+from attnres.residual import DepthState
 
 CHECKPOINTING = ("none", "block", "sublayer")
 
@@ -54,28 +56,27 @@ def segment_layers(config) -> List[range]:
     return [range(a, b) for a, b in zip(starts, ends)]
 
 
-def run_segments(stream, scheme, blocks: Sequence, segments: Sequence[range], cos, sin, attention=None):
-    """Drive ``stream`` through ``blocks`` (all of the model's, by index), one checkpointed segment
-    per entry of ``segments``; returns the stream positioned after the last block (call ``end()``).
+def run_segments(depth, scheme, blocks: Sequence, segments: Sequence[range], cos, sin, attention=None):
+    """Run the depth state (``attnres.residual.DepthState``) through ``blocks`` (all of the model's,
+    by index), one checkpointed segment per entry of ``segments``; returns the state after the last
+    block (``scheme.finish`` it).
 
-    What crosses a segment boundary is the stream's (history, state) from ``export()``; each
-    segment resumes a fresh stream from it, runs its blocks and exports the new history entries
-    and the new state, which are all that the checkpoint keeps from inside. ``attention``: the
-    blocks' attention context (a padded batch's mask), as in ``run_blocks``."""
-    history, state = stream.export()
+    What crosses a segment boundary is the state's (history, state) pair; its derived tensors
+    (``DepthState.cache``) are dropped there, so each segment recomputes them from what it is given
+    and the checkpoint keeps nothing else from inside. ``attention``: the blocks' attention context
+    (a padded batch's mask), as in ``run_blocks``."""
+    history, state = depth.history, depth.state
     for seg in segments:
         n_hist, grown = len(history), []
 
         def run(*tensors, seg=seg, n_hist=n_hist, grown=grown):
-            inner = scheme.resume(2 * seg.start, tensors[:n_hist], tensors[n_hist:])
+            inner = DepthState(2 * seg.start, tensors[:n_hist], tensors[n_hist:])
             for i in seg:
-                blocks[i](inner, i, cos, sin, attention)
-            new_history, new_state = inner.export()
-            grown[:] = [len(new_history) - n_hist]  # the same on recomputation
-            return (*new_history[n_hist:], *new_state)
+                inner = blocks[i](inner, scheme, i, cos, sin, attention)
+            grown[:] = [len(inner.history) - n_hist]  # the same on recomputation
+            return (*inner.history[n_hist:], *inner.state)
 
         out = checkpoint(run, *history, *state, use_reentrant=False)
-        history = list(history) + list(out[:grown[0]])
-        state = list(out[grown[0]:])
-    return scheme.resume(2 * segments[-1].stop, history, state)
-
+        history = tuple(history) + tuple(out[:grown[0]])
+        state = tuple(out[grown[0]:])
+    return DepthState(2 * segments[-1].stop, history, state)

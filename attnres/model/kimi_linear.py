@@ -95,13 +95,14 @@ class KimiLinearBlock(nn.Module):
         if self.is_moe:
             self.mlp.gate.register_forward_hook(self._count_routed_tokens)
 
-    def forward(self, stream, index: int, cos: Tensor, sin: Tensor, cache=None) -> None:
-        """Block ``index`` reads its two inputs from the stream and writes its two outputs back;
-        ``cos``/``sin`` are empty (no rotary positions in Kimi Linear). ``cache``: a ``HybridCache``."""
-        h = stream.read(2 * index)
-        stream.write(2 * index, self._attention(self.attn_norm(h), cache))
-        h = stream.read(2 * index + 1)
-        stream.write(2 * index + 1, self.mlp(self.mlp_norm(h)))
+    def forward(self, depth, residual, index: int, cos: Tensor, sin: Tensor, cache=None):
+        """Block ``index`` runs its two sublayers on the depth state (``attnres.residual.DepthState``)
+        and returns the new one; ``cos``/``sin`` are empty (no rotary positions in Kimi Linear).
+        ``cache``: a ``HybridCache``."""
+        stream = residual.stream(depth)
+        stream.apply(lambda h: self._attention(self.attn_norm(h), cache))
+        stream.apply(lambda h: self.mlp(self.mlp_norm(h)))
+        return stream.depth()
 
     def _attention(self, x: Tensor, cache) -> Tensor:
         layers = cache.layer_cache(x.shape[1]) if cache is not None else None

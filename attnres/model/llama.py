@@ -9,6 +9,7 @@ h_l) and ``attn`` (its output is f_l), and likewise ``mlp_norm`` / ``mlp``.
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 from typing import Dict, Iterable, List, Optional, Tuple
@@ -21,7 +22,7 @@ from torch import Tensor, nn
 from attnres.model.backbones import BACKBONES
 from attnres.model.checkpointing import check_checkpointing, run_segments, segment_layers
 from attnres.model.config import ModelConfig
-from attnres.residual import DepthRecord, build_residual
+from attnres.residual import DepthRecord, DepthRecorder, DepthState, ResidualScheme, build_residual, observing
 
 
 # ----------------------------------------------------------------------------- rotary
@@ -102,14 +103,16 @@ class TransformerBlock(nn.Module):
         self.gradient_checkpointing = False
         self._gradient_checkpointing_func = None
 
-    def forward(self, stream, index: int, cos: Tensor, sin: Tensor, cache=None) -> None:
-        """Block ``index`` reads its two inputs from the stream and writes its two outputs back.
-        A module call (not a loop over sublayers) so wrappers such as FSDP2 see one unit per block."""
-        h = stream.read(2 * index)
-        stream.write(2 * index, self._sublayer(lambda x: self.attn(self.attn_norm(x), cos, sin, cache=cache,
-                                                                   layer=index), h))
-        h = stream.read(2 * index + 1)
-        stream.write(2 * index + 1, self._sublayer(lambda x: self.mlp(self.mlp_norm(x)), h))
+    def forward(self, depth: DepthState, residual: ResidualScheme, index: int, cos: Tensor, sin: Tensor,
+                cache=None) -> DepthState:
+        """Block ``index``: its two sublayers read their inputs from the depth state and write their
+        outputs to it. Tensors in, tensors out, so per-block wrappers (FSDP2's ``fully_shard``,
+        ``checkpoint_wrapper``, ``torch.compile``) see an ordinary module."""
+        stream = residual.stream(depth)
+        stream.apply(lambda h: self._sublayer(lambda x: self.attn(self.attn_norm(x), cos, sin, cache=cache,
+                                                                  layer=index), h))
+        stream.apply(lambda h: self._sublayer(lambda x: self.mlp(self.mlp_norm(x)), h))
+        return stream.depth()
 
     def _sublayer(self, run, h: Tensor) -> Tensor:
         # never under no_grad (decoding, whose KV cache must be written once): nothing to save there
@@ -157,12 +160,13 @@ class PaddedAttention:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=self.allowed)
 
 
-def run_blocks(stream, blocks: Iterable[Tuple[int, TransformerBlock]], cos: Tensor, sin: Tensor,
-               cache=None) -> None:
-    """Drive ``stream`` through Transformer blocks given as (index, block): the model's forward
+def run_blocks(depth: DepthState, residual: ResidualScheme, blocks: Iterable[Tuple[int, TransformerBlock]],
+               cos: Tensor, sin: Tensor, cache=None) -> DepthState:
+    """Run the depth state through Transformer blocks given as (index, block): the model's forward
     runs all of them, a pipeline chunk runs its own slice."""
     for i, block in blocks:
-        block(stream, i, cos, sin, cache)
+        depth = block(depth, residual, i, cos, sin, cache)
+    return depth
 
 
 def lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
@@ -309,16 +313,17 @@ class AttnResLM(nn.Module):
             positions, allowed = padding_mask(attention_mask.to(input_ids.device), t)
             cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
             attention = PaddedAttention(allowed, cache)
-        stream = self.residual.begin(self.embed(input_ids), record=record)
-        if (self.activation_checkpointing == "block" and self.training and torch.is_grad_enabled()
-                and cache is None and record is None):
-            stream = run_segments(stream, self.residual, self.blocks, segment_layers(self.config), cos, sin,
-                                  attention)
-        else:
-            run_blocks(stream, enumerate(self.blocks), cos, sin, cache=attention)
-        if cache is not None:
-            cache.advance(t)
-        logits = output_logits(self.norm, self.lm_head, stream.end())
+        with observing(self.residual, DepthRecorder(record)) if record is not None else nullcontext():
+            depth = self.residual.start(self.embed(input_ids))
+            if (self.activation_checkpointing == "block" and self.training and torch.is_grad_enabled()
+                    and cache is None and record is None):
+                depth = run_segments(depth, self.residual, self.blocks, segment_layers(self.config), cos, sin,
+                                     attention)
+            else:
+                depth = run_blocks(depth, self.residual, enumerate(self.blocks), cos, sin, cache=attention)
+            if cache is not None:
+                cache.advance(t)
+            logits = output_logits(self.norm, self.lm_head, self.residual.finish(depth))
         return LMOutput(logits, record) if return_record else logits
 
     # ------------------------------------------------------------------ decoding and training steps

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from attnres.model.llama import AttnResLM, lm_loss, output_logits, run_blocks
+from attnres.residual import DepthState
 from attnres.parallel import PIPELINE_SCHEDULES as SCHEDULES
 
 SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
@@ -180,12 +181,11 @@ def probe_layout(model: AttnResLM, pp: int, vpp: int, microbatch: int, seq_len: 
     cos, sin = model.rope_cos[:seq_len], model.rope_sin[:seq_len]
     history, state = [], []
     with autocast():
-        stream = model.residual.begin(model.embed(ids))
+        depth = model.residual.start(model.embed(ids))
         for rng in layers:
-            run_blocks(stream, ((i, model.blocks[i]) for i in rng), cos, sin)
-            h, s = stream.export()
-            history.append([TensorSpec(tuple(t.shape), t.dtype) for t in h])
-            state.append([TensorSpec(tuple(t.shape), t.dtype) for t in s])
+            depth = run_blocks(depth, model.residual, ((i, model.blocks[i]) for i in rng), cos, sin)
+            history.append([TensorSpec(tuple(t.shape), t.dtype) for t in depth.history])
+            state.append([TensorSpec(tuple(t.shape), t.dtype) for t in depth.state])
     return PipelineLayout(pp, vpp, cache, layers, history, state)
 
 
@@ -238,7 +238,7 @@ class PipelineChunk(nn.Module):
         with self.autocast():
             if self.is_first:
                 (ids,) = inputs
-                stream = self.residual.begin(self.embed(ids))
+                depth = self.residual.start(self.embed(ids))
                 seq_len = ids.shape[1]
             else:
                 n_hist = len(layout.sent_history(c - 1))
@@ -246,14 +246,14 @@ class PipelineChunk(nn.Module):
                 history = held + list(inputs[:n_hist])
                 if c + layout.pp < layout.n_chunks and layout.held(c + layout.pp):
                     self.cache.put(c, mb, history)
-                stream = self.residual.resume(2 * self.layer_ids[0], history, inputs[n_hist:])
+                depth = DepthState(2 * self.layer_ids[0], tuple(history), tuple(inputs[n_hist:]))
                 seq_len = inputs[0].shape[-2]
             cos, sin = self.rope[0][:seq_len], self.rope[1][:seq_len]
-            run_blocks(stream, ((i, self.blocks[str(i)]) for i in self.layer_ids), cos, sin)
+            depth = run_blocks(depth, self.residual, ((i, self.blocks[str(i)]) for i in self.layer_ids), cos, sin)
             if self.is_last:
-                return output_logits(self.norm, self.lm_head, stream.end())
-            history, state = stream.export()
-        sent = [history[i] for i in layout.sent_history(c)] + state
+                return output_logits(self.norm, self.lm_head, self.residual.finish(depth))
+            history, state = depth.history, depth.state
+        sent = [history[i] for i in layout.sent_history(c)] + list(state)
         # gloo sends only contiguous buffers (a multi-stream state may be an expanded view)
         return tuple(t.contiguous() for t in sent)
 

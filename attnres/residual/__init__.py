@@ -24,7 +24,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Union
 
 from attnres.residual.attnres import (BLOCK_OPTIONS, FULL_OPTIONS, DepthAttentionResidual, block_sizes,
                                       group_size, source_plan)
-from attnres.residual.base import ResidualScheme, Stream, StreamOps
+from attnres.residual.base import DepthState, ResidualScheme, Stream, StreamOps
 from attnres.residual.dense import (DENSEFORMER_OPTIONS, DenseFormerResidual, MUDDResidual, denseformer_params,
                                     denseformer_state, mudd_params)
 from attnres.residual.gated import GATED_OPTIONS, GatedDepthAttentionResidual, check_gated, gated_params
@@ -198,7 +198,7 @@ def build_residual(config) -> ResidualScheme:
 
 
 __all__ = [
-    "DenseFormerResidual", "DepthAttentionResidual", "DepthRecord", "DepthRecorder", "GatedDepthAttentionResidual",
+    "DenseFormerResidual", "DepthAttentionResidual", "DepthRecord", "DepthState", "DepthRecorder", "GatedDepthAttentionResidual",
     "HighwayResidual",
     "HyperConnectionResidual", "IOCounter", "LayerScaleResidual", "MUDDResidual",
     "ManifoldHyperConnectionResidual", "Option", "PreNormResidual", "RESIDUALS", "ReZeroResidual",

@@ -4,19 +4,8 @@ Full AttnRes is Block AttnRes with one sublayer per depth block (S = 1): every
 output is its own block, no partial sums exist, and each sublayer attends over
 the embedding and all earlier outputs. One class therefore serves both.
 
-Per forward pass the stream keeps:
-- ``sources``: the completed sources [b_0 = embedding, b_1, …] as autograd
-  tensors (gradients flow back to them);
-- ``buffer``: the same values in a preallocated [B, T, N + 1, D] tensor
-  (fused path only), written once per completed block, so a read hands the
-  depth-attention op a view of its first n rows instead of stacking the
-  history every sublayer. A two-phase stream that ``torch.compile`` traces for
-  training keeps no buffer: its Phase 1 reads ``sources`` as separate tensors
-  (``attnres.ops.two_phase.compiled``), which the compiler fuses and
-  differentiates without copies;
-- ``partial``: the running sum b_n^i of the current depth block, or None at
-  a block's start (the first sublayer of a block sees no partial sum: a zero
-  source would add a bogus term to the softmax).
+This module holds the scheme: its options, the depth-block geometry and the parameters. The
+streams it starts, the reference and each fast form, are in ``attnres.residual.depth_streams``.
 
 Three implementations (``ModelConfig.attnres_impl``), equal to rounding:
 - ``two_phase`` (default): docs/method.md §6 in training too. At a depth block's first
@@ -42,16 +31,13 @@ Depth blocks may be uneven (``attnres_block_sizes``): the geometry lives in
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import List, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
-from attnres.ops.depth_attention import depth_attention_reference
-from attnres.ops.token_queries import low_rank_queries
-from attnres.ops.common import DepthStats, inverse_rms
-from attnres.residual.base import COMPILED_OPS, ResidualScheme, Stream
+from attnres.residual.base import ResidualScheme, Stream
+from attnres.residual.depth_streams import stream_class
 from attnres.residual.options import Option, boolean, is_positive_int, one_of, positive_int
 
 WEIGHTS = ("pseudo_query", "input_query", "low_rank_query", "scalar")
@@ -298,248 +284,7 @@ class DepthAttentionResidual(ResidualScheme):
         return c * c
 
     def _begin(self, embedding: Tensor) -> Stream:
-        return DepthAttentionStream(self, embedding)
+        return stream_class(self, embedding)(self, [embedding])
 
-    def _resume(self, history, state):
-        stream = DepthAttentionStream(self, history[0])
-        for v in history[1:]:
-            stream._add_source(v)
-        stream.partial = state[0] if state else None
-        return stream
-
-
-def _compiled_form(embedding: Tensor) -> bool:
-    """Whether a stream is traced by torch.compile for training or prefill. Such a stream keeps no
-    buffer and runs ``COMPILED_OPS``: under the compiler, row writes into a buffer become copies
-    of it, the partitioner keeps a version of it per read for backward, and matrix products in the
-    hand-written backwards cannot fuse (``attnres.ops.two_phase.compiled``). A compiled one-token
-    step without gradients (decoding) keeps the buffer: it decoded faster (README "Performance")."""
-    return torch.compiler.is_compiling() and (torch.is_grad_enabled() or embedding.shape[1] > 1)
-
-
-class DepthAttentionStream(Stream):
-    def __init__(self, scheme: DepthAttentionResidual, embedding: Tensor):
-        super().__init__(scheme.n_sublayers)
-        self.scheme = scheme
-        self.sources: List[Tensor] = []
-        self.partial: Optional[Tensor] = None
-        self.fused = scheme.impl in ("fused", "two_phase") and scheme.weights_kind != "scalar"
-        # low-rank queries join Phase 1 per depth block (their input is the block's input); Full
-        # AttnRes has one sublayer per block and nothing to batch, so it runs the fused op
-        self.two_phase = (scheme.impl == "two_phase" and scheme.window is None
-                          and (scheme.weights_kind == "pseudo_query"
-                               or (scheme.weights_kind == "low_rank_query" and scheme.block_size > 1)))
-        self.token_queries = scheme.weights_kind == "low_rank_query"
-        # traced by torch.compile for training or prefill: Phase 1 over the sources as separate tensors, no buffer
-        self.unstacked = self.two_phase and not self.token_queries and _compiled_form(embedding)
-        # Phase 1, traced for training, is recomputed in backward (_phase1_over)
-        self.recompute_phase1 = self.unstacked and torch.is_grad_enabled()
-        self.buffer = self.inv_rms = None
-        # inverse RMS of each completed source, as autograd tensors (unstacked streams with key norm)
-        self.source_inv_rms: Optional[List[Tensor]] = None
-        # (block start, S tensors h1 [B, T, D], lse [B, T, S, H], per-token queries or None) of the
-        # current block
-        self._phase1 = None
-        if self.unstacked:
-            self.ops = COMPILED_OPS
-            if scheme.key_norm:
-                self.source_inv_rms = []
-        elif self.fused:
-            b, t, d = embedding.shape
-            self.buffer = embedding.new_empty(b, t, scheme.num_blocks + 1, d)
-            if self.two_phase and scheme.key_norm and not self.token_queries:
-                self.inv_rms = embedding.new_empty(b, t, scheme.num_blocks + 1,
-                                                   dtype=torch.float64 if embedding.dtype == torch.float64
-                                                   else torch.float32)
-        self._add_source(embedding)
-
-    def state_bytes(self) -> int:
-        held = [self.buffer] if self.buffer is not None else list(self.sources)
-        held += [self.inv_rms] if self.inv_rms is not None else (self.source_inv_rms or [])
-        return sum(t.numel() * t.element_size() for t in held)
-
-    def _add_source(self, v: Tensor) -> None:
-        """A completed source: appended to ``sources``, written into the buffer (if any), and its
-        inverse RMS computed once for all readers (into the buffer's row, or as an autograd tensor
-        for unstacked streams)."""
-        row = len(self.sources)
-        if self.buffer is not None:
-            self.ops.store(self.buffer, row, v)
-        if self.inv_rms is not None:
-            with torch.no_grad():
-                self.inv_rms[:, :, row].copy_(inverse_rms(v, self.scheme.eps))
-        if self.source_inv_rms is not None:
-            self.source_inv_rms.append(inverse_rms(v, self.scheme.eps))
-        self.sources.append(v)
-
-    # ------------------------------------------------------------------ which sources
-    def _source_rows(self, l: int) -> List[Tuple[int, int]]:
-        """Row ranges [start, stop) of completed sources that sublayer l reads."""
-        complete, _ = self.scheme.plan[l]
-        w = self.scheme.window
-        if w is None or complete - 1 <= w:
-            return [(0, complete)]
-        return [(0, 1), (complete - w, complete)]
-
-    def _producers(self, l: int) -> List[Tensor]:
-        out = [t for a, b in self._source_rows(l) for t in self.sources[a:b]]
-        if self.partial is not None:
-            out.append(self.partial)
-        return out
-
-    def _query(self, l: int):
-        s = self.scheme
-        if s.weights_kind == "pseudo_query":
-            q = s.queries[l]
-            return q.view(s.heads, -1) if s.heads > 1 else q
-        if s.weights_kind == "low_rank_query":
-            # the most recent completed source: the same for every sublayer of a depth block
-            q = low_rank_queries(s.queries[l:l + 1], s.query_up[l:l + 1], s.query_down[l:l + 1],
-                                 self.sources[-1])[:, :, 0]
-            return q.unflatten(-1, (s.heads, -1)) if s.heads > 1 else q
-        # input-dependent: project the stream's most recent state
-        recent = self.partial if self.partial is not None else self.sources[-1]
-        q = recent @ s.query_proj[l].to(recent.dtype).t()
-        return q.unflatten(-1, (s.heads, -1)) if s.heads > 1 else q
-
-    def _key_weight(self, l: int) -> Optional[Tensor]:
-        return self.scheme.key_norm_weight[l] if self.scheme.key_norm else None
-
-    # ------------------------------------------------------------------ aggregation
-    def _phase1_over(self, a: int, b: int, queries: Tensor, key_weights: Optional[Tensor]):
-        """Phase 1 of ``queries`` over completed sources a..b-1: buffer rows read in place, or
-        (traced by torch.compile) the source tensors themselves."""
-        kernel = self.scheme.kernel
-        if self.unstacked:
-            inv = self.source_inv_rms[a:b] if self.source_inv_rms is not None else None
-            if self.recompute_phase1:
-                # from the sources, which backward keeps anyway. Kept instead, a block's stacked
-                # outputs (Block) or a group's and the in-group attentions (Full) are what made
-                # AttnRes keep more for backward than prenorm; recomputed, both keep what prenorm
-                # keeps (`attnres bench graph`, README "Performance")
-                return checkpoint(self.ops.phase1_sources, self.sources[a:b], inv, queries, key_weights,
-                                  kernel=kernel, use_reentrant=False)
-            return self.ops.phase1_sources(self.sources[a:b], inv, queries, key_weights, kernel=kernel)
-        inv = self.inv_rms[:, :, a:b] if self.inv_rms is not None else None
-        return self.ops.phase1(self.buffer[:, :, a:b], inv, queries, key_weights, self.sources[a:b],
-                               kernel=kernel)
-
-    def _two_phase(self, l: int) -> Tensor:
-        s = self.scheme
-        start = s.group_start[l]
-        n = s.plan[start][0]  # sources completed when the group began
-        if self._phase1 is None or self._phase1[0] != start:
-            stop = start + 1
-            while stop < len(s.plan) and s.group_start[stop] == start:
-                stop += 1
-            key_weights = s.key_norm_weight[start:stop] if s.key_norm else None
-            if self.token_queries:  # all S queries of the block at once, from the block's input
-                queries = low_rank_queries(s.queries[start:stop], s.query_up[start:stop],
-                                           s.query_down[start:stop], self.sources[n - 1])
-                if s.heads > 1:
-                    queries = queries.unflatten(-1, (s.heads, -1))
-                h1, lse = self.ops.phase1_token(self.sources[:n], queries, key_weights, eps=s.eps,
-                                                kernel=s.kernel)
-            else:
-                queries = s.queries[start:stop]
-                if s.heads > 1:
-                    queries = queries.view(stop - start, s.heads, -1)
-                h1, lse = self._phase1_over(0, n, queries, key_weights)
-            self._phase1 = (start, h1, lse, queries if self.token_queries else None)
-        _, h1, lse, token_queries = self._phase1
-        i = l - start
-        h, lse = h1[i], lse[:, :, i]
-        m = s.plan[l][0]
-        if m > n:  # sources completed inside the group (Full AttnRes): attend to them, merge
-            q = s.queries[l:l + 1]
-            if s.heads > 1:
-                q = q.view(1, s.heads, -1)
-            kw = s.key_norm_weight[l:l + 1] if s.key_norm else None
-            (h2,), lse2 = self._phase1_over(n, m, q, kw)
-            h, lse = self.ops.merge(DepthStats(h, lse), DepthStats(h2, lse2[:, :, 0]), s.kernel)
-        if self.partial is None:
-            return h.to(self.sources[0].dtype)
-        if token_queries is not None:
-            return self.ops.merge_partial_token(DepthStats(h, lse), self.partial, token_queries[:, :, i], self._key_weight(l),
-                                                s.eps, s.kernel)
-        return self.ops.merge_partial(DepthStats(h, lse), self.partial, s.queries[l], self._key_weight(l), s.eps,
-                                      s.kernel)
-
-    def _aggregate(self, l: int) -> Tensor:
-        s = self.scheme
-        if s.weights_kind == "scalar":
-            return self._scalar_mix(l)
-        if self.two_phase:
-            return self._two_phase(l)
-        query, key_weight = self._query(l), self._key_weight(l)
-        producers = self._producers(l)
-        if self.fused:
-            segments = [self.buffer[:, :, a:b] for a, b in self._source_rows(l)]
-            if self.partial is not None:
-                segments.append(self.partial.unsqueeze(2))
-            return self.ops.attend(
-                segments, producers, query, key_weight,
-                eps=s.eps, kernel=s.kernel, normalize_keys=s.key_norm,
-            )
-        stacked = torch.stack(producers)
-        return self.ops.attend_reference(
-            stacked, query, key_weight, eps=s.eps, kernel=s.kernel, normalize_keys=s.key_norm
-        ).h
-
-    def _scalar_weights(self, l: int) -> Tensor:
-        logits = self.scheme.mix_logits[l]
-        if logits.dtype in (torch.float16, torch.bfloat16):
-            logits = logits.float()
-        if self.scheme.kernel == "softmax":
-            return torch.softmax(logits, dim=0)
-        return torch.sigmoid(logits)
-
-    def _scalar_mix(self, l: int) -> Tensor:
-        # no stacking: each term keeps a reference to its (already alive) source
-        alpha = self._scalar_weights(l)
-        h = None
-        for a, v in zip(alpha, self._producers(l)):
-            term = a.to(v.dtype) * v
-            h = term if h is None else h + term
-        return h
-
-    # ------------------------------------------------------------------ stream interface
-    def _read(self, l: int) -> Tensor:
-        return self._aggregate(l)
-
-    def _write(self, l: int, f: Tensor) -> None:
-        if self.partial is not None:
-            self.partial = self.ops.accumulate(self.partial, f)
-        elif self.scheme.states:  # a running sum of the whole stream: it continues from the last state
-            self.partial = self.ops.accumulate(self.sources[-1], f)
-        else:
-            self.partial = f
-        complete, _ = self.scheme.plan[l + 1]
-        if complete > len(self.sources):  # the depth block just closed
-            self._add_source(self.partial)
-            self.partial = None
-
-    def _end(self) -> Tensor:
-        return self._aggregate(self.n_sublayers)
-
-    def _export(self):
-        return list(self.sources), ([self.partial] if self.partial is not None else [])
-
-    def depth_weights(self, l: int):
-        s = self.scheme
-        # outputs: v_i (Full) / b_i (Block); states: s_i, the running sum after i sublayers (Full) /
-        # sb_i, after i depth blocks (Block); "~": the running sum inside the current block
-        prefix = ("s" if s.block_size == 1 else "sb") if s.states else ("v" if s.block_size == 1 else "b")
-        names = [("emb" if i == 0 else f"{prefix}{i}") for a, b in self._source_rows(l) for i in range(a, b)]
-        if self.partial is not None:
-            names.append(f"{prefix}{len(self.sources)}~")
-        with torch.no_grad():
-            if s.weights_kind == "scalar":
-                b, t, _ = self.sources[0].shape
-                weights = self._scalar_weights(l)[:, None, None].expand(-1, b, t)
-            else:
-                weights = depth_attention_reference(
-                    torch.stack(self._producers(l)), self._query(l), self._key_weight(l),
-                    eps=s.eps, kernel=s.kernel, normalize_keys=s.key_norm,
-                ).weights
-        return weights, names
+    def _resume(self, history, state, cache=()):
+        return stream_class(self, history[0])(self, history, state[0] if state else None, cache)

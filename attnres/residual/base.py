@@ -22,6 +22,17 @@ stage that already holds a prefix of it need not receive that prefix again
 (docs/method.md §7's cross-stage caching). ``state`` is the running part (a partial
 block sum, the hidden state, the extra streams), sent at every transition.
 
+The same hand-over carries the depth state between Transformer blocks. ``scheme.start(x)`` returns
+a ``DepthState``: the next sublayer's index and the tensors of the state (history, running state and
+the fast forms' derived tensors). A block resumes a stream from it, runs its sublayers and returns
+``stream.depth()``; nothing but tensors crosses the block's boundary, so per-block wrappers
+(``fully_shard``, ``checkpoint_wrapper``, ``torch.compile``) see an ordinary module:
+
+    depth = scheme.start(x)
+    for block in blocks:                  # inside each block:
+        depth = block(depth)              #   stream = scheme.stream(depth)
+    y = scheme.finish(depth)              #   stream.apply(sublayer) per sublayer; return stream.depth()
+
 Measurement stays out of the arithmetic: a stream only computes. Observers
 (``attnres.residual.observe``: the depth record, residual I/O counting) attach
 to it and see each read, write and end, and may wrap the tensor operations in
@@ -31,7 +42,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -79,6 +90,22 @@ PLAIN_OPS = StreamOps()
 COMPILED_OPS = StreamOps(merge_partial=two_phase_reference.merge_partial)
 
 
+class DepthState(NamedTuple):
+    """The depth state between two sublayers, as tensors: what a Transformer block receives and returns.
+
+    ``at``: the next sublayer to read. ``history``: the append-only sources (embedding, completed
+    depth blocks), ``state``: the running part (``Stream.export``'s pair). ``cache``: tensors a fast
+    form derives from the history and reuses across blocks (a source buffer, inverse RMS, the current
+    group's Phase-1 statistics); dropping it is always correct, keeping it saves their recomputation.
+    A NamedTuple of tensors, so ``torch.utils._pytree`` (FSDP2, checkpointing) sees every tensor.
+    """
+
+    at: int
+    history: Tuple[Tensor, ...]
+    state: Tuple[Tensor, ...]
+    cache: Tuple[Tensor, ...] = ()
+
+
 class Stream:
     """One forward pass through a residual scheme. Subclasses implement _read/_write/_end/_export.
 
@@ -94,7 +121,9 @@ class Stream:
         self._next = 0
         self._reading = False
 
-    def read(self, l: int) -> Tensor:
+    def read(self, l: Optional[int] = None) -> Tensor:
+        """The input h_l of sublayer ``l`` (default: the next one), before its pre-norm."""
+        l = self._next if l is None else l
         if l != self._next or self._reading:
             raise RuntimeError(f"stream.read({l}) out of order: expected read({self._next})")
         self._reading = True
@@ -104,7 +133,9 @@ class Stream:
             observer.after_read(self, l, h)
         return h
 
-    def write(self, l: int, f: Tensor) -> None:
+    def write(self, l: Optional[int], f: Tensor) -> None:
+        """Sublayer ``l``'s output f_l (``l`` None: the sublayer just read)."""
+        l = self._next if l is None else l
         if l != self._next or not self._reading:
             raise RuntimeError(f"stream.write({l}) out of order: expected read({self._next}) first")
         self._reading = False
@@ -113,6 +144,12 @@ class Stream:
         for observer in self.observers:
             observer.before_write(self, l, f)
         self._write(l, f)
+
+    def apply(self, sublayer: Callable[[Tensor], Tensor]) -> Tensor:
+        """Run the next sublayer: ``f = sublayer(read())``, written back; returns f."""
+        f = sublayer(self.read())
+        self.write(None, f)
+        return f
 
     def end(self) -> Tensor:
         if self._next != self.n_sublayers:
@@ -127,6 +164,11 @@ class Stream:
         if self._reading:
             raise RuntimeError(f"stream.export() between read({self._next}) and its write")
         return self._export()
+
+    def depth(self) -> DepthState:
+        """The state between two sublayers as a ``DepthState`` (the export plus the derived cache)."""
+        history, state = self.export()
+        return DepthState(self._next, tuple(history), tuple(state), tuple(self._cache()))
 
     def state_bytes(self) -> int:
         """Bytes of depth history this stream keeps beyond the one running state every scheme
@@ -153,6 +195,11 @@ class Stream:
     def _export(self) -> Tuple[List[Tensor], List[Tensor]]:
         raise NotImplementedError
 
+    def _cache(self) -> Sequence[Tensor]:
+        """Derived tensors worth handing to the next block (``DepthState.cache``, given back to the
+        scheme's ``_resume``); none by default."""
+        return ()
+
 
 class ResidualScheme(nn.Module):
     """Base class of residual schemes: owns parameters, starts streams.
@@ -170,11 +217,26 @@ class ResidualScheme(nn.Module):
         """Start a forward pass at the embedding. ``record``: a ``DepthRecord`` to fill."""
         return self._observed(self._begin(embedding), record)
 
-    def resume(self, at: int, history: Sequence[Tensor], state: Sequence[Tensor], record=None) -> Stream:
-        """Continue, at sublayer ``at``, a stream that another stage exported after sublayer at - 1."""
-        stream = self._resume(list(history), list(state))
+    def resume(self, at: int, history: Sequence[Tensor], state: Sequence[Tensor], record=None,
+               cache: Sequence[Tensor] = ()) -> Stream:
+        """Continue, at sublayer ``at``, a stream that another stage exported after sublayer at - 1
+        (``cache``: what ``Stream.depth()`` derived besides, or nothing)."""
+        stream = self._resume(list(history), list(state), tuple(cache)) if cache else \
+            self._resume(list(history), list(state))
         stream._next = stream.at = at
         return self._observed(stream, record)
+
+    def start(self, embedding: Tensor, record=None) -> DepthState:
+        """The depth state before sublayer 0 (``begin(embedding).depth()``)."""
+        return self.begin(embedding, record=record).depth()
+
+    def stream(self, depth: DepthState, record=None) -> Stream:
+        """A stream that continues from ``depth`` (a block's way in; ``stream.depth()`` is its way out)."""
+        return self.resume(depth.at, depth.history, depth.state, record=record, cache=depth.cache)
+
+    def finish(self, depth: DepthState, record=None) -> Tensor:
+        """The final aggregation after the last sublayer: what goes to the final norm and the head."""
+        return self.stream(depth, record=record).end()
 
     def _observed(self, stream: Stream, record) -> Stream:
         from attnres.residual.observe import DepthRecorder

@@ -123,7 +123,8 @@ IO_RULES: Dict[str, Callable[..., Tuple[int, int]]] = {
 
 class IOCounter(StreamObserver):
     """Residual I/O per sublayer (``reads[l]``, ``writes[l]``; index L: the final aggregation),
-    in d-vectors per token, of the last stream it was attached to."""
+    in d-vectors per token, of the last forward pass: the stream begun at sublayer 0 and those
+    resumed from it block by block."""
 
     def __init__(self):
         self.reads: List[int] = []
@@ -131,8 +132,10 @@ class IOCounter(StreamObserver):
 
     def attach(self, stream) -> None:
         super().attach(stream)
-        self.reads = [0] * (stream.n_sublayers + 1)
-        self.writes = [0] * (stream.n_sublayers + 1)
+        if stream.at == 0 or len(self.reads) != stream.n_sublayers + 1:
+            # a new forward pass; a stream resumed by the next block keeps counting the same pass
+            self.reads = [0] * (stream.n_sublayers + 1)
+            self.writes = [0] * (stream.n_sublayers + 1)
         wrapped = {f.name: self._counting(stream, f.name, getattr(stream.ops, f.name))
                    for f in dataclasses.fields(stream.ops)}
         stream.ops = dataclasses.replace(stream.ops, **wrapped)

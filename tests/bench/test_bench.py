@@ -256,7 +256,7 @@ def test_bench_graph_counts_the_traced_ops_and_sees_the_unstacked_form(monkeypat
     add no matrix product and no buffer copy to prenorm's graphs (the unstacked Phase 1); the
     eager form, traced as it is, has both. The saved column counts what backward keeps."""
     from attnres.bench import graph
-    from attnres.residual import attnres
+    from attnres.residual import depth_streams
 
     cfg = graph.GraphBenchConfig(n_layers=2, blocks=2, variants=["prenorm", "block", "full"])
     rows = graph.run(cfg)["rows"]
@@ -272,7 +272,7 @@ def test_bench_graph_counts_the_traced_ops_and_sees_the_unstacked_form(monkeypat
     assert rows["prenorm"]["saved_per_token"] > 10
     for name in ("block", "full"):
         assert rows[name]["saved_per_token"] < rows["prenorm"]["saved_per_token"] + 1, rows
-    monkeypatch.setattr(attnres, "_compiled_form", lambda embedding: False)
+    monkeypatch.setattr(depth_streams, "compiled_form", lambda embedding: False)
     buffered = graph.trace(cfg, "full")
     assert buffered["forward_matmuls"] > rows["full"]["forward_matmuls"]
     assert buffered["forward_copies"] > 0

@@ -13,6 +13,7 @@ from attnres import AttnResLM, ModelConfig
 from attnres.inference import CompiledDecoder, KVCache
 from attnres.inference.sampling import generate
 from attnres.model.compile import check_compile_setting, compile_model
+from attnres.residual.depth_streams import CompiledTwoPhaseStream, TwoPhaseStream
 from reference import randomize
 
 
@@ -146,15 +147,17 @@ def test_compiled_multi_token_streams_keep_no_buffer_and_decoding_streams_do(mon
     it keeps the buffer, and so does every eager stream."""
     model = tiny("block", attnres_key_norm=True)
     x, token = torch.randn(2, 5, 32), torch.randn(2, 1, 32)
-    assert model.residual.begin(x).buffer is not None  # eager
+    assert isinstance(model.residual.begin(x), TwoPhaseStream)  # eager: the buffered form
+    assert model.residual.begin(x).buffer is not None
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     stream = model.residual.begin(x)
-    assert stream.unstacked and stream.buffer is None and len(stream.source_inv_rms) == 1
-    assert model.residual.begin(token).unstacked  # a training step may be one token long
+    assert isinstance(stream, CompiledTwoPhaseStream) and stream.buffer is None
+    assert len(stream.source_inv_rms) == 1
+    assert isinstance(model.residual.begin(token), CompiledTwoPhaseStream)  # a training step may be one token long
     with torch.no_grad():
-        assert model.residual.begin(x).unstacked  # prefill
+        assert isinstance(model.residual.begin(x), CompiledTwoPhaseStream)  # prefill
         stream = model.residual.begin(token)
-    assert not stream.unstacked and stream.buffer is not None
+    assert not isinstance(stream, CompiledTwoPhaseStream) and stream.buffer is not None
     # traced for training, Phase 1 is recomputed in backward, Block's and the grouped Full's alike
     assert model.residual.begin(x).recompute_phase1
     assert tiny("full", n_layers=3).residual.begin(x).recompute_phase1

@@ -16,7 +16,8 @@ from attnres.inference import KVCache, chunked_prefill
 from attnres.model.llama import output_logits, run_blocks
 from attnres.ops.common import DepthStats
 from attnres.ops.token_queries import low_rank_queries, merge_partial_token, phase1_token_queries
-from attnres.residual import RESIDUALS, IOCounter, observing, source_plan
+from attnres.residual import RESIDUALS, DepthState, IOCounter, observing, source_plan
+from attnres.residual.depth_streams import FusedStream, TokenQueryTwoPhaseStream
 from reference import randomize
 
 BASE = dict(vocab_size=50, d_model=16, n_layers=3, n_heads=2, max_seq_len=16)  # L = 6
@@ -143,7 +144,8 @@ def test_low_rank_block_runs_two_phase_and_full_falls_back_to_fused():
     block = make("block", attnres_weights="low_rank_query", attnres_query_rank=2)
     full = make("full", attnres_weights="low_rank_query", attnres_query_rank=2)
     x = torch.zeros(1, 2, BASE["d_model"], dtype=torch.float64)
-    assert block.residual.begin(x).two_phase and not full.residual.begin(x).two_phase
+    assert isinstance(block.residual.begin(x), TokenQueryTwoPhaseStream)
+    assert type(full.residual.begin(x)) is FusedStream
     with observing(block.residual, IOCounter()) as counter, torch.no_grad():
         block(tokens())
     # Block with S = 2 (3 blocks): Phase 1 reads the n completed sources once per block
@@ -338,13 +340,13 @@ def test_handover_at_every_transformer_block_is_exact(residual, overrides):
     x = tokens(seed=4)
     want = model(x)
     cos, sin = model.rope_cos[:5], model.rope_sin[:5]
-    stream = model.residual.begin(model.embed(x))
+    depth = model.residual.start(model.embed(x))
     for i, block in enumerate(model.blocks):
-        run_blocks(stream, [(i, block)], cos, sin)
-        history, state = stream.export()
-        stream = model.residual.resume(2 * (i + 1), [h.detach().clone() for h in history],
-                                       [s.detach().clone() for s in state])
-    torch.testing.assert_close(output_logits(model.norm, model.lm_head, stream.end()), want, rtol=0, atol=1e-12)
+        depth = run_blocks(depth, model.residual, [(i, block)], cos, sin)
+        history, state = depth.history, depth.state
+        depth = DepthState(2 * (i + 1), tuple(h.detach().clone() for h in history),
+                           tuple(s.detach().clone() for s in state))
+    torch.testing.assert_close(output_logits(model.norm, model.lm_head, model.residual.finish(depth)), want, rtol=0, atol=1e-12)
 
 
 def test_pipeline_layout_counts_uneven_blocks():

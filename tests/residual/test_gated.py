@@ -14,7 +14,7 @@ from attnres.inference import KVCache
 from attnres.model.llama import output_logits, run_blocks
 from attnres.model.schemes_table import base_params, schemes_table
 from attnres.ops.gated_depth_attention import gated_depth_attention
-from attnres.residual import RESIDUALS, IOCounter, build_residual, observing
+from attnres.residual import RESIDUALS, DepthState, IOCounter, build_residual, observing
 from attnres.residual.gated import DepthAttention
 from reference import randomize
 
@@ -189,14 +189,14 @@ def test_cached_decoding_and_handover(impl):
         steps = [model(x[:, :4], cache=cache)] + [model(x[:, t:t + 1], cache=cache) for t in range(4, 12)]
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-10, atol=1e-10)
     cos, sin = model.rope_cos[:12], model.rope_sin[:12]
-    stream = model.residual.begin(model.embed(x))
+    depth = model.residual.start(model.embed(x))
     for i, block in enumerate(model.blocks):
-        run_blocks(stream, [(i, block)], cos, sin)
-        history, state = stream.export()
+        depth = run_blocks(depth, model.residual, [(i, block)], cos, sin)
+        history, state = depth.history, depth.state
         assert len(history) == 2 * (i + 1) + 1 and len(state) == 1
-        stream = model.residual.resume(2 * (i + 1), [h.detach().clone() for h in history],
-                                       [s.detach().clone() for s in state])
-    torch.testing.assert_close(output_logits(model.norm, model.lm_head, stream.end()), full, rtol=0, atol=1e-12)
+        depth = DepthState(2 * (i + 1), tuple(h.detach().clone() for h in history),
+                           tuple(s.detach().clone() for s in state))
+    torch.testing.assert_close(output_logits(model.norm, model.lm_head, model.residual.finish(depth)), full, rtol=0, atol=1e-12)
 
 
 def test_io_counter_counts_the_state_and_every_source():

@@ -5,7 +5,7 @@ import torch
 
 from attnres import AttnResLM, ModelConfig
 from attnres.model.llama import output_logits, run_blocks
-from attnres.residual import RESIDUALS
+from attnres.residual import RESIDUALS, DepthState
 from reference import randomize
 
 
@@ -24,15 +24,15 @@ def test_handover_at_every_block_boundary_is_exact(residual):
     ids = torch.randint(0, 40, (2, 8), generator=torch.Generator().manual_seed(3))
     want = m(ids)
     cos, sin = m.rope_cos[:8], m.rope_sin[:8]
-    stream = m.residual.begin(m.embed(ids))
+    depth = m.residual.start(m.embed(ids))
     for i, block in enumerate(m.blocks):
-        run_blocks(stream, [(i, block)], cos, sin)
-        history, state = stream.export()
+        depth = run_blocks(depth, m.residual, [(i, block)], cos, sin)
+        history, state = depth.history, depth.state
         # what a receiving stage sees: fresh leaves with the same values
         history = [t.detach().clone() for t in history]
         state = [t.detach().clone() for t in state]
-        stream = m.residual.resume(2 * (i + 1), history, state)
-    got = output_logits(m.norm, m.lm_head, stream.end())
+        depth = DepthState(2 * (i + 1), tuple(history), tuple(state))
+    got = output_logits(m.norm, m.lm_head, m.residual.finish(depth))
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
 
 

@@ -1,0 +1,419 @@
+"""The streams of Full and Block AttnRes: the reference, and each fast form as a subclass tested against it.
+
+``DepthAttentionStream`` is docs/method.md §3-§4 as written, and every other class here computes
+the same values to rounding (tests/residual/test_attnres.py runs each against it):
+
+==========================  ====================================================================
+class                       what it changes
+==========================  ====================================================================
+DepthAttentionStream        the reference: per read, stack the sources and attend (plain autograd)
+ScalarMixStream             scalar mixing (no query, no key norm): a learned softmax per read
+FusedStream                 completed sources copied once into a buffer [B, T, N+1, D]; each read
+                            is one custom-autograd depth attention over views of it
+TwoPhaseStream              docs/method.md §6 in training too: one Phase-1 pass per depth block
+                            (or per group of G sublayers in Full AttnRes), then one exact merge
+                            with the partial sum per sublayer
+TokenQueryTwoPhaseStream    two-phase with low-rank per-token queries (their input: the block's)
+CompiledTwoPhaseStream      two-phase as torch.compile traces it for training and prefill: Phase 1
+                            over the sources as separate tensors, no buffer, recomputed in backward
+==========================  ====================================================================
+
+The state a stream holds is tensors: ``sources`` (the completed sources b_0 = embedding, b_1, ...),
+``partial`` (the running sum of the current depth block, None at a block's start: a zero source
+would add a bogus term to the softmax), and in the fast forms tensors derived from the sources (the
+buffer, inverse RMS, the group's Phase-1 statistics). ``export`` hands over the first two,
+``depth()`` the derived ones too (``DepthState.cache``), so a Transformer block that resumes the
+stream recomputes nothing.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+from attnres.ops.common import DepthStats, inverse_rms
+from attnres.ops.depth_attention import depth_attention_reference
+from attnres.ops.token_queries import low_rank_queries
+from attnres.residual.base import COMPILED_OPS, Stream
+
+
+class DepthAttentionStream(Stream):
+    """The reference stream: h_l = sum_i alpha_i v_i over the stacked sources, plain autograd.
+
+    ``scheme``: the ``DepthAttentionResidual`` that owns the queries, key norms and the geometry
+    (``scheme.plan[l]`` = (completed sources, has partial) for sublayer l). ``sources``: the
+    completed sources, [embedding] at the start; ``partial``: the running block sum, if any;
+    ``cache``: what ``_cache`` of the same form handed over (then nothing is recomputed)."""
+
+    def __init__(self, scheme, sources: Sequence[Tensor], partial: Optional[Tensor] = None,
+                 cache: Sequence[Tensor] = ()):
+        super().__init__(scheme.n_sublayers)
+        self.scheme = scheme
+        self.sources: List[Tensor] = []
+        if cache:
+            self.sources = list(sources)
+            self._restore(cache)
+        else:
+            self._allocate(sources[0])
+            for v in sources:
+                self._add_source(v)
+        self.partial: Optional[Tensor] = partial
+
+    def _allocate(self, embedding: Tensor) -> None:
+        """Tensors a fast form derives from the sources, allocated once per forward pass."""
+
+    def _add_source(self, v: Tensor) -> None:
+        """A completed source (the embedding, or a depth block just closed)."""
+        self.sources.append(v)
+
+    # ------------------------------------------------------------------ which sources, which query
+    def _source_rows(self, l: int) -> List[Tuple[int, int]]:
+        """Row ranges [start, stop) of completed sources that sublayer l reads (a window keeps the
+        embedding and the last W)."""
+        complete, _ = self.scheme.plan[l]
+        w = self.scheme.window
+        if w is None or complete - 1 <= w:
+            return [(0, complete)]
+        return [(0, 1), (complete - w, complete)]
+
+    def _producers(self, l: int) -> List[Tensor]:
+        out = [t for a, b in self._source_rows(l) for t in self.sources[a:b]]
+        if self.partial is not None:
+            out.append(self.partial)
+        return out
+
+    def _query(self, l: int) -> Tensor:
+        s = self.scheme
+        if s.weights_kind == "pseudo_query":
+            q = s.queries[l]
+            return q.view(s.heads, -1) if s.heads > 1 else q
+        if s.weights_kind == "low_rank_query":
+            # the most recent completed source: the same for every sublayer of a depth block
+            q = low_rank_queries(s.queries[l:l + 1], s.query_up[l:l + 1], s.query_down[l:l + 1],
+                                 self.sources[-1])[:, :, 0]
+            return q.unflatten(-1, (s.heads, -1)) if s.heads > 1 else q
+        # input-dependent: project the stream's most recent state
+        recent = self.partial if self.partial is not None else self.sources[-1]
+        q = recent @ s.query_proj[l].to(recent.dtype).t()
+        return q.unflatten(-1, (s.heads, -1)) if s.heads > 1 else q
+
+    def _key_weight(self, l: int) -> Optional[Tensor]:
+        return self.scheme.key_norm_weight[l] if self.scheme.key_norm else None
+
+    # ------------------------------------------------------------------ the read
+    def _aggregate(self, l: int) -> Tensor:
+        s = self.scheme
+        return self.ops.attend_reference(
+            torch.stack(self._producers(l)), self._query(l), self._key_weight(l),
+            eps=s.eps, kernel=s.kernel, normalize_keys=s.key_norm,
+        ).h
+
+    def _weights(self, l: int) -> Tensor:
+        """alpha [K, B, T] (or [K, B, T, H]) of read l, for the depth record."""
+        s = self.scheme
+        return depth_attention_reference(
+            torch.stack(self._producers(l)), self._query(l), self._key_weight(l),
+            eps=s.eps, kernel=s.kernel, normalize_keys=s.key_norm,
+        ).weights
+
+    # ------------------------------------------------------------------ stream interface
+    def _read(self, l: int) -> Tensor:
+        return self._aggregate(l)
+
+    def _write(self, l: int, f: Tensor) -> None:
+        if self.partial is not None:
+            self.partial = self.ops.accumulate(self.partial, f)
+        elif self.scheme.states:  # a running sum of the whole stream: it continues from the last state
+            self.partial = self.ops.accumulate(self.sources[-1], f)
+        else:
+            self.partial = f
+        complete, _ = self.scheme.plan[l + 1]
+        if complete > len(self.sources):  # the depth block just closed
+            self._add_source(self.partial)
+            self.partial = None
+
+    def _end(self) -> Tensor:
+        return self._aggregate(self.n_sublayers)
+
+    def _export(self):
+        return list(self.sources), ([self.partial] if self.partial is not None else [])
+
+    def state_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.sources)
+
+    def depth_weights(self, l: int):
+        s = self.scheme
+        # outputs: v_i (Full) / b_i (Block); states: s_i, the running sum after i sublayers (Full) /
+        # sb_i, after i depth blocks (Block); "~": the running sum inside the current block
+        prefix = ("s" if s.block_size == 1 else "sb") if s.states else ("v" if s.block_size == 1 else "b")
+        names = [("emb" if i == 0 else f"{prefix}{i}") for a, b in self._source_rows(l) for i in range(a, b)]
+        if self.partial is not None:
+            names.append(f"{prefix}{len(self.sources)}~")
+        with torch.no_grad():
+            return self._weights(l), names
+
+
+class ScalarMixStream(DepthAttentionStream):
+    """Input-independent mixing (paper Table 4): one learned logit per (sublayer, source), no query."""
+
+    def _alpha(self, l: int) -> Tensor:
+        logits = self.scheme.mix_logits[l]
+        if logits.dtype in (torch.float16, torch.bfloat16):
+            logits = logits.float()
+        return torch.softmax(logits, dim=0) if self.scheme.kernel == "softmax" else torch.sigmoid(logits)
+
+    def _aggregate(self, l: int) -> Tensor:
+        # no stacking: each term keeps a reference to its (already alive) source
+        h = None
+        for a, v in zip(self._alpha(l), self._producers(l)):
+            term = a.to(v.dtype) * v
+            h = term if h is None else h + term
+        return h
+
+    def _weights(self, l: int) -> Tensor:
+        b, t, _ = self.sources[0].shape
+        return self._alpha(l)[:, None, None].expand(-1, b, t)
+
+
+class FusedStream(DepthAttentionStream):
+    """Each completed source is copied once into ``buffer`` [B, T, N + 1, D]; a read hands the fused
+    depth-attention op views of its rows instead of stacking the history every sublayer."""
+
+    buffer: Tensor
+
+    def _allocate(self, embedding: Tensor) -> None:
+        b, t, d = embedding.shape
+        self.buffer = embedding.new_empty(b, t, self.scheme.num_blocks + 1, d)
+
+    def _add_source(self, v: Tensor) -> None:
+        self.ops.store(self.buffer, len(self.sources), v)
+        super()._add_source(v)
+
+    def _aggregate(self, l: int) -> Tensor:
+        s = self.scheme
+        segments = [self.buffer[:, :, a:b] for a, b in self._source_rows(l)]
+        if self.partial is not None:
+            segments.append(self.partial.unsqueeze(2))
+        return self.ops.attend(segments, self._producers(l), self._query(l), self._key_weight(l),
+                               eps=s.eps, kernel=s.kernel, normalize_keys=s.key_norm)
+
+    def state_bytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()
+
+    def _cache(self) -> Sequence[Tensor]:
+        return (self.buffer,)
+
+    def _restore(self, cache: Sequence[Tensor]) -> None:
+        self.buffer = cache[0]  # rows 0..n-1 hold the sources already
+
+
+class TwoPhaseStream(FusedStream):
+    """docs/method.md §6: at the first sublayer of a group (a depth block; G sublayers in Full
+    AttnRes) one Phase-1 op attends all the group's pseudo-queries to the sources completed before
+    it (its backward also runs once per group); each sublayer then merges what completed inside the
+    group and the partial sum by online softmax. The group's statistics are tensors of the state."""
+
+    keeps_inv_rms = True  # each source's inverse RMS, computed once for every reader (with key norm)
+    inv_rms: Optional[Tensor] = None
+    # (group start, S tensors h1 [B, T, D], lse [B, T, S(, H)], per-token queries or None)
+    _phase1: Optional[tuple] = None
+    _handed: Sequence[Tensor] = ()  # a resumed group's statistics, unpacked at the first read
+
+    def _allocate(self, embedding: Tensor) -> None:
+        super()._allocate(embedding)
+        if self.scheme.key_norm and self.keeps_inv_rms:
+            b, t, _ = embedding.shape
+            self.inv_rms = embedding.new_empty(
+                b, t, self.scheme.num_blocks + 1,
+                dtype=torch.float64 if embedding.dtype == torch.float64 else torch.float32)
+
+    def _add_source(self, v: Tensor) -> None:
+        if self.inv_rms is not None:
+            with torch.no_grad():
+                self.inv_rms[:, :, len(self.sources)].copy_(inverse_rms(v, self.scheme.eps))
+        super()._add_source(v)
+
+    def _group(self, l: int) -> Tuple[int, int]:
+        """[start, stop) of the Phase-1 group of sublayer l."""
+        starts = self.scheme.group_start
+        start = stop = starts[l]
+        while stop < len(starts) and starts[stop] == start:
+            stop += 1
+        return start, stop
+
+    def _group_queries(self, start: int, stop: int) -> Tensor:
+        s = self.scheme
+        q = s.queries[start:stop]
+        return q.view(stop - start, s.heads, -1) if s.heads > 1 else q
+
+    def _phase1_over(self, a: int, b: int, queries: Tensor, key_weights: Optional[Tensor]):
+        """Phase 1 of ``queries`` over completed sources a..b-1, read in place from the buffer."""
+        inv = self.inv_rms[:, :, a:b] if self.inv_rms is not None else None
+        return self.ops.phase1(self.buffer[:, :, a:b], inv, queries, key_weights, self.sources[a:b],
+                               kernel=self.scheme.kernel)
+
+    def _run_phase1(self, start: int, stop: int, n: int) -> tuple:
+        s = self.scheme
+        key_weights = s.key_norm_weight[start:stop] if s.key_norm else None
+        h1, lse = self._phase1_over(0, n, self._group_queries(start, stop), key_weights)
+        return (start, h1, lse, None)
+
+    def _merge_partial(self, l: int, stats: DepthStats, i: int) -> Tensor:
+        s = self.scheme
+        return self.ops.merge_partial(stats, self.partial, s.queries[l], self._key_weight(l), s.eps, s.kernel)
+
+    def _aggregate(self, l: int) -> Tensor:
+        s = self.scheme
+        start, stop = self._group(l)
+        n = s.plan[start][0]  # sources completed when the group began
+        if self._handed:  # handed over by the previous block: this group's statistics
+            self._phase1 = (start, tuple(self._handed[:stop - start]), self._handed[stop - start],
+                            self._handed[stop - start + 1] if len(self._handed) > stop - start + 1 else None)
+            self._handed = ()
+        if self._phase1 is None or self._phase1[0] != start:
+            self._phase1 = self._run_phase1(start, stop, n)
+        _, h1, lse, _ = self._phase1
+        i = l - start
+        h, lse = h1[i], lse[:, :, i]
+        m = s.plan[l][0]
+        if m > n:  # sources completed inside the group (Full AttnRes): attend to them, merge
+            q = self._group_queries(l, l + 1)
+            kw = s.key_norm_weight[l:l + 1] if s.key_norm else None
+            (h2,), lse2 = self._phase1_over(n, m, q, kw)
+            h, lse = self.ops.merge(DepthStats(h, lse), DepthStats(h2, lse2[:, :, 0]), s.kernel)
+        if self.partial is None:
+            return h.to(self.sources[0].dtype)
+        return self._merge_partial(l, DepthStats(h, lse), i)
+
+    def state_bytes(self) -> int:
+        held = [self.buffer] + ([self.inv_rms] if self.inv_rms is not None else [])
+        return sum(t.numel() * t.element_size() for t in held)
+
+    # the cache: the buffer, the inverse RMS, and the current group's statistics if it has begun
+    def _derived(self) -> List[Tensor]:
+        return [self.buffer] + ([self.inv_rms] if self.inv_rms is not None else [])
+
+    def _cache(self) -> Sequence[Tensor]:
+        cache = self._derived()
+        if self._handed:
+            cache += list(self._handed)
+        elif self._phase1 is not None and self._phase1[0] == self.scheme.group_start[self._next]:
+            _, h1, lse, queries = self._phase1
+            cache += [*h1, lse] + ([queries] if queries is not None else [])
+        return tuple(cache)
+
+    def _restore(self, cache: Sequence[Tensor]) -> None:
+        own = self._restore_derived(cache)
+        self._handed = tuple(cache[own:])
+
+    def _restore_derived(self, cache: Sequence[Tensor]) -> int:
+        """Take the derived tensors from the front of ``cache``; returns how many."""
+        self.buffer = cache[0]
+        if self.scheme.key_norm and self.keeps_inv_rms:
+            self.inv_rms = cache[1]
+            return 2
+        return 1
+
+
+class TokenQueryTwoPhaseStream(TwoPhaseStream):
+    """Two-phase with low-rank per-token queries q = w + U V h (Block AttnRes): their input is the
+    block's input, the last completed source, so all S queries of a block are known at its start
+    (``attnres.ops.token_queries``). Keys are normalised inside its ops: no inverse-RMS buffer."""
+
+    keeps_inv_rms = False  # the token-query ops normalise their keys themselves
+
+    def _run_phase1(self, start: int, stop: int, n: int) -> tuple:
+        s = self.scheme
+        key_weights = s.key_norm_weight[start:stop] if s.key_norm else None
+        queries = low_rank_queries(s.queries[start:stop], s.query_up[start:stop], s.query_down[start:stop],
+                                   self.sources[n - 1])
+        if s.heads > 1:
+            queries = queries.unflatten(-1, (s.heads, -1))
+        h1, lse = self.ops.phase1_token(self.sources[:n], queries, key_weights, eps=s.eps, kernel=s.kernel)
+        return (start, h1, lse, queries)
+
+    def _merge_partial(self, l: int, stats: DepthStats, i: int) -> Tensor:
+        s = self.scheme
+        queries = self._phase1[3]
+        return self.ops.merge_partial_token(stats, self.partial, queries[:, :, i], self._key_weight(l),
+                                            s.eps, s.kernel)
+
+
+def compiled_form(embedding: Tensor) -> bool:
+    """Whether a stream is traced by torch.compile for training or prefill. Such a stream keeps no
+    buffer and runs ``COMPILED_OPS``: under the compiler, row writes into a buffer become copies
+    of it, the partitioner keeps a version of it per read for backward, and matrix products in the
+    hand-written backwards cannot fuse (``attnres.ops.two_phase.compiled``). A compiled one-token
+    step without gradients (decoding) keeps the buffer: it decoded faster (docs/performance.md)."""
+    return torch.compiler.is_compiling() and (torch.is_grad_enabled() or embedding.shape[1] > 1)
+
+
+class CompiledTwoPhaseStream(TwoPhaseStream):
+    """Two-phase as torch.compile traces it for training and prefill: Phase 1 reads the sources as
+    separate tensors (``attnres.ops.two_phase.compiled``), which the compiler fuses and
+    differentiates without copies; with gradients, Phase 1 is recomputed in backward."""
+
+    ops = COMPILED_OPS
+    buffer = None  # type: ignore[assignment]  # the point of this form: no buffer
+    # inverse RMS of each completed source, as autograd tensors (with key norm)
+    source_inv_rms: Optional[List[Tensor]] = None
+
+    def __init__(self, scheme, sources: Sequence[Tensor], partial: Optional[Tensor] = None,
+                 cache: Sequence[Tensor] = ()):
+        self.recompute_phase1 = torch.is_grad_enabled()
+        super().__init__(scheme, sources, partial, cache)
+
+    def _allocate(self, embedding: Tensor) -> None:
+        if self.scheme.key_norm:
+            self.source_inv_rms = []
+
+    def _add_source(self, v: Tensor) -> None:
+        if self.source_inv_rms is not None:
+            self.source_inv_rms.append(inverse_rms(v, self.scheme.eps))
+        DepthAttentionStream._add_source(self, v)
+
+    def _phase1_over(self, a: int, b: int, queries: Tensor, key_weights: Optional[Tensor]):
+        inv = self.source_inv_rms[a:b] if self.source_inv_rms is not None else None
+        kernel = self.scheme.kernel
+        if self.recompute_phase1:
+            # from the sources, which backward keeps anyway. Kept instead, a block's stacked
+            # outputs (Block) or a group's and the in-group attentions (Full) are what made
+            # AttnRes keep more for backward than prenorm (`attnres bench graph`, docs/performance.md)
+            return checkpoint(self.ops.phase1_sources, self.sources[a:b], inv, queries, key_weights,
+                              kernel=kernel, use_reentrant=False)
+        return self.ops.phase1_sources(self.sources[a:b], inv, queries, key_weights, kernel=kernel)
+
+    def state_bytes(self) -> int:
+        held = list(self.sources) + (self.source_inv_rms or [])
+        return sum(t.numel() * t.element_size() for t in held)
+
+    def _derived(self) -> List[Tensor]:
+        return list(self.source_inv_rms or [])
+
+    def _restore_derived(self, cache: Sequence[Tensor]) -> int:
+        if not self.scheme.key_norm:
+            return 0
+        n = len(self.sources)
+        self.source_inv_rms = list(cache[:n])
+        return n
+
+
+def stream_class(scheme, embedding: Tensor) -> type:
+    """The form a ``DepthAttentionResidual`` runs (``attnres_impl``, its weights, the compiler)."""
+    if scheme.weights_kind == "scalar":
+        return ScalarMixStream
+    if scheme.impl == "reference":
+        return DepthAttentionStream
+    # Phase 1 needs every query of a group known when it starts: pseudo-queries, and low-rank queries
+    # in Block AttnRes (their input is the block's input); Full AttnRes' per-sublayer low-rank
+    # queries, full-rank input-dependent queries and windows read one sublayer at a time
+    two_phase = scheme.impl == "two_phase" and scheme.window is None and (
+        scheme.weights_kind == "pseudo_query"
+        or (scheme.weights_kind == "low_rank_query" and scheme.block_size > 1))
+    if not two_phase:
+        return FusedStream
+    if scheme.weights_kind == "low_rank_query":
+        return TokenQueryTwoPhaseStream
+    return CompiledTwoPhaseStream if compiled_form(embedding) else TwoPhaseStream
