@@ -80,6 +80,11 @@ def block_sizes(config) -> List[int]:
     return equal_block_sizes(config.n_sublayers, block_size(config))
 
 
+def full_block_sizes(config) -> List[int]:
+    """Full AttnRes: every sublayer output is its own source (S = 1)."""
+    return [1] * config.n_sublayers
+
+
 def group_size(config) -> int:
     """G for Full AttnRes' two-phase schedule: ``attnres_group_size``, else round(sqrt(L))."""
     if config.attnres_group_size is not None:
@@ -223,9 +228,9 @@ class DepthAttentionResidual(ResidualScheme):
         super().__init__()
         d, L = config.d_model, config.n_sublayers
         self.d_model, self.n_sublayers = d, L
-        self.block_size = config.block_size  # the largest block (uneven blocks: see block_sizes)
-        self.block_sizes = config.block_sizes
-        self.num_blocks = config.num_blocks
+        self.block_sizes = full_block_sizes(config) if config.residual == "full" else block_sizes(config)
+        self.block_size = max(self.block_sizes)  # the largest block (uneven blocks: see block_sizes)
+        self.num_blocks = len(self.block_sizes)
         self.heads = config.attnres_heads
         self.weights_kind = config.attnres_weights
         self.kernel = config.attnres_kernel
@@ -242,7 +247,7 @@ class DepthAttentionResidual(ResidualScheme):
             self.block_start.append(self.block_start[-1] if partial else l)
         # the first sublayer of each sublayer's Phase-1 group: its depth block, or for Full AttnRes
         # G consecutive sublayers (their later sources are merged in per sublayer)
-        group = config.group_size
+        group = group_size(config) if config.residual == "full" else 1
         self.grouped = self.block_size == 1 and group > 1
         self.group_start = [(l // group) * group if l < L else L for l in range(L + 1)] \
             if self.grouped else list(self.block_start)

@@ -14,9 +14,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
 
-def bad_option(field: str, value: Any, allowed: str) -> ValueError:
-    """The one error format of config validation: field, value, and what would be valid."""
-    return ValueError(f"ModelConfig.{field}={value!r} is invalid: {allowed}")
+def bad_option(field: str, value: Any, allowed: str, owner: str = "ModelConfig") -> ValueError:
+    """The one error format of config validation: field, value, and what would be valid. ``owner``:
+    the class whose field it is (``ResidualConfig`` for a scheme built without a model)."""
+    return ValueError(f"{owner}.{field}={value!r} is invalid: {allowed}")
 
 
 def is_positive_int(value) -> bool:
@@ -82,7 +83,7 @@ def check_scheme_options(config, registry: Mapping[str, Any], selector: str = "r
             names = " or ".join(repr(s) for s in schemes)
             raise bad_option(option_name, value,
                              f"applies to {selector}={names} only ({selector}={chosen!r}); "
-                             f"drop it or set {selector}={names.split(' or ')[0]}")
+                             f"drop it or set {selector}={names.split(' or ')[0]}", owner=type(config).__name__)
         problem = option.check(value, config)
         if problem is not None:
-            raise bad_option(option_name, value, problem)
+            raise bad_option(option_name, value, problem, owner=type(config).__name__)
