@@ -10,8 +10,13 @@ import importlib
 
 __version__ = "0.1.0"
 _HOMES = {"AttnResLM": "attnres.model", "LMOutput": "attnres.model", "ModelConfig": "attnres.model",
-          "depth_attention": "attnres.ops", "merge_stats": "attnres.ops", "RESIDUALS": "attnres.residual"}
-__all__ = ["AttnResLM", "LMOutput", "ModelConfig", "RESIDUALS", "depth_attention", "merge_stats"]
+          "depth_attention": "attnres.ops", "merge_stats": "attnres.ops", "RESIDUALS": "attnres.residual",
+          # your own model (docs/own_model.md)
+          "BlockAttnRes": "attnres.residual", "FullAttnRes": "attnres.residual",
+          "residual_scheme": "attnres.residual", "DepthState": "attnres.residual",
+          "ResidualScheme": "attnres.residual"}
+__all__ = ["AttnResLM", "BlockAttnRes", "DepthState", "FullAttnRes", "LMOutput", "ModelConfig", "RESIDUALS",
+           "ResidualScheme", "depth_attention", "merge_stats", "residual_scheme"]
 
 
 def __getattr__(name):
