@@ -1,0 +1,85 @@
+"""The repository stays lean: no tracked file over 2 MiB, and the tracked files together at most 10 MiB.
+
+Tracked means ``git ls-files``; a file's size is its size in the working tree (what a checkout holds,
+a symlink counted as the link). Outside a git checkout of this repository (an sdist, an installed
+copy, no git) the tests skip. Experiment runs are committed thinned: ``scripts/downsample_runs.py``
+(see experiments/README.md).
+"""
+import os
+import shutil
+import stat
+import subprocess
+from collections import Counter
+from pathlib import Path
+from typing import Dict
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+MiB = 1 << 20
+MAX_FILE = 2 * MiB
+MAX_TOTAL = 10 * MiB
+
+
+def _mib(n: int) -> str:
+    return f"{n / MiB:.2f} MiB"
+
+
+def tracked_sizes(root: Path = ROOT) -> Dict[str, int]:
+    """path -> bytes of every tracked file present in the working tree; skips outside a checkout."""
+    git = shutil.which("git")
+    if git is None:
+        pytest.skip("git is not installed")
+    try:
+        top = subprocess.run([git, "rev-parse", "--show-toplevel"], cwd=root, capture_output=True,
+                             text=True, timeout=60)
+        if top.returncode != 0 or Path(top.stdout.strip()).resolve() != root.resolve():
+            pytest.skip(f"{root} is not the top of a git checkout")
+        listing = subprocess.run([git, "ls-files", "-z"], cwd=root, capture_output=True, check=True,
+                                 timeout=60).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        pytest.skip(f"git ls-files failed: {e}")
+    sizes = {}
+    for raw in listing.split(b"\0"):
+        if not raw:
+            continue
+        name = os.fsdecode(raw)
+        try:
+            st = os.lstat(root / name)
+        except FileNotFoundError:  # deleted in the working tree, deletion not committed yet
+            continue
+        if stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode):  # not a submodule's folder
+            sizes[name] = st.st_size
+    return sizes
+
+
+def biggest(sizes: Dict[str, int], n: int = 10) -> str:
+    """The largest folders (two levels deep) and files, one per line."""
+    folders = Counter()
+    for name, size in sizes.items():
+        folders["/".join(name.split("/")[:-1][:2]) or "."] += size
+    lines = ["largest folders (two levels, everything below them):"]
+    lines += [f"  {_mib(size):>11}  {name}/" for name, size in folders.most_common(n)]
+    lines += ["largest files:"]
+    lines += [f"  {_mib(size):>11}  {name}" for name, size in Counter(sizes).most_common(n)]
+    return "\n".join(lines)
+
+
+@pytest.fixture(scope="module")
+def sizes() -> Dict[str, int]:
+    found = tracked_sizes()
+    assert found, "git ls-files listed no file"
+    return found
+
+
+def test_no_tracked_file_is_over_2_mib(sizes):
+    big = [(size, name) for name, size in sizes.items() if size > MAX_FILE]
+    assert not big, (f"tracked files over {_mib(MAX_FILE)} (keep large data out of git, or thin it):\n"
+                     + "\n".join(f"  {_mib(size):>11}  {name}" for size, name in sorted(big, reverse=True)))
+
+
+def test_tracked_files_total_at_most_10_mib(sizes):
+    total = sum(sizes.values())
+    assert total <= MAX_TOTAL, (
+        f"the {len(sizes)} tracked files take {_mib(total)}, over {_mib(MAX_TOTAL)}; committed experiment "
+        f"runs thin with `python scripts/downsample_runs.py`\n{biggest(sizes)}")
