@@ -57,6 +57,10 @@ class Result:
         ev = sorted(m.get("eval", []), key=lambda r: r["step"])
         est = np.array([r["step"] for r in ev], dtype=float)
         secs = np.interp(est, steps, cum) if len(steps) else np.full(len(est), np.nan)
+        thinned = m.get("downsampled")  # scripts/downsample_runs.py kept the sums of the rows it dropped
+        if thinned and "train_seconds_at_eval" in thinned[0]:
+            at = {int(s): float(x) for s, x in thinned[0]["train_seconds_at_eval"]}
+            secs = np.array([at.get(int(s), np.nan) for s in est], dtype=float)
         return {"step": est, "tokens": np.array([r["tokens"] for r in ev], dtype=float),
                 "seconds": secs, "val_loss": np.array([float(r["val_loss"]) for r in ev], dtype=float)}
 
