@@ -279,14 +279,20 @@ class DepthAttentionResidual(ResidualScheme):
             return 1 + min(self.window, complete - 1)
         return complete + int(partial)
 
+    def prenorm_read_scale(self, l: int) -> float | None:
+        """c, where at init (zero queries: uniform weights) read l returns c times the PreNorm residual
+        sum: 1/K_l for softmax over K_l sources, 1/2 for sigmoid. None where no such c exists: with
+        "states" sources (a mix of running sums) or a window that leaves sources out."""
+        if self.states or (self.window is not None and self.num_sources(l) < self.plan[l][0] + int(self.plan[l][1])):
+            return None
+        return 0.5 if self.kernel == "sigmoid" else 1.0 / self.num_sources(l)
+
     def norm_eps_scale(self, l: int) -> float:
-        """With ``attnres_scale_norm_eps``: c^2, where at init read l returns c times the residual
-        sum (c = 1/K_l for softmax over K_l sources, 1/2 for sigmoid). RMSNorm(c S) with eps c^2
-        is RMSNorm(S) with eps, so a zero-query model computes the PreNorm function exactly."""
-        if not self.scale_norm_eps:
-            return 1.0
-        c = 0.5 if self.kernel == "sigmoid" else 1.0 / self.num_sources(l)
-        return c * c
+        """With ``attnres_scale_norm_eps``: c^2 (``prenorm_read_scale``). RMSNorm(c S) with eps c^2
+        eps is RMSNorm(S) with eps (LayerNorm too), so a zero-query model computes the PreNorm
+        function exactly."""
+        c = self.prenorm_read_scale(l) if self.scale_norm_eps else None
+        return 1.0 if c is None else c * c
 
     def _begin(self, embedding: Tensor) -> Stream:
         return stream_class(self, embedding)(self, [embedding])

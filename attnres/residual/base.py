@@ -253,6 +253,11 @@ class ResidualScheme(nn.Module):
     def _resume(self, history: List[Tensor], state: List[Tensor]) -> Stream:
         raise NotImplementedError
 
+    def prenorm_read_scale(self, l: int) -> Optional[float]:
+        """c, where at initialisation read l returns c times the PreNorm residual sum (1 for PreNorm
+        itself); None where the scheme does not compute a multiple of it at init."""
+        return None
+
     def norm_eps_scale(self, l: int) -> float:
         """Factor on the eps of the norm that reads sublayer l's input (l = L: the final norm); 1
         unless a scheme rescales its reads (AttnRes' ``attnres_scale_norm_eps``)."""

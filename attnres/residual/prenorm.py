@@ -29,6 +29,9 @@ class PreNormResidual(ResidualScheme):
         super().__init__()
         self.n_sublayers = config.n_sublayers
 
+    def prenorm_read_scale(self, l: int) -> float:
+        return 1.0
+
     def _begin(self, embedding: Tensor) -> Stream:
         return PreNormStream(embedding, self.n_sublayers)
 
