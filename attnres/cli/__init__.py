@@ -5,6 +5,7 @@
     attnres sample       generate text from a trained run (attnres.inference)
     attnres demo         prenorm vs Block vs Full AttnRes, trained and reported (experiments/demo.toml)
     attnres schemes      the residual schemes: classification and cost
+    attnres options      every model option: type, default, the scheme or backbone that reads it
     attnres bench        benchmarks: train, op, decode, pipeline (attnres.bench)
     attnres convert      retrofit a Hugging Face LLaMA-family model; native <-> HF (attnres.hf)
     attnres experiment   run a named experiment, resumably (attnres.experiments)
@@ -26,8 +27,8 @@ from typing import List, Optional
 
 # the verb modules, imported by build_parser: importing this package loads no PyTorch, so a Ctrl-C
 # during start-up is caught by main() like any other
-VERB_NAMES = ("train", "evaluate", "sample", "demo", "schemes", "bench", "convert", "experiment", "report",
-              "placement", "plot")
+VERB_NAMES = ("train", "evaluate", "sample", "demo", "schemes", "model_options", "bench", "convert", "experiment",
+              "report", "placement", "plot")
 
 
 def _verbs() -> tuple:

@@ -53,89 +53,12 @@ def check_field_types(config) -> None:
 class ModelConfig:
     """A decoder (LLaMA-style, or Kimi Linear) with a pluggable residual stream.
 
-    Sizes count Transformer blocks (``n_layers`` = L_b); the residual schemes
-    count sublayers (L = 2 * n_layers: one attention and one MLP each).
-
-    ``backbone``: a name from ``attnres.model.backbones.BACKBONES``: "llama" (GQA
-    attention with RoPE, SwiGLU MLP) or "kimi_linear" (transformers' Kimi Linear
-    sublayers; needs ``pip install 'attnres[hf]'``). The Kimi Linear fields apply to
-    "kimi_linear" only (setting one for "llama" is an error), and ``rope_theta`` to
-    "llama" only:
-    - ``kimi_layer_pattern``: each layer's attention, "K" (Kimi Delta Attention) or
-      "M" (multi-head latent attention), repeated over the layers; "KKKM" (3:1, the
-      paper's) by default.
-    - ``kda_heads``, ``kda_head_dim``, ``kda_conv_kernel``: KDA heads (default
-      n_heads), head width (default d_model // n_heads), short-convolution width.
-    - ``mla_kv_rank`` (latent key/value rank, default d_model // 2), ``mla_q_rank``
-      (None: uncompressed queries), ``mla_qk_nope_dim`` / ``mla_v_dim`` (per-head
-      query-key and value widths, default d_model // n_heads), ``mla_qk_rope_dim``
-      (the key part shared by all heads; half the head width by default; Kimi Linear
-      applies no rotation to it). MLA uses ``n_heads``; ``n_kv_heads`` must equal it.
-    - ``moe_experts`` (0: a dense SwiGLU MLP of width ``d_ff`` everywhere), ``moe_top_k``,
-      ``moe_shared_experts``, ``moe_d_ff`` (expert width; default
-      ceil(d_ff / (top_k + shared))), ``moe_dense_layers`` (leading layers that keep
-      the dense MLP), ``moe_routed_scale`` and ``moe_renormalize`` (transformers'
-      ``routed_scaling_factor`` / ``norm_topk_prob``), ``moe_bias_update_rate``
-      (aux-loss-free balancing: after each training step every expert's routing
-      bias moves by this much toward the mean load; 0: off).
-
-    Residual options (docs/method.md §3-5):
-    - ``residual``: a name from ``attnres.residual.RESIDUALS``
-      ("prenorm", "full", "block", and the rival schemes "rezero",
-      "layerscale", "highway", "denseformer", "mudd", "hyper", "mhc", "gated").
-    - ``attnres_blocks`` (N) or ``attnres_block_size`` (S, in sublayers) for
-      "block". Give at most one. With neither, S is the smallest even size
-      that yields at most 8 depth blocks (boundaries before attention, the
-      paper's default). With N, S = ceil(L / N) and the last block is shorter
-      when L is not divisible; an N that no such S can produce is an error.
-    - ``attnres_block_sizes``: explicit, possibly uneven, depth blocks for
-      "block": a list of sizes in sublayers that sums to L (instead of N or S).
-    - ``attnres_weights``: "pseudo_query" (the method), "input_query"
-      (q_l = W_l h from the most recent source, W zero-init), "low_rank_query"
-      (q_l = w_l + U_l V_l h, h the most recent completed source, rank
-      ``attnres_query_rank``, U zero-init), or "scalar" (input-independent
-      mixing: a learned logit per (sublayer, source)).
-    - ``attnres_sources``: "outputs" (the paper: sublayer outputs / their block
-      sums) or "states" (running residual sums at block boundaries; not from
-      the paper, docs/method.md §5).
-    - ``attnres_kernel``: "softmax" or "sigmoid".
-    - ``attnres_key_norm``: RMSNorm on the keys (on by default).
-    - ``attnres_heads``: per-head channel groups with their own weights.
-    - ``attnres_window``: Full AttnRes over the embedding plus the last W
-      sources only ("full" alone).
-    - ``attnres_group_size``: for "full" with the two-phase implementation, the
-      number G of consecutive sublayers whose queries share one Phase-1 pass
-      over the sources completed before them (docs/method.md §6's grouping; exact, it only
-      changes speed). Default: round(sqrt(L)).
-    - ``attnres_scale_norm_eps``: scale the eps of each sublayer's pre-norm (and
-      of the final norm) by c^2, where c S is what it reads at init (c = 1/K_l
-      for softmax over K_l sources, 1/2 for sigmoid). A zero-query model then
-      equals its PreNorm counterpart exactly instead of up to eps
-      (RMSNorm(c S) with eps c^2 is RMSNorm(S) with eps); the retrofit of
-      pretrained models turns it on. Full and Block only.
-    - ``attnres_impl``: "two_phase" (default: docs/method.md §6's batched Phase 1 per depth
-      block, in training too; falls back to "fused" where queries depend on
-      the input or a window drops sources; scalar mixing is a plain weighted
-      sum under every impl), "fused" (one memory-lean custom-autograd op per sublayer) or
-      "reference" (plain autograd over a stacked source list).
-
-    Which scheme reads which option, and how each is checked, is the registry's
-    business (``attnres.residual.RESIDUALS``): this class validates the decoder's
-    own fields and asks the registry about the rest.
-
-    Rival-scheme options (each applies to its own scheme only; setting one for
-    another scheme is an error):
-    - ``layerscale_init``: LayerScale's initial lambda (default None: CaiT's
-      rule on n_layers, 0.1 up to 18 blocks, 1e-5 up to 24, 1e-6 beyond).
-    - ``highway_rank``: rank r of the Highway gate matrix W_g = U V
-      (default None: a full d x d matrix); 1 <= r < d_model.
-    - ``denseformer_dilation`` (k, default 1) and ``denseformer_period``
-      (p, default 1): the DWA after Transformer block I exists when p divides I
-      and reads the block outputs j <= I with j = I (mod k).
-    - ``hyper_streams`` (n, default 4) and ``hyper_dynamic`` (default True:
-      DHC; False: static SHC) for Hyper-Connections.
-    - ``mhc_streams`` (n, default 4) and ``mhc_sinkhorn_iters`` (default 20).
-    - ``gated_heads`` (H, default 8): heads of the "gated" rival's depth attention.
+    Sizes count Transformer blocks (``n_layers`` = L_b); the residual schemes count sublayers
+    (L = 2 * n_layers: one attention and one MLP each). Which fields the chosen backbone
+    (``attnres.model.backbones.BACKBONES``) and residual scheme (``attnres.residual.RESIDUALS``)
+    read, and how each is checked, is their registries' business; every field's one-line
+    description is in ``FIELD_DOCS`` below. ``attnres options`` prints them all as one table
+    (docs/options.md).
     """
 
     backbone: str = "llama"
@@ -268,3 +191,71 @@ class ModelConfig:
         if unknown:
             raise ValueError(f"unknown ModelConfig fields {unknown}; known fields: {sorted(known)}")
         return cls(**data)
+
+
+# One line per field: what it means. ``attnres options`` (attnres.model.options_table) prints them with
+# each field's type, default and the scheme or backbone that reads it (docs/options.md).
+FIELD_DOCS: dict[str, str] = {
+    "backbone": "the decoder's sublayers: a BACKBONES entry",
+    "vocab_size": "tokens in the vocabulary",
+    "d_model": "width d of the residual stream",
+    "n_layers": "Transformer blocks L_b (L = 2 L_b sublayers: attention and MLP)",
+    "n_heads": "attention heads",
+    "n_kv_heads": "key/value heads of grouped-query attention (None: n_heads)",
+    "d_ff": "hidden width of the dense SwiGLU MLP (None: about 8d/3, rounded up to a multiple of 32)",
+    "max_seq_len": "longest sequence (rotary tables, caches)",
+    "rope_theta": "RoPE base (the llama backbone only; Kimi Linear's MLA has no rotary positions)",
+    "norm_eps": "eps of every RMSNorm",
+    "tie_embeddings": "share the embedding and the output head (not under pipeline parallelism)",
+    "init_std": "standard deviation of the initial weights",
+    "residual": "the residual scheme: a RESIDUALS entry (`attnres schemes`)",
+    "attnres_blocks": "Block AttnRes: N depth blocks (S = ceil(L / N), the last block shorter); "
+                      "give at most one of N, S, the sizes",
+    "attnres_block_size": "Block AttnRes: S sublayers per depth block (None with N unset: the smallest "
+                          "even S giving at most 8 blocks)",
+    "attnres_weights": "the depth query: pseudo_query (the method), input_query (q = W h, W zero-init), "
+                       "low_rank_query (q = w + U V h, U zero-init) or scalar (one logit per sublayer and source)",
+    "attnres_kernel": "softmax (normalised depth weights) or sigmoid (independent ones)",
+    "attnres_key_norm": "RMSNorm on the keys",
+    "attnres_heads": "per-head channel groups with their own depth weights (the key norm spans all of d)",
+    "attnres_window": "Full AttnRes over the embedding and the last W sources only",
+    "attnres_group_size": "Full AttnRes, two-phase: G sublayers share one Phase-1 pass (exact; None: round(sqrt L))",
+    "attnres_scale_norm_eps": "scale each pre-norm's eps by c^2 (c: the init weight of a source) so that a "
+                              "zero-query model equals PreNorm exactly; the retrofit turns it on",
+    "attnres_impl": "two_phase (batched Phase 1 per depth block, docs/method.md §6), fused (one op per "
+                    "sublayer) or reference (plain autograd over a stacked history)",
+    "attnres_sources": "outputs (the paper: sublayer outputs, block sums) or states (running residual sums; "
+                       "docs/method.md §5)",
+    "attnres_block_sizes": "Block AttnRes: explicit, possibly uneven depth blocks, sublayers per block, summing to L",
+    "attnres_query_rank": "rank r of low_rank_query, 1 <= r < d",
+    "layerscale_init": "LayerScale's initial lambda (None: CaiT's rule by depth: 0.1 up to 18 blocks, "
+                       "1e-5 up to 24, 1e-6 beyond)",
+    "highway_rank": "rank r of the Highway gate W_g = U V (None: a full d x d matrix)",
+    "denseformer_dilation": "DenseFormer: the average after block I reads block outputs j <= I with "
+                            "j = I (mod k)",
+    "denseformer_period": "DenseFormer: an average after every p-th block",
+    "hyper_streams": "Hyper-Connections: n residual streams",
+    "hyper_dynamic": "Hyper-Connections: input-dependent (DHC) or static (SHC) weights",
+    "mhc_streams": "mHC: n residual streams",
+    "mhc_sinkhorn_iters": "mHC: Sinkhorn iterations of the doubly stochastic mixer",
+    "gated_heads": "heads H of the gated rival's depth attention",
+    "kimi_layer_pattern": "each layer's attention, K (Kimi Delta Attention) or M (multi-head latent "
+                          "attention), repeated over the layers",
+    "kda_heads": "KDA heads (None: n_heads)",
+    "kda_head_dim": "KDA head width (None: d_model // n_heads)",
+    "kda_conv_kernel": "KDA short-convolution width",
+    "mla_kv_rank": "MLA latent key/value rank (None: d_model // 2)",
+    "mla_q_rank": "MLA query rank (None: uncompressed queries)",
+    "mla_qk_nope_dim": "MLA per-head query-key width without position (None: d_model // n_heads)",
+    "mla_qk_rope_dim": "MLA key part shared by all heads (None: half the head width; no rotation applied)",
+    "mla_v_dim": "MLA per-head value width (None: d_model // n_heads)",
+    "moe_experts": "routed experts (0: a dense SwiGLU MLP of width d_ff everywhere)",
+    "moe_top_k": "experts each token is routed to",
+    "moe_shared_experts": "experts every token passes through",
+    "moe_d_ff": "expert width (None: ceil(d_ff / (top_k + shared)))",
+    "moe_dense_layers": "leading layers that keep the dense MLP",
+    "moe_routed_scale": "scale of the routed experts' sum (transformers' routed_scaling_factor)",
+    "moe_renormalize": "renormalise the top-k routing weights (transformers' norm_topk_prob)",
+    "moe_bias_update_rate": "aux-loss-free balancing: after each step every routing bias moves this much "
+                            "toward the mean load (0: off)",
+}
