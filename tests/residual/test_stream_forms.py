@@ -1,0 +1,114 @@
+"""Every form of the AttnRes stream (attnres/residual/depth_streams.py) against the reference stream, in
+float64 with stand-in sublayers: the sublayer inputs, the output and the gradients; and a stream handed
+from sublayer to sublayer as a DepthState (with the fast forms' cache, and without it) computes the same."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from reference import randomize
+
+from attnres.residual import BlockAttnRes, DepthState, FullAttnRes
+from attnres.residual import attnres as attnres_scheme
+from attnres.residual import depth_streams as forms
+
+D, L = 8, 6
+
+# (scheme, the form it must run); each builds its scheme fresh so parameters are seeded the same way
+CASES = {
+    "scalar": (lambda: BlockAttnRes(D, L, block_size=2, weights="scalar"), forms.ScalarMixStream),
+    "fused": (lambda: BlockAttnRes(D, L, block_size=2, impl="fused"), forms.FusedStream),
+    "fused_window": (lambda: FullAttnRes(D, L, window=2), forms.FusedStream),
+    "two_phase_block": (lambda: BlockAttnRes(D, L, block_sizes=[1, 3, 2]), forms.TwoPhaseStream),
+    "two_phase_full_grouped": (lambda: FullAttnRes(D, L, group_size=3), forms.TwoPhaseStream),
+    "two_phase_heads_sigmoid": (lambda: BlockAttnRes(D, L, block_size=4, heads=2, kernel="sigmoid"),
+                                forms.TwoPhaseStream),
+    "token_queries": (lambda: BlockAttnRes(D, L, block_size=3, weights="low_rank_query", query_rank=2),
+                      forms.TokenQueryTwoPhaseStream),
+    "compiled": (lambda: BlockAttnRes(D, L, block_size=4), forms.CompiledTwoPhaseStream),
+    "compiled_full": (lambda: FullAttnRes(D, L, group_size=2, key_norm=False), forms.CompiledTwoPhaseStream),
+}
+
+
+def scheme_for(case: str):
+    torch.manual_seed(0)
+    scheme = CASES[case][0]().double()
+    randomize(scheme)
+    return scheme
+
+
+def sublayers():
+    g = torch.Generator().manual_seed(5)
+    weights = [torch.randn(D, D, generator=g, dtype=torch.float64) / D ** 0.5 for _ in range(L)]
+    return [lambda h, w=w: torch.tanh(h @ w) for w in weights]
+
+
+def run(scheme, x, handover: str = "none"):
+    """(inputs h_l, output) of one pass; ``handover``: "none" (one stream), "cache" (a new stream from
+    the DepthState after every sublayer) or "plain" (the same without the cache)."""
+    inputs = []
+    stream = scheme.begin(x)
+    for f in sublayers():
+        if handover != "none":
+            depth = stream.depth()
+            if handover == "plain":
+                depth = DepthState(depth.at, depth.history, depth.state)
+            stream = scheme.stream(depth)
+        h = stream.read()
+        inputs.append(h)
+        stream.write(None, f(h))
+    return inputs, stream.end()
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_each_form_matches_the_reference_stream(case, monkeypatch):
+    # the compiled form runs here as eager code: what torch.compile traces, without the compiler
+    if CASES[case][1] is forms.CompiledTwoPhaseStream:
+        monkeypatch.setattr(forms, "compiled_form", lambda embedding: True)
+    scheme = scheme_for(case)
+    x = torch.randn(2, 3, D, dtype=torch.float64, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    assert type(scheme.begin(x)) is CASES[case][1]
+    got_inputs, got = run(scheme, x)
+    (got.square().sum() + sum(h.sum() for h in got_inputs)).backward()
+    got_grads = {n: p.grad.clone() for n, p in scheme.named_parameters()}
+    got_x = x.grad.clone()
+
+    reference = scheme_for(case)
+    monkeypatch.setattr(attnres_scheme, "stream_class",
+                        lambda s, e: forms.ScalarMixStream if case == "scalar" else forms.DepthAttentionStream)
+    x.grad = None
+    want_inputs, want = run(reference, x)
+    (want.square().sum() + sum(h.sum() for h in want_inputs)).backward()
+    for a, b in zip(got_inputs, want_inputs):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(got_x, x.grad, rtol=1e-9, atol=1e-12)
+    for n, p in reference.named_parameters():
+        torch.testing.assert_close(got_grads[n], p.grad, rtol=1e-9, atol=1e-12, msg=n)
+
+
+@pytest.mark.parametrize("handover", ["cache", "plain"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_stream_handed_over_after_every_sublayer_computes_the_same(case, handover, monkeypatch):
+    if CASES[case][1] is forms.CompiledTwoPhaseStream:
+        monkeypatch.setattr(forms, "compiled_form", lambda embedding: True)
+    scheme = scheme_for(case)
+    x = torch.randn(2, 3, D, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    want_inputs, want = run(scheme, x)
+    got_inputs, got = run(scheme, x, handover)
+    for a, b in zip(got_inputs, want_inputs):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-13)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-13)
+
+
+def test_the_cache_carries_the_group_statistics_so_phase1_runs_once_per_group():
+    scheme = scheme_for("two_phase_block")  # blocks of 1, 3, 2 sublayers: three Phase-1 groups + the final read
+    calls = []
+    stream = scheme.begin(torch.randn(1, 2, D, dtype=torch.float64))
+    phase1 = stream.ops.phase1
+    for f in sublayers():
+        stream = scheme.stream(stream.depth())
+        stream.ops = dataclasses.replace(stream.ops, phase1=lambda *a, **k: calls.append(1) or phase1(*a, **k))
+        stream.write(None, f(stream.read()))
+    assert len(calls) == 3
