@@ -25,6 +25,9 @@ from attnres.ops.common import apply_function, autocast_off, compute_dtype, spli
 from attnres.ops.depth_attention.reference import (
     DepthAttentionOutput,
     check_kernel,
+    check_query,
+    check_sources,
+    check_vector,
     depth_attention_reference,
     is_per_token,
     query_heads,
@@ -255,8 +258,9 @@ def depth_attention(
     check_kernel(kernel)
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r} is not supported; use one of {IMPLS}")
-    if sources.dim() != 4:
-        raise ValueError(f"sources must be [K, B, T, D]; got shape {tuple(sources.shape)}")
+    check_sources(sources)
+    check_query(query, sources)
+    check_vector(key_weight, "key_weight", sources)
     if return_stats and kernel != "softmax":
         raise ValueError("return_stats needs kernel='softmax': sigmoid weights have no normaliser")
     if return_weights or return_stats or impl == "reference":

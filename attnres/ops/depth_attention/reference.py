@@ -65,6 +65,70 @@ def check_kernel(kernel: str) -> None:
         raise ValueError(f"kernel={kernel!r} is not supported; use one of {KERNELS}")
 
 
+# ----------------------------------------------------------------------------- argument checks
+# What the public ops check before computing: types, ranks, shapes, dtypes and devices, from tensor
+# metadata only (no data is read, nothing synchronises, torch.compile traces straight through).
+
+
+def check_sources(sources, name: str = "sources") -> None:
+    """``sources`` is one floating tensor [K, B, T, D] holding at least one source."""
+    if not isinstance(sources, Tensor):
+        if isinstance(sources, (list, tuple)):
+            raise TypeError(
+                f"{name} must be one tensor [K, B, T, D]; got a {type(sources).__name__} of {len(sources)} "
+                f"items: pass torch.stack({name}) (the K sources [B, T, D] stacked along a new dim 0)")
+        raise TypeError(f"{name} must be a tensor [K, B, T, D]; got {type(sources).__name__}")
+    if sources.dim() != 4:
+        hint = (" (one [B, T, D] tensor: add the source dim with unsqueeze(0), or stack K of them)"
+                if sources.dim() == 3 else "")
+        raise ValueError(f"{name} must be [K, B, T, D] (K sources of [B, T, D]); got shape "
+                         f"{tuple(sources.shape)}{hint}")
+    if sources.shape[0] == 0:
+        raise ValueError(f"{name} must hold at least one source; got shape {tuple(sources.shape)} (K = 0)")
+    if not sources.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor; got dtype {sources.dtype}")
+
+
+def check_companion(x, name: str, expected: str, sources: Tensor, optional: bool = False) -> None:
+    """``x`` (a query or a weight read with ``sources``) is a floating tensor on the sources' device.
+    ``expected``: its expected shape, in words, for the messages."""
+    if x is None and optional:
+        return
+    if not isinstance(x, Tensor):
+        what = "a tensor" + (" or None" if optional else "")
+        raise TypeError(f"{name} must be {what} of shape {expected}; got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor; got dtype {x.dtype}")
+    if x.device != sources.device:
+        raise ValueError(f"{name} is on {x.device} but sources are on {sources.device}; move it with "
+                         f"{name}.to(sources.device)")
+
+
+def check_query(query, sources: Tensor, name: str = "query") -> None:
+    """``query`` is [D], [H, D/H], or per token [B, T, D] / [B, T, H, D/H] for sources [K, B, T, D]."""
+    _, b, t, d = sources.shape
+    expected = f"[D] = [{d}], [H, D/H] with H * D/H = {d}, or per token [B, T, D] = [{b}, {t}, {d}] / [B, T, H, D/H]"
+    check_companion(query, name, expected, sources)
+    rank = query.dim()
+    ok = rank in (1, 2, 3, 4)
+    if ok and rank >= 3:
+        ok = tuple(query.shape[:2]) == (b, t)
+    if ok and rank in (1, 3):
+        ok = query.shape[-1] == d
+    if ok and rank in (2, 4):
+        ok = query.shape[-2] * query.shape[-1] == d
+    if not ok:
+        raise ValueError(f"{name} must be {expected}; got shape {tuple(query.shape)}")
+
+
+def check_vector(x, name: str, sources: Tensor, optional: bool = True) -> None:
+    """``x`` is one weight per channel, [D], for sources [K, B, T, D] (or None when ``optional``)."""
+    d = sources.shape[-1]
+    check_companion(x, name, f"[D] = [{d}]", sources, optional=optional)
+    if x is not None and tuple(x.shape) != (d,):
+        raise ValueError(f"{name} must be [D] = [{d}] (one weight per source channel); got shape {tuple(x.shape)}")
+
+
 def _expand_heads(x: Tensor, d: int) -> Tensor:
     """Per-head quantity [..., H] -> per-channel [..., D]."""
     return x.repeat_interleave(d // x.shape[-1], dim=-1)
@@ -104,6 +168,9 @@ def depth_attention_reference(
     multi-head query) and, for softmax, ``DepthStats(h, lse [B, T, H])`` in the compute dtype.
     """
     check_kernel(kernel)
+    check_sources(sources)
+    check_query(query, sources)
+    check_vector(key_weight, "key_weight", sources)
     cd = compute_dtype(sources.dtype)
     v = sources.movedim(0, 2).to(cd)  # [B, T, K, D]
     d = v.shape[-1]
