@@ -90,7 +90,7 @@ def inference_inputs() -> dict:
 def test_every_python_block_is_accounted_for():
     """The files whose snippets need stand-ins have the blocks this test gives them; every block, run
     or not, at least compiles."""
-    assert len(blocks(ROOT / "README.md")) == 3, "a new ```python block in README.md: give it its inputs here"
+    assert len(blocks(ROOT / "README.md")) == 4, "a new ```python block in README.md: give it its inputs here"
     assert len(blocks(ROOT / "docs" / "inference.md")) == 1
     assert len(blocks(ROOT / "docs" / "hf.md")) == 2
     for path in FILES:
@@ -108,7 +108,11 @@ def test_every_attnres_command_parses(where, argv):
 
 
 def test_the_readme_snippets_run_and_state_what_they_compute():
-    use_it, op, _ = blocks(ROOT / "README.md")
+    own_model, use_it, op, _ = blocks(ROOT / "README.md")
+    namespace: dict = {}
+    exec(own_model, namespace)  # self-contained
+    shape = re.search(r"(\[[\d, ]+\])", comment_after(own_model, "residual.finish(depth)")).group(1)
+    assert list(namespace["y"].shape) == ast.literal_eval(shape)
     namespace = op_inputs()
     torch.manual_seed(0)
     exec(use_it, namespace)
@@ -185,7 +189,7 @@ def test_the_hugging_face_snippets_run(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     lm = hf_directories(transformers)
     namespace = {"input_ids": torch.randint(0, 96, (1, 5))}
-    exec(blocks(ROOT / "README.md")[2], namespace)
+    exec(blocks(ROOT / "README.md")[3], namespace)
     assert namespace["out"].shape[0] == 1 and Path("llama-attnres/config.json").is_file()
     namespace = {"input_ids": torch.randint(0, 96, (1, 5))}
     exec(blocks(ROOT / "docs" / "hf.md")[0], namespace)
