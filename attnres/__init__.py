@@ -14,9 +14,12 @@ _HOMES = {"AttnResLM": "attnres.model", "LMOutput": "attnres.model", "ModelConfi
           # your own model (docs/own_model.md)
           "BlockAttnRes": "attnres.residual", "FullAttnRes": "attnres.residual",
           "residual_scheme": "attnres.residual", "DepthState": "attnres.residual",
-          "ResidualScheme": "attnres.residual"}
+          "ResidualScheme": "attnres.residual",
+          "param_groups": "attnres.residual.param_groups", "match_prenorm_eps": "attnres.residual.norms",
+          "multi_query_depth_attention": "attnres.ops"}
 __all__ = ["AttnResLM", "BlockAttnRes", "DepthState", "FullAttnRes", "LMOutput", "ModelConfig", "RESIDUALS",
-           "ResidualScheme", "depth_attention", "merge_stats", "residual_scheme"]
+           "ResidualScheme", "depth_attention", "match_prenorm_eps", "merge_stats", "multi_query_depth_attention",
+           "param_groups", "residual_scheme"]
 
 
 def __getattr__(name):

@@ -44,11 +44,11 @@ import torch
 from torch import nn
 
 from attnres.parallel.state import unwrap
+from attnres.residual.param_groups import PARAM_KINDS, parameter_kinds
 
 __all__ = ["PARAM_KINDS", "OPTIMIZER_NAMES", "CombinedOptimizer", "StackedMuon", "build_optimizer",
            "group_parameters"]
 
-PARAM_KINDS = ("matrix", "embedding", "head", "no_decay")
 OPTIMIZER_NAMES = ("adamw", "muon")
 MUON_ADJUST_LR_FNS = ("match_rms_adamw", "original")
 
@@ -56,7 +56,8 @@ _STATE_FORMAT = "attnres.CombinedOptimizer/1"
 
 
 def group_parameters(model: nn.Module) -> dict[str, list[tuple[str, nn.Parameter]]]:
-    """Split the trainable parameters of ``model`` by kind, validating ``param_kinds()``.
+    """Split the trainable parameters of ``model`` by kind: ``model.param_kinds()`` (validated) where the
+    model has it, else the generic rule of ``attnres.param_groups`` (``parameter_kinds``), for any module.
 
     Returns ``{kind: [(name, param), ...]}`` for every kind in :data:`PARAM_KINDS`
     (possibly empty lists), in ``named_parameters()`` order. Frozen parameters
@@ -65,12 +66,7 @@ def group_parameters(model: nn.Module) -> dict[str, list[tuple[str, nn.Parameter
     unknown kind, or marks a non-2-D tensor as ``"matrix"``.
     """
     base = unwrap(model)
-    if not hasattr(base, "param_kinds"):
-        raise ValueError(
-            f"{type(base).__name__} has no param_kinds() method; the optimizer needs it to "
-            "know which parameters are matrices / embeddings / head / no_decay"
-        )
-    kinds = dict(base.param_kinds())
+    kinds = dict(base.param_kinds()) if hasattr(base, "param_kinds") else parameter_kinds(base)
     named = list(base.named_parameters())
     names = {n for n, _ in named}
 
