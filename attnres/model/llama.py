@@ -23,6 +23,7 @@ from attnres.model.backbones import BACKBONES
 from attnres.model.checkpointing import check_checkpointing, run_segments, segment_layers
 from attnres.model.config import ModelConfig
 from attnres.residual import DepthRecord, DepthRecorder, DepthState, ResidualScheme, build_residual, observing
+from attnres.residual.param_groups import parameter_kinds
 
 
 # ----------------------------------------------------------------------------- rotary
@@ -342,20 +343,10 @@ class AttnResLM(nn.Module):
     def param_kinds(self) -> Dict[str, str]:
         """Every parameter name -> "matrix" (hidden weight matrices, and stacks of them such as MoE
         experts: Muon, decayed), "embedding", "head", or "no_decay" (norms, biases, convolution
-        filters, every residual-scheme parameter)."""
-        kinds = {}
-        residual = {f"residual.{n}" for n in self.residual.no_weight_decay()}
-        stacks = set(BACKBONES[self.config.backbone].matrix_stacks(self))
-        for name, p in self.named_parameters():
-            if name == "embed.weight":
-                kinds[name] = "embedding"
-            elif name == "lm_head.weight":
-                kinds[name] = "head"
-            elif name in residual or not (p.dim() == 2 or name in stacks):
-                kinds[name] = "no_decay"
-            else:
-                kinds[name] = "matrix"
-        return kinds
+        filters, every residual-scheme parameter): ``attnres.param_groups``' rule, with the
+        backbone's expert stacks and this model's head named."""
+        return parameter_kinds(self, matrix_stacks=BACKBONES[self.config.backbone].matrix_stacks(self),
+                               head=self.lm_head)
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())

@@ -3,7 +3,8 @@
 - base.py: the interface (``ResidualScheme``, ``Stream``, ``DepthState``, ``StreamOps``);
 - registry.py: ``RESIDUALS``, what each scheme is, its options and their checks, its geometry;
 - config.py: ``ResidualConfig``, what a scheme reads; modules.py: schemes for your own model
-  from plain arguments (``FullAttnRes``, ``BlockAttnRes``, ``residual_scheme``);
+  from plain arguments (``FullAttnRes``, ``BlockAttnRes``, ``residual_scheme``); norms.py: the
+  pre-norm eps that makes a zero-init model PreNorm exactly; param_groups.py: optimizer groups;
 - options.py: scheme options and their validation; observe.py: observers (the depth record,
   residual I/O counting), kept out of the streams' arithmetic;
 - prenorm.py: the PreNorm baseline; attnres.py: Full and Block AttnRes (the scheme), with its
@@ -20,8 +21,10 @@ from attnres.residual.dense import DenseFormerResidual, MUDDResidual
 from attnres.residual.gated import GatedDepthAttentionResidual
 from attnres.residual.hyper import HyperConnectionResidual, ManifoldHyperConnectionResidual, sinkhorn
 from attnres.residual.modules import BlockAttnRes, FullAttnRes, residual_config, residual_scheme
+from attnres.residual.norms import match_prenorm_eps, prenorm_eps_scales
 from attnres.residual.observe import DepthRecord, DepthRecorder, IOCounter, StreamObserver, observing
 from attnres.residual.options import Option
+from attnres.residual.param_groups import param_groups, parameter_kinds
 from attnres.residual.prenorm import PreNormResidual
 from attnres.residual.registry import RESIDUALS, SchemeInfo, build_residual, scheme_options, validate_scheme
 from attnres.residual.scaled import HighwayResidual, LayerScaleResidual, ReZeroResidual
@@ -31,6 +34,7 @@ __all__ = [
     "DepthState", "FullAttnRes", "GatedDepthAttentionResidual", "HighwayResidual", "HyperConnectionResidual",
     "IOCounter", "LayerScaleResidual", "MUDDResidual", "ManifoldHyperConnectionResidual", "Option",
     "PreNormResidual", "ReZeroResidual", "ResidualConfig", "ResidualScheme", "SchemeInfo", "Stream",
-    "StreamObserver", "StreamOps", "build_residual", "observing", "residual_config", "residual_scheme",
-    "scheme_options", "sinkhorn", "source_plan", "validate_scheme",
+    "StreamObserver", "StreamOps", "build_residual", "match_prenorm_eps", "observing", "param_groups",
+    "parameter_kinds", "prenorm_eps_scales", "residual_config", "residual_scheme", "scheme_options", "sinkhorn",
+    "source_plan", "validate_scheme",
 ]
