@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from attnres import checkpoint as ckpt_mod
+from attnres.checkpoint import save as ckpt_mod
 from attnres.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, read_checkpoint_state
 from stand_in import make_model, muon_opt, params_equal, save, train
 
@@ -128,7 +128,7 @@ def test_crash_during_write_keeps_previous_checkpoint(tmp_path, monkeypatch):
 _CRASH_SCRIPT = """
 import os
 from stand_in import make_model, muon_opt, save, train
-from attnres import checkpoint as ckpt_mod
+from attnres.checkpoint import save as ckpt_mod
 model = make_model()
 opt = muon_opt(model)
 train(model, opt, 0, 2)

@@ -224,7 +224,7 @@ def test_a_device_or_directory_given_as_a_file_is_named_as_such(tmp_path, capsys
 
 
 def test_a_hostile_state_json_is_refused_before_the_model_is_allocated(corpus, tmp_path, capsys, monkeypatch):
-    import attnres.checkpoint as checkpoint
+    import attnres.checkpoint.trained as checkpoint
 
     out = tmp_path / "run"
     assert train(corpus, out) == 0
