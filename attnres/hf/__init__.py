@@ -20,7 +20,8 @@ no ``trust_remote_code``:
 - :func:`source_kind` / :func:`convert_directory`: what a model directory holds, and converting it
   (the ``attnres convert`` command).
 
-Modules import one way: ``directories`` -> ``kimi`` -> ``convert`` -> ``modeling`` -> ``configuration``.
+Modules import one way: ``directories`` -> ``kimi`` -> ``convert`` -> ``modeling`` -> ``configuration``,
+``tokenizer``.
 """
 import transformers
 
@@ -31,10 +32,11 @@ if int(transformers.__version__.split(".")[0]) < 5:
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 from attnres.hf.configuration import AttnResConfig  # noqa: E402
-from attnres.hf.convert import ConversionError, convert_to_attnres, hf_tokenizer  # noqa: E402
+from attnres.hf.convert import ConversionError, convert_to_attnres  # noqa: E402
 from attnres.hf.directories import SOURCE_KINDS, convert_directory, source_kind  # noqa: E402
 from attnres.hf.kimi import convert_kimi_linear, register_auto_model, save_kimi_linear  # noqa: E402
 from attnres.hf.modeling import AttnResForCausalLM, AttnResPreTrainedModel, hf_to_native, native_to_hf  # noqa: E402
+from attnres.hf.tokenizer import hf_tokenizer  # noqa: E402
 
 AutoConfig.register(AttnResConfig.model_type, AttnResConfig, exist_ok=True)
 AutoModelForCausalLM.register(AttnResConfig, AttnResForCausalLM, exist_ok=True)

@@ -29,9 +29,9 @@ from attnres.checkpoint import STATE_FILE
 from attnres.data import load_tokenizer
 from attnres.files import CHECKPOINT_DIR, TOKENIZER_FILE
 from attnres.hf.configuration import AttnResConfig
-from attnres.hf.convert import (ConversionError, conversion_error, convert_to_attnres, copy_tokenizer_files,
-                                hf_tokenizer, reading_model)
+from attnres.hf.convert import ConversionError, conversion_error, convert_to_attnres, reading_model
 from attnres.hf.modeling import AttnResForCausalLM, hf_to_native, native_to_hf_with_tokenizer
+from attnres.hf.tokenizer import copy_tokenizer_files, hf_tokenizer
 
 SOURCE_KINDS = ("native", "attnres", "kimi_linear", "pretrained")
 OUTPUT_FORMATS = ("hf", "native", "kimi_linear")

@@ -5,7 +5,7 @@ task is written here, beside its data, so nothing is downloaded: a JSON-lines fi
 validation document per line and a task file (``output_type: loglikelihood_rolling``, the harness's
 perplexity over whole documents, as its wikitext task) that points at it. The harness reports
 ``word_perplexity``, ``byte_perplexity`` and ``bits_per_byte`` of each document's text given the
-tokenizer's eos (our document separator, see ``attnres.hf.convert.special_token_ids``) as its only
+tokenizer's eos (our document separator, see ``attnres.hf.tokenizer.special_token_ids``) as its only
 context at the start.
 
     from lm_eval import simple_evaluate

@@ -31,6 +31,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from attnres.checkpoint import load_model, save_checkpoint
 from attnres.files import TOKENIZER_FILE
 from attnres.hf.configuration import AttnResConfig
+from attnres.hf.tokenizer import special_token_ids
 from attnres.model.llama import AttnResLM, rope_tables
 from attnres.residual import build_residual
 
@@ -318,15 +319,13 @@ def sublayer_inputs(lm: AttnResLM):
 
 def native_to_hf(path, device: str = "cpu", **config_kwargs) -> AttnResForCausalLM:
     """An AttnResForCausalLM from a native run directory or checkpoint directory (``attnres train``).
-    The bos / eos / pad ids come from the run's tokenizer (``attnres.hf.convert.special_token_ids``),
+    The bos / eos / pad ids come from the run's tokenizer (``attnres.hf.tokenizer.special_token_ids``),
     unless ``config_kwargs`` name them; they are also the generation defaults."""
     return native_to_hf_with_tokenizer(path, device, **config_kwargs)[0]
 
 
 def native_to_hf_with_tokenizer(path, device: str = "cpu", **config_kwargs):
     """:func:`native_to_hf` and the run's native tokenizer (None if the directory has none)."""
-    from attnres.hf.convert import special_token_ids
-
     lm, tokenizer, state = load_model(str(path), device=device)
     special = special_token_ids(tokenizer) if tokenizer is not None else {}
     if state["train_config"]:  # kept in config.json: to_native writes it back (see hf_to_native)
