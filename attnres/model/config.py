@@ -88,6 +88,9 @@ class ModelConfig:
     attnres_sources: str = "outputs"
     attnres_block_sizes: Optional[Sequence[int]] = None
     attnres_query_rank: Optional[int] = None
+    attnres_values: str = "raw"
+    attnres_score_scale: Optional[float] = None
+    attnres_read_queries: Optional[Sequence[int]] = None
 
     layerscale_init: Optional[float] = None
     highway_rank: Optional[int] = None
@@ -228,6 +231,10 @@ FIELD_DOCS: dict[str, str] = {
                        "docs/method.md §5)",
     "attnres_block_sizes": "Block AttnRes: explicit, possibly uneven depth blocks, sublayers per block, summing to L",
     "attnres_query_rank": "rank r of low_rank_query, 1 <= r < d",
+    "attnres_values": "raw (the paper, Kimi K3: mix the sources) or normalized (mix RMSNorm(source): Inkling-2)",
+    "attnres_score_scale": "factor on every depth logit (Inkling-2: d_model ** -0.5); none: the paper's unscaled logits",
+    "attnres_read_queries": "queries per read, L + 1 entries: a read with Q > 1 returns Q mixtures [Q, B, T, D] "
+                            "(Inkling-2: 3 before full attention, for its q, k and v inputs)",
     "layerscale_init": "LayerScale's initial lambda (None: CaiT's rule by depth: 0.1 up to 18 blocks, "
                        "1e-5 up to 24, 1e-6 beyond)",
     "highway_rank": "rank r of the Highway gate W_g = U V (None: a full d x d matrix)",

@@ -43,6 +43,7 @@ from attnres.residual.options import Option, boolean, is_positive_int, one_of, p
 WEIGHTS = ("pseudo_query", "input_query", "low_rank_query", "scalar")
 SOURCES = ("outputs", "states")
 KERNELS = ("softmax", "sigmoid")
+VALUES = ("raw", "normalized")
 IMPLS = ("two_phase", "fused", "reference")
 DEFAULT_TARGET_BLOCKS = 8  # the paper's N ≈ 8
 
@@ -172,6 +173,41 @@ def _block_sizes(sizes, config):
     return None
 
 
+def _multi_query_variant(config) -> str | None:
+    """What the multi-query read (normalized values, a score scale, several queries) cannot combine with."""
+    if config.attnres_weights != "pseudo_query":
+        return f"needs attnres_weights='pseudo_query' (attnres_weights={config.attnres_weights!r})"
+    if config.attnres_heads != 1:
+        return f"needs attnres_heads=1 (attnres_heads={config.attnres_heads})"
+    return None
+
+
+def _values(value, config):
+    if value not in VALUES:
+        return f"choose one of {VALUES}"
+    if value == "normalized" and config.attnres_scale_norm_eps:
+        return ("a zero-query read of normalized values is no multiple of the PreNorm sum, so "
+                "attnres_scale_norm_eps cannot make it exact; drop attnres_scale_norm_eps")
+    return _multi_query_variant(config) if value == "normalized" else None
+
+
+def _score_scale(value, config):
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        return "must be a positive number (Inkling-2: d_model ** -0.5) or None"
+    return _multi_query_variant(config)
+
+
+def _read_queries(value, config):
+    n = config.n_sublayers + 1
+    if (not isinstance(value, (list, tuple)) or len(value) != n
+            or not all(is_positive_int(q) for q in value)):
+        return (f"must list {n} positive integers (queries per read: the L={config.n_sublayers} sublayers, then the "
+                "final aggregation)")
+    return _multi_query_variant(config)
+
+
 # read by Full and Block AttnRes; the first five are ignored by every other scheme (so one
 # --set attnres_kernel=sigmoid can apply to a whole prenorm/block/full comparison)
 SHARED_OPTIONS = {
@@ -183,6 +219,9 @@ SHARED_OPTIONS = {
     "attnres_heads": Option(_heads, exclusive=False),
     "attnres_impl": Option(one_of(*IMPLS), exclusive=False),
     "attnres_scale_norm_eps": Option(boolean),
+    "attnres_values": Option(_values),
+    "attnres_score_scale": Option(_score_scale),
+    "attnres_read_queries": Option(_read_queries),
 }
 FULL_OPTIONS = {
     **SHARED_OPTIONS,
@@ -240,6 +279,11 @@ class DepthAttentionResidual(ResidualScheme):
         self.impl = config.attnres_impl
         self.scale_norm_eps = config.attnres_scale_norm_eps
         self.states = config.attnres_sources == "states"
+        # the Inkling-2 variant (docs/own_model.md): normalized values, scaled logits, several queries per read
+        self.values = config.attnres_values
+        self.score_scale = config.attnres_score_scale
+        self.read_queries = list(config.attnres_read_queries or [1] * (L + 1))
+        self.multi_query = self.values != "raw" or self.score_scale is not None or max(self.read_queries) > 1
         self.plan = source_plan(L, self.block_sizes)
         # the first sublayer of each sublayer's depth block (the final aggregation is its own block)
         self.block_start = []
@@ -269,6 +313,10 @@ class DepthAttentionResidual(ResidualScheme):
             self.mix_logits = nn.ParameterList(
                 [nn.Parameter(torch.zeros(self.num_sources(l))) for l in range(n_q)]
             )
+        if max(self.read_queries) > 1:
+            # a read's queries beyond its first, in read order; zero at init like the first
+            self.extra_queries = nn.Parameter(torch.zeros(sum(self.read_queries) - n_q, d))
+            self.extra_start = [sum(q - 1 for q in self.read_queries[:l]) for l in range(n_q)]
         if self.key_norm:
             self.key_norm_weight = nn.Parameter(torch.ones(n_q, d))
 
@@ -282,8 +330,8 @@ class DepthAttentionResidual(ResidualScheme):
     def prenorm_read_scale(self, l: int) -> float | None:
         """c, where at init (zero queries: uniform weights) read l returns c times the PreNorm residual
         sum: 1/K_l for softmax over K_l sources, 1/2 for sigmoid. None where no such c exists: with
-        "states" sources (a mix of running sums) or a window that leaves sources out."""
-        if self.states or (self.window is not None and self.num_sources(l) < self.plan[l][0] + int(self.plan[l][1])):
+        "states" sources (a mix of running sums), normalized values, or a window that leaves sources out."""
+        if self.states or self.values != "raw" or (self.window is not None and self.num_sources(l) < self.plan[l][0] + int(self.plan[l][1])):
             return None
         return 0.5 if self.kernel == "sigmoid" else 1.0 / self.num_sources(l)
 

@@ -40,6 +40,9 @@ class ResidualConfig:
     attnres_sources: str = "outputs"
     attnres_block_sizes: Sequence[int] | None = None
     attnres_query_rank: int | None = None
+    attnres_values: str = "raw"
+    attnres_score_scale: float | None = None
+    attnres_read_queries: Sequence[int] | None = None
     layerscale_init: float | None = None
     highway_rank: int | None = None
     denseformer_dilation: int = 1

@@ -8,6 +8,7 @@ class                       what it changes
 ==========================  ====================================================================
 DepthAttentionStream        the reference: per read, stack the sources and attend (plain autograd)
 ScalarMixStream             scalar mixing (no query, no key norm): a learned softmax per read
+MultiQueryStream            normalized values, scaled logits, several queries per read (Inkling-2)
 FusedStream                 completed sources copied once into a buffer [B, T, N+1, D]; each read
                             is one custom-autograd depth attention over views of it
 TwoPhaseStream              docs/method.md §6 in training too: one Phase-1 pass per depth block
@@ -34,7 +35,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from attnres.ops.common import DepthStats, inverse_rms
-from attnres.ops.depth_attention import depth_attention_reference
+from attnres.ops.depth_attention import depth_attention_reference, multi_query_depth_attention
 from attnres.ops.token_queries import low_rank_queries
 from attnres.residual.base import COMPILED_OPS, Stream
 
@@ -175,6 +176,43 @@ class ScalarMixStream(DepthAttentionStream):
     def _weights(self, l: int) -> Tensor:
         b, t, _ = self.sources[0].shape
         return self._alpha(l)[:, None, None].expand(-1, b, t)
+
+
+class MultiQueryStream(DepthAttentionStream):
+    """The read of Inkling-2 and its relatives: normalized values (``attnres_values``), scaled logits
+    (``attnres_score_scale``) and several queries per read (``attnres_read_queries``), all Q mixtures
+    of a read from one pass over its sources (``attnres.ops.multi_query_depth_attention``). A read
+    with Q > 1 returns [Q, B, T, D]. A read over a single source returns that source (as the raw-value
+    softmax does; Inkling-2 skips the read there)."""
+
+    def _queries(self, l: int) -> Tensor:
+        s = self.scheme
+        first = s.queries[l:l + 1]
+        extra = s.read_queries[l] - 1
+        if not extra:
+            return first
+        start = s.extra_start[l]
+        return torch.cat([first, s.extra_queries[start:start + extra]])
+
+    def _aggregate(self, l: int) -> Tensor:
+        s = self.scheme
+        producers, q = self._producers(l), s.read_queries[l]
+        if len(producers) == 1:
+            h = producers[0]
+            return h if q == 1 else h.expand(q, *h.shape)
+        out = multi_query_depth_attention(torch.stack(producers), self._queries(l), self._key_weight(l), eps=s.eps,
+                                          scale=s.score_scale, values=s.values, kernel=s.kernel)
+        return out[0] if q == 1 else out
+
+    def _weights(self, l: int) -> Tensor:
+        s = self.scheme
+        producers = self._producers(l)
+        if len(producers) == 1:
+            b, t, _ = producers[0].shape
+            return producers[0].new_ones(1, b, t)
+        return multi_query_depth_attention(torch.stack(producers), self._queries(l)[:1], self._key_weight(l),
+                                           eps=s.eps, scale=s.score_scale, values=s.values, kernel=s.kernel,
+                                           return_weights=True).weights[0]
 
 
 class FusedStream(DepthAttentionStream):
@@ -404,6 +442,8 @@ def stream_class(scheme, embedding: Tensor) -> type:
     """The form a ``DepthAttentionResidual`` runs (``attnres_impl``, its weights, the compiler)."""
     if scheme.weights_kind == "scalar":
         return ScalarMixStream
+    if scheme.multi_query:
+        return MultiQueryStream
     if scheme.impl == "reference":
         return DepthAttentionStream
     # Phase 1 needs every query of a group known when it starts: pseudo-queries, and low-rank queries

@@ -20,7 +20,8 @@ from attnres.residual.config import ResidualConfig
 from attnres.residual.registry import RESIDUALS, validate_scheme
 
 # keyword arguments of FullAttnRes / BlockAttnRes -> the ResidualConfig field each sets
-_VARIANTS = ("weights", "query_rank", "sources", "kernel", "key_norm", "heads", "impl", "scale_norm_eps")
+_VARIANTS = ("weights", "query_rank", "sources", "kernel", "key_norm", "heads", "impl", "scale_norm_eps", "values",
+             "score_scale", "read_queries")
 _FULL_ONLY = ("window", "group_size")
 
 

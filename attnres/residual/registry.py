@@ -43,7 +43,8 @@ def _attnres_params(config) -> int:
            "low_rank_query": d + 2 * d * (config.attnres_query_rank or 0)}[config.attnres_weights]
     if config.attnres_key_norm:
         per += d
-    return per * n_q
+    extra = sum(config.attnres_read_queries) - n_q if config.attnres_read_queries else 0  # queries beyond the first
+    return per * n_q + extra * d
 
 
 def _full_state(config) -> int:

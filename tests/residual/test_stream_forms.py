@@ -112,3 +112,15 @@ def test_the_cache_carries_the_group_statistics_so_phase1_runs_once_per_group():
         stream.ops = dataclasses.replace(stream.ops, phase1=lambda *a, **k: calls.append(1) or phase1(*a, **k))
         stream.write(None, f(stream.read()))
     assert len(calls) == 3
+
+
+def test_residual_config_has_model_configs_scheme_fields_and_defaults():
+    """ResidualConfig (own models) and ModelConfig (ours) describe a scheme with the same fields and defaults."""
+    from attnres import ModelConfig
+    from attnres.residual import ResidualConfig, scheme_options
+
+    ours = {f.name: f.default for f in dataclasses.fields(ResidualConfig)}
+    model = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+    for name in scheme_options():
+        assert name in ours and ours[name] == model[name], name
+    assert ours["norm_eps"] == model["norm_eps"]
