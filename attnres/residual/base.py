@@ -113,6 +113,7 @@ class Stream:
     """
 
     ops: StreamOps = PLAIN_OPS
+    token_shape: Optional[Tuple[int, ...]] = None  # [B, T, D], set by begin / resume: what write checks
 
     def __init__(self, n_sublayers: int):
         self.n_sublayers = n_sublayers
@@ -138,6 +139,9 @@ class Stream:
         l = self._next if l is None else l
         if l != self._next or not self._reading:
             raise RuntimeError(f"stream.write({l}) out of order: expected read({self._next}) first")
+        if self.token_shape is not None and tuple(f.shape) != self.token_shape:
+            raise ValueError(f"stream.write({l}, f): f has shape {tuple(f.shape)}, the stream's tokens are "
+                             f"{list(self.token_shape)} [B, T, D]; a sublayer must return one vector per token")
         self._reading = False
         self._next += 1
         self.at = l
@@ -214,8 +218,19 @@ class ResidualScheme(nn.Module):
         self.observers: List = []  # attached to every stream this scheme starts
 
     def begin(self, embedding: Tensor, record=None) -> Stream:
-        """Start a forward pass at the embedding. ``record``: a ``DepthRecord`` to fill."""
-        return self._observed(self._begin(embedding), record)
+        """Start a forward pass at the embedding [B, T, D]. ``record``: a ``DepthRecord`` to fill."""
+        if not isinstance(embedding, Tensor) or embedding.dim() != 3 or not embedding.is_floating_point():
+            found = (f"a {embedding.dim()}-D {embedding.dtype} tensor of shape {tuple(embedding.shape)}"
+                     if isinstance(embedding, Tensor) else type(embedding).__name__)
+            raise ValueError(f"{type(self).__name__}.begin(embedding): expected a floating tensor [B, T, D], "
+                             f"got {found}")
+        d = getattr(self, "d_model", None)
+        if d is not None and embedding.shape[-1] != d:
+            raise ValueError(f"{type(self).__name__}.begin(embedding): last dimension {embedding.shape[-1]} is not "
+                             f"d_model={d}; build the scheme with d_model={embedding.shape[-1]} or pass [B, T, {d}]")
+        stream = self._begin(embedding)
+        stream.token_shape = tuple(embedding.shape)
+        return self._observed(stream, record)
 
     def resume(self, at: int, history: Sequence[Tensor], state: Sequence[Tensor], record=None,
                cache: Sequence[Tensor] = ()) -> Stream:
@@ -223,7 +238,11 @@ class ResidualScheme(nn.Module):
         (``cache``: what ``Stream.depth()`` derived besides, or nothing)."""
         stream = self._resume(list(history), list(state), tuple(cache)) if cache else \
             self._resume(list(history), list(state))
+        if not 0 <= at <= stream.n_sublayers:
+            raise ValueError(f"resume at sublayer {at}: the scheme has {stream.n_sublayers} sublayers (0 … L)")
         stream._next = stream.at = at
+        held = list(history) or list(state)
+        stream.token_shape = tuple(held[0].shape[-3:]) if held else None
         return self._observed(stream, record)
 
     def start(self, embedding: Tensor, record=None) -> DepthState:

@@ -124,3 +124,17 @@ def test_residual_config_has_model_configs_scheme_fields_and_defaults():
     for name in scheme_options():
         assert name in ours and ours[name] == model[name], name
     assert ours["norm_eps"] == model["norm_eps"]
+
+
+def test_wrong_inputs_get_errors_naming_what_was_expected():
+    scheme = BlockAttnRes(D, L, block_size=2)
+    with pytest.raises(ValueError, match=r"expected a floating tensor \[B, T, D\]"):
+        scheme.begin(torch.randn(3, D))
+    with pytest.raises(ValueError, match="last dimension 4 is not d_model=8"):
+        scheme.begin(torch.randn(2, 3, 4))
+    stream = scheme.begin(torch.randn(2, 3, D))
+    stream.read()
+    with pytest.raises(ValueError, match=r"f has shape \(2, 3, 1\).*\[2, 3, 8\]"):
+        stream.write(None, torch.randn(2, 3, 1))  # would broadcast silently
+    with pytest.raises(ValueError, match="resume at sublayer 9"):
+        scheme.resume(9, [torch.randn(2, 3, D)], [])
