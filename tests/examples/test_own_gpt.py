@@ -113,3 +113,20 @@ def test_tensor_parallel_on_two_ranks_equals_one_process(residual, tmp_path):
 def test_trains_on_the_bundled_corpus():
     result = own_gpt.train(dataclasses.replace(config("block"), vocab_size=256), steps=3, batch_size=BATCH)
     assert result["val_loss"] < 6.0 and result["train_loss"] < 6.0  # ln 256 = 5.55 at chance
+
+
+def test_param_groups_route_the_attnres_parameters_to_adamw_without_decay():
+    model, x, y = model_and_batch("block")
+    groups = own_gpt.attnres.param_groups(model, weight_decay=0.1)
+    names = {g["kind"]: set(g["names"]) for g in groups}
+    attnres_names = {n for n, _ in model.named_parameters() if n.startswith("residual.")}
+    assert attnres_names and attnres_names <= names["no_decay"]
+    assert "h.0.attn.q_proj.weight" in names["matrix"] and "wte.weight" in names["decay"]
+    assert sum(len(g["params"]) for g in groups) == len(list(model.parameters()))
+    muon = torch.optim.Muon([g for g in groups if g["optimizer"] == "muon"], lr=0.02)
+    adamw = torch.optim.AdamW([g for g in groups if g["optimizer"] == "adamw"], lr=1e-3)
+    before = model.residual.queries.detach().clone()
+    model(x, y).backward()
+    muon.step()
+    adamw.step()
+    assert not torch.equal(model.residual.queries, before)  # the queries learn, through AdamW
