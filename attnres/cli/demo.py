@@ -6,7 +6,7 @@ import time
 
 from attnres.cli.options import add_run_options, command_line, examples, run_overrides
 from attnres.experiments import load_spec, run_experiment
-from attnres.experiments.report import demo_table, write_report
+from attnres.experiments.reports import demo_table, write_report
 from attnres.experiments.results import collect
 from attnres.experiments.runner import experiment_dir, remove_runs
 from attnres.experiments.spec import CHECKOUT_SPECS_DIR, with_overrides

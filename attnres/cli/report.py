@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from attnres.cli.options import examples
 from attnres.experiments import DEFAULT_RUNS_ROOT, load_spec
-from attnres.experiments.report import write_report
+from attnres.experiments.reports import write_report
 
 
 def add_parser(sub) -> None:

@@ -9,7 +9,7 @@ import pytest
 
 from attnres.cli import main
 from attnres.experiments import load_spec, run_experiment
-from attnres.experiments.report import write_report
+from attnres.experiments.reports import write_report
 from attnres.train.trainer import Trainer
 
 SPECS = {
@@ -320,7 +320,7 @@ def test_the_demo_report_is_a_page_of_its_own(suite, monkeypatch):
     assert "depth_weights_prenorm" not in text and "## Provenance" not in text and "## All runs" not in text
     # the table's numbers are the runs' summaries
     from attnres.experiments.results import collect
-    from attnres.experiments.report import demo_table
+    from attnres.experiments.reports import demo_table
 
     specs, runs, _ = suite
     col = collect(load_spec("demo", specs), runs)

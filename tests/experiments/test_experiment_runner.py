@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from attnres.experiments import load_spec, plan_status, run_experiment
-from attnres.experiments.report import shares_sublayer_init, write_report
+from attnres.experiments.reports import shares_sublayer_init, write_report
 from attnres.experiments.runner import DIVERGED_FILE, PROBES_FILE, RUN_FILE
 from attnres.files import SUMMARY_FILE
 from attnres.parallel import runtime as runtime_module

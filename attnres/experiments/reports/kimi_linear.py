@@ -1,0 +1,98 @@
+"""The kimi-linear report (axes backbone, scheme): per backbone loss, paired Δ and step-time ratio
+vs the baseline, MoE load balance, depth-weight heatmaps; the two backbones' verdicts side by side.
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import numpy as np
+
+from attnres.experiments.reports.common import Report, depth_weight_stats, fmt, md_table
+from attnres.experiments.results import Result, finite, mean_matrix, nan_matrix
+from attnres.experiments.stats import Paired, fmt_mean_std, paired
+
+
+BACKBONE_NAMES = {"kimi_linear": "Kimi Linear (KDA + MLA, MoE)", "llama": "LLaMA (GQA + RoPE, SwiGLU)"}
+
+
+def _final_moe_imbalance(r: Result) -> Optional[float]:
+    """Mean over MoE layers of max load / mean load - 1 at the last training step (None: no experts)."""
+    train = r.metrics().get("train", [])
+    if not train:
+        return None
+    last = max(train, key=lambda row: row["step"])
+    values = [float(v) for k, v in last.items() if k.startswith("moe_maxvio.") and v not in ("", None)]
+    return sum(values) / len(values) if values else None
+
+
+def _median_step_seconds(r: Result) -> float:
+    steps = [float(row["step_seconds"]) for row in r.metrics().get("train", []) if "step_seconds" in row]
+    return float(np.median(steps)) if steps else float("nan")
+
+
+def kimi_linear_report(rep: Report) -> None:
+    """Per backbone the same schemes on the same data, size and budget: losses and paired Δ against
+    the baseline of the same backbone, step-time ratios measured in the same suite, the routers'
+    final balance, depth-weight heatmaps; then whether the backbone changes the verdict."""
+    col = rep.col
+    base = col.spec.baseline or "prenorm"
+    backbones, schemes = col.points("backbone"), col.points("scheme")
+    verdicts: Dict[str, Dict[str, Paired]] = {}
+    for bb in backbones:
+        ref = col.losses(backbone=bb, scheme=base)
+        base_runs = [r for r in col.select(backbone=bb, scheme=base) if r.done]
+        base_step = float(np.mean([_median_step_seconds(r) for r in base_runs])) if base_runs else float("nan")
+        rows = []
+        for s in schemes:
+            done = [r for r in col.select(backbone=bb, scheme=s) if r.done]
+            losses = col.losses(backbone=bb, scheme=s)
+            step = float(np.mean([_median_step_seconds(r) for r in done])) if done else float("nan")
+            moe = [v for v in (_final_moe_imbalance(r) for r in done) if v is not None]
+            params = done[0].summary.get("params") if done else None
+            rows.append([s, f"{params:,}" if params else "—", str(len(done)), fmt_mean_std(list(losses.values())),
+                         "—" if s == base else rep.paired_cell(losses, ref),
+                         fmt(step, 3), "—" if not (finite(step) and finite(base_step)) else f"{step / base_step:.2f}",
+                         fmt_mean_std(moe, 3) if moe else "—"])
+            if s != base:
+                verdicts.setdefault(s, {})[bb] = paired(losses, ref)
+        rep.add(f"## {BACKBONE_NAMES.get(bb, bb)}", "",
+                md_table(["scheme", "params", "seeds", "val loss", f"Δ vs {base} (paired)", "step s (median)",
+                          f"step time / {base}", "MoE max load / mean − 1 (last step)"], rows, "lrrrlrrr"), "")
+        heat_rows = []
+        for s in schemes:
+            done = [r for r in col.select(backbone=bb, scheme=s) if r.done and r.probes
+                    and r.probes.get("depth_weights")]
+            if not done or s not in ("block", "full"):
+                continue
+            M = mean_matrix([nan_matrix(r.probes["depth_weights"]) for r in done])
+            labels = done[0].probes["depth_sources"]
+            heat_rows.append(depth_weight_stats(s, M, len(done)))
+            from attnres.analysis.plots import plot_depth_heatmaps
+
+            rep.figure(f"depth_weights_{bb}_{s}.png",
+                       f"{bb}, {s}: mean depth weights (over {len(done)} seeds, one validation batch) of the "
+                       "pre-attention and pre-MLP inputs; the last row is the final aggregation.",
+                       lambda p, M=M, labels=labels, s=s, bb=bb: plot_depth_heatmaps(
+                           M, labels, p, f"{bb}, {s}: mean depth weights"))
+        if heat_rows:
+            rep.add("Depth-weight structure (rows = consumers reading more than one source; columns as in the "
+                    "dynamics report):", "",
+                    md_table(["scheme", "seeds", "mean weight on embedding", "uniform would give",
+                              "mean weight on most recent", "rows where most recent is largest",
+                              "width pre-attention", "width pre-MLP"], heat_rows), "")
+    if len(backbones) > 1 and verdicts:
+        rows, sentences = [], []
+        for s, by in verdicts.items():
+            rows.append([s] + [by[bb].describe() if bb in by else "—" for bb in backbones])
+            known = {bb: p.verdict for bb, p in by.items() if p.n > 1}
+            if len(known) == len(backbones):
+                same = len(set(known.values())) == 1
+                sentences.append(f"{s}: " + ", ".join(f"{known[bb]} on {bb}" for bb in backbones)
+                                 + (" — the backbone does not change the verdict." if same
+                                    else " — the verdict differs between the backbones."))
+        rep.add("## Does the backbone change the verdict?", "",
+                f"Paired Δ of the final validation loss against {base} of the same backbone (same seeds, data "
+                "order, size and tokens; the verdict follows the noise rule above).", "",
+                md_table(["scheme"] + [f"Δ on {bb}" for bb in backbones], rows), "")
+        if sentences:
+            rep.add(*[f"- {line}" for line in sentences], "")
