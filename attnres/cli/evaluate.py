@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 
 from attnres.cli.options import add_compile_option, examples
-from attnres.train.trainer import evaluate_run
+from attnres.train.evaluation import evaluate_run
 
 
 def add_parser(sub) -> None:

@@ -22,7 +22,8 @@ from attnres.data import load_tokenizer, prepare_data
 from attnres.inference.sampling import generate
 from attnres.model import ModelConfig
 from attnres.train.config import TrainConfig, build_configs
-from attnres.train.trainer import Trainer, evaluate
+from attnres.train.evaluation import evaluate
+from attnres.train.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 

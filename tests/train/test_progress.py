@@ -45,7 +45,7 @@ def test_evaluation_shows_a_bar_over_its_batches(make, monkeypatch):
 
     import numpy as np
 
-    from attnres.train.trainer import evaluate
+    from attnres.train.evaluation import evaluate
 
     terminal = Terminal()
     monkeypatch.setattr("sys.stderr", terminal)
