@@ -32,7 +32,8 @@ import torch
 
 from attnres.hf.modeling import AttnResForCausalLM
 from attnres.model.config import ModelConfig
-from attnres.model.llama import AttnResLM, rope_tables
+from attnres.model.llama import rope_tables
+from attnres.model.lm import AttnResLM
 from attnres.residual import build_residual
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")

@@ -32,7 +32,8 @@ from attnres.checkpoint import load_model, save_checkpoint
 from attnres.files import TOKENIZER_FILE
 from attnres.hf.configuration import AttnResConfig
 from attnres.hf.tokenizer import special_token_ids
-from attnres.model.llama import AttnResLM, rope_tables
+from attnres.model.llama import rope_tables
+from attnres.model.lm import AttnResLM
 from attnres.residual import build_residual
 
 IGNORE_INDEX = -100

@@ -1,5 +1,5 @@
 """Models the residual schemes plug into."""
 from attnres.model.config import ModelConfig
-from attnres.model.llama import AttnResLM, LMOutput
+from attnres.model.lm import AttnResLM, LMOutput
 
 __all__ = ["AttnResLM", "LMOutput", "ModelConfig"]

@@ -29,7 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from attnres.model.llama import AttnResLM, lm_loss, output_logits, run_blocks
+from attnres.model.llama import lm_loss, output_logits, run_blocks
+from attnres.model.lm import AttnResLM
 from attnres.residual import DepthState
 from attnres.parallel import PIPELINE_SCHEDULES as SCHEDULES
 
@@ -300,11 +301,6 @@ def _stage_class():
     from torch.distributed.pipelining import PipelineStage
 
     return type("CountingPipelineStage", (CountingStage, PipelineStage), {})
-
-
-@dataclass
-class PipelineStep:
-    loss: float  # mean over the batch (every rank gets it)
 
 
 @dataclass

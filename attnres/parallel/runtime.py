@@ -25,7 +25,8 @@ from torch import Tensor, nn
 
 from attnres.model.compile import compile_backend as compile_model_backend
 from attnres.model.compile import compile_model
-from attnres.model.llama import AttnResLM, lm_loss
+from attnres.model.llama import lm_loss
+from attnres.model.lm import AttnResLM
 from attnres.parallel.pipeline import all_reduce_gradients, build_pipeline
 from attnres.parallel.state import (
     full_model_state, load_full_model_state, load_named_optimizer_state, named_optimizer_state,

@@ -14,7 +14,8 @@ from attnres.hf.kimi.layout import (MULTIMODAL_PREFIX, attn_res_block_size, kimi
                                     map_weights, strip_prefix, text_config)
 from attnres.hf.modeling import AttnResForCausalLM
 from attnres.model.config import ModelConfig
-from attnres.model.llama import AttnResLM, rope_tables
+from attnres.model.llama import rope_tables
+from attnres.model.lm import AttnResLM
 from attnres.residual import build_residual
 
 

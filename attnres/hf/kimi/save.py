@@ -13,7 +13,7 @@ from attnres.hf.convert import ConversionError
 from attnres.hf.kimi.layout import MULTIMODAL_PREFIX, checkpoint_name, is_residual_name, residual_name
 from attnres.hf.modeling import AttnResForCausalLM
 from attnres.model.config import ModelConfig
-from attnres.model.llama import AttnResLM
+from attnres.model.lm import AttnResLM
 
 
 def _layout_block_size(model_config: ModelConfig) -> Optional[int]:
