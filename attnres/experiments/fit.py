@@ -41,10 +41,6 @@ def flops_per_token(model, seq_len: int) -> float:
     return 6.0 * matmul_params(model) + 6.0 * g("n_layers") * seq_len * g("d_model")
 
 
-def training_flops(model, seq_len: int, tokens: int) -> float:
-    return flops_per_token(model, seq_len) * tokens
-
-
 @dataclass
 class PowerLaw:
     """L = A * C^-alpha, fitted by least squares on log L against log C."""
