@@ -67,7 +67,7 @@ RESERVED_POINT_KEYS = frozenset({"label", "seeds", "tags", "paper_loss", "tokens
 EXPERIMENT_KEYS = frozenset({"name", "description", "report", "seeds", "budget_cpu_hours", "budget_note",
                              "tokens_per_second", "keep_checkpoint", "baseline", "headline"})
 TOP_LEVEL_KEYS = ("experiment", "base", "grid", "axis", "runs")
-# report kind -> the axes its sections read (attnres.experiments.report)
+# report kind -> the axes its sections read (attnres.experiments.reports)
 REPORT_AXES = {"scaling": ("size", "scheme"), "ablations": (), "block-size": (), "arena": ("scheme", "budget"),
                "dynamics": ("scheme",), "arch-sweep": ("shape", "scheme"), "demo": ("scheme",),
                "kimi-linear": ("backbone", "scheme"), "generic": ()}

@@ -21,7 +21,7 @@ compiling.
 Merges are elementwise; the compiled streams use ``reference.merge`` and ``reference.merge_partial``.
 Compiled prefill runs this form too: without gradients no buffer versions are saved, but the
 fused Phase 1's matrix products still made Full's compiled prefill slower than this form
-(scripts/prefill_form_ab.py, README "Performance"). A compiled one-token step without
+(docs/performance.md, "Compiled decoding and prefill"). A compiled one-token step without
 gradients (decoding) keeps the buffered fused path, which decoded faster.
 """
 from __future__ import annotations
