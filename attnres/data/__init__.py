@@ -11,7 +11,14 @@ Typical use::
     bpb = bits_per_byte(mean_val_loss, data.val.bytes_per_token)
 """
 
-from .corpus import BUNDLED_CORPUS, TEXT_SUFFIXES, Document, load_bundled_corpus, load_documents, split_documents
+from .corpus import (
+    BUNDLED_CORPUS,
+    TEXT_SUFFIXES,
+    Document,
+    load_bundled_corpus,
+    load_documents,
+    split_documents,
+)
 from .dataset import (
     DOC_SEPARATOR,
     PreparedData,

@@ -16,9 +16,9 @@ import lzma
 import os
 import re
 import stat
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 __all__ = [
     "BUNDLED_CORPUS",
@@ -169,8 +169,12 @@ def _files_under(root: Path) -> list[Path]:
                 else:
                     skipped.append(f"{path.relative_to(root).as_posix()} ({_file_kind(path)})")
     if skipped:
-        log.warning("data directory %s: skipped %d entries that are not regular files: %s", root, len(skipped),
-                    ", ".join(sorted(skipped)))
+        log.warning(
+            "data directory %s: skipped %d entries that are not regular files: %s",
+            root,
+            len(skipped),
+            ", ".join(sorted(skipped)),
+        )
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 
@@ -180,8 +184,13 @@ def _file_kind(path: Path) -> str:
         mode = path.stat().st_mode
     except OSError:
         return "broken link"
-    for test, name in ((stat.S_ISFIFO, "FIFO (named pipe)"), (stat.S_ISCHR, "character device"),
-                       (stat.S_ISBLK, "block device"), (stat.S_ISSOCK, "socket"), (stat.S_ISDIR, "directory")):
+    for test, name in (
+        (stat.S_ISFIFO, "FIFO (named pipe)"),
+        (stat.S_ISCHR, "character device"),
+        (stat.S_ISBLK, "block device"),
+        (stat.S_ISSOCK, "socket"),
+        (stat.S_ISDIR, "directory"),
+    ):
         if test(mode):
             return name
     return "special file"
@@ -263,12 +272,15 @@ def _parse_jsonl(content: str, path: Path, name: str) -> list[Document]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"{where} is not valid JSON ({exc.msg}); each line must be an object like "
-                             '{"text": "..."}') from None
+            raise ValueError(
+                f'{where} is not valid JSON ({exc.msg}); each line must be an object like {{"text": "..."}}'
+            ) from None
         if not isinstance(record, dict) or "text" not in record:
             keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-            raise ValueError(f'{where} has no "text" field (got {keys}); each line of a .jsonl data file must be '
-                             'a JSON object like {"text": "..."}')
+            raise ValueError(
+                f'{where} has no "text" field (got {keys}); each line of a .jsonl data file must be '
+                'a JSON object like {"text": "..."}'
+            )
         text = record["text"]
         if not isinstance(text, str):
             raise ValueError(f'{where}: "text" is a {type(text).__name__}, not a string')
@@ -288,9 +300,7 @@ def _split_key(key: str) -> int:
     return int.from_bytes(hashlib.sha256(_SPLIT_SALT + key.encode("utf-8")).digest()[:8], "big")
 
 
-def split_documents(
-    docs: Sequence[Document], val_fraction: float = 0.1
-) -> tuple[list[Document], list[Document]]:
+def split_documents(docs: Sequence[Document], val_fraction: float = 0.1) -> tuple[list[Document], list[Document]]:
     """Split documents into ``(train_docs, val_docs)``, holding out whole documents.
 
     The choice is deterministic and depends only on the documents, never on
@@ -386,4 +396,3 @@ def _split_tail(doc: Document, val_fraction: float) -> tuple[list[Document], lis
     if not 0 < cut < len(text):
         cut = target
     return [Document(f"{doc.name}#train", text[:cut], doc.group)], [Document(f"{doc.name}#val", text[cut:], doc.group)]
-

@@ -24,9 +24,10 @@ import logging
 import math
 import os
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, NamedTuple, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -99,8 +100,10 @@ class TokenData:
 
     def __repr__(self) -> str:
         bpt = f"{self.n_bytes / len(self):.3f}" if len(self) else "n/a"
-        return (f"TokenData(split={self.split!r}, n_tokens={len(self)}, n_bytes={self.n_bytes}, "
-                f"bytes_per_token={bpt}, docs={len(self.doc_names)})")
+        return (
+            f"TokenData(split={self.split!r}, n_tokens={len(self)}, n_bytes={self.n_bytes}, "
+            f"bytes_per_token={bpt}, docs={len(self.doc_names)})"
+        )
 
 
 class PreparedData(NamedTuple):
@@ -227,8 +230,15 @@ def encode_documents(
             raise RuntimeError(f"the token cache {bin_path} was written but cannot be read back")
     else:
         log.info("reusing cached %s tokens %s", split, bin_path)
-    return TokenData(split=split, tokens=tokens, n_bytes=n_bytes, doc_names=names, path=bin_path, source=source,
-                     docs_digest=documents_digest(docs))
+    return TokenData(
+        split=split,
+        tokens=tokens,
+        n_bytes=n_bytes,
+        doc_names=names,
+        path=bin_path,
+        source=source,
+        docs_digest=documents_digest(docs),
+    )
 
 
 def _file_sha256(path: Path) -> str:

@@ -14,8 +14,8 @@ import logging
 import os
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Sequence
 
 from attnres.files import atomic_write_bytes
 
@@ -75,7 +75,7 @@ class Tokenizer(ABC):
         return path
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "Tokenizer":
+    def load(cls, path: str | os.PathLike) -> Tokenizer:
         """Read a tokenizer written by :meth:`save`."""
         tok = load_tokenizer(path)
         if not isinstance(tok, cls):
@@ -153,7 +153,7 @@ class BPETokenizer(Tokenizer):
         return self.hf.to_str()
 
     @classmethod
-    def from_json(cls, payload: str) -> "BPETokenizer":
+    def from_json(cls, payload: str) -> BPETokenizer:
         from tokenizers import Tokenizer as HFTokenizer
 
         return cls(HFTokenizer.from_str(payload))
@@ -195,7 +195,9 @@ def train_bpe(texts: Iterable[str], vocab_size: int = 4096, min_frequency: int =
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
     if vocab_size < 256:
-        raise ValueError(f"a byte-level BPE vocabulary needs at least the 256 byte symbols; got vocab_size={vocab_size}")
+        raise ValueError(
+            f"a byte-level BPE vocabulary needs at least the 256 byte symbols; got vocab_size={vocab_size}"
+        )
     hf = HFTokenizer(models.BPE())
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     hf.decoder = decoders.ByteLevel()

@@ -36,8 +36,34 @@ from attnres.data import (
     train_bpe,
 )
 
-WORDS = ("thou art the king of shadows and light where is my lord good morrow sweet prince "
-         "never more shall we meet upon this field of honour").split()
+WORDS = [
+    "thou",
+    "art",
+    "the",
+    "king",
+    "of",
+    "shadows",
+    "and",
+    "light",
+    "where",
+    "is",
+    "my",
+    "lord",
+    "good",
+    "morrow",
+    "sweet",
+    "prince",
+    "never",
+    "more",
+    "shall",
+    "we",
+    "meet",
+    "upon",
+    "this",
+    "field",
+    "of",
+    "honour",
+]
 UNICODE_SAMPLE = "Ünïcödé — naïve café, 日本語のテキスト, emoji 🎭🗡️, Ελληνικά,\ttabs\r\nand  spaces\n\n"
 
 
@@ -108,7 +134,7 @@ def test_bundled_split_has_no_overlap(bundled):
     checked = 0
     for doc in val:
         for start in range(0, len(doc.text) - 200, 4000):
-            passage = doc.text[start:start + 200]
+            passage = doc.text[start : start + 200]
             assert passage not in train_text, (doc.name, start)
             checked += 1
     assert checked > 100
@@ -131,7 +157,8 @@ def test_bundled_prepare_bpe_default(tmp_path):
     assert data.train.n_bytes + data.val.n_bytes == 5_057_198 + 2 * (42 - 2)
     sample = data.tokenizer.decode(data.val.tokens[:20_000])
     assert sample.startswith("ANTONY AND CLEOPATRA") and sample in DOC_SEPARATOR.join(
-        d.text for d in load_documents() if d.name in BUNDLED_VAL)
+        d.text for d in load_documents() if d.name in BUNDLED_VAL
+    )
 
 
 # --------------------------------------------------------------------------- tokenizers
@@ -154,8 +181,10 @@ def test_bpe_roundtrip_and_save_load(tmp_path):
     tok = train_bpe(texts, vocab_size=400)
     assert 256 < tok.vocab_size <= 400 and tok.name == f"bpe{tok.vocab_size}"
     rng = random.Random(0)
-    random_text = "".join(chr(rng.choice([rng.randrange(1, 0x80), rng.randrange(0x80, 0xD800),
-                                          rng.randrange(0x10000, 0x110000)])) for _ in range(2000))
+    random_text = "".join(
+        chr(rng.choice([rng.randrange(1, 0x80), rng.randrange(0x80, 0xD800), rng.randrange(0x10000, 0x110000)]))
+        for _ in range(2000)
+    )
     for text in ["", " ", "  leading and trailing  ", texts[0], UNICODE_SAMPLE, random_text, "a\r\nb\rc\n"]:
         ids = tok.encode(text)
         assert all(0 <= i < tok.vocab_size for i in ids)
@@ -229,8 +258,12 @@ def test_load_text_normalisation_and_compressed(tmp_path):
 
 def test_load_jsonl(tmp_path):
     path = tmp_path / "data.jsonl"
-    lines = [json.dumps({"text": "first document", "id": 1}), "", json.dumps({"text": "second ✓"}),
-             json.dumps({"text": ""})]
+    lines = [
+        json.dumps({"text": "first document", "id": 1}),
+        "",
+        json.dumps({"text": "second ✓"}),
+        json.dumps({"text": ""}),
+    ]
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     docs = load_documents(path)
     assert [(d.name, d.text) for d in docs] == [("data.jsonl:1", "first document"), ("data.jsonl:3", "second ✓")]
@@ -407,7 +440,8 @@ def test_prepare_data_memmap_matches_encoding(corpus_dir, tmp_path):
     byte = prepare_data(corpus_dir, tokenizer="byte", val_fraction=0.25, cache_dir=tmp_path / "c")
     assert byte.val_names == val_names
     assert bytes(np.asarray(byte.val.tokens, dtype=np.uint8)) == DOC_SEPARATOR.join(
-        docs[n].text for n in val_names).encode("utf-8")
+        docs[n].text for n in val_names
+    ).encode("utf-8")
     # no temp files are left behind
     assert not [p for p in (tmp_path / "c").rglob("*") if p.name.endswith(".tmp")]
 
@@ -440,8 +474,7 @@ def test_prepare_data_reuses_cache(corpus_dir, tmp_path, monkeypatch):
     assert np.array_equal(second.train.tokens, first.train.tokens)
 
     # a ready tokenizer (e.g. from a checkpoint) reuses the same token files
-    third = prepare_data(corpus_dir, tokenizer=load_tokenizer(first.tokenizer.path), val_fraction=0.25,
-                         cache_dir=cache)
+    third = prepare_data(corpus_dir, tokenizer=load_tokenizer(first.tokenizer.path), val_fraction=0.25, cache_dir=cache)
     assert third.train.path == first.train.path and len(calls) == 1
 
     # other settings or other data make new entries
@@ -474,8 +507,10 @@ def test_single_file_prepare(tmp_path):
     assert data.train_names == ["book.txt#train"] and data.val_names == ["book.txt#val"]
     text = book.read_text()
     assert data.train.n_bytes + data.val.n_bytes == len(text.encode())
-    assert bytes(np.asarray(data.train.tokens, np.uint8)).decode() + \
-        bytes(np.asarray(data.val.tokens, np.uint8)).decode() == text
+    assert (
+        bytes(np.asarray(data.train.tokens, np.uint8)).decode() + bytes(np.asarray(data.val.tokens, np.uint8)).decode()
+        == text
+    )
 
 
 def test_token_dtype():
@@ -539,7 +574,7 @@ def test_eval_batches_cover_split(ramp):
     # deterministic, and max_batches takes a prefix
     again = list(eval_batches(ramp, batch_size, seq_len, max_batches=3))
     assert len(again) == 3 == count_eval_batches(len(ramp), batch_size, seq_len, 3)
-    assert all(torch.equal(a[0], b[0]) for a, b in zip(again, batches))
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(again, batches[:3], strict=True))
     # an exact fit uses every token
     exact = np.arange(4 * 16 + 1, dtype=np.uint16)
     xs = torch.cat([x for x, _ in eval_batches(exact, 3, 16)])
