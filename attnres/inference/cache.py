@@ -8,16 +8,15 @@ rebuilds them for the new token alone. The cache therefore holds keys and
 values, nothing else; its size is the usual 2 * n_layers * n_kv_heads *
 head_dim * T values per sequence, for every residual scheme.
 """
-from __future__ import annotations
 
-from typing import List, Optional
+from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 
-def causal_attention(q: Tensor, k: Tensor, v: Tensor, offset: int, mask: Optional[Tensor] = None) -> Tensor:
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, offset: int, mask: Tensor | None = None) -> Tensor:
     """Attention of t queries at absolute positions offset..offset+t-1 over keys 0..offset+t-1.
 
     q [B, H, t, hd], k/v [B, H, offset + t, hd] (heads already repeated for GQA). ``mask``: the
@@ -38,22 +37,32 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, offset: int, mask: Optiona
 class KVCache:
     """Preallocated keys and values of every attention layer, for one batch of sequences."""
 
-    def __init__(self, n_layers: int, batch_size: int, n_kv_heads: int, head_dim: int, max_len: int,
-                 *, dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None):
+    def __init__(
+        self,
+        n_layers: int,
+        batch_size: int,
+        n_kv_heads: int,
+        head_dim: int,
+        max_len: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | None = None,
+    ):
         self._allocate(n_layers, (batch_size, n_kv_heads, max_len, head_dim), dtype, device)
         self.length = 0  # positions already cached
 
     def _allocate(self, n_layers: int, shape: tuple, dtype: torch.dtype, device) -> None:
-        self.keys: List[Tensor] = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.values: List[Tensor] = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.keys: list[Tensor] = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.values: list[Tensor] = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.max_len = shape[2]
 
     @classmethod
-    def for_model(cls, model, batch_size: int, max_len: Optional[int] = None) -> "KVCache":
+    def for_model(cls, model, batch_size: int, max_len: int | None = None) -> KVCache:
         c = model.config
         p = next(model.parameters())
-        return cls(c.n_layers, batch_size, c.n_kv_heads, c.head_dim, max_len or c.max_seq_len,
-                   dtype=p.dtype, device=p.device)
+        return cls(
+            c.n_layers, batch_size, c.n_kv_heads, c.head_dim, max_len or c.max_seq_len, dtype=p.dtype, device=p.device
+        )
 
     def positions(self, t: int) -> slice:
         """The absolute positions of the next t tokens."""
@@ -62,8 +71,7 @@ class KVCache:
     def room(self) -> int:
         return self.max_len - self.length
 
-    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, repeat: int,
-               mask: Optional[Tensor] = None) -> Tensor:
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, repeat: int, mask: Tensor | None = None) -> Tensor:
         """Store this step's keys/values of ``layer`` and attend over everything cached so far
         (``mask``: a padded batch's allowed pairs, see :func:`causal_attention`)."""
         t = k.shape[2]
@@ -73,8 +81,8 @@ class KVCache:
                 "Fix: a larger max_len (at most ModelConfig.max_seq_len), or a new cache"
             )
         end = self.length + t
-        self.keys[layer][:, :, self.length:end] = k
-        self.values[layer][:, :, self.length:end] = v
+        self.keys[layer][:, :, self.length : end] = k
+        self.values[layer][:, :, self.length : end] = v
         keys, values = self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
         if repeat > 1:
             keys, values = keys.repeat_interleave(repeat, dim=1), values.repeat_interleave(repeat, dim=1)
@@ -114,8 +122,17 @@ class StaticKVCache(KVCache):
     Masked slots weigh exactly zero, so the result is the sliced attention's up to rounding order.
     """
 
-    def __init__(self, n_layers: int, batch_size: int, n_kv_heads: int, head_dim: int, max_len: int,
-                 *, dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None):
+    def __init__(
+        self,
+        n_layers: int,
+        batch_size: int,
+        n_kv_heads: int,
+        head_dim: int,
+        max_len: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | None = None,
+    ):
         self._allocate(n_layers, (batch_size, n_kv_heads, max_len, head_dim), dtype, device)
         self.position = torch.zeros((), dtype=torch.long, device=device)
         self.slots = torch.arange(max_len, device=device)
@@ -155,7 +172,7 @@ class StaticKVCache(KVCache):
             self.values[layer].copy_(self.values[layer].index_select(0, index))
 
 
-def _hybrid_cache(model, batch_size: int, max_len: Optional[int] = None):
+def _hybrid_cache(model, batch_size: int, max_len: int | None = None):
     from attnres.inference.hybrid_cache import HybridCache  # needs transformers
 
     return HybridCache.for_model(model, batch_size, max_len)
@@ -165,7 +182,7 @@ def _hybrid_cache(model, batch_size: int, max_len: Optional[int] = None):
 CACHE_KINDS = {"kv": KVCache.for_model, "hybrid": _hybrid_cache}
 
 
-def make_cache(model, batch_size: int, max_len: Optional[int] = None):
+def make_cache(model, batch_size: int, max_len: int | None = None):
     """An empty decoding cache for ``model`` (an ``AttnResLM``): the kind its backbone names, for
     ``batch_size`` sequences of up to ``max_len`` positions (default ``max_seq_len``)."""
     from attnres.model.backbones import BACKBONES

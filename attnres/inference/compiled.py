@@ -7,9 +7,8 @@ must not see anything that changes per token as a Python value, or dynamo recomp
 token: ``StaticKVCache`` keeps every shape fixed and the position in a tensor, so the step
 compiles once for the prompt's shape (prefill) and once for one token, and never again.
 """
-from __future__ import annotations
 
-from typing import Optional, Union
+from __future__ import annotations
 
 import torch
 from torch import Tensor
@@ -24,8 +23,10 @@ def check_static_cache(config, who: str) -> None:
     from attnres.model.backbones import BACKBONES
 
     if BACKBONES[config.backbone].cache != "kv":
-        raise ValueError(f"{who}: backbone={config.backbone!r} keeps recurrent state that the static KV cache "
-                         "does not hold; decode it eager (compile off)")
+        raise ValueError(
+            f"{who}: backbone={config.backbone!r} keeps recurrent state that the static KV cache "
+            "does not hold; decode it eager (compile off)"
+        )
 
 
 class CompiledDecoder:
@@ -36,22 +37,22 @@ class CompiledDecoder:
     as ``model(ids, cache=cache)`` does. ``room()`` and ``reset()`` as on the cache.
     """
 
-    def __init__(self, model, batch_size: int, max_len: Optional[int] = None,
-                 setting: Union[bool, str] = True):
+    def __init__(self, model, batch_size: int, max_len: int | None = None, setting: bool | str = True):
         check_static_cache(model.config, "compiled decoding")
         self.model = model
         self.cache = StaticKVCache.for_model(model, batch_size, max_len)
         # dynamic=False: one graph per shape (prefill, one token) rather than a symbolic-shape graph
-        self._step = torch.compile(self._forward, backend=compile_backend(setting) or "inductor",
-                                   dynamic=False)
+        self._step = torch.compile(self._forward, backend=compile_backend(setting) or "inductor", dynamic=False)
 
     def _forward(self, ids: Tensor) -> Tensor:
         return self.model(ids, cache=self.cache)
 
     def __call__(self, ids: Tensor) -> Tensor:
         if ids.shape[1] > self.room():
-            raise ValueError(f"the static KV cache has room for {self.room()} of {self.cache.max_len} positions; "
-                             f"{ids.shape[1]} more do not fit. Fix: reset() it, or a larger max_len")
+            raise ValueError(
+                f"the static KV cache has room for {self.room()} of {self.cache.max_len} positions; "
+                f"{ids.shape[1]} more do not fit. Fix: reset() it, or a larger max_len"
+            )
         # a fresh contiguous copy: dynamo guards on strides too, and a token sliced out of a larger
         # tensor ([B, 1] with stride T) would otherwise recompile the step (a few bytes per token)
         return self._step(ids.clone(memory_format=torch.contiguous_format))

@@ -14,9 +14,8 @@ interface of ``attnres.inference.KVCache``: positions, ``room``, ``advance``, ``
 causal mask MLA needs when several new tokens follow cached ones (chunked prefill). As with
 ``KVCache``, no residual-stream state is kept: depth attention only mixes a token's own sources.
 """
-from __future__ import annotations
 
-from typing import Optional
+from __future__ import annotations
 
 import torch
 from torch import Tensor
@@ -33,7 +32,7 @@ class HybridCache:
         self.length = 0  # positions already cached
 
     @classmethod
-    def for_model(cls, model, batch_size: int, max_len: Optional[int] = None) -> "HybridCache":
+    def for_model(cls, model, batch_size: int, max_len: int | None = None) -> HybridCache:
         from attnres.model.kimi_linear import kimi_linear_config
 
         return cls(kimi_linear_config(model.config), batch_size, max_len or model.config.max_seq_len)
@@ -50,10 +49,11 @@ class HybridCache:
         if self.length + t > self.max_len:
             raise ValueError(
                 f"hybrid cache holds {self.length} of {self.max_len} positions; {t} more do not fit. "
-                "Fix: a larger max_len (at most ModelConfig.max_seq_len), or a new cache")
+                "Fix: a larger max_len (at most ModelConfig.max_seq_len), or a new cache"
+            )
         return self.layers
 
-    def attention_mask(self, t: int, device=None) -> Optional[Tensor]:
+    def attention_mask(self, t: int, device=None) -> Tensor | None:
         """MLA's mask for ``t`` new queries after the cached positions: None where SDPA's own causal
         rule (no cache yet) or no mask at all (a single new token sees everything) is right; else
         query i may see keys 0 .. length + i."""
@@ -90,4 +90,3 @@ class HybridCache:
             tensors += list(getattr(layer, "recurrent_states", {}).values())
             total += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, Tensor))
         return total
-

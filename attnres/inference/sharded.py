@@ -8,9 +8,8 @@ the keys and values of earlier positions; they are all-gathered from the
 other ranks at each attention layer (the communication the paper folds into
 its tensor-parallel reduce-scatter / all-gather).
 """
-from __future__ import annotations
 
-from typing import Optional
+from __future__ import annotations
 
 import torch
 import torch.distributed as dist
@@ -23,7 +22,7 @@ from attnres.residual import StreamObserver, observing
 class ShardedAttention:
     """Attention context for one rank's shard (the interface the model's attention calls)."""
 
-    def __init__(self, local_len: int, group: Optional[dist.ProcessGroup] = None):
+    def __init__(self, local_len: int, group: dist.ProcessGroup | None = None):
         self.group = group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
@@ -53,7 +52,7 @@ class ShardedAttention:
 
 
 @torch.no_grad()
-def sharded_prefill(model, input_ids: Tensor, group: Optional[dist.ProcessGroup] = None):
+def sharded_prefill(model, input_ids: Tensor, group: dist.ProcessGroup | None = None):
     """Run the full sequence ``input_ids`` [B, T] sharded over the ranks of ``group``.
 
     Every rank passes the same ``input_ids``; T must be divisible by the world size.
@@ -63,11 +62,12 @@ def sharded_prefill(model, input_ids: Tensor, group: Optional[dist.ProcessGroup]
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     b, t = input_ids.shape
     if t % world:
-        raise ValueError(f"sequence length {t} is not divisible by the {world} ranks; pad the prompt "
-                         f"to a multiple of {world}")
+        raise ValueError(
+            f"sequence length {t} is not divisible by the {world} ranks; pad the prompt to a multiple of {world}"
+        )
     local = t // world
     ctx = ShardedAttention(local, group)
-    shard = input_ids[:, rank * local:(rank + 1) * local]
+    shard = input_ids[:, rank * local : (rank + 1) * local]
     with observing(model.residual, LastStream()) as last:
         logits = model(shard, cache=ctx)
     return logits, last.stream.state_bytes()

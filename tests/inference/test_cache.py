@@ -1,20 +1,31 @@
 """KV-cached decoding and chunked prefill equal the full forward pass, for every residual scheme."""
+
 import pytest
 import torch
+from reference import randomize
 
 from attnres import AttnResLM, ModelConfig
 from attnres.inference import KVCache, StaticKVCache, chunked_prefill
-from attnres.residual import RESIDUALS
 from attnres.inference.sampling import generate
-from reference import randomize
+from attnres.residual import RESIDUALS
 
 SCHEMES = sorted(RESIDUALS)
 
 
 def model_for(residual, dtype, seed=0, **overrides):
     torch.manual_seed(seed)
-    cfg = ModelConfig(**{"vocab_size": 61, "d_model": 32, "n_layers": 3, "n_heads": 4, "n_kv_heads": 2,
-                         "max_seq_len": 24, "residual": residual, **overrides})
+    cfg = ModelConfig(
+        **{
+            "vocab_size": 61,
+            "d_model": 32,
+            "n_layers": 3,
+            "n_heads": 4,
+            "n_kv_heads": 2,
+            "max_seq_len": 24,
+            "residual": residual,
+            **overrides,
+        }
+    )
     model = AttnResLM(cfg).to(dtype).eval()
     randomize(model.residual, seed=seed + 1, scale=0.3)
     return model
@@ -26,8 +37,10 @@ def tokens(t, seed=0):
 
 # the static cache's arithmetic is the same in float32; float64 shows it exactly, so it is run there only
 @pytest.mark.parametrize("residual", SCHEMES)
-@pytest.mark.parametrize("cache_class,dtype,tol", [(KVCache, torch.float64, 1e-10), (KVCache, torch.float32, 1e-5),
-                                                   (StaticKVCache, torch.float64, 1e-10)])
+@pytest.mark.parametrize(
+    "cache_class,dtype,tol",
+    [(KVCache, torch.float64, 1e-10), (KVCache, torch.float32, 1e-5), (StaticKVCache, torch.float64, 1e-10)],
+)
 def test_prefill_then_decode_equals_full_forward(residual, dtype, tol, cache_class):
     model = model_for(residual, dtype)
     x = tokens(18)
@@ -35,13 +48,15 @@ def test_prefill_then_decode_equals_full_forward(residual, dtype, tol, cache_cla
         full = model(x)
         cache = cache_class.for_model(model, batch_size=2)
         steps = [model(x[:, :6], cache=cache)]
-        steps += [model(x[:, t:t + 1], cache=cache) for t in range(6, 18)]
+        steps += [model(x[:, t : t + 1], cache=cache) for t in range(6, 18)]
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=tol, atol=tol)
     assert cache.length == 18
 
 
-@pytest.mark.parametrize("residual,overrides", [("block", {}), ("block", {"attnres_impl": "fused"}),
-                                                ("full", {"attnres_group_size": 2}), ("prenorm", {})])
+@pytest.mark.parametrize(
+    "residual,overrides",
+    [("block", {}), ("block", {"attnres_impl": "fused"}), ("full", {"attnres_group_size": 2}), ("prenorm", {})],
+)
 @pytest.mark.parametrize("chunk", [1, 4, 7])
 def test_chunked_prefill_equals_full_forward(residual, overrides, chunk):
     model = model_for(residual, torch.float64, **overrides)
@@ -99,13 +114,12 @@ def test_padded_batch_prefill_and_decode_equal_each_prompt_alone(residual, side,
         decoded = []
         for s in range(steps.shape[1]):
             mask = torch.cat([mask, torch.ones(3, 1, dtype=mask.dtype)], dim=1)
-            decoded.append(model(steps[:, s:s + 1], cache=cache, attention_mask=mask)[:, 0])
+            decoded.append(model(steps[:, s : s + 1], cache=cache, attention_mask=mask)[:, 0])
         for row, p in enumerate(prompts):
             alone = model(torch.cat([p, steps[row]])[None])[0]
-            real = mask[row, :ids.shape[1]].bool()
-            torch.testing.assert_close(prefill[row][real], alone[:len(p)], rtol=1e-10, atol=1e-10)
-            torch.testing.assert_close(torch.stack([d[row] for d in decoded]), alone[len(p):],
-                                       rtol=1e-10, atol=1e-10)
+            real = mask[row, : ids.shape[1]].bool()
+            torch.testing.assert_close(prefill[row][real], alone[: len(p)], rtol=1e-10, atol=1e-10)
+            torch.testing.assert_close(torch.stack([d[row] for d in decoded]), alone[len(p) :], rtol=1e-10, atol=1e-10)
 
 
 def test_cache_reorders_rows_for_beam_search():

@@ -1,15 +1,16 @@
 """Sequence-sharded prefill over 2 gloo processes equals one process, with a 1/P block cache."""
+
 import json
 import os
 
 import pytest
 import torch
 import torch.distributed as dist
+from distributed_workers import spawn
+from reference import randomize
 
 from attnres import AttnResLM, ModelConfig
 from attnres.inference import sharded_prefill
-from distributed_workers import spawn
-from reference import randomize
 
 CONFIGS = {
     "block": dict(residual="block", attnres_blocks=3),
@@ -20,8 +21,7 @@ CONFIGS = {
 
 def build(name):
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=53, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, max_seq_len=32,
-                      **CONFIGS[name])
+    cfg = ModelConfig(vocab_size=53, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, max_seq_len=32, **CONFIGS[name])
     model = AttnResLM(cfg).double().eval()
     randomize(model.residual, seed=1, scale=0.3)
     return model
