@@ -10,14 +10,17 @@ Every bench module has the same three parts, which the registry names:
 ``train``: step time and peak memory of residual schemes; ``op``: the depth-attention op against
 the machine's copy bandwidth; ``graph``: the ops torch.compile traces per scheme; ``decode``:
 prefill throughput, decode latency and residual I/O; ``pipeline``: pipeline traffic and step time
-with and without cross-stage caching (torchrun); ``kimi``: our Kimi Linear backbone against transformers' ``KimiLinearForCausalLM`` (max |Δ logit|,
-float64) and cached decoding against the full forward.
+with and without cross-stage caching (torchrun); ``kimi``: our Kimi Linear backbone against
+transformers' ``KimiLinearForCausalLM`` (max |Δ logit|, float64) and cached decoding against the full
+forward.
 """
+
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, FrozenSet
+from typing import Any
 
 from attnres.bench import decode, graph, kimi, op, pipeline, train
 
@@ -31,43 +34,61 @@ class Bench:
     example: str  # a command line that runs it
 
     @property
-    def options(self) -> FrozenSet[str]:
+    def options(self) -> frozenset[str]:
         """The config's field names: what --set may change."""
         return frozenset(f.name for f in dataclasses.fields(self.config))
 
 
-BENCHES: Dict[str, Bench] = {
+BENCHES: dict[str, Bench] = {
     "train": Bench(
-        train.BenchConfig, train.run, train.format_table,
+        train.BenchConfig,
+        train.run,
+        train.format_table,
         "step time (forward + backward + AdamW step; --set optimizer=muon for the trainer's Muon) of "
         "prenorm, Block and Full AttnRes (or any schemes in --variants) on one config in one process, "
         "with ratios to prenorm, and peak memory from a fresh process per variant",
-        "attnres bench train --quick --variants prenorm,block,full"),
+        "attnres bench train --quick --variants prenorm,block,full",
+    ),
     "op": Bench(
-        op.OpBenchConfig, op.run, op.format_table,
+        op.OpBenchConfig,
+        op.run,
+        op.format_table,
         "the depth-attention op alone against this machine's copy bandwidth",
-        "attnres bench op --quick"),
+        "attnres bench op --quick",
+    ),
     "graph": Bench(
-        graph.GraphBenchConfig, graph.run, graph.format_table,
+        graph.GraphBenchConfig,
+        graph.run,
+        graph.format_table,
         "what torch.compile traces for each scheme: ATen ops, matrix products and copies of the forward and "
         "backward graphs of one training step, and graph breaks (dynamo + AOT autograd, no code generation)",
-        "attnres bench graph --variants prenorm,block,full"),
+        "attnres bench graph --variants prenorm,block,full",
+    ),
     "decode": Bench(
-        decode.DecodeBenchConfig, decode.run, decode.format_table,
+        decode.DecodeBenchConfig,
+        decode.run,
+        decode.format_table,
         "KV-cached prefill throughput and per-token decode latency, and the residual I/O per sublayer "
         "beside the paper's Table 1 (docs/method.md §6)",
-        "attnres bench decode --quick"),
+        "attnres bench decode --quick",
+    ),
     "pipeline": Bench(
-        pipeline.PipelineBenchConfig, pipeline.run, pipeline.format_table,
+        pipeline.PipelineBenchConfig,
+        pipeline.run,
+        pipeline.format_table,
         "pipeline traffic and step time with and without cross-stage caching (docs/method.md §7); runs "
         "under torchrun, one process per pipeline rank (--set pp=P)",
-        "torchrun --nproc-per-node 2 -m attnres bench pipeline --set pp=2 --set vpp=2"),
+        "torchrun --nproc-per-node 2 -m attnres bench pipeline --set pp=2 --set vpp=2",
+    ),
     "kimi": Bench(
-        kimi.KimiBenchConfig, kimi.run, kimi.format_table,
+        kimi.KimiBenchConfig,
+        kimi.run,
+        kimi.format_table,
         "max |logit difference| of the kimi_linear backbone (prenorm, and Block and Full AttnRes with zero "
         "queries) from transformers' KimiLinearForCausalLM in float64, and of cached decoding from the full "
         "forward (needs transformers)",
-        "attnres bench kimi"),
+        "attnres bench kimi",
+    ),
 }
 
 

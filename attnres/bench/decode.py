@@ -25,16 +25,21 @@ docs/method.md §6 / paper Table 1 give 3d (residual), (N/S + 5)d (Block, two-ph
 (S + N)d (Full with grouping S, N = L/S groups). The paper's kernels keep the
 Phase-1 outputs on chip; ours write and re-read them, which the count shows.
 """
+
 from __future__ import annotations
 
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Union
 
 import torch
 
-from attnres.bench.profile import breakdown_table, check_rounds, compared, round_robin_breakdowns
+from attnres.bench.profile import (
+    breakdown_table,
+    check_rounds,
+    compared,
+    round_robin_breakdowns,
+)
 from attnres.bench.train import COMPILED, split_compiled, variant_config
 from attnres.inference.cache import KVCache
 from attnres.inference.compiled import CompiledDecoder
@@ -59,23 +64,29 @@ class DecodeBenchConfig:
     prefill_repeats: int = 5  # prefills per variant and round
     seed: int = 0
     device: str = "cpu"
-    variants: List[str] = field(default_factory=lambda: list(DEFAULT_VARIANTS))
+    variants: list[str] = field(default_factory=lambda: list(DEFAULT_VARIANTS))
     # with compile (true: inductor, or a backend name) every variant also decodes through a compiled
     # step over a static KV cache (attnres.inference.compiled), as the row "VARIANT compiled"
-    compile: Union[bool, str] = False
+    compile: bool | str = False
     # round-robin rounds of prefill_repeats prefills under torch.profiler for the prefill breakdown
     # (attnres.bench.profile; CPU only; 0: none)
     profile_rounds: int = 3
 
     @classmethod
-    def quick(cls) -> "DecodeBenchConfig":
+    def quick(cls) -> DecodeBenchConfig:
         return cls(d_model=128, n_layers=8, prompt_len=128, decode_tokens=16, repeats=3)
 
 
 def model_config(cfg: DecodeBenchConfig, variant: str) -> ModelConfig:
-    return variant_config(variant, blocks=cfg.blocks, vocab_size=cfg.vocab_size, d_model=cfg.d_model,
-                          n_layers=cfg.n_layers, n_heads=cfg.n_heads,
-                          max_seq_len=cfg.prompt_len + cfg.decode_tokens)
+    return variant_config(
+        variant,
+        blocks=cfg.blocks,
+        vocab_size=cfg.vocab_size,
+        d_model=cfg.d_model,
+        n_layers=cfg.n_layers,
+        n_heads=cfg.n_heads,
+        max_seq_len=cfg.prompt_len + cfg.decode_tokens,
+    )
 
 
 def formula(config: ModelConfig) -> str:
@@ -84,7 +95,9 @@ def formula(config: ModelConfig) -> str:
     if config.residual == "prenorm":
         return "3"
     if config.residual == "block":
-        return f"N/S + 5 = {config.num_blocks}/{config.block_size} + 5 = {config.num_blocks / config.block_size + 5:.2f}"
+        return (
+            f"N/S + 5 = {config.num_blocks}/{config.block_size} + 5 = {config.num_blocks / config.block_size + 5:.2f}"
+        )
     if config.residual == "full":
         g = config.group_size
         n = -(-L // g)
@@ -92,14 +105,18 @@ def formula(config: ModelConfig) -> str:
     return "-"
 
 
-def residual_io(model, prompt: torch.Tensor) -> Dict[str, float]:
+def residual_io(model, prompt: torch.Tensor) -> dict[str, float]:
     """Average d-vectors per token read / written by the residual mechanism per sublayer."""
     with observing(model.residual, IOCounter()) as counter, torch.no_grad():
         model(prompt[:, :1])
     L = model.config.n_sublayers
     reads, writes = sum(counter.reads[:L]) / L, sum(counter.writes[:L]) / L
-    return {"reads": reads, "writes": writes, "total": reads + writes,
-            "final_aggregation": counter.reads[L] + counter.writes[L]}
+    return {
+        "reads": reads,
+        "writes": writes,
+        "total": reads + writes,
+        "final_aggregation": counter.reads[L] + counter.writes[L],
+    }
 
 
 def run(cfg: DecodeBenchConfig) -> dict:
@@ -120,9 +137,9 @@ def run(cfg: DecodeBenchConfig) -> dict:
         if cfg.compile:  # the same weights, decoded through a compiled step
             decoders[v + COMPILED] = CompiledDecoder(models[v], cfg.batch_size, setting=cfg.compile)
     rows_timed = list(models) + list(decoders)
-    prefill: Dict[str, List[float]] = {v: [] for v in rows_timed}
-    decode: Dict[str, List[float]] = {v: [] for v in rows_timed}
-    warmup: Dict[str, float] = {}
+    prefill: dict[str, list[float]] = {v: [] for v in rows_timed}
+    decode: dict[str, list[float]] = {v: [] for v in rows_timed}
+    warmup: dict[str, float] = {}
 
     def session(v):
         """(the cache to reset, the callable that runs tokens through it) of a row."""
@@ -152,7 +169,7 @@ def run(cfg: DecodeBenchConfig) -> dict:
                 steps = []
                 for i in range(cfg.decode_tokens):
                     s0 = time.perf_counter()
-                    step(nxt[:, i:i + 1])
+                    step(nxt[:, i : i + 1])
                     sync()
                     steps.append(time.perf_counter() - s0)
                 if rep:
@@ -160,10 +177,16 @@ def run(cfg: DecodeBenchConfig) -> dict:
                     decode[v].extend(steps)
                 else:
                     warmup[v] = time.perf_counter() - w0
+
         # where a prefill goes: more round-robin rounds under the profiler, after the timing
-        prefills = {v: (lambda s=session(v): (s[0].reset(), s[1](prompt))) for v in rows_timed}
-        breakdown = round_robin_breakdowns(prefills, cfg.profile_rounds, cfg.prefill_repeats, cfg.device,
-                                           "bench decode: profile")
+        def prefill_of(v):
+            cache, step = session(v)
+            return lambda: (cache.reset(), step(prompt))
+
+        prefills = {v: prefill_of(v) for v in rows_timed}
+        breakdown = round_robin_breakdowns(
+            prefills, cfg.profile_rounds, cfg.prefill_repeats, cfg.device, "bench decode: profile"
+        )
 
     def baseline(v):  # eager rows against eager prenorm, compiled against compiled
         return "prenorm" + (COMPILED if split_compiled(v)[1] else "")
@@ -174,16 +197,23 @@ def run(cfg: DecodeBenchConfig) -> dict:
         p, d = statistics.median(prefill[v]), statistics.median(decode[v])
         q = statistics.quantiles(decode[v], n=4)
         qp = statistics.quantiles(prefill[v], n=4, method="inclusive")
-        rows[v] = {"prefill_ms": p * 1e3, "prefill_ms_p25": qp[0] * 1e3, "prefill_ms_p75": qp[2] * 1e3,
-                   "prefill_tokens_per_s": cfg.batch_size * cfg.prompt_len / p,
-                   "prefill_ratio": p / statistics.median(prefill[baseline(v)]), "decode_ms": d * 1e3,
-                   "decode_ms_p25": q[0] * 1e3, "decode_ms_p75": q[2] * 1e3,
-                   "decode_ratio": d / statistics.median(decode[baseline(v)]), "warmup_s": warmup[v],
-                   "io": residual_io(model, prompt), "io_formula": formula(model.config)}
+        rows[v] = {
+            "prefill_ms": p * 1e3,
+            "prefill_ms_p25": qp[0] * 1e3,
+            "prefill_ms_p75": qp[2] * 1e3,
+            "prefill_tokens_per_s": cfg.batch_size * cfg.prompt_len / p,
+            "prefill_ratio": p / statistics.median(prefill[baseline(v)]),
+            "decode_ms": d * 1e3,
+            "decode_ms_p25": q[0] * 1e3,
+            "decode_ms_p75": q[2] * 1e3,
+            "decode_ratio": d / statistics.median(decode[baseline(v)]),
+            "warmup_s": warmup[v],
+            "io": residual_io(model, prompt),
+            "io_formula": formula(model.config),
+        }
     for v, parts in compared(breakdown, baseline).items():
         rows[v]["prefill_breakdown"] = parts
-    return {"config": cfg.__dict__, "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "rows": rows}
+    return {"config": cfg.__dict__, "threads": torch.get_num_threads(), "torch": torch.__version__, "rows": rows}
 
 
 def format_table(result: dict) -> str:
@@ -194,7 +224,8 @@ def format_table(result: dict) -> str:
         f"{c['device']}, {result['threads']} threads, torch {result['torch']}; medians over "
         f"{c['repeats']} repeats ({c.get('prefill_repeats', 1)} prefills each)",
         "",
-        "| variant | prefill tokens/s | prefill ms (p25-p75) | prefill time vs prenorm | decode ms/token (p25-p75) | decode vs prenorm | "
+        "| variant | prefill tokens/s | prefill ms (p25-p75) | prefill time vs prenorm "
+        "| decode ms/token (p25-p75) | decode vs prenorm | "
         "warm-up s | residual I/O per sublayer (reads + writes, d/token) | Table 1 formula |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
@@ -206,14 +237,21 @@ def format_table(result: dict) -> str:
             f"{r['prefill_ratio']:.3f} | {r['decode_ms']:.2f} "
             f"({r['decode_ms_p25']:.2f}-{r['decode_ms_p75']:.2f}) | {r['decode_ratio']:.3f} | "
             f"{r.get('warmup_s', float('nan')):.1f} | "
-            f"{io['reads']:.2f} + {io['writes']:.2f} = {io['total']:.2f} | {r['io_formula']} |")
-    lines += ["", "`block` is two-phase (the default); `block:fused` attends per sublayer over every "
-              "source (naive). I/O counting rules: attnres/bench/decode.py. Warm-up: the first (untimed) "
-              "prefill and decode round."]
+            f"{io['reads']:.2f} + {io['writes']:.2f} = {io['total']:.2f} | {r['io_formula']} |"
+        )
+    lines += [
+        "",
+        "`block` is two-phase (the default); `block:fused` attends per sublayer over every "
+        "source (naive). I/O counting rules: attnres/bench/decode.py. Warm-up: the first (untimed) "
+        "prefill and decode round.",
+    ]
     if c.get("compile"):
-        lines.append("`X compiled`: prefill and one-token steps through one compiled forward over a static KV "
-                     "cache (attnres.inference.compiled), compared with compiled prenorm; its warm-up "
-                     "includes the two compilations (prompt shape, one token).")
-    lines += breakdown_table(result["rows"], "prefill_breakdown", "prefill", c.get("profile_rounds", 0),
-                             c.get("prefill_repeats", 1))
+        lines.append(
+            "`X compiled`: prefill and one-token steps through one compiled forward over a static KV "
+            "cache (attnres.inference.compiled), compared with compiled prenorm; its warm-up "
+            "includes the two compilations (prompt shape, one token)."
+        )
+    lines += breakdown_table(
+        result["rows"], "prefill_breakdown", "prefill", c.get("profile_rounds", 0), c.get("prefill_repeats", 1)
+    )
     return "\n".join(lines)

@@ -17,12 +17,13 @@ from the forward are the ones a compiled training step keeps alive between the t
 activation memory. We count them in d-vectors per token (float32 elements / (tokens * d)),
 leaving out the parameters and anything not proportional to the token count.
 """
+
 from __future__ import annotations
 
 import collections
 import operator
+from collections import Counter
 from dataclasses import dataclass, field
-from typing import Counter, Dict, List, Optional
 
 import torch
 
@@ -43,12 +44,12 @@ class GraphBenchConfig:
     seq_len: int = 16
     batch_size: int = 3  # unlike any width, so that activations are told from weights by their first dim
     vocab_size: int = 64
-    blocks: Optional[int] = 8  # Block AttnRes N (None: the model's default)
-    variants: List[str] = field(default_factory=lambda: list(DEFAULT_VARIANTS))
+    blocks: int | None = 8  # Block AttnRes N (None: the model's default)
+    variants: list[str] = field(default_factory=lambda: list(DEFAULT_VARIANTS))
     device: str = "cpu"
 
     @classmethod
-    def quick(cls) -> "GraphBenchConfig":
+    def quick(cls) -> GraphBenchConfig:
         return cls(n_layers=4, variants=["prenorm", "block", "full"])
 
 
@@ -80,8 +81,13 @@ def saved_elements(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule
             continue
         base = _base(made[node.name])
         value = base.meta.get("val")
-        if (base.op != "placeholder" and isinstance(value, torch.Tensor) and value.dim()
-                and value.shape[0] in (batch, tokens) and value.numel() % tokens == 0):
+        if (
+            base.op != "placeholder"
+            and isinstance(value, torch.Tensor)
+            and value.dim()
+            and value.shape[0] in (batch, tokens)
+            and value.numel() % tokens == 0
+        ):
             bases[base.name] = value.numel() * value.element_size() // 4
     return sum(bases.values())
 
@@ -93,25 +99,29 @@ def trace(cfg: GraphBenchConfig, variant: str) -> dict:
     from torch._functorch.aot_autograd import aot_module_simplified
     from torch._inductor.compile_fx import partition_fn
 
-    graphs: Dict[str, List[Counter]] = {"forward": [], "backward": []}
-    forwards: List[torch.fx.GraphModule] = []
+    graphs: dict[str, list[Counter]] = {"forward": [], "backward": []}
+    forwards: list[torch.fx.GraphModule] = []
     saved = []
 
     def recorder(kind):
         def compiler(gm, _inputs):
-            graphs[kind].append(collections.Counter(
-                str(node.target) for node in gm.graph.nodes if node.op == "call_function"))
+            graphs[kind].append(
+                collections.Counter(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+            )
             if kind == "forward":
                 forwards.append(gm)
             else:  # backward graphs compile in reverse order of their forwards, at the first backward
-                saved.append(saved_elements(forwards[-1 - len(saved)], gm, cfg.batch_size,
-                                            cfg.batch_size * cfg.seq_len))
+                saved.append(
+                    saved_elements(forwards[-1 - len(saved)], gm, cfg.batch_size, cfg.batch_size * cfg.seq_len)
+                )
             return make_boxed_func(gm.forward)
+
         return compiler
 
     def backend(gm, inputs):
-        return aot_module_simplified(gm, inputs, fw_compiler=recorder("forward"), bw_compiler=recorder("backward"),
-                                     partition_fn=partition_fn)
+        return aot_module_simplified(
+            gm, inputs, fw_compiler=recorder("forward"), bw_compiler=recorder("backward"), partition_fn=partition_fn
+        )
 
     torch._dynamo.reset()
     counters.clear()
@@ -119,8 +129,11 @@ def trace(cfg: GraphBenchConfig, variant: str) -> dict:
     model = AttnResLM(model_config(cfg, variant)).to(cfg.device)
     x = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.seq_len), device=cfg.device)
     torch.compile(model, backend=backend)(x).float().square().mean().backward()
-    row = {"graphs": len(graphs["forward"]), "graph_breaks": sum(counters["graph_break"].values()),
-           "saved_per_token": sum(saved) / (cfg.batch_size * cfg.seq_len * cfg.d_model)}
+    row = {
+        "graphs": len(graphs["forward"]),
+        "graph_breaks": sum(counters["graph_break"].values()),
+        "saved_per_token": sum(saved) / (cfg.batch_size * cfg.seq_len * cfg.d_model),
+    }
     for kind, counts in graphs.items():
         ops = sum(counts, collections.Counter())
         row[f"{kind}_ops"] = sum(ops.values())
@@ -146,9 +159,14 @@ def format_table(result: dict) -> str:
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, r in result["rows"].items():
-        lines.append(f"| {name} | {r['graphs']} | {r['graph_breaks']} | {r['forward_ops']:,} | {r['forward_matmuls']} | "
-                     f"{r['forward_copies']} | {r['backward_ops']:,} | {r['backward_matmuls']} | {r['backward_copies']} | "
-                     f"{r['saved_per_token']:.1f} |")
-    lines += ["", "matmuls: mm, bmm, baddbmm, addmm, mv, dot (BLAS calls inductor does not fuse); copies: copy, "
-              "slice/select scatter, index_put (in-place updates after functionalization)."]
+        lines.append(
+            f"| {name} | {r['graphs']} | {r['graph_breaks']} | {r['forward_ops']:,} | {r['forward_matmuls']} | "
+            f"{r['forward_copies']} | {r['backward_ops']:,} | {r['backward_matmuls']} | {r['backward_copies']} | "
+            f"{r['saved_per_token']:.1f} |"
+        )
+    lines += [
+        "",
+        "matmuls: mm, bmm, baddbmm, addmm, mv, dot (BLAS calls inductor does not fuse); copies: copy, "
+        "slice/select scatter, index_put (in-place updates after functionalization).",
+    ]
     return "\n".join(lines)

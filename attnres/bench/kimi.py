@@ -15,16 +15,16 @@ in float32 whatever the dtype, so the float64 models differ by float32 rounding,
 Cached decoding runs KDA's recurrent kernel (float32) instead of its chunked one, and MLA over the
 cached latents: float32 rounding again where KDA layers are involved.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List
 
 import torch
 
 from attnres.inference import make_cache
 
-CASES: Dict[str, dict] = {
+CASES: dict[str, dict] = {
     "3:1, MoE": dict(kimi_layer_pattern="KKKM", moe_experts=4),
     "3:1, dense": dict(kimi_layer_pattern="KKKM", moe_experts=0),
     "1:1, MoE": dict(kimi_layer_pattern="KM", moe_experts=4),
@@ -45,10 +45,10 @@ class KimiBenchConfig:
     weight_noise: float = 0.05  # added to every weight (and router bias) so no part sits at its init
     seed: int = 0
     device: str = "cpu"
-    cases: List[str] = field(default_factory=lambda: list(CASES))
+    cases: list[str] = field(default_factory=lambda: list(CASES))
 
     @classmethod
-    def quick(cls) -> "KimiBenchConfig":
+    def quick(cls) -> KimiBenchConfig:
         return cls(seq_len=8)
 
 
@@ -61,9 +61,16 @@ def reference_model(cfg: KimiBenchConfig, case: str):
 
     if case not in CASES:
         raise ValueError(f"--set cases: unknown case {case!r}; choose from {sorted(CASES)}")
-    model_config = ModelConfig(backbone="kimi_linear", vocab_size=cfg.vocab_size, d_model=cfg.d_model,
-                               n_layers=cfg.n_layers, n_heads=cfg.n_heads, max_seq_len=cfg.seq_len,
-                               residual="prenorm", **CASES[case])
+    model_config = ModelConfig(
+        backbone="kimi_linear",
+        vocab_size=cfg.vocab_size,
+        d_model=cfg.d_model,
+        n_layers=cfg.n_layers,
+        n_heads=cfg.n_heads,
+        max_seq_len=cfg.seq_len,
+        residual="prenorm",
+        **CASES[case],
+    )
     torch.manual_seed(cfg.seed)
     model = KimiLinearForCausalLM(kimi_linear_config(model_config, tie_word_embeddings=False)).double()
     g = torch.Generator().manual_seed(cfg.seed + 1)
@@ -82,7 +89,7 @@ def cached_decoding_error(model, input_ids: torch.Tensor) -> float:
     half = input_ids.shape[1] // 2
     pieces = [lm(input_ids[:, :half], cache=cache)]
     for t in range(half, input_ids.shape[1]):
-        pieces.append(lm(input_ids[:, t:t + 1], cache=cache))
+        pieces.append(lm(input_ids[:, t : t + 1], cache=cache))
     return (torch.cat(pieces, dim=1).double() - full).abs().max().item()
 
 
@@ -96,15 +103,22 @@ def run(cfg: KimiBenchConfig) -> dict:
         g = torch.Generator().manual_seed(cfg.seed + 2)
         ids = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.seq_len), generator=g).to(cfg.device)
         expected = reference(ids).logits.double()
-        row = {"pattern": CASES[case]["kimi_layer_pattern"], "experts": CASES[case]["moe_experts"],
-               "max_abs_logit": expected.abs().max().item()}
+        row = {
+            "pattern": CASES[case]["kimi_layer_pattern"],
+            "experts": CASES[case]["moe_experts"],
+            "max_abs_logit": expected.abs().max().item(),
+        }
         for scheme in SCHEMES:
             ours = convert_kimi_linear(reference, scheme, max_seq_len=cfg.seq_len)
             row[scheme] = (ours(ids).logits.double() - expected).abs().max().item()
             row[f"{scheme}_cached"] = cached_decoding_error(ours, ids)
         rows[case] = row
-    return {"config": cfg.__dict__, "rows": rows, "torch": torch.__version__,
-            "transformers": __import__("transformers").__version__}
+    return {
+        "config": cfg.__dict__,
+        "rows": rows,
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+    }
 
 
 def format_table(result: dict) -> str:
@@ -121,10 +135,15 @@ def format_table(result: dict) -> str:
     for case, r in result["rows"].items():
         pattern = "".join(r["pattern"][i % len(r["pattern"])] for i in range(c["n_layers"]))
         cached = " / ".join(f"{r[f'{s}_cached']:.1e}" for s in SCHEMES)
-        lines.append(f"| {case} | {pattern} | {r['experts'] or '-'} | {r['max_abs_logit']:.2f} | "
-                     f"{r['prenorm']:.1e} | {r['block']:.1e} | {r['full']:.1e} | {cached} |")
-    lines += ["", "max |Δ logit|. K = Kimi Delta Attention, M = multi-head latent attention. Block and Full "
-              "start from zero queries with attnres_scale_norm_eps (equal to prenorm in exact arithmetic); "
-              "transformers' RMSNorm and KDA compute in float32, which bounds the float64 differences "
-              "(attnres/bench/kimi.py)."]
+        lines.append(
+            f"| {case} | {pattern} | {r['experts'] or '-'} | {r['max_abs_logit']:.2f} | "
+            f"{r['prenorm']:.1e} | {r['block']:.1e} | {r['full']:.1e} | {cached} |"
+        )
+    lines += [
+        "",
+        "max |Δ logit|. K = Kimi Delta Attention, M = multi-head latent attention. Block and Full "
+        "start from zero queries with attnres_scale_norm_eps (equal to prenorm in exact arithmetic); "
+        "transformers' RMSNorm and KDA compute in float32, which bounds the float64 differences "
+        "(attnres/bench/kimi.py).",
+    ]
     return "\n".join(lines)

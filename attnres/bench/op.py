@@ -25,14 +25,15 @@ queries, reported per query, i.e. per sublayer).
 ``time_triton_vs_torch`` times the Triton kernels against the torch paths on a GPU (not part of
 the command: no GPU here).
 """
+
 from __future__ import annotations
 
 import os
 import statistics
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterator, List
 
 import torch
 
@@ -47,19 +48,18 @@ class OpBenchConfig:
     batch_size: int = 8
     seq_len: int = 256
     d_model: int = 256
-    sources: List[int] = field(default_factory=lambda: [4, 8, 16, 32])
+    sources: list[int] = field(default_factory=lambda: [4, 8, 16, 32])
     queries: int = 4  # S for the two-phase row
     repeats: int = 15
     dtype: str = "float32"
     device: str = "cpu"
 
     @classmethod
-    def quick(cls) -> "OpBenchConfig":
+    def quick(cls) -> OpBenchConfig:
         return cls(seq_len=128, sources=[4, 8, 16], repeats=7)
 
 
-def _interleaved_times(fns: Dict[str, Callable[[], object]], repeats: int,
-                       device: str) -> Dict[str, List[float]]:
+def _interleaved_times(fns: dict[str, Callable[[], object]], repeats: int, device: str) -> dict[str, list[float]]:
     """Seconds per call of every function, ``repeats`` rounds that each run all of them in turn.
 
     Interleaving matters on a shared machine: the memory bandwidth available changes from second
@@ -68,7 +68,7 @@ def _interleaved_times(fns: Dict[str, Callable[[], object]], repeats: int,
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     for fn in fns.values():  # warm-up: allocator, kernel selection
         fn()
-    times: Dict[str, List[float]] = {name: [] for name in fns}
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
             sync()
@@ -88,41 +88,58 @@ def _copy(n_bytes: int, cfg: OpBenchConfig) -> Callable[[], object]:
     return lambda: dst.copy_(src)
 
 
+_Impl = tuple[Callable[[], torch.Tensor], Callable[[torch.Tensor], object], int]
+
+
+def _impls(cfg: OpBenchConfig, K: int, dtype: torch.dtype) -> dict[str, _Impl]:
+    """Each row's (forward, backward of a forward's output, op calls per forward) on fresh operands
+    with K sources, seeded by K."""
+    B, T, D = cfg.batch_size, cfg.seq_len, cfg.d_model
+    g = torch.Generator().manual_seed(K)
+    buffer = torch.randn(B, T, K + 2, D, generator=g, dtype=dtype).to(cfg.device)
+    view = buffer[:, :, :K]
+    producers = [view[:, :, i].clone().requires_grad_() for i in range(K)]
+    q = torch.randn(D, generator=g, dtype=dtype).to(cfg.device).requires_grad_()
+    w = (torch.rand(D, generator=g, dtype=dtype) + 0.5).to(cfg.device).requires_grad_()
+    gh = torch.randn(B, T, D, generator=g, dtype=dtype).to(cfg.device)
+    stacked = torch.stack(producers).detach().requires_grad_()
+    S = cfg.queries
+    qs = torch.randn(S, D, generator=g, dtype=dtype).to(cfg.device).requires_grad_()
+    ws = (torch.rand(S, D, generator=g, dtype=dtype) + 0.5).to(cfg.device).requires_grad_()
+    inv = inverse_rms(view, 1e-6)
+
+    # backward through torch.autograd.grad: the gradients the op returns, not their
+    # accumulation into leaves' .grad across repeats (which a model step does not do either)
+    return {
+        "fused": (
+            lambda: fused_depth_attention([view], producers, q, w),
+            lambda h: torch.autograd.grad(h, [*producers, q, w], gh),
+            1,
+        ),
+        "reference": (
+            lambda: depth_attention_reference(stacked, q, w).h,
+            lambda h: torch.autograd.grad(h, [stacked, q, w], gh),
+            1,
+        ),
+        f"two_phase (S={S}, per query)": (
+            lambda: phase1_outputs(view, inv, qs, ws, producers)[0],
+            lambda h1s: torch.autograd.grad(h1s, [*producers, qs, ws], [gh] * len(h1s)),
+            S,
+        ),
+    }
+
+
 def run(cfg: OpBenchConfig) -> dict:
     dtype = getattr(torch, cfg.dtype)
     B, T, D = cfg.batch_size, cfg.seq_len, cfg.d_model
     esize = torch.finfo(dtype).bits // 8
     rows = []
     for K in progress_bar(cfg.sources, desc="bench op", unit="K"):
-        g = torch.Generator().manual_seed(K)
-        buffer = torch.randn(B, T, K + 2, D, generator=g, dtype=dtype).to(cfg.device)
-        view = buffer[:, :, :K]
-        producers = [view[:, :, i].clone().requires_grad_() for i in range(K)]
-        q = torch.randn(D, generator=g, dtype=dtype).to(cfg.device).requires_grad_()
-        w = (torch.rand(D, generator=g, dtype=dtype) + 0.5).to(cfg.device).requires_grad_()
-        gh = torch.randn(B, T, D, generator=g, dtype=dtype).to(cfg.device)
-        stacked = torch.stack(producers).detach().requires_grad_()
-        S = cfg.queries
-        qs = torch.randn(S, D, generator=g, dtype=dtype).to(cfg.device).requires_grad_()
-        ws = (torch.rand(S, D, generator=g, dtype=dtype) + 0.5).to(cfg.device).requires_grad_()
-        inv = inverse_rms(view, 1e-6)
-
+        impls = _impls(cfg, K, dtype)
         fwd_bytes = (K + 1) * B * T * D * esize
         bwd_bytes = (2 * K + 1) * B * T * D * esize
 
-        # backward through torch.autograd.grad: the gradients the op returns, not their
-        # accumulation into leaves' .grad across repeats (which a model step does not do either)
-        impls = {
-            "fused": (lambda: fused_depth_attention([view], producers, q, w),
-                      lambda h: torch.autograd.grad(h, [*producers, q, w], gh), 1),
-            "reference": (lambda: depth_attention_reference(stacked, q, w).h,
-                          lambda h: torch.autograd.grad(h, [stacked, q, w], gh), 1),
-            f"two_phase (S={S}, per query)": (
-                lambda: phase1_outputs(view, inv, qs, ws, producers)[0],
-                lambda h1s: torch.autograd.grad(h1s, [*producers, qs, ws], [gh] * len(h1s)), S),
-        }
-
-        fns: Dict[str, Callable[[], object]] = {"copy": _copy(fwd_bytes, cfg)}
+        fns: dict[str, Callable[[], object]] = {"copy": _copy(fwd_bytes, cfg)}
         for name, (fwd, bwd, _) in impls.items():
             fns[name + " fwd"] = torch.no_grad()(fwd)
             fns[name + " fwd+bwd"] = lambda fwd=fwd, bwd=bwd: bwd(fwd())
@@ -134,19 +151,27 @@ def run(cfg: OpBenchConfig) -> dict:
             tb = max(min(times[name + " fwd+bwd"]) / per - tf, 1e-12)
             tf_med = statistics.median(times[name + " fwd"]) / per
             tb_med = max(statistics.median(times[name + " fwd+bwd"]) / per - tf_med, 1e-12)
-            rows.append({
-                "K": K, "impl": name, "fwd_ms": tf * 1e3, "bwd_ms": tb * 1e3,
-                "fwd_ms_median": tf_med * 1e3, "bwd_ms_median": tb_med * 1e3,
-                "fwd_min_bytes": fwd_bytes, "bwd_min_bytes": bwd_bytes,
-                "fwd_gbps": fwd_bytes / tf / 1e9, "bwd_gbps": bwd_bytes / tb / 1e9,
-                "copy_gbps": copy_bw, "copy_gbps_median": copy_bw_median,
-                "fwd_frac_of_copy": fwd_bytes / tf / 1e9 / copy_bw,
-                "bwd_frac_of_copy": bwd_bytes / tb / 1e9 / copy_bw,
-                "fwd_frac_of_copy_median": fwd_bytes / tf_med / 1e9 / copy_bw_median,
-                "bwd_frac_of_copy_median": bwd_bytes / tb_med / 1e9 / copy_bw_median,
-            })
-    return {"config": cfg.__dict__, "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "rows": rows}
+            rows.append(
+                {
+                    "K": K,
+                    "impl": name,
+                    "fwd_ms": tf * 1e3,
+                    "bwd_ms": tb * 1e3,
+                    "fwd_ms_median": tf_med * 1e3,
+                    "bwd_ms_median": tb_med * 1e3,
+                    "fwd_min_bytes": fwd_bytes,
+                    "bwd_min_bytes": bwd_bytes,
+                    "fwd_gbps": fwd_bytes / tf / 1e9,
+                    "bwd_gbps": bwd_bytes / tb / 1e9,
+                    "copy_gbps": copy_bw,
+                    "copy_gbps_median": copy_bw_median,
+                    "fwd_frac_of_copy": fwd_bytes / tf / 1e9 / copy_bw,
+                    "bwd_frac_of_copy": bwd_bytes / tb / 1e9 / copy_bw,
+                    "fwd_frac_of_copy_median": fwd_bytes / tf_med / 1e9 / copy_bw_median,
+                    "bwd_frac_of_copy_median": bwd_bytes / tb_med / 1e9 / copy_bw_median,
+                }
+            )
+    return {"config": cfg.__dict__, "threads": torch.get_num_threads(), "torch": torch.__version__, "rows": rows}
 
 
 def format_table(result: dict) -> str:
@@ -161,9 +186,11 @@ def format_table(result: dict) -> str:
         "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in result["rows"]:
-        lines.append(f"| {r['K']} | {r['impl']} | {r['fwd_ms']:.2f} | {r['fwd_gbps']:.2f} | "
-                     f"{r['fwd_frac_of_copy']:.0%} | {r['bwd_ms']:.2f} | {r['bwd_gbps']:.2f} | "
-                     f"{r['bwd_frac_of_copy']:.0%} | {r['copy_gbps']:.2f} |")
+        lines.append(
+            f"| {r['K']} | {r['impl']} | {r['fwd_ms']:.2f} | {r['fwd_gbps']:.2f} | "
+            f"{r['fwd_frac_of_copy']:.0%} | {r['bwd_ms']:.2f} | {r['bwd_gbps']:.2f} | "
+            f"{r['bwd_frac_of_copy']:.0%} | {r['copy_gbps']:.2f} |"
+        )
     return "\n".join(lines)
 
 
@@ -193,7 +220,7 @@ def time_triton_vs_torch(
     normalize_keys: bool = True,
     device: str = "cuda",
     rep_ms: int = 100,
-) -> Dict[str, float]:
+) -> dict[str, float]:
     """Milliseconds per call, Triton vs the torch paths, on a GPU (needs triton; not run by the tests).
 
     Times the forward, the forward + backward of the op in the residual stream's layout (K sources
@@ -229,10 +256,11 @@ def time_triton_vs_torch(
     def fwd_bwd(fn):
         def run():
             fn().backward(gh)
+
         return run
 
     bench = triton.testing.do_bench
-    out: Dict[str, float] = {}
+    out: dict[str, float] = {}
     with torch.no_grad():
         out["fwd_torch_ms"] = bench(torch_fwd, rep=rep_ms)
         out["fwd_triton_ms"] = bench(triton_fwd, rep=rep_ms)
@@ -257,10 +285,12 @@ def time_triton_vs_torch(
 
         out["phase1_torch_ms"] = bench(phase1_torch, rep=rep_ms)
         out["phase1_triton_ms"] = bench(lambda: two_phase_triton.phase1(*phase1_args, kernel=kernel), rep=rep_ms)
-        a = two_phase_triton.phase1(buffer[:, :, :K - 1], None if inv is None else inv[:, :, :K - 1],
-                                    queries, kws, kernel=kernel)
-        b = two_phase_triton.phase1(buffer[:, :, K - 1:K], None if inv is None else inv[:, :, K - 1:K],
-                                    queries, kws, kernel=kernel)
+        a = two_phase_triton.phase1(
+            buffer[:, :, : K - 1], None if inv is None else inv[:, :, : K - 1], queries, kws, kernel=kernel
+        )
+        b = two_phase_triton.phase1(
+            buffer[:, :, K - 1 : K], None if inv is None else inv[:, :, K - 1 : K], queries, kws, kernel=kernel
+        )
         out["merge_torch_ms"] = bench(lambda: two_phase_reference.merge(a, b, kernel), rep=rep_ms)
         out["merge_triton_ms"] = bench(lambda: two_phase_triton.merge(a, b, kernel), rep=rep_ms)
     return out

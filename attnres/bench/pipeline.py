@@ -12,13 +12,13 @@ is the median over the timed steps of the slowest rank (barrier to barrier),
 the modes alternating step by step so that machine noise hits both alike.
 Both modes must produce the same loss; the run checks it.
 """
+
 from __future__ import annotations
 
 import os
 import statistics
 import time
 from dataclasses import asdict, dataclass
-from typing import Dict, List
 
 import torch
 import torch.distributed as dist
@@ -46,35 +46,50 @@ class PipelineBenchConfig:
     device: str = "cpu"
 
     @classmethod
-    def quick(cls) -> "PipelineBenchConfig":
+    def quick(cls) -> PipelineBenchConfig:
         return cls(d_model=64, seq_len=64, steps=4, warmup=1)
 
 
 def _model(cfg: PipelineBenchConfig) -> AttnResLM:
     torch.manual_seed(0)
     options = {"attnres_block_size": cfg.block_size} if cfg.residual == "block" else {}
-    config = ModelConfig(vocab_size=4096, d_model=cfg.d_model, n_heads=cfg.n_heads,
-                         n_layers=cfg.pp * cfg.vpp * cfg.layers_per_chunk, max_seq_len=cfg.seq_len,
-                         residual=cfg.residual, **options)
+    config = ModelConfig(
+        vocab_size=4096,
+        d_model=cfg.d_model,
+        n_heads=cfg.n_heads,
+        n_layers=cfg.pp * cfg.vpp * cfg.layers_per_chunk,
+        max_seq_len=cfg.seq_len,
+        residual=cfg.residual,
+        **options,
+    )
     return AttnResLM(config)
 
 
-def run(cfg: PipelineBenchConfig) -> Dict:
+def run(cfg: PipelineBenchConfig) -> dict:
     if not dist.is_initialized():
         if "WORLD_SIZE" not in os.environ:
-            raise ValueError(f"bench pipeline needs {cfg.pp} processes: run it as `torchrun --nproc-per-node "
-                             f"{cfg.pp} -m attnres bench pipeline --set pp={cfg.pp}`")
+            raise ValueError(
+                f"bench pipeline needs {cfg.pp} processes: run it as `torchrun --nproc-per-node "
+                f"{cfg.pp} -m attnres bench pipeline --set pp={cfg.pp}`"
+            )
         dist.init_process_group("gloo")
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, 4096, (cfg.batch_size, cfg.seq_len), generator=g)
     y = torch.randint(0, 4096, (cfg.batch_size, cfg.seq_len), generator=g)
     pipes = {}
     for mode in ("naive", "cached"):
-        pipes[mode] = build_pipeline(_model(cfg), pp=cfg.pp, vpp=cfg.vpp, schedule=cfg.schedule,
-                                     microbatches=cfg.microbatches, batch_size=cfg.batch_size,
-                                     seq_len=cfg.seq_len, cache=mode == "cached")
-    times: Dict[str, List[float]] = {m: [] for m in pipes}
-    losses: Dict[str, float] = {}
+        pipes[mode] = build_pipeline(
+            _model(cfg),
+            pp=cfg.pp,
+            vpp=cfg.vpp,
+            schedule=cfg.schedule,
+            microbatches=cfg.microbatches,
+            batch_size=cfg.batch_size,
+            seq_len=cfg.seq_len,
+            cache=mode == "cached",
+        )
+    times: dict[str, list[float]] = {m: [] for m in pipes}
+    losses: dict[str, float] = {}
     for i in range(cfg.warmup + cfg.steps):
         if i == cfg.warmup:
             for p in pipes.values():
@@ -103,8 +118,12 @@ def run(cfg: PipelineBenchConfig) -> Dict:
             "per_transition": [{**r, "bytes": r["bytes"] * cfg.microbatches} for r in layouts[m].traffic()],
         }
     return {
-        "config": asdict(cfg), "torch": torch.__version__, "world_size": dist.get_world_size(),
-        "threads": torch.get_num_threads(), "loss": losses, "step_seconds": step,
+        "config": asdict(cfg),
+        "torch": torch.__version__,
+        "world_size": dist.get_world_size(),
+        "threads": torch.get_num_threads(),
+        "loss": losses,
+        "step_seconds": step,
         "cached_over_naive_step_time": step["cached"] / step["naive"],
         "peak_reduction": totals["naive"]["peak_transition_bytes"] / totals["cached"]["peak_transition_bytes"],
         "peak_block_reduction": max(r["blocks"] for r in layouts["naive"].traffic())
@@ -115,19 +134,26 @@ def run(cfg: PipelineBenchConfig) -> Dict:
     }
 
 
-def format_table(result: Dict) -> str:
+def format_table(result: dict) -> str:
     c = result["config"]
-    lines = [f"pipeline bench: P={c['pp']} V={c['vpp']} {c['schedule']}, {c['microbatches']} microbatches of "
-             f"{c['batch_size'] // c['microbatches']}x{c['seq_len']} tokens, d={c['d_model']}, "
-             f"{c['residual']} (S={c['block_size']}), {c['layers_per_chunk']} blocks per chunk; "
-             f"{result['world_size']} gloo processes x {result['threads']} threads, torch {result['torch']}",
-             "", result["table"]]
+    lines = [
+        f"pipeline bench: P={c['pp']} V={c['vpp']} {c['schedule']}, {c['microbatches']} microbatches of "
+        f"{c['batch_size'] // c['microbatches']}x{c['seq_len']} tokens, d={c['d_model']}, "
+        f"{c['residual']} (S={c['block_size']}), {c['layers_per_chunk']} blocks per chunk; "
+        f"{result['world_size']} gloo processes x {result['threads']} threads, torch {result['torch']}",
+        "",
+        result["table"],
+    ]
     t = result["traffic"]
-    lines.append(f"peak per-transition reduction naive/cached: {result['peak_reduction']:.2f}x in bytes, "
-                 f"{result['peak_block_reduction']:.2f}x in block representations; total "
-                 f"{t['naive']['forward_bytes_per_step'] / t['cached']['forward_bytes_per_step']:.2f}x")
-    lines.append(f"step time (median of {c['steps']}, slowest rank): naive {result['step_seconds']['naive'] * 1e3:.1f} ms, "
-                 f"cached {result['step_seconds']['cached'] * 1e3:.1f} ms, cached/naive "
-                 f"{result['cached_over_naive_step_time']:.3f}")
+    lines.append(
+        f"peak per-transition reduction naive/cached: {result['peak_reduction']:.2f}x in bytes, "
+        f"{result['peak_block_reduction']:.2f}x in block representations; total "
+        f"{t['naive']['forward_bytes_per_step'] / t['cached']['forward_bytes_per_step']:.2f}x"
+    )
+    lines.append(
+        f"step time (median of {c['steps']}, slowest rank): naive {result['step_seconds']['naive'] * 1e3:.1f} ms, "
+        f"cached {result['step_seconds']['cached'] * 1e3:.1f} ms, cached/naive "
+        f"{result['cached_over_naive_step_time']:.3f}"
+    )
     lines.append(f"loss naive {result['loss']['naive']:.6f}, cached {result['loss']['cached']:.6f}")
     return "\n".join(lines)

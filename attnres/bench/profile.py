@@ -17,6 +17,7 @@ ratio at equal matmul time (``ratio_at_equal_matmul``: the baseline's matmul tim
 row's own) resolves what the scheme itself adds. CPU only: the CPU profile does not time CUDA
 kernels.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -24,10 +25,22 @@ import os
 import statistics
 import sys
 import time
-from typing import Callable, Dict, List, Optional
+from collections.abc import Callable
 
-MATMUL_OPS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addbmm", "aten::mv",
-                        "aten::addmv", "aten::dot", "mkldnn::_linear_pointwise", "mkl::_mkl_linear"})
+MATMUL_OPS = frozenset(
+    {
+        "aten::mm",
+        "aten::addmm",
+        "aten::bmm",
+        "aten::baddbmm",
+        "aten::addbmm",
+        "aten::mv",
+        "aten::addmv",
+        "aten::dot",
+        "mkldnn::_linear_pointwise",
+        "mkl::_mkl_linear",
+    }
+)
 PARTS = ("matmul_ms", "generated_ms", "optimizer_ms")
 
 
@@ -73,7 +86,7 @@ def _quiet_stderr():
         os.close(null)
 
 
-def time_breakdown(call: Callable[[], object], calls: int = 1) -> Dict[str, float]:
+def time_breakdown(call: Callable[[], object], calls: int = 1) -> dict[str, float]:
     """Run ``call`` ``calls`` times under the profiler; the parts above per call, ``step_ms`` the
     profiled wall time per call (parts and rest add up to it)."""
     from torch.profiler import ProfilerActivity, profile
@@ -109,17 +122,17 @@ def time_breakdown(call: Callable[[], object], calls: int = 1) -> Dict[str, floa
     return _with_rest(out)
 
 
-def _with_rest(b: Dict[str, float]) -> Dict[str, float]:
+def _with_rest(b: dict[str, float]) -> dict[str, float]:
     b["rest_ms"] = b["step_ms"] - sum(b[k] for k in PARTS)
     return b
 
 
-def median_breakdown(samples: List[Dict[str, float]]) -> Dict[str, float]:
+def median_breakdown(samples: list[dict[str, float]]) -> dict[str, float]:
     """Each field's median over rounds; the rest recomputed from them, so that the parts add up."""
     return _with_rest({k: statistics.median(s[k] for s in samples) for k in samples[0]})
 
 
-def ratio_at_equal_matmul(row: Dict[str, float], base: Dict[str, float]) -> Optional[float]:
+def ratio_at_equal_matmul(row: dict[str, float], base: dict[str, float]) -> float | None:
     """The row's profiled time with the baseline's matmul time in place of its own, over the
     baseline's; None when the two make different matmul calls (then their matmul work differs)."""
     if row["matmul_calls"] != base["matmul_calls"]:
@@ -127,8 +140,9 @@ def ratio_at_equal_matmul(row: Dict[str, float], base: Dict[str, float]) -> Opti
     return (row["step_ms"] - row["matmul_ms"] + base["matmul_ms"]) / base["step_ms"]
 
 
-def round_robin_breakdowns(calls: Dict[str, Callable[[], object]], rounds: int, per_round: int, device: str,
-                           desc: str) -> Dict[str, Dict[str, float]]:
+def round_robin_breakdowns(
+    calls: dict[str, Callable[[], object]], rounds: int, per_round: int, device: str, desc: str
+) -> dict[str, dict[str, float]]:
     """Each callable's median breakdown over ``rounds`` rounds that each run every callable
     ``per_round`` times in turn (so drifts of the machine hit all alike); {} with no rounds or off
     the CPU, whose profile does not time CUDA kernels."""
@@ -136,14 +150,14 @@ def round_robin_breakdowns(calls: Dict[str, Callable[[], object]], rounds: int, 
 
     if torch_device_type(device) != "cpu" or not rounds:
         return {}
-    samples: Dict[str, List[Dict[str, float]]] = {v: [] for v in calls}
+    samples: dict[str, list[dict[str, float]]] = {v: [] for v in calls}
     for _ in progress_bar(range(rounds), desc=desc, unit="round"):
         for v, call in calls.items():
             samples[v].append(time_breakdown(call, per_round))
     return {v: median_breakdown(s) for v, s in samples.items()}
 
 
-def compared(breakdowns: Dict[str, Dict[str, float]], baseline: Callable[[str], str]) -> Dict[str, Dict[str, float]]:
+def compared(breakdowns: dict[str, dict[str, float]], baseline: Callable[[str], str]) -> dict[str, dict[str, float]]:
     """Each row's breakdown with ``ratio_at_equal_matmul`` to its baseline row added where it applies."""
     out = {}
     for v, b in breakdowns.items():
@@ -163,24 +177,34 @@ def check_rounds(value) -> None:
         raise ValueError(f"profile_rounds={value!r} is invalid: use an integer >= 0 (0: no time breakdown)")
 
 
-def breakdown_table(rows: Dict[str, dict], key: str, what: str, rounds: int, calls: int) -> List[str]:
+def breakdown_table(rows: dict[str, dict], key: str, what: str, rounds: int, calls: int) -> list[str]:
     """Markdown lines of the rows' breakdowns under ``key`` (nothing if no row has one)."""
     rows = {v: r[key] for v, r in rows.items() if key in r}
     if not rows:
         return []
-    lines = ["", f"Where a {what} goes (torch.profiler, median of {rounds} round-robin rounds of {calls} {what}s; "
-             f"ms per {what}):", "",
-             f"| variant | profiled {what} | matmul & attention | matmul calls | generated code | of it in backward | "
-             "optimizer | rest | vs prenorm at equal matmul time |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "",
+        f"Where a {what} goes (torch.profiler, median of {rounds} round-robin rounds of {calls} {what}s; "
+        f"ms per {what}):",
+        "",
+        f"| variant | profiled {what} | matmul & attention | matmul calls | generated code | of it in backward | "
+        "optimizer | rest | vs prenorm at equal matmul time |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for v, b in rows.items():
-        equal = f"{b['ratio_at_equal_matmul']:.3f}" if b.get("ratio_at_equal_matmul") is not None \
-            else "- (other matmuls)"
-        lines.append(f"| {v} | {b['step_ms']:.1f} | {b['matmul_ms']:.1f} | {b['matmul_calls']:.0f} | "
-                     f"{b['generated_ms']:.1f} | {b['generated_backward_ms']:.1f} | {b['optimizer_ms']:.1f} | "
-                     f"{b['rest_ms']:.1f} | {equal} |")
-    lines += ["", "matmul & attention: library matrix products and attention kernels outside the optimizer; "
-              "generated code: inductor's compiled graphs; rest: eager ops, Python and the profiler. 'At equal "
-              f"matmul time': the profiled {what} with the baseline's matmul time in place of its own, over the "
-              "baseline's, for rows making the same matmul calls as their baseline."]
+        equal = (
+            f"{b['ratio_at_equal_matmul']:.3f}" if b.get("ratio_at_equal_matmul") is not None else "- (other matmuls)"
+        )
+        lines.append(
+            f"| {v} | {b['step_ms']:.1f} | {b['matmul_ms']:.1f} | {b['matmul_calls']:.0f} | "
+            f"{b['generated_ms']:.1f} | {b['generated_backward_ms']:.1f} | {b['optimizer_ms']:.1f} | "
+            f"{b['rest_ms']:.1f} | {equal} |"
+        )
+    lines += [
+        "",
+        "matmul & attention: library matrix products and attention kernels outside the optimizer; "
+        "generated code: inductor's compiled graphs; rest: eager ops, Python and the profiler. 'At equal "
+        f"matmul time': the profiled {what} with the baseline's matmul time in place of its own, over the "
+        "baseline's, for rows making the same matmul calls as their baseline.",
+    ]
     return lines

@@ -26,8 +26,10 @@ not of the batch) apart from the step's peak. The tensor step peak comes from th
 allocator's own events: it sees neither the heap's fragmentation nor the
 compiler's objects, so it is exact where the resident set is not.
 """
+
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -37,13 +39,18 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 
+from attnres.bench.profile import (
+    breakdown_table,
+    check_rounds,
+    compared,
+    round_robin_breakdowns,
+    time_breakdown,
+)
 from attnres.model import AttnResLM, ModelConfig
-from attnres.bench.profile import breakdown_table, check_rounds, compared, round_robin_breakdowns, time_breakdown
 from attnres.model.compile import compile_model
 from attnres.train.config import parse_value
 from attnres.train.optim import build_optimizer
@@ -60,18 +67,18 @@ class BenchConfig:
     seq_len: int = 256
     batch_size: int = 8
     vocab_size: int = 4096
-    blocks: Optional[int] = 8  # Block AttnRes N (None: the model's default)
+    blocks: int | None = 8  # Block AttnRes N (None: the model's default)
     optimizer: str = "adamw"  # or "muon": the trainer's default, whose Newton-Schulz step costs more
     warmup: int = 2
     repeats: int = 7
     steps_per_repeat: int = 2
     seed: int = 0
     device: str = "cpu"
-    variants: List[str] = field(default_factory=lambda: list(DEFAULT_VARIANTS))
+    variants: list[str] = field(default_factory=lambda: list(DEFAULT_VARIANTS))
     memory: bool = True  # measure peak memory (one fresh process per variant)
     # with compile (true: inductor, or a backend name) every variant also runs compiled, in the same
     # process and round-robin, as the row "VARIANT compiled" (ratios: compiled to compiled prenorm)
-    compile: Union[bool, str] = False
+    compile: bool | str = False
     activation_checkpointing: str = "none"  # none | block | sublayer, for every variant
     # "wall": elapsed time; "process": CPU time of this process, which other jobs on a shared machine
     # do not inflate (it counts every thread's CPU time, so it equals step time only at one thread)
@@ -81,12 +88,11 @@ class BenchConfig:
     profile_rounds: int = 3
 
     @classmethod
-    def quick(cls) -> "BenchConfig":
-        return cls(d_model=128, n_layers=8, seq_len=128, batch_size=8, warmup=2, repeats=5,
-                   steps_per_repeat=2)
+    def quick(cls) -> BenchConfig:
+        return cls(d_model=128, n_layers=8, seq_len=128, batch_size=8, warmup=2, repeats=5, steps_per_repeat=2)
 
 
-def parse_variant(name: str) -> Tuple[str, str, Dict[str, object]]:
+def parse_variant(name: str) -> tuple[str, str, dict[str, object]]:
     """'NAME[:IMPL][:FIELD=VALUE]...' -> (residual, impl, ModelConfig options).
 
     'block' -> ('block', 'two_phase', {}); 'block:reference' -> ('block', 'reference', {});
@@ -115,19 +121,26 @@ def variant_config(variant: str, *, blocks: int, **sizes) -> ModelConfig:
 
 def model_config(cfg, variant: str) -> ModelConfig:
     """The variant's model at ``cfg``'s sizes (a BenchConfig, or any config with its model fields)."""
-    return variant_config(variant, blocks=cfg.blocks, vocab_size=cfg.vocab_size, d_model=cfg.d_model,
-                          n_layers=cfg.n_layers, n_heads=cfg.n_heads, max_seq_len=cfg.seq_len)
+    return variant_config(
+        variant,
+        blocks=cfg.blocks,
+        vocab_size=cfg.vocab_size,
+        d_model=cfg.d_model,
+        n_layers=cfg.n_layers,
+        n_heads=cfg.n_heads,
+        max_seq_len=cfg.seq_len,
+    )
 
 
 COMPILED = " compiled"  # the suffix of a compiled variant's row
 
 
-def split_compiled(row: str) -> Tuple[str, bool]:
+def split_compiled(row: str) -> tuple[str, bool]:
     """'block compiled' -> ('block', True); 'block' -> ('block', False)."""
-    return (row[:-len(COMPILED)], True) if row.endswith(COMPILED) else (row, False)
+    return (row[: -len(COMPILED)], True) if row.endswith(COMPILED) else (row, False)
 
 
-def rows_of(cfg: BenchConfig) -> List[str]:
+def rows_of(cfg: BenchConfig) -> list[str]:
     """The timed rows: every variant eager, then (with compile) every variant compiled."""
     return list(cfg.variants) + ([v + COMPILED for v in cfg.variants] if cfg.compile else [])
 
@@ -163,25 +176,27 @@ def _sync(device: str) -> None:
 CLOCKS = {"wall": time.perf_counter, "process": time.process_time}
 
 
-def time_variants(cfg: BenchConfig) -> Tuple[Dict[str, List[float]], Dict[str, float], Dict[str, dict]]:
+def time_variants(cfg: BenchConfig) -> tuple[dict[str, list[float]], dict[str, float], dict[str, dict]]:
     """Step times per row (round-robin repeats), each row's warm-up seconds (wall time; for a
     compiled row: compilation, in the first step, and the second step's recompilation if any), and
     each row's step breakdown (``attnres.bench.profile.round_robin_breakdowns`` over ``profile_rounds``
     rounds after the timing; empty with no rounds or on CUDA)."""
     if cfg.clock not in CLOCKS:
-        raise ValueError(f"clock={cfg.clock!r} is invalid: choose one of {tuple(CLOCKS)} (wall: elapsed time; "
-                         "process: CPU time, for a shared machine at --threads 1)")
+        raise ValueError(
+            f"clock={cfg.clock!r} is invalid: choose one of {tuple(CLOCKS)} (wall: elapsed time; "
+            "process: CPU time, for a shared machine at --threads 1)"
+        )
     check_rounds(cfg.profile_rounds)
     clock = CLOCKS[cfg.clock]
     setups = {v: _setup(cfg, v) for v in rows_of(cfg)}
-    warmup: Dict[str, float] = {}
+    warmup: dict[str, float] = {}
     for v, (model, opt, x, y) in setups.items():
         t0 = time.perf_counter()
         for _ in range(cfg.warmup):
             _step(model, opt, x, y)
         _sync(cfg.device)
         warmup[v] = time.perf_counter() - t0
-    times: Dict[str, List[float]] = {v: [] for v in setups}
+    times: dict[str, list[float]] = {v: [] for v in setups}
     for _ in progress_bar(range(cfg.repeats), desc="bench train: timing", unit="repeat"):
         for v, (model, opt, x, y) in setups.items():
             _sync(cfg.device)
@@ -191,8 +206,11 @@ def time_variants(cfg: BenchConfig) -> Tuple[Dict[str, List[float]], Dict[str, f
             _sync(cfg.device)
             times[v].append((clock() - t0) / cfg.steps_per_repeat)
     calls = {v: (lambda setup=setup: _step(*setup)) for v, setup in setups.items()}
-    return times, warmup, round_robin_breakdowns(calls, cfg.profile_rounds, cfg.steps_per_repeat, cfg.device,
-                                                 "bench train: profile")
+    return (
+        times,
+        warmup,
+        round_robin_breakdowns(calls, cfg.profile_rounds, cfg.steps_per_repeat, cfg.device, "bench train: profile"),
+    )
 
 
 def step_breakdown(model, opt, x, y, *, steps: int = 1) -> dict:
@@ -237,8 +255,14 @@ def memory_probe(cfg: BenchConfig, variant: str) -> dict:
             _step(model, opt, x, y)
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() / 2**20
-        return {"method": "cuda max_memory_allocated", "baseline_mib": base, "peak_mib": peak, "compiler_mib": 0.0,
-                "step_peak_mib": peak - base, "tensor_step_peak_mib": peak - base}
+        return {
+            "method": "cuda max_memory_allocated",
+            "baseline_mib": base,
+            "peak_mib": peak,
+            "compiler_mib": 0.0,
+            "step_peak_mib": peak - base,
+            "tensor_step_peak_mib": peak - base,
+        }
     base = _rss_mib()
     base_hwm = _peak_rss_mib()
     method = "VmHWM, peak resident set of a fresh process"
@@ -254,14 +278,22 @@ def memory_probe(cfg: BenchConfig, variant: str) -> dict:
         compiler = _rss_mib() - base
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
-        method += (" (compiled rows: reset after compilation; 'compiler MiB' is what compilation left"
-                   " resident, and 'step peak' is counted above it)")
+        method += (
+            " (compiled rows: reset after compilation; 'compiler MiB' is what compilation left"
+            " resident, and 'step peak' is counted above it)"
+        )
     for _ in range(3):
         _step(model, opt, x, y)
     peak = _peak_rss_mib()
-    return {"method": method, "baseline_mib": base, "baseline_hwm_mib": base_hwm, "peak_mib": peak,
-            "compiler_mib": compiler, "step_peak_mib": peak - base - compiler,
-            "tensor_step_peak_mib": tensor_step_peak_mib(model, opt, x, y)}
+    return {
+        "method": method,
+        "baseline_mib": base,
+        "baseline_hwm_mib": base_hwm,
+        "peak_mib": peak,
+        "compiler_mib": compiler,
+        "step_peak_mib": peak - base - compiler,
+        "tensor_step_peak_mib": tensor_step_peak_mib(model, opt, x, y),
+    }
 
 
 def tensor_step_peak_mib(model, opt, x, y) -> float:
@@ -273,8 +305,9 @@ def tensor_step_peak_mib(model, opt, x, y) -> float:
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         _step(model, opt, x, y)
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
+    events = sorted(
+        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns()
+    )
     live = peak = 0
     for e in events:
         live += e.nbytes()
@@ -284,16 +317,18 @@ def tensor_step_peak_mib(model, opt, x, y) -> float:
 
 def _trim_heap() -> None:
     """Return the C heap's free pages to the system (glibc's malloc_trim; elsewhere nothing)."""
-    try:
+    with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def measure_memory(cfg: BenchConfig, variant: str) -> dict:
     payload = json.dumps({"cfg": cfg.__dict__, "variant": variant})
-    proc = subprocess.run([sys.executable, "-m", "attnres.bench.train", payload], capture_output=True,
-                          text=True, env={**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())})
+    proc = subprocess.run(
+        [sys.executable, "-m", "attnres.bench.train", payload],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())},
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"memory probe for {variant} failed:\n{proc.stderr[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -311,29 +346,34 @@ def run(cfg: BenchConfig) -> dict:
     for v, ts in times.items():
         q = statistics.quantiles(ts, n=4) if len(ts) > 1 else [ts[0]] * 3
         med = statistics.median(ts)
-        paired = [t / b for t, b in zip(ts, times[baseline(v)])]
+        paired = [t / b for t, b in zip(ts, times[baseline(v)], strict=True)]
         pq = statistics.quantiles(paired, n=4) if len(paired) > 1 else [paired[0]] * 3
-        rows[v] = {"step_ms_median": med * 1e3, "step_ms_p25": q[0] * 1e3, "step_ms_p75": q[2] * 1e3,
-                   "times_ms": [t * 1e3 for t in ts],
-                   "step_ratio": med / statistics.median(times[baseline(v)]),
-                   "repeat_ratio_median": statistics.median(paired), "repeat_ratio_p25": pq[0],
-                   "repeat_ratio_p75": pq[2],
-                   "tokens_per_s": cfg.batch_size * cfg.seq_len / med, "warmup_s": warmup[v],
-                   "params": AttnResLM(model_config(cfg, split_compiled(v)[0])).num_params()}
+        rows[v] = {
+            "step_ms_median": med * 1e3,
+            "step_ms_p25": q[0] * 1e3,
+            "step_ms_p75": q[2] * 1e3,
+            "times_ms": [t * 1e3 for t in ts],
+            "step_ratio": med / statistics.median(times[baseline(v)]),
+            "repeat_ratio_median": statistics.median(paired),
+            "repeat_ratio_p25": pq[0],
+            "repeat_ratio_p75": pq[2],
+            "tokens_per_s": cfg.batch_size * cfg.seq_len / med,
+            "warmup_s": warmup[v],
+            "params": AttnResLM(model_config(cfg, split_compiled(v)[0])).num_params(),
+        }
         if split_compiled(v)[1]:
             rows[v]["vs_eager"] = med / statistics.median(times[split_compiled(v)[0]])
     for v, parts in compared(breakdown, baseline).items():
         rows[v]["breakdown"] = parts
     if cfg.memory:
-        mem = {v: measure_memory(cfg, v) for v in progress_bar(list(rows), desc="bench train: memory",
-                                                               unit="variant")}
+        mem = {v: measure_memory(cfg, v) for v in progress_bar(list(rows), desc="bench train: memory", unit="variant")}
         for v in rows:
-            rows[v].update({k: mem[v][k] for k in ("peak_mib", "step_peak_mib", "compiler_mib",
-                                                   "tensor_step_peak_mib", "method")})
+            rows[v].update(
+                {k: mem[v][k] for k in ("peak_mib", "step_peak_mib", "compiler_mib", "tensor_step_peak_mib", "method")}
+            )
             for k in ("peak", "step_peak", "tensor_step_peak"):
                 rows[v][f"{k}_ratio"] = mem[v][f"{k}_mib"] / mem[baseline(v)][f"{k}_mib"]
-    return {"config": cfg.__dict__, "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "rows": rows}
+    return {"config": cfg.__dict__, "threads": torch.get_num_threads(), "torch": torch.__version__, "rows": rows}
 
 
 def format_table(result: dict) -> str:
@@ -343,8 +383,11 @@ def format_table(result: dict) -> str:
         f"block N={c['blocks'] or 'default'}, {c['optimizer']}, device={c['device']}, "
         f"{result['threads']} threads, torch {result['torch']}; "
         f"{c['repeats']} repeats x {c['steps_per_repeat']} steps after {c['warmup']} warm-up"
-        + (f"; activation checkpointing {c['activation_checkpointing']}"
-           if c.get("activation_checkpointing", "none") != "none" else "")
+        + (
+            f"; activation checkpointing {c['activation_checkpointing']}"
+            if c.get("activation_checkpointing", "none") != "none"
+            else ""
+        )
         + ("; step time is process CPU time" if c.get("clock") == "process" else ""),
         "",
         "| variant | step ms (median) | p25-p75 | vs prenorm | per repeat p25-p75 | vs eager | warm-up s | tokens/s | "
@@ -352,28 +395,39 @@ def format_table(result: dict) -> str:
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for v, r in result["rows"].items():
-        mem = (f"{r['peak_mib']:.0f} | {r['peak_ratio']:.3f} | {r['compiler_mib']:.0f} | "
-               f"{r['step_peak_mib']:.0f} | {r['step_peak_ratio']:.3f} | {r['tensor_step_peak_mib']:.0f} | "
-               f"{r['tensor_step_peak_ratio']:.3f}") if "peak_mib" in r else " | ".join("-" * 7)
+        mem = (
+            (
+                f"{r['peak_mib']:.0f} | {r['peak_ratio']:.3f} | {r['compiler_mib']:.0f} | "
+                f"{r['step_peak_mib']:.0f} | {r['step_peak_ratio']:.3f} | {r['tensor_step_peak_mib']:.0f} | "
+                f"{r['tensor_step_peak_ratio']:.3f}"
+            )
+            if "peak_mib" in r
+            else " | ".join("-" * 7)
+        )
         vs_eager = f"{r['vs_eager']:.3f}" if "vs_eager" in r else "-"
-        lines.append(f"| {v} | {r['step_ms_median']:.1f} | {r['step_ms_p25']:.1f}-{r['step_ms_p75']:.1f} | "
-                     f"{r['step_ratio']:.3f} | {r['repeat_ratio_p25']:.3f}-{r['repeat_ratio_p75']:.3f} | "
-                     f"{vs_eager} | {r.get('warmup_s', float('nan')):.1f} | "
-                     f"{r['tokens_per_s']:,.0f} | {mem} |")
-    lines += breakdown_table(result["rows"], "breakdown", "step", c.get("profile_rounds", 0),
-                             c["steps_per_repeat"])
+        lines.append(
+            f"| {v} | {r['step_ms_median']:.1f} | {r['step_ms_p25']:.1f}-{r['step_ms_p75']:.1f} | "
+            f"{r['step_ratio']:.3f} | {r['repeat_ratio_p25']:.3f}-{r['repeat_ratio_p75']:.3f} | "
+            f"{vs_eager} | {r.get('warmup_s', float('nan')):.1f} | "
+            f"{r['tokens_per_s']:,.0f} | {mem} |"
+        )
+    lines += breakdown_table(result["rows"], "breakdown", "step", c.get("profile_rounds", 0), c["steps_per_repeat"])
     lines.append("")
     lines.append("per repeat: the spread of each repeat's step over the baseline's step in the same repeat.")
     if c.get("compile"):
-        lines.append("`X compiled`: torch.compile of the whole model (attnres.model.compile), compared with "
-                     "compiled prenorm; 'vs eager' is the compiled step over the same variant's eager one; "
-                     f"warm-up s: the {c['warmup']} warm-up steps, compilation included.")
-    lines.append("variant `X` is the default implementation (two_phase where it applies); "
-                 "`X:reference` is plain autograd; `:FIELD=VALUE` sets a ModelConfig option. Peak memory: "
-                 + next(iter(result["rows"].values())).get("method", "not measured")
-                 + "; 'step peak' is the peak above the memory held before the first step (and, compiled, above "
-                 "what compilation left resident); 'tensor step peak': the tensor bytes a step allocates "
-                 "at most, from the allocator's events (exact, no heap fragmentation).")
+        lines.append(
+            "`X compiled`: torch.compile of the whole model (attnres.model.compile), compared with "
+            "compiled prenorm; 'vs eager' is the compiled step over the same variant's eager one; "
+            f"warm-up s: the {c['warmup']} warm-up steps, compilation included."
+        )
+    lines.append(
+        "variant `X` is the default implementation (two_phase where it applies); "
+        "`X:reference` is plain autograd; `:FIELD=VALUE` sets a ModelConfig option. Peak memory: "
+        + next(iter(result["rows"].values())).get("method", "not measured")
+        + "; 'step peak' is the peak above the memory held before the first step (and, compiled, above "
+        "what compilation left resident); 'tensor step peak': the tensor bytes a step allocates "
+        "at most, from the allocator's events (exact, no heap fragmentation)."
+    )
     return "\n".join(lines)
 
 

@@ -1,20 +1,50 @@
 """Benchmark commands run end to end on tiny configs (the numbers themselves are for humans)."""
+
 import json
 
 import pytest
 
 from attnres.cli import main
 
-TINY_SIZES = ["--set", "d_model=32", "--set", "n_layers=2", "--set", "seq_len=16", "--set", "batch_size=2",
-              "--set", "repeats=2", "--set", "steps_per_repeat=1", "--set", "warmup=1",
-              "--set", "vocab_size=64"]
+TINY_SIZES = [
+    "--set",
+    "d_model=32",
+    "--set",
+    "n_layers=2",
+    "--set",
+    "seq_len=16",
+    "--set",
+    "batch_size=2",
+    "--set",
+    "repeats=2",
+    "--set",
+    "steps_per_repeat=1",
+    "--set",
+    "warmup=1",
+    "--set",
+    "vocab_size=64",
+]
 TINY_TRAIN = [*TINY_SIZES, "--set", "blocks=2"]
 
 
 def test_bench_train_table_json_and_memory(tmp_path, capsys):
     out = tmp_path / "train.json"
-    assert main(["bench", "train", *TINY_TRAIN, "--set", "profile_rounds=1", "--variants", "block,full:reference",
-                 "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "train",
+                *TINY_TRAIN,
+                "--set",
+                "profile_rounds=1",
+                "--variants",
+                "block,full:reference",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert "| prenorm |" in text and "| block |" in text and "| full:reference |" in text
     result = json.loads(out.read_text())
@@ -92,15 +122,20 @@ def test_compiled_rows_break_down_into_generated_code_and_the_same_matmuls(tmp_p
     """Compiled, Block and Full AttnRes make exactly prenorm's matmul calls (so the equal-matmul
     ratio applies to them) and spend the rest in inductor's generated code."""
     out = tmp_path / "train.json"
-    assert main(["bench", "train", "--no-memory", "--compile", *TINY_TRAIN, "--variants", "block,full",
-                 "--json", str(out)]) == 0
+    assert (
+        main(
+            ["bench", "train", "--no-memory", "--compile", *TINY_TRAIN, "--variants", "block,full", "--json", str(out)]
+        )
+        == 0
+    )
     rows = json.loads(out.read_text())["rows"]
     base = rows["prenorm compiled"]["breakdown"]
     for v in ("prenorm compiled", "block compiled", "full compiled"):
         b = rows[v]["breakdown"]
         assert b["generated_ms"] > b["generated_backward_ms"] > 0 and b["matmul_calls"] == base["matmul_calls"]
         assert b["ratio_at_equal_matmul"] == pytest.approx(
-            (b["step_ms"] - b["matmul_ms"] + base["matmul_ms"]) / base["step_ms"])
+            (b["step_ms"] - b["matmul_ms"] + base["matmul_ms"]) / base["step_ms"]
+        )
 
 
 def test_bench_train_times_any_scheme_under_the_trainers_optimizer(capsys):
@@ -110,24 +145,57 @@ def test_bench_train_times_any_scheme_under_the_trainers_optimizer(capsys):
 
     from attnres.bench.train import BenchConfig, _setup
 
-    assert main(["bench", "train", "--no-memory", *TINY_SIZES, "--set", "blocks=none", "--set", "optimizer=muon",
-                 "--set", "profile_rounds=0", "--variants", "block,mhc,hyper"]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "train",
+                "--no-memory",
+                *TINY_SIZES,
+                "--set",
+                "blocks=none",
+                "--set",
+                "optimizer=muon",
+                "--set",
+                "profile_rounds=0",
+                "--variants",
+                "block,mhc,hyper",
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert "block N=default, muon" in text and "Where a step goes" not in text
     assert main(["bench", "train", "--no-memory", *TINY_TRAIN, "--set", "profile_rounds=-1"]) == 2
     assert "profile_rounds=-1 is invalid" in capsys.readouterr().err
     for v in ("prenorm", "block", "mhc", "hyper"):
         assert f"| {v} |" in text
-    cfg = BenchConfig(d_model=32, n_layers=2, seq_len=16, batch_size=2, vocab_size=64, blocks=None,
-                      optimizer="muon")
+    cfg = BenchConfig(d_model=32, n_layers=2, seq_len=16, batch_size=2, vocab_size=64, blocks=None, optimizer="muon")
     model, opt, _, _ = _setup(cfg, "block")
     assert model.config.attnres_blocks is None
     assert any(isinstance(o, torch.optim.Muon) for o in opt.optimizers.values())
 
 
 def test_bench_op_table(capsys):
-    assert main(["bench", "op", "--set", "batch_size=1", "--set", "seq_len=8", "--set", "d_model=16",
-                 "--set", "sources=[3]", "--set", "repeats=2"]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "op",
+                "--set",
+                "batch_size=1",
+                "--set",
+                "seq_len=8",
+                "--set",
+                "d_model=16",
+                "--set",
+                "sources=[3]",
+                "--set",
+                "repeats=2",
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     for impl in ("fused", "reference", "two_phase"):
         assert f"| 3 | {impl}" in text
@@ -167,10 +235,35 @@ def test_memory_probe_is_not_inherited_from_the_parent():
 
 def test_bench_decode_table_and_io_counts(capsys, tmp_path):
     out = tmp_path / "decode.json"
-    assert main(["bench", "decode", "--set", "d_model=32", "--set", "n_layers=2", "--set", "prompt_len=8",
-                 "--set", "decode_tokens=3", "--set", "repeats=1", "--set", "prefill_repeats=3",
-                 "--set", "vocab_size=64", "--set", "blocks=2", "--variants", "block,block:fused,full",
-                 "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "decode",
+                "--set",
+                "d_model=32",
+                "--set",
+                "n_layers=2",
+                "--set",
+                "prompt_len=8",
+                "--set",
+                "decode_tokens=3",
+                "--set",
+                "repeats=1",
+                "--set",
+                "prefill_repeats=3",
+                "--set",
+                "vocab_size=64",
+                "--set",
+                "blocks=2",
+                "--variants",
+                "block,block:fused,full",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     for v in ("prenorm", "block", "block:fused", "full"):
         assert f"| {v} |" in text
@@ -227,10 +320,13 @@ def test_every_bench_has_the_registry_interface():
         bench_config("op", widgets=3)
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["bench", "op", "--variants", "block"], "unrecognized arguments: --variants block"),
-    (["bench", "decode", "--no-memory"], "unrecognized arguments: --no-memory"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["bench", "op", "--variants", "block"], "unrecognized arguments: --variants block"),
+        (["bench", "decode", "--no-memory"], "unrecognized arguments: --no-memory"),
+    ],
+)
 def test_bench_flags_a_bench_does_not_have(argv, message, capsys):
     """Each bench is a subcommand with its own flags (and its own --help)."""
     with pytest.raises(SystemExit) as exit:
