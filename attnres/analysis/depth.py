@@ -1,9 +1,9 @@
 """Depth weights as a matrix: row = consumer (sublayer l, then the final aggregation), column = source."""
+
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Dict, List, Optional
 
 import numpy as np
 import torch
@@ -20,21 +20,21 @@ def _column(name: str) -> int:
     return int(name.lstrip("vbs").rstrip("~"))
 
 
-def depth_weight_matrix(record: DepthRecord) -> Optional[np.ndarray]:
+def depth_weight_matrix(record: DepthRecord) -> np.ndarray | None:
     """Mean depth weight over batch, tokens (and heads): [L + 1, max sources]; NaN where a
     consumer does not read that source. None for schemes without depth weights (prenorm)."""
     if not record.weights or record.weights[0] is None:
         return None
     cols = max(_column(n) for names in record.sources for n in names) + 1
     out = np.full((len(record.weights), cols), np.nan)
-    for row, (w, names) in enumerate(zip(record.weights, record.sources)):
+    for row, (w, names) in enumerate(zip(record.weights, record.sources, strict=True)):
         mean = w.float().flatten(1).mean(1) if w.dim() > 1 else w.float()
-        for value, name in zip(mean.tolist(), names):
+        for value, name in zip(mean.tolist(), names, strict=True):
             out[row, _column(name)] = value
     return out
 
 
-def routing_sharpness(record: DepthRecord) -> Optional[Dict[str, List[float]]]:
+def routing_sharpness(record: DepthRecord) -> dict[str, list[float]] | None:
     """How sharply each consumer routes over depth (sublayers 0 … L-1, then the final aggregation).
 
     ``max_weight[l]``: the largest depth weight, max_i alpha_i, averaged over batch, tokens (and
@@ -45,7 +45,7 @@ def routing_sharpness(record: DepthRecord) -> Optional[Dict[str, List[float]]]:
     """
     if not record.weights or record.weights[0] is None:
         return None
-    out: Dict[str, List[float]] = {"max_weight": [], "entropy": [], "n_sources": []}
+    out: dict[str, list[float]] = {"max_weight": [], "entropy": [], "n_sources": []}
     for w in record.weights:
         w = w.double()  # [K, B, T] or [K, B, T, H]
         p = w / w.sum(0, keepdim=True)
@@ -62,7 +62,7 @@ def record_on_batch(model, input_ids: torch.Tensor) -> DepthRecord:
     return model(input_ids, return_record=True).record
 
 
-def source_labels(record: DepthRecord) -> List[str]:
+def source_labels(record: DepthRecord) -> list[str]:
     cols = max(_column(n) for names in record.sources for n in names) + 1
     labels = [""] * cols
     for names in record.sources:
@@ -71,7 +71,7 @@ def source_labels(record: DepthRecord) -> List[str]:
     return labels
 
 
-def write_depth_weights(model, input_ids: torch.Tensor, run_dir) -> Optional[Path]:
+def write_depth_weights(model, input_ids: torch.Tensor, run_dir) -> Path | None:
     """Save the mean depth-weight matrix of ``model`` on ``input_ids`` and its source labels as
     ``run_dir``/depth_weights.json (NaN written as null); None, writing nothing, for a scheme without
     depth weights."""
@@ -85,7 +85,7 @@ def write_depth_weights(model, input_ids: torch.Tensor, run_dir) -> Optional[Pat
     return path
 
 
-def read_depth_weights(run_dir) -> Optional[tuple]:
+def read_depth_weights(run_dir) -> tuple | None:
     """(matrix with NaN, source labels) from ``run_dir``/depth_weights.json; None if it has none."""
     path = Path(run_dir) / DEPTH_WEIGHTS_FILE
     if not path.is_file():

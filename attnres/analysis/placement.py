@@ -41,12 +41,13 @@ prints the sizes as a line for an experiment spec or ``--set`` (``attnres_block_
 from the mean weights of the runs given (e.g. the seeds of one config); ``--objective fit`` for the
 second objective.
 """
+
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
-from typing import List, Optional, Sequence
 
 import numpy as np
 
@@ -57,8 +58,10 @@ def _consumer_matrix(weights) -> np.ndarray:
     """A as float64 with unread entries 0; checks the shape [L + 1, L + 1] of a Full AttnRes matrix."""
     a = np.asarray(weights, dtype=float)
     if a.ndim != 2 or a.shape[0] != a.shape[1] or a.shape[0] < 2:
-        raise ValueError(f"depth-weight matrix of shape {a.shape} is not a Full AttnRes matrix [L + 1, L + 1] "
-                         "(rows: sublayers and the final aggregation; columns: embedding and sublayer outputs)")
+        raise ValueError(
+            f"depth-weight matrix of shape {a.shape} is not a Full AttnRes matrix [L + 1, L + 1] "
+            "(rows: sublayers and the final aggregation; columns: embedding and sublayer outputs)"
+        )
     return np.nan_to_num(a, nan=0.0)
 
 
@@ -100,7 +103,7 @@ def block_mass(weights, sizes: Sequence[int]) -> float:
     a = _consumer_matrix(weights)
     total = 0.0
     for start, end in _spans(sizes, a.shape[0] - 1):
-        total += sum(a[l - 1, start:l].sum() for l in range(start, end + 1))
+        total += sum(a[j - 1, start:j].sum() for j in range(start, end + 1))
     return float(total)
 
 
@@ -115,12 +118,12 @@ def block_fit_error(weights, sizes: Sequence[int]) -> float:
         for start, end in spans:
             hi = min(end, row)  # sources v_start … v_hi of this block are read by this consumer
             if hi >= start:
-                group = a[row, start:hi + 1]
+                group = a[row, start : hi + 1]
                 total += float(((group - group.mean()) ** 2).sum())
     return total
 
 
-def _spans(sizes: Sequence[int], L: int) -> List[tuple]:
+def _spans(sizes: Sequence[int], L: int) -> list[tuple]:
     if sum(sizes) != L:
         raise ValueError(f"block sizes {list(sizes)} do not add up to the L={L} sublayers")
     spans, start = [], 1
@@ -133,8 +136,9 @@ def _spans(sizes: Sequence[int], L: int) -> List[tuple]:
 OBJECTIVES = ("mass", "fit")
 
 
-def best_block_sizes(weights, n_blocks: int, *, objective: str = "mass", min_size: int = 1,
-                     max_size: Optional[int] = None) -> List[int]:
+def best_block_sizes(
+    weights, n_blocks: int, *, objective: str = "mass", min_size: int = 1, max_size: int | None = None
+) -> list[int]:
     """The N block sizes (in sublayers, in order) that maximise the mass kept inside blocks
     (``objective="mass"``) or minimise the error of the Block approximation (``"fit"``), exactly."""
     if objective not in OBJECTIVES:
@@ -145,8 +149,10 @@ def best_block_sizes(weights, n_blocks: int, *, objective: str = "mass", min_siz
     if not isinstance(n_blocks, int) or isinstance(n_blocks, bool) or not 1 <= n_blocks <= L:
         raise ValueError(f"n_blocks={n_blocks!r} is invalid: must be an integer in [1, {L}] (L={L} sublayers)")
     if not 1 <= min_size <= top or n_blocks * min_size > L or n_blocks * top < L:
-        raise ValueError(f"min_size={min_size}, max_size={max_size} is invalid: no {n_blocks} blocks with sizes "
-                         f"in [{min_size}, {top}] add up to L={L}")
+        raise ValueError(
+            f"min_size={min_size}, max_size={max_size} is invalid: no {n_blocks} blocks with sizes "
+            f"in [{min_size}, {top}] add up to L={L}"
+        )
     score = _inside_table(a) if objective == "mass" else -_fit_error_table(a)
     best = np.full((n_blocks + 1, L + 1), -math.inf)
     back = np.zeros((n_blocks + 1, L + 1), dtype=int)
@@ -173,9 +179,11 @@ def run_depth_weights(run_dir) -> np.ndarray:
         raise ValueError(f"{probes_path} not found: {run_dir} is not a finished experiment run")
     model = json.loads(config_path.read_text())["model"] if config_path.exists() else {}
     if model.get("residual") != "full" or model.get("attnres_sources", "outputs") != "outputs":
-        raise ValueError(f"{run_dir} trained residual={model.get('residual')!r} "
-                         f"(attnres_sources={model.get('attnres_sources', 'outputs')!r}); the placement needs "
-                         "a Full AttnRes run over sublayer outputs (residual='full', attnres_sources='outputs')")
+        raise ValueError(
+            f"{run_dir} trained residual={model.get('residual')!r} "
+            f"(attnres_sources={model.get('attnres_sources', 'outputs')!r}); the placement needs "
+            "a Full AttnRes run over sublayer outputs (residual='full', attnres_sources='outputs')"
+        )
     weights = json.loads(probes_path.read_text())["depth_weights"]
     return np.array([[np.nan if v is None else v for v in row] for row in weights], dtype=float)
 
@@ -187,8 +195,9 @@ def runs_depth_weights(run_dirs: Sequence) -> np.ndarray:
     matrices = [run_depth_weights(d) for d in run_dirs]
     shapes = {m.shape for m in matrices}
     if len(shapes) > 1:
-        raise ValueError(f"the runs have depth-weight matrices of different shapes {sorted(shapes)}; "
-                         "pass runs of one model depth")
+        raise ValueError(
+            f"the runs have depth-weight matrices of different shapes {sorted(shapes)}; pass runs of one model depth"
+        )
     stacked = np.stack(matrices)
     mean = np.full(stacked.shape[1:], np.nan)
     read = ~np.isnan(stacked).all(0)
@@ -196,22 +205,26 @@ def runs_depth_weights(run_dirs: Sequence) -> np.ndarray:
     return mean
 
 
-def learned_block_sizes(run_dirs, n_blocks: int, *, objective: str = "mass", min_size: int = 1,
-                        max_size: Optional[int] = None) -> List[int]:
+def learned_block_sizes(
+    run_dirs, n_blocks: int, *, objective: str = "mass", min_size: int = 1, max_size: int | None = None
+) -> list[int]:
     """``best_block_sizes`` on the (mean) depth weights of finished Full AttnRes runs (one directory or
     a list): the value for ``attnres_block_sizes`` in an experiment spec."""
     dirs = [run_dirs] if isinstance(run_dirs, (str, Path)) else list(run_dirs)
-    return best_block_sizes(runs_depth_weights(dirs), n_blocks, objective=objective, min_size=min_size,
-                            max_size=max_size)
+    return best_block_sizes(
+        runs_depth_weights(dirs), n_blocks, objective=objective, min_size=min_size, max_size=max_size
+    )
 
 
-def describe_placement(weights, sizes: Sequence[int]) -> List[str]:
+def describe_placement(weights, sizes: Sequence[int]) -> list[str]:
     """The sizes as a spec / ``--set`` line, then both objectives for them and for equal blocks
     (ceil(L / N), the last one shorter) as a comment line."""
     a = _consumer_matrix(weights)
     L = a.shape[0] - 1
     equal = equal_block_sizes(L, math.ceil(L / len(sizes)))
-    return [f"attnres_block_sizes = {list(sizes)}",
-            f"# mass inside blocks {block_mass(weights, sizes):.3f}, fit error {block_fit_error(weights, sizes):.4f}; "
-            f"equal blocks {equal}: {block_mass(weights, equal):.3f}, {block_fit_error(weights, equal):.4f}; "
-            f"total mass on sublayer outputs {float(np.nansum(a[:L, 1:])):.3f}"]
+    return [
+        f"attnres_block_sizes = {list(sizes)}",
+        f"# mass inside blocks {block_mass(weights, sizes):.3f}, fit error {block_fit_error(weights, sizes):.4f}; "
+        f"equal blocks {equal}: {block_mass(weights, equal):.3f}, {block_fit_error(weights, equal):.4f}; "
+        f"total mass on sublayer outputs {float(np.nansum(a[:L, 1:])):.3f}",
+    ]

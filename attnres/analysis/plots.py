@@ -1,9 +1,9 @@
 """Figures: loss curves and depth-weight heatmaps (paper Figure 8). Matplotlib, Agg backend."""
+
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Dict, List
 
 import numpy as np
 
@@ -20,7 +20,7 @@ def pyplot():
     return plt
 
 
-def read_metrics(run_dir: str) -> Dict[str, List[dict]]:
+def read_metrics(run_dir: str) -> dict[str, list[dict]]:
     rows = {"train": [], "eval": []}
     path = Path(run_dir) / METRICS_FILE
     if path.exists():
@@ -39,7 +39,7 @@ def _smooth(values: np.ndarray, window: int) -> np.ndarray:
     return np.concatenate([head, np.convolve(values, kernel, mode="valid")])
 
 
-def plot_loss_curves(runs: Dict[str, str], path: str, title: str = "") -> str:
+def plot_loss_curves(runs: dict[str, str], path: str, title: str = "") -> str:
     """runs: label -> run directory. Training loss (smoothed) and validation loss vs tokens."""
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
@@ -65,7 +65,7 @@ def plot_loss_curves(runs: Dict[str, str], path: str, title: str = "") -> str:
     return path
 
 
-def plot_depth_heatmaps(matrix: np.ndarray, labels: List[str], path: str, title: str) -> str:
+def plot_depth_heatmaps(matrix: np.ndarray, labels: list[str], path: str, title: str) -> str:
     """Figure 8 style: pre-attention inputs (even sublayers) and pre-MLP inputs (odd) side by side,
     plus the final aggregation as the last row of both panels."""
     plt = pyplot()
@@ -78,8 +78,9 @@ def plot_depth_heatmaps(matrix: np.ndarray, labels: List[str], path: str, title:
         data = np.ma.masked_invalid(matrix[rows])
         im = ax.imshow(data, cmap="viridis", vmin=0.0, vmax=vmax, aspect="auto")
         ax.set_yticks(range(len(rows)))
-        ax.set_yticklabels([("final" if r == n_sub else f"l{r} ({'attn' if r % 2 == 0 else 'mlp'})")
-                            for r in rows], fontsize=7)
+        ax.set_yticklabels(
+            [("final" if r == n_sub else f"l{r} ({'attn' if r % 2 == 0 else 'mlp'})") for r in rows], fontsize=7
+        )
         ax.set_xticks(range(len(labels)))
         ax.set_xticklabels(labels, rotation=90, fontsize=7)
         ax.set_xlabel("source")
@@ -92,7 +93,7 @@ def plot_depth_heatmaps(matrix: np.ndarray, labels: List[str], path: str, title:
     return path
 
 
-def plot_run(run_dir) -> List[Path]:
+def plot_run(run_dir) -> list[Path]:
     """Draw a run's figures into its directory: loss.png (train and validation curves from
     metrics.jsonl) and, when the run saved depth weights (depth-attention schemes), depth_weights.png.
     Returns the paths written; a run with no metrics yet gets none (FileNotFoundError for a directory
@@ -106,6 +107,11 @@ def plot_run(run_dir) -> List[Path]:
     depth = read_depth_weights(run)
     if depth is not None:
         matrix, labels = depth
-        written.append(Path(plot_depth_heatmaps(matrix, labels, str(run / DEPTH_PLOT),
-                                                f"{run}: mean depth weights on a validation batch")))
+        written.append(
+            Path(
+                plot_depth_heatmaps(
+                    matrix, labels, str(run / DEPTH_PLOT), f"{run}: mean depth weights on a validation batch"
+                )
+            )
+        )
     return written

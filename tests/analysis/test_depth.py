@@ -1,15 +1,20 @@
 """attnres.analysis.depth: the routing-sharpness probe and state-source names in the depth matrix."""
+
 import math
 
 import pytest
 
 from attnres.analysis.depth import depth_weight_matrix, routing_sharpness
 
-
 # ----------------------------------------------------------------------------- routing sharpness
 
-PROBED = [("full", {}), ("block", {}), ("full", {"attnres_sources": "states"}), ("gated", {"gated_heads": 4}),
-          ("block", {"attnres_kernel": "sigmoid", "attnres_heads": 2})]
+PROBED = [
+    ("full", {}),
+    ("block", {}),
+    ("full", {"attnres_sources": "states"}),
+    ("gated", {"gated_heads": 4}),
+    ("block", {"attnres_kernel": "sigmoid", "attnres_heads": 2}),
+]
 
 
 @pytest.mark.parametrize("residual,overrides", PROBED)
@@ -17,7 +22,7 @@ def test_routing_sharpness_from_the_record(residual, overrides, record_of):
     record = record_of(residual, **overrides)
     probe = routing_sharpness(record)
     assert len(probe["max_weight"]) == len(probe["entropy"]) == 7  # L sublayers + the final aggregation
-    for l, w in enumerate(record.weights):
+    for i, w in enumerate(record.weights):
         # by hand: token by token (and head by head), then the mean
         flat = w.double().reshape(w.shape[0], -1)
         maxes, entropies = [], []
@@ -25,10 +30,10 @@ def test_routing_sharpness_from_the_record(residual, overrides, record_of):
             p = column / column.sum()
             maxes.append(column.max().item())
             entropies.append(-sum(x * math.log(x) for x in p.tolist() if x > 0))
-        assert probe["n_sources"][l] == w.shape[0]
-        assert probe["max_weight"][l] == pytest.approx(sum(maxes) / len(maxes), rel=1e-12)
-        assert probe["entropy"][l] == pytest.approx(sum(entropies) / len(entropies), rel=1e-12, abs=1e-15)
-        assert 0 <= probe["entropy"][l] <= math.log(w.shape[0]) + 1e-12
+        assert probe["n_sources"][i] == w.shape[0]
+        assert probe["max_weight"][i] == pytest.approx(sum(maxes) / len(maxes), rel=1e-12)
+        assert probe["entropy"][i] == pytest.approx(sum(entropies) / len(entropies), rel=1e-12, abs=1e-15)
+        assert 0 <= probe["entropy"][i] <= math.log(w.shape[0]) + 1e-12
     assert probe["entropy"][0] == 0.0  # one source
     if overrides.get("attnres_kernel") != "sigmoid":
         assert probe["max_weight"][0] == 1.0
@@ -36,10 +41,10 @@ def test_routing_sharpness_from_the_record(residual, overrides, record_of):
 
 def test_uniform_weights_give_one_over_k_and_log_k(record_of):
     probe = routing_sharpness(record_of("full", randomized=False))
-    for l, k in enumerate(probe["n_sources"]):
-        assert k == l + 1
-        assert probe["max_weight"][l] == pytest.approx(1 / k, rel=1e-6)
-        assert probe["entropy"][l] == pytest.approx(math.log(k), rel=1e-6, abs=1e-7)
+    for i, k in enumerate(probe["n_sources"]):
+        assert k == i + 1
+        assert probe["max_weight"][i] == pytest.approx(1 / k, rel=1e-6)
+        assert probe["entropy"][i] == pytest.approx(math.log(k), rel=1e-6, abs=1e-7)
 
 
 def test_no_depth_weights_no_probe(record_of):

@@ -1,4 +1,5 @@
 """attnres.analysis.placement (and ``attnres placement``): learned depth-block sizes, exact by DP."""
+
 import itertools
 import json
 
@@ -6,10 +7,14 @@ import numpy as np
 import pytest
 
 from attnres.analysis.depth import depth_weight_matrix
-from attnres.analysis.placement import (best_block_sizes, block_fit_error, block_mass, learned_block_sizes,
-                                        runs_depth_weights)
+from attnres.analysis.placement import (
+    best_block_sizes,
+    block_fit_error,
+    block_mass,
+    learned_block_sizes,
+    runs_depth_weights,
+)
 from attnres.cli import main
-
 
 # ----------------------------------------------------------------------------- placement
 
@@ -20,13 +25,13 @@ def random_matrix(L, seed):
     a = np.full((L + 1, L + 1), np.nan)
     for row in range(L + 1):
         w = rng.gamma(0.5, size=row + 1)
-        a[row, :row + 1] = w / w.sum()
+        a[row, : row + 1] = w / w.sum()
     return a
 
 
 def all_placements(L, n, lo=1, hi=None):
     for cuts in itertools.combinations(range(1, L), n - 1):
-        sizes = [b - a for a, b in zip((0,) + cuts, cuts + (L,))]
+        sizes = [b - a for a, b in zip((0,) + cuts, cuts + (L,), strict=True)]
         if min(sizes) >= lo and (hi is None or max(sizes) <= hi):
             yield sizes
 
@@ -66,7 +71,7 @@ def test_objectives_by_hand():
     assert block_fit_error(a, [1, 1, 1]) == 0
     # [2, 1]: sublayer 3 reads block {v1, v2} with weights 0.3, 0.4 (mean 0.35), the final reads {v1, v2}
     # with 0.2, 0.3 (mean 0.25)
-    assert block_fit_error(a, [2, 1]) == pytest.approx(2 * 0.05 ** 2 + 2 * 0.05 ** 2)
+    assert block_fit_error(a, [2, 1]) == pytest.approx(2 * 0.05**2 + 2 * 0.05**2)
     assert best_block_sizes(a, 2) == [2, 1] and best_block_sizes(a, 2, objective="fit") in ([2, 1], [1, 2])
 
 
@@ -76,8 +81,8 @@ def test_fit_error_is_zero_when_the_weights_are_constant_on_the_blocks(record_of
     starts = [1, 3, 6]
     for row in range(L + 1):
         a[row, 0] = 0.1
-        for start, size in zip(starts, sizes):  # constant over each block's sources this consumer reads
-            a[row, start:min(start + size, row + 1)] = 0.05 * start
+        for start, size in zip(starts, sizes, strict=True):  # constant over each block's sources this consumer reads
+            a[row, start : min(start + size, row + 1)] = 0.05 * start
     assert block_fit_error(a, sizes) == pytest.approx(0, abs=1e-15)
     assert best_block_sizes(a, 3, objective="fit") == sizes
 
@@ -115,8 +120,9 @@ def test_placement_from_several_runs_uses_their_mean_weights(tmp_path, capsys, r
     np.testing.assert_allclose(mean[~np.isnan(a)], ((a + b) / 2)[~np.isnan(a)], rtol=1e-15)
     assert learned_block_sizes([one, two], 3, objective="fit") == best_block_sizes(mean, 3, objective="fit")
     assert main(["placement", str(one), str(two), "--blocks", "2", "--objective", "fit"]) == 0
-    assert capsys.readouterr().out.splitlines()[0] == \
-        f"attnres_block_sizes = {best_block_sizes(mean, 2, objective='fit')}"
+    assert (
+        capsys.readouterr().out.splitlines()[0] == f"attnres_block_sizes = {best_block_sizes(mean, 2, objective='fit')}"
+    )
 
 
 def test_placement_needs_a_full_outputs_run(tmp_path, capsys, record_of, config):
