@@ -4,14 +4,13 @@ A checkpoint always holds the single-process format; parallel runs gather their
 pieces into it (rank 0 writes) and every rank takes its own pieces back out on
 resume. That is what lets a run resume with another ``--dp`` / ``--pp``.
 """
-from __future__ import annotations
 
-from typing import Dict
+from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
 
-NamedOptimizerState = Dict[str, Dict[str, Dict[str, object]]]  # optimizer key -> param name -> state
+NamedOptimizerState = dict[str, dict[str, dict[str, object]]]  # optimizer key -> param name -> state
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -38,7 +37,7 @@ def named_optimizer_state(optimizer) -> NamedOptimizerState:
         sd = opt.state_dict()
         by_name = {}
         for group in sd["param_groups"]:
-            for idx, name in zip(group["params"], group["param_names"]):
+            for idx, name in zip(group["params"], group["param_names"], strict=True):
                 if idx in sd["state"]:
                     by_name[name] = {k: full_tensor(v) for k, v in sd["state"][idx].items()}
         out[key] = by_name
@@ -53,7 +52,7 @@ def load_named_optimizer_state(optimizer, named: NamedOptimizerState, model: nn.
         sd = opt.state_dict()
         state = {}
         for group in sd["param_groups"]:
-            for idx, name in zip(group["params"], group["param_names"]):
+            for idx, name in zip(group["params"], group["param_names"], strict=True):
                 saved = named.get(key, {}).get(name)
                 if saved is not None:
                     state[idx] = {k: _like_param(v, params[name]) for k, v in saved.items()}
@@ -69,13 +68,13 @@ def _like_param(value, param: Tensor):
     return distribute_tensor(value.to(param.device_mesh.device_type), param.device_mesh, param.placements)
 
 
-def full_model_state(model: nn.Module) -> Dict[str, Tensor]:
+def full_model_state(model: nn.Module) -> dict[str, Tensor]:
     """state_dict with DTensors gathered (collective under FSDP2), on CPU."""
     return {k: full_tensor(v).detach().cpu() for k, v in model.state_dict().items()}
 
 
 @torch.no_grad()
-def load_full_model_state(model: nn.Module, state: Dict[str, Tensor]) -> None:
+def load_full_model_state(model: nn.Module, state: dict[str, Tensor]) -> None:
     """Copy the entries of a full state dict into ``model``'s parameters and buffers (which may be a
     pipeline rank's subset or FSDP2-sharded); every entry of ``model`` must be present."""
     for name, t in model.state_dict().items():

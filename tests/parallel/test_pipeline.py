@@ -1,10 +1,22 @@
 """Pipeline parallelism (gloo, 2 and 4 processes) against the single-process float64 model."""
+
 import pytest
 import torch
+from distributed_workers import (
+    BATCH,
+    SEQ,
+    batch,
+    pipeline_cases,
+    reference_model,
+    spawn,
+)
 
-from distributed_workers import BATCH, SEQ, batch, pipeline_cases, reference_model, spawn
 from attnres.model.llama import lm_loss
-from attnres.parallel.pipeline import check_pipeline_options, spec_block_traffic, split_layers
+from attnres.parallel.pipeline import (
+    check_pipeline_options,
+    spec_block_traffic,
+    split_layers,
+)
 from attnres.parallel.report import expected, formula
 
 
@@ -49,14 +61,42 @@ CASES_P2 = [
     dict(residual="denseformer", n_layers=4, vpp=2, schedule="LoopedBFS", microbatches=2, cache=True),
     # issue 18: uneven depth blocks (a block spans a stage cut; one chunk closes none), state sources and
     # low-rank queries (two-phase with per-token queries), and the gated rival
-    dict(residual="block", n_layers=8, vpp=2, schedule="Interleaved1F1B", microbatches=4, cache=True,
-         options=dict(attnres_block_sizes=[3, 6, 1, 4, 2], attnres_sources="states")),
-    dict(residual="block", n_layers=8, vpp=2, schedule="LoopedBFS", microbatches=2, cache=True,
-         options=dict(attnres_block_sizes=[5, 1, 10], attnres_weights="low_rank_query", attnres_query_rank=3)),
-    dict(residual="full", n_layers=4, vpp=2, schedule="Interleaved1F1B", microbatches=2, cache=True,
-         options=dict(attnres_sources="states")),
-    dict(residual="gated", n_layers=4, vpp=2, schedule="Interleaved1F1B", microbatches=2, cache=True,
-         options=dict(gated_heads=2)),
+    dict(
+        residual="block",
+        n_layers=8,
+        vpp=2,
+        schedule="Interleaved1F1B",
+        microbatches=4,
+        cache=True,
+        options=dict(attnres_block_sizes=[3, 6, 1, 4, 2], attnres_sources="states"),
+    ),
+    dict(
+        residual="block",
+        n_layers=8,
+        vpp=2,
+        schedule="LoopedBFS",
+        microbatches=2,
+        cache=True,
+        options=dict(attnres_block_sizes=[5, 1, 10], attnres_weights="low_rank_query", attnres_query_rank=3),
+    ),
+    dict(
+        residual="full",
+        n_layers=4,
+        vpp=2,
+        schedule="Interleaved1F1B",
+        microbatches=2,
+        cache=True,
+        options=dict(attnres_sources="states"),
+    ),
+    dict(
+        residual="gated",
+        n_layers=4,
+        vpp=2,
+        schedule="Interleaved1F1B",
+        microbatches=2,
+        cache=True,
+        options=dict(gated_heads=2),
+    ),
 ]
 
 
@@ -65,9 +105,11 @@ def p2_results(tmp_path_factory):
     return run_cases(tmp_path_factory.mktemp("pp2"), 2, CASES_P2)
 
 
-@pytest.mark.parametrize("i", range(len(CASES_P2)),
-                         ids=[f"{c['residual']}-{c['schedule']}-v{c['vpp']}-{'cached' if c['cache'] else 'naive'}"
-                              for c in CASES_P2])
+@pytest.mark.parametrize(
+    "i",
+    range(len(CASES_P2)),
+    ids=[f"{c['residual']}-{c['schedule']}-v{c['vpp']}-{'cached' if c['cache'] else 'naive'}" for c in CASES_P2],
+)
 def test_pipeline_loss_and_gradients_equal_one_process(p2_results, i):
     case = CASES_P2[i]
     loss, norm, grads = reference(case["residual"], case["n_layers"], case.get("clip"), case.get("options"))
@@ -91,8 +133,11 @@ def test_bytes_on_the_wire_equal_the_layout_and_spec_formula(p2_results, i):
     for direction in ("forward", "backward"):
         assert sum(v for (t, d), v in traffic.items() if d == direction) == predicted
     spec = formula(layout)
-    uniform = (case["residual"] == "block" and case["n_layers"] % (2 * case["vpp"]) == 0
-               and "attnres_block_sizes" not in case.get("options", {}))
+    uniform = (
+        case["residual"] == "block"
+        and case["n_layers"] % (2 * case["vpp"]) == 0
+        and "attnres_block_sizes" not in case.get("options", {})
+    )
     if uniform:  # every chunk closes the same number of depth blocks: docs/method.md §7 applies exactly
         assert spec["total"] * case["microbatches"] == predicted
     elif case["residual"] in ("block", "full"):
@@ -101,8 +146,10 @@ def test_bytes_on_the_wire_equal_the_layout_and_spec_formula(p2_results, i):
 
 @pytest.fixture(scope="module")
 def p4_results(tmp_path_factory):
-    cases = [dict(residual="block", n_layers=16, vpp=2, schedule="Interleaved1F1B", microbatches=4, cache=c)
-             for c in (False, True)]
+    cases = [
+        dict(residual="block", n_layers=16, vpp=2, schedule="Interleaved1F1B", microbatches=4, cache=c)
+        for c in (False, True)
+    ]
     return run_cases(tmp_path_factory.mktemp("pp4"), 4, cases)
 
 
@@ -135,16 +182,19 @@ def test_split_layers_is_balanced_and_contiguous():
     assert [i for p in parts for i in p] == list(range(10))
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(schedule="ZBVZeroBubble"), "split-backward"),
-    (dict(schedule="InterleavedZeroBubble"), "autograd.grad"),
-    (dict(schedule="Nope"), "choose one of"),
-    (dict(schedule="GPipe", vpp=2), "one stage per rank"),
-    (dict(microbatches=3), "must divide the batch size"),
-    (dict(schedule="Interleaved1F1B", microbatches=2, pp=4, batch_size=8), "multiple of pp=4"),
-    (dict(pp=4, vpp=2, n_layers=6, schedule="LoopedBFS"), "only n_layers=6"),
-    (dict(pp=0), "positive integer"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(schedule="ZBVZeroBubble"), "split-backward"),
+        (dict(schedule="InterleavedZeroBubble"), "autograd.grad"),
+        (dict(schedule="Nope"), "choose one of"),
+        (dict(schedule="GPipe", vpp=2), "one stage per rank"),
+        (dict(microbatches=3), "must divide the batch size"),
+        (dict(schedule="Interleaved1F1B", microbatches=2, pp=4, batch_size=8), "multiple of pp=4"),
+        (dict(pp=4, vpp=2, n_layers=6, schedule="LoopedBFS"), "only n_layers=6"),
+        (dict(pp=0), "positive integer"),
+    ],
+)
 def test_bad_pipeline_options_are_clear_errors(kwargs, match):
     options = dict(pp=2, vpp=1, schedule="1F1B", microbatches=4, n_layers=8, batch_size=8)
     options.update(kwargs)
@@ -160,13 +210,23 @@ def test_layout_block_counts_equal_spec_formula(pp, vpp, n_p):
     from attnres.parallel.pipeline import probe_layout
 
     chunks = pp * vpp
-    model = AttnResLM(ModelConfig(vocab_size=20, d_model=8, n_layers=chunks * n_p, n_heads=2, max_seq_len=4,
-                                  residual="block", attnres_block_size=2))  # one depth block per Transformer block
+    model = AttnResLM(
+        ModelConfig(
+            vocab_size=20,
+            d_model=8,
+            n_layers=chunks * n_p,
+            n_heads=2,
+            max_seq_len=4,
+            residual="block",
+            attnres_block_size=2,
+        )
+    )  # one depth block per Transformer block
     naive, cached = spec_block_traffic(pp, vpp, n_p)
     for cache, want in ((False, naive), (True, cached)):
         rows = probe_layout(model, pp, vpp, 1, 4, cache=cache).traffic()
         assert sum(r["blocks"] for r in rows) == want
         assert sum(r["embedding"] for r in rows) == (min(pp, chunks - 1) if cache else chunks - 1)
         # peak: O(C) naive, O(P) cached
-        assert max(r["blocks"] for r in rows) == ((pp * n_p if vpp > 1 else (pp - 1) * n_p) if cache
-                                                 else (chunks - 1) * n_p)
+        assert max(r["blocks"] for r in rows) == (
+            (pp * n_p if vpp > 1 else (pp - 1) * n_p) if cache else (chunks - 1) * n_p
+        )

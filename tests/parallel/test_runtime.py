@@ -1,4 +1,5 @@
 """Data parallel (DDP, FSDP2) and pipeline training through the Trainer, against one process."""
+
 import json
 import os
 import subprocess
@@ -7,9 +8,9 @@ import time
 
 import pytest
 import torch
-
 from corpora import write_pseudo_english
 from distributed_workers import spawn, trainer_run
+
 from attnres.train.config import build_configs
 from attnres.train.trainer import Trainer
 
@@ -20,8 +21,18 @@ def corpus(tmp_path_factory):
 
 
 def overrides(corpus, out, **extra):
-    train = dict(data=corpus, out_dir=str(out), optimizer="adamw", steps=6, warmup_steps=1, eval_every=3,
-                 eval_batches=2, checkpoint_every=3, progress=False, cache_dir=str(out) + "-cache")
+    train = dict(
+        data=corpus,
+        out_dir=str(out),
+        optimizer="adamw",
+        steps=6,
+        warmup_steps=1,
+        eval_every=3,
+        eval_batches=2,
+        checkpoint_every=3,
+        progress=False,
+        cache_dir=str(out) + "-cache",
+    )
     train.update(extra)
     return train
 
@@ -81,8 +92,9 @@ def test_pipeline_training_equals_one_process_and_resumes_in_another_layout(corp
 def test_pipeline_replicated_over_data_parallel_equals_one_process(corpus, tmp_path):
     """A (dp=2, pp=2) mesh: two pipeline replicas of two ranks, each replica on half the batch."""
     single(corpus, tmp_path / "one", MODEL, steps=4)
-    parallel(corpus, tmp_path / "2d", MODEL, 4, dp=2, pp=2, vpp=2, pp_schedule="Interleaved1F1B",
-             microbatches=2, steps=4)
+    parallel(
+        corpus, tmp_path / "2d", MODEL, 4, dp=2, pp=2, vpp=2, pp_schedule="Interleaved1F1B", microbatches=2, steps=4
+    )
     assert_same_run(tmp_path / "one", tmp_path / "2d", rel=1e-5)
 
 
@@ -90,12 +102,33 @@ def test_torchrun_job_fails_fast_and_names_the_problem(corpus, tmp_path):
     """Rank 0 rejects --out (a file); rank 1 is already waiting in a collective: torchrun ends both."""
     out = tmp_path / "not-a-directory"
     out.write_text("x")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "attnres", "train",
-           "--preset", "tiny", "--data", corpus, "--out", str(out), "--dp", "2", "--steps", "2",
-           "--no-progress", "--set", "warmup_steps=1", "--set", f"cache_dir={tmp_path / 'cache'}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "attnres",
+        "train",
+        "--preset",
+        "tiny",
+        "--data",
+        corpus,
+        "--out",
+        str(out),
+        "--dp",
+        "2",
+        "--steps",
+        "2",
+        "--no-progress",
+        "--set",
+        "warmup_steps=1",
+        "--set",
+        f"cache_dir={tmp_path / 'cache'}",
+    ]
     start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode != 0
     assert "is a file, not a run directory" in proc.stdout + proc.stderr
     assert time.perf_counter() - start < 200
@@ -117,17 +150,20 @@ def test_cli_leaves_the_process_group_it_ran_under(tmp_path):
             dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("extra, match", [
-    (dict(dp=2), "torchrun --nproc-per-node 2"),
-    (dict(pp=2), "torchrun --nproc-per-node 2"),
-    (dict(dp=2, pp=2), "torchrun --nproc-per-node 4"),
-    (dict(dp=2, pp=2, fsdp=True), "drop fsdp"),
-    (dict(dp=3, pp=2), "divisible by dp=3"),
-    (dict(fsdp=True), "set dp >= 2"),
-    (dict(vpp=2), "set pp >= 2"),
-    (dict(pp=2, pp_schedule="ZBVZeroBubble"), "split-backward"),
-    (dict(pp=2, microbatches=3), "must divide the batch size"),
-])
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        (dict(dp=2), "torchrun --nproc-per-node 2"),
+        (dict(pp=2), "torchrun --nproc-per-node 2"),
+        (dict(dp=2, pp=2), "torchrun --nproc-per-node 4"),
+        (dict(dp=2, pp=2, fsdp=True), "drop fsdp"),
+        (dict(dp=3, pp=2), "divisible by dp=3"),
+        (dict(fsdp=True), "set dp >= 2"),
+        (dict(vpp=2), "set pp >= 2"),
+        (dict(pp=2, pp_schedule="ZBVZeroBubble"), "split-backward"),
+        (dict(pp=2, microbatches=3), "must divide the batch size"),
+    ],
+)
 def test_parallel_options_without_a_fitting_launch_are_clear_errors(corpus, tmp_path, monkeypatch, extra, match):
     for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR"):
         monkeypatch.delenv(key, raising=False)
