@@ -13,8 +13,22 @@ from attnres.checkpoint import (
     save_checkpoint,
 )
 from attnres.train.metrics import MetricsLogger
-from attnres.train.optim import OPTIMIZER_NAMES, PARAM_KINDS, CombinedOptimizer, build_optimizer, group_parameters
-from attnres.train.schedule import SCHEDULE_NAMES, Schedule, constant, cosine, make_schedule, set_lr, wsd
+from attnres.train.optim import (
+    OPTIMIZER_NAMES,
+    PARAM_KINDS,
+    CombinedOptimizer,
+    build_optimizer,
+    group_parameters,
+)
+from attnres.train.schedule import (
+    SCHEDULE_NAMES,
+    Schedule,
+    constant,
+    cosine,
+    make_schedule,
+    set_lr,
+    wsd,
+)
 
 __all__ = [
     "FORMAT_VERSION",

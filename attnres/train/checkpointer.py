@@ -1,18 +1,28 @@
 """The run's checkpoint, as the trainer uses it: a ``--resume`` checked against it before anything
 costly, loaded into whatever layout the run has (single process, DDP/FSDP2, pipeline), and written
 in the single-process format whatever the layout (rank 0 writes, every rank takes part)."""
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 import torch
 from torch import nn
 
-from attnres.checkpoint import find_checkpoint, load_checkpoint, read_checkpoint_state, save_checkpoint
+from attnres.checkpoint import (
+    find_checkpoint,
+    load_checkpoint,
+    read_checkpoint_state,
+    save_checkpoint,
+)
 from attnres.files import CHECKPOINT_DIR
 from attnres.model import AttnResLM, ModelConfig
-from attnres.parallel.state import load_full_model_state, load_named_optimizer_state, named_optimizer_state
+from attnres.parallel.state import (
+    load_full_model_state,
+    load_named_optimizer_state,
+    named_optimizer_state,
+)
 from attnres.train.config import RESUMABLE_CHANGES, TrainConfig
 
 
@@ -22,7 +32,8 @@ def check_resume(out_dir: Path, train_config: TrainConfig) -> dict:
     if path is None:
         raise FileNotFoundError(
             f"--resume: no checkpoint in {out_dir}; start over with --force (deletes what is there) "
-            "or pass the --out of the run to continue")
+            "or pass the --out of the run to continue"
+        )
     saved = read_checkpoint_state(path)
     diffs = [
         f"{k}: checkpoint={v!r}, now={getattr(train_config, k)!r}"
@@ -32,12 +43,14 @@ def check_resume(out_dir: Path, train_config: TrainConfig) -> dict:
     if diffs:
         raise ValueError(
             f"--resume: the training options differ from the checkpoint in {path}: "
-            + "; ".join(diffs) + ". Fix: resume with the run's original options, or start a new run"
+            + "; ".join(diffs)
+            + ". Fix: resume with the run's original options, or start a new run"
         )
     if saved["step"] > train_config.steps:
         raise ValueError(
             f"--resume: the run in {out_dir} is already at step {saved['step']}, past steps="
-            f"{train_config.steps}; pass --steps above {saved['step']} to train it further")
+            f"{train_config.steps}; pass --steps above {saved['step']} to train it further"
+        )
     return saved
 
 
@@ -46,14 +59,21 @@ class Checkpointer:
     ``attnres.parallel.runtime`` layout); ``make_optimizer(model)`` builds the run's optimizer, for
     the full single-process copy a distributed run loads into and writes from."""
 
-    def __init__(self, out_dir: Path, train_config: TrainConfig, model_config: ModelConfig, strategy,
-                 optimizer: torch.optim.Optimizer, make_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
-                 is_main: bool):
+    def __init__(
+        self,
+        out_dir: Path,
+        train_config: TrainConfig,
+        model_config: ModelConfig,
+        strategy,
+        optimizer: torch.optim.Optimizer,
+        make_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
+        is_main: bool,
+    ):
         self.out_dir = Path(out_dir)
         self.path = self.out_dir / CHECKPOINT_DIR
         self.cfg, self.model_config, self.strategy = train_config, model_config, strategy
         self.optimizer, self.make_optimizer, self.is_main = optimizer, make_optimizer, is_main
-        self.saved_step: Optional[int] = None  # the step of the checkpoint on disk, if any
+        self.saved_step: int | None = None  # the step of the checkpoint on disk, if any
 
     def full_copy(self):
         """A single-process model and optimizer on CPU: what a checkpoint holds, whatever the layout."""
@@ -84,8 +104,12 @@ class Checkpointer:
                 load_named_optimizer_state(optimizer, gathered[1], model)
         if self.is_main:
             save_checkpoint(
-                self.path, model=model, optimizer=optimizer, step=step,
-                train_state=train_state, model_config=self.model_config.to_dict(),
+                self.path,
+                model=model,
+                optimizer=optimizer,
+                step=step,
+                train_state=train_state,
+                model_config=self.model_config.to_dict(),
                 train_config=self.cfg.to_dict(),
             )
         self.strategy.barrier()

@@ -1,19 +1,19 @@
 """TrainConfig, named presets, and building a run's two configs from presets, files and flags."""
+
 from __future__ import annotations
 
 import ast
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any
 
 from attnres.files import parse_toml
 from attnres.model.config import ModelConfig, check_field_types
 
 PRECISIONS = ("fp32", "bf16")
 # how a run is spread over processes: not what it computes (checkpoints move between layouts)
-PARALLEL_FIELDS = frozenset({"dp", "fsdp", "pp", "vpp", "pp_schedule", "microbatches", "pp_cache",
-                             "dist_timeout"})
+PARALLEL_FIELDS = frozenset({"dp", "fsdp", "pp", "vpp", "pp_schedule", "microbatches", "pp_cache", "dist_timeout"})
 TOKENIZERS = ("bpe", "byte")
 
 
@@ -22,7 +22,7 @@ class TrainConfig:
     """Everything about a training run that is not the model."""
 
     out_dir: str = "runs/default"
-    data: Optional[str] = None  # None: the bundled Shakespeare corpus
+    data: str | None = None  # None: the bundled Shakespeare corpus
     tokenizer: str = "bpe"
     vocab_size: int = 4096  # BPE vocabulary; the model's vocab_size follows the tokenizer
     val_fraction: float = 0.1
@@ -32,7 +32,7 @@ class TrainConfig:
     steps: int = 300
     optimizer: str = "muon"
     lr: float = 3e-3
-    muon_lr: Optional[float] = None  # None: same as lr (Muon's update is RMS-matched to AdamW)
+    muon_lr: float | None = None  # None: same as lr (Muon's update is RMS-matched to AdamW)
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -46,22 +46,22 @@ class TrainConfig:
     seed: int = 1337
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     precision: str = "fp32"  # fp32 | bf16 (autocast)
-    threads: Optional[int] = None
+    threads: int | None = None
     progress: bool = True
-    cache_dir: Optional[str] = None
+    cache_dir: str | None = None
     # parallelism (under torchrun; see attnres.parallel): results do not depend on it
     dp: int = 1  # data-parallel ranks (each computes B / dp rows of every batch)
     fsdp: bool = False  # data parallel with FSDP2 (fully_shard) instead of DDP
     pp: int = 1  # pipeline-parallel ranks
     vpp: int = 1  # virtual stages per pipeline rank (chunks = pp * vpp)
     pp_schedule: str = "1F1B"  # GPipe | 1F1B | Interleaved1F1B | LoopedBFS
-    microbatches: Optional[int] = None  # pipeline microbatches per batch (None: pp * vpp)
+    microbatches: int | None = None  # pipeline microbatches per batch (None: pp * vpp)
     pp_cache: bool = True  # cross-stage caching of block representations (docs/method.md §7)
     dist_timeout: float = 600.0  # seconds a collective may wait before the job fails
     # speed and memory knobs that leave the arithmetic as it is (a run may resume with them changed)
-    compile: Union[bool, str] = False  # torch.compile: true (inductor) or a backend name, e.g. "aot_eager"
+    compile: bool | str = False  # torch.compile: true (inductor) or a backend name, e.g. "aot_eager"
     # none | block | sublayer (attnres.model.checkpointing); None (what `--set ...=none` reads as) is "none"
-    activation_checkpointing: Optional[str] = "none"
+    activation_checkpointing: str | None = "none"
 
     def __post_init__(self):
         self.validate()
@@ -74,8 +74,16 @@ class TrainConfig:
             self.activation_checkpointing = "none"
         check_field_types(self)
 
-        for name in ("vocab_size", "seq_len", "batch_size", "grad_accum", "steps", "eval_every",
-                     "eval_batches", "checkpoint_every"):
+        for name in (
+            "vocab_size",
+            "seq_len",
+            "batch_size",
+            "grad_accum",
+            "steps",
+            "eval_every",
+            "eval_batches",
+            "checkpoint_every",
+        ):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise bad(name, "must be a positive integer")
@@ -125,8 +133,14 @@ class TrainConfig:
                 raise bad("vpp" if self.vpp > 1 else "microbatches", "applies to pipeline parallelism: set pp >= 2")
             if self.batch_size % self.dp:
                 raise bad("batch_size", f"must be divisible by dp={self.dp}")
-            check_pipeline_options(self.pp, self.vpp, self.pp_schedule, self.pipeline_microbatches,
-                                   n_layers=None, batch_size=self.batch_size // self.dp)
+            check_pipeline_options(
+                self.pp,
+                self.vpp,
+                self.pp_schedule,
+                self.pipeline_microbatches,
+                n_layers=None,
+                batch_size=self.batch_size // self.dp,
+            )
         from attnres.model.checkpointing import CHECKPOINTING
         from attnres.model.compile import check_compile_setting
 
@@ -134,8 +148,10 @@ class TrainConfig:
         if self.activation_checkpointing not in CHECKPOINTING:
             raise bad("activation_checkpointing", f"choose one of {CHECKPOINTING}")
         if self.activation_checkpointing == "block" and self.pp > 1:
-            raise bad("activation_checkpointing", "'block' runs whole-model segments, which pipeline stages "
-                      "split; with pp > 1 use 'sublayer' or 'none'")
+            raise bad(
+                "activation_checkpointing",
+                "'block' runs whole-model segments, which pipeline stages split; with pp > 1 use 'sublayer' or 'none'",
+            )
         if not (self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda")):
             raise bad("device", "use auto, cpu, cuda or cuda:N")
 
@@ -148,57 +164,114 @@ class TrainConfig:
 
 
 # Fields that may change when a run resumes without changing what has been computed so far.
-RESUMABLE_CHANGES = {"steps", "eval_every", "checkpoint_every", "progress", "threads", "out_dir",
-                     "device", "cache_dir", "compile", "activation_checkpointing"} | PARALLEL_FIELDS
+RESUMABLE_CHANGES = {
+    "steps",
+    "eval_every",
+    "checkpoint_every",
+    "progress",
+    "threads",
+    "out_dir",
+    "device",
+    "cache_dir",
+    "compile",
+    "activation_checkpointing",
+} | PARALLEL_FIELDS
 
 
 # ----------------------------------------------------------------------------- presets
 
-PRESETS: Dict[str, Dict[str, Dict[str, Any]]] = {
+PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     # seconds: smoke tests and CI
     "tiny": {
         "model": dict(d_model=32, n_layers=2, n_heads=2, max_seq_len=32),
-        "train": dict(tokenizer="byte", seq_len=32, batch_size=4, steps=30, warmup_steps=3,
-                      eval_every=10, eval_batches=2, checkpoint_every=10, lr=3e-3),
+        "train": dict(
+            tokenizer="byte",
+            seq_len=32,
+            batch_size=4,
+            steps=30,
+            warmup_steps=3,
+            eval_every=10,
+            eval_batches=2,
+            checkpoint_every=10,
+            lr=3e-3,
+        ),
     },
     # the main job: three of these in about ten minutes on 2 CPU cores
     "demo": {
         "model": dict(d_model=128, n_layers=8, n_heads=4, max_seq_len=128),
-        "train": dict(tokenizer="bpe", vocab_size=4096, seq_len=128, batch_size=16, steps=600,
-                      warmup_steps=60, eval_every=100, eval_batches=16, checkpoint_every=100),
+        "train": dict(
+            tokenizer="bpe",
+            vocab_size=4096,
+            seq_len=128,
+            batch_size=16,
+            steps=600,
+            warmup_steps=60,
+            eval_every=100,
+            eval_batches=16,
+            checkpoint_every=100,
+        ),
     },
     # Kimi Linear (docs/method.md §10's backbone): 3 KDA : 1 MLA, mixture of experts after a dense first
     # layer. Seconds: the Kimi Linear tests
     "kimi-tiny": {
-        "model": dict(backbone="kimi_linear", d_model=32, n_layers=4, n_heads=2, max_seq_len=32, moe_experts=4,
-                      moe_top_k=2),
-        "train": dict(tokenizer="byte", seq_len=32, batch_size=4, steps=30, warmup_steps=3,
-                      eval_every=10, eval_batches=2, checkpoint_every=10, lr=3e-3),
+        "model": dict(
+            backbone="kimi_linear", d_model=32, n_layers=4, n_heads=2, max_seq_len=32, moe_experts=4, moe_top_k=2
+        ),
+        "train": dict(
+            tokenizer="byte",
+            seq_len=32,
+            batch_size=4,
+            steps=30,
+            warmup_steps=3,
+            eval_every=10,
+            eval_batches=2,
+            checkpoint_every=10,
+            lr=3e-3,
+        ),
     },
     # about the demo's cost per step on CPU: transformers' KDA runs its reference (Python-loop) kernel
     # without flash-linear-attention, so width and sequence are halved against "demo" to match its time
     "kimi-demo": {
-        "model": dict(backbone="kimi_linear", d_model=64, n_layers=8, n_heads=4, max_seq_len=64, moe_experts=8,
-                      moe_top_k=2),
-        "train": dict(tokenizer="bpe", vocab_size=4096, seq_len=64, batch_size=16, steps=600,
-                      warmup_steps=60, eval_every=100, eval_batches=16, checkpoint_every=100),
+        "model": dict(
+            backbone="kimi_linear", d_model=64, n_layers=8, n_heads=4, max_seq_len=64, moe_experts=8, moe_top_k=2
+        ),
+        "train": dict(
+            tokenizer="bpe",
+            vocab_size=4096,
+            seq_len=64,
+            batch_size=16,
+            steps=600,
+            warmup_steps=60,
+            eval_every=100,
+            eval_batches=16,
+            checkpoint_every=100,
+        ),
     },
     # deeper and wider, for a longer CPU run or a GPU
     "small": {
         "model": dict(d_model=256, n_layers=12, n_heads=4, max_seq_len=256),
-        "train": dict(tokenizer="bpe", vocab_size=4096, seq_len=256, batch_size=32, steps=2000,
-                      warmup_steps=100, eval_every=200, eval_batches=32, checkpoint_every=200),
+        "train": dict(
+            tokenizer="bpe",
+            vocab_size=4096,
+            seq_len=256,
+            batch_size=32,
+            steps=2000,
+            warmup_steps=100,
+            eval_every=200,
+            eval_batches=32,
+            checkpoint_every=200,
+        ),
     },
 }
 
 
-def _preset(name: str) -> Dict[str, Dict[str, Any]]:
+def _preset(name: str) -> dict[str, dict[str, Any]]:
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
     return PRESETS[name]
 
 
-def preset_model(preset: Optional[str] = None, overrides: Optional[Dict[str, Any]] = None) -> ModelConfig:
+def preset_model(preset: str | None = None, overrides: dict[str, Any] | None = None) -> ModelConfig:
     """The model of a named preset (default: demo) with ModelConfig ``overrides``; no training options."""
     return ModelConfig(**{**_preset(preset or "demo")["model"], **(overrides or {})})
 
@@ -217,7 +290,7 @@ def parse_value(text: str) -> Any:
         return text
 
 
-def split_overrides(overrides: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+def split_overrides(overrides: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """Route flat ``key=value`` overrides to ModelConfig or TrainConfig by field name."""
     model_fields = {f.name for f in dataclasses.fields(ModelConfig)}
     train_fields = {f.name for f in dataclasses.fields(TrainConfig)}
@@ -237,7 +310,7 @@ def split_overrides(overrides: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str
     return model, train
 
 
-def load_toml(path: str) -> Dict[str, Any]:
+def load_toml(path: str) -> dict[str, Any]:
     """A TOML config: top-level keys, or [model] / [train] tables, plus an optional preset key."""
     p = Path(path)
     if p.is_dir():
@@ -259,8 +332,9 @@ def load_toml(path: str) -> Dict[str, Any]:
     return flat
 
 
-def build_configs(preset: Optional[str] = None, overrides: Optional[Dict[str, Any]] = None
-                  ) -> Tuple[ModelConfig, TrainConfig]:
+def build_configs(
+    preset: str | None = None, overrides: dict[str, Any] | None = None
+) -> tuple[ModelConfig, TrainConfig]:
     """Preset defaults, then overrides (from a file and/or flags), validated."""
     overrides = dict(overrides or {})
     preset = overrides.pop("preset", None) or preset

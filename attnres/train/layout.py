@@ -1,8 +1,9 @@
 """The run's process layout, as the trainer builds it from ``TrainConfig`` (``attnres.parallel.runtime``:
 a pipeline, data parallel, or one process), how it is described, and what a pipeline sent."""
+
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from torch import nn
 
@@ -15,20 +16,30 @@ def build_layout(model: nn.Module, c: TrainConfig, autocast: Callable):
     """``model`` laid out over the processes ``c`` asks for; ``autocast()``: the forward's precision."""
     if c.pp > 1:
         return PipelineParallel(
-            model, autocast, pp=c.pp, vpp=c.vpp, schedule=c.pp_schedule,
-            microbatches=c.pipeline_microbatches, batch_size=c.batch_size, seq_len=c.seq_len,
-            cache=c.pp_cache, dp=c.dp)
+            model,
+            autocast,
+            pp=c.pp,
+            vpp=c.vpp,
+            schedule=c.pp_schedule,
+            microbatches=c.pipeline_microbatches,
+            batch_size=c.batch_size,
+            seq_len=c.seq_len,
+            cache=c.pp_cache,
+            dp=c.dp,
+        )
     if c.dp > 1:
         return DataParallel(model, autocast, shard=c.fsdp)
     return SingleProcess(model, autocast)
 
 
-def describe_layout(c: TrainConfig, compiled: Optional[str]) -> str:
+def describe_layout(c: TrainConfig, compiled: str | None) -> str:
     """The layout, compilation and activation checkpointing of a run, as "; ..." parts ("" for none)."""
     layout = ""
     if c.pp > 1:
-        layout = (f"; pipeline pp={c.pp} vpp={c.vpp} {c.pp_schedule}, {c.pipeline_microbatches} microbatches, "
-                  f"caching {'on' if c.pp_cache else 'off'}" + (f", {c.dp} replicas" if c.dp > 1 else ""))
+        layout = (
+            f"; pipeline pp={c.pp} vpp={c.vpp} {c.pp_schedule}, {c.pipeline_microbatches} microbatches, "
+            f"caching {'on' if c.pp_cache else 'off'}" + (f", {c.dp} replicas" if c.dp > 1 else "")
+        )
     elif c.dp > 1:
         layout = f"; data parallel dp={c.dp} ({'FSDP2' if c.fsdp else 'DDP'})"
     if compiled:
@@ -38,7 +49,7 @@ def describe_layout(c: TrainConfig, compiled: Optional[str]) -> str:
     return layout
 
 
-def pipeline_traffic(strategy, c: TrainConfig) -> Optional[str]:
+def pipeline_traffic(strategy, c: TrainConfig) -> str | None:
     """The pipeline's bytes on the wire next to docs/method.md §7 (``attnres.parallel.report``); None without
     a pipeline or before any step. Collective: every rank of a pipeline run calls it."""
     if c.pp == 1:
@@ -50,5 +61,4 @@ def pipeline_traffic(strategy, c: TrainConfig) -> Optional[str]:
     measured = gather_traffic(pipe)
     if not pipe.steps_run:
         return None
-    return traffic_table({mode: pipe.layout}, {mode: measured}, steps=pipe.steps_run,
-                         microbatches=pipe.microbatches)
+    return traffic_table({mode: pipe.layout}, {mode: measured}, steps=pipe.steps_run, microbatches=pipe.microbatches)

@@ -8,10 +8,10 @@ errs low: it refuses only batches that clearly do not fit. With activation check
 what the mode keeps (one d-vector per token at each checkpoint boundary) and the largest piece
 recomputed at once (a segment of Transformer blocks for "block", one sublayer for "sublayer").
 """
+
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 
@@ -49,7 +49,7 @@ def estimate_step_memory(model: ModelConfig, batch_size: int, seq_len: int, chec
     return fixed + batch_size * seq_len * per_token
 
 
-def available_memory(device: torch.device) -> Optional[int]:
+def available_memory(device: torch.device) -> int | None:
     """Free bytes on ``device``: CUDA's free memory, or the kernel's MemAvailable for the CPU; None
     where that cannot be read."""
     try:
@@ -70,7 +70,7 @@ def _largest_batch(model: ModelConfig, train, available: int, checkpointing: str
     return max(0, (available - fixed) // (per_token * train.seq_len)) * train.dp
 
 
-def check_memory(model: ModelConfig, train, device: torch.device, available: Optional[int] = None) -> None:
+def check_memory(model: ModelConfig, train, device: torch.device, available: int | None = None) -> None:
     """Refuse a single-pipeline-stage run whose step clearly does not fit on ``device`` (ValueError
     naming batch_size, the estimate and the largest batch size that fits). ``train`` is a TrainConfig;
     its batch is split over ``dp`` ranks. Pipeline runs (``pp > 1``) spread the model and are not checked."""
@@ -85,10 +85,14 @@ def check_memory(model: ModelConfig, train, device: torch.device, available: Opt
     if need <= available:
         return
     fits = _largest_batch(model, train, available, mode)
-    advice = (f"batch_size <= {fits} fits (use grad_accum for a larger effective batch)" if fits >= 1
-              else "not even batch_size=1 fits: use a smaller model or seq_len")
+    advice = (
+        f"batch_size <= {fits} fits (use grad_accum for a larger effective batch)"
+        if fits >= 1
+        else "not even batch_size=1 fits: use a smaller model or seq_len"
+    )
     if mode == "none" and (with_checkpointing := _largest_batch(model, train, available, "block")) > fits:
         advice += f", or activation_checkpointing='block' fits batch_size <= {with_checkpointing}"
     raise ValueError(
         f"TrainConfig.batch_size={train.batch_size} needs about {need / _GIB:,.1f} GiB for one training step "
-        f"(a low estimate) but {available / _GIB:,.1f} GiB is free on {device}; {advice}")
+        f"(a low estimate) but {available / _GIB:,.1f} GiB is free on {device}; {advice}"
+    )

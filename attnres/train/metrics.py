@@ -76,8 +76,10 @@ def _csv_cell(value: Any) -> Any:
     return json.dumps(value) if isinstance(value, list) else value
 
 
-TRACKERS = {"tensorboard": ("torch.utils.tensorboard", "pip install 'attnres[tb]'"),
-            "wandb": ("wandb", "pip install wandb (WANDB_MODE=offline logs without a network)")}
+TRACKERS = {
+    "tensorboard": ("torch.utils.tensorboard", "pip install 'attnres[tb]'"),
+    "wandb": ("wandb", "pip install wandb (WANDB_MODE=offline logs without a network)"),
+}
 
 
 def check_trackers(names) -> None:
@@ -97,8 +99,14 @@ def check_trackers(names) -> None:
 class MetricsLogger:
     """Append-only metrics logger; see the module docstring for the file layout."""
 
-    def __init__(self, run_dir: str | os.PathLike, resume_step: int | None = None, *, tensorboard: bool = True,
-                 wandb_config: Mapping[str, Any] | None = None):
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        resume_step: int | None = None,
+        *,
+        tensorboard: bool = True,
+        wandb_config: Mapping[str, Any] | None = None,
+    ):
         """``wandb_config``: log to a Weights & Biases run too, with this config (see :func:`check_trackers`)."""
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -111,7 +119,7 @@ class MetricsLogger:
         else:
             self._drop_torn_tail()
             self._read_csv_headers()
-        self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")
+        self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")  # noqa: SIM115 -- appended to until close()
 
         self._tb = None
         if tensorboard:
@@ -126,8 +134,9 @@ class MetricsLogger:
         if wandb_config is not None:
             import wandb
 
-            self._wandb = wandb.init(project="attnres", name=self.run_dir.name, dir=str(self.run_dir),
-                                     config=dict(wandb_config))
+            self._wandb = wandb.init(
+                project="attnres", name=self.run_dir.name, dir=str(self.run_dir), config=dict(wandb_config)
+            )
 
     # ------------------------------------------------------------------ paths / setup
 
@@ -211,8 +220,14 @@ class MetricsLogger:
                     self._tb.add_scalar(f"{kind}/{k}", v, global_step=row["step"])
             self._tb.flush()
         if self._wandb is not None:
-            self._wandb.log({f"{kind}/{k}": v for k, v in row.items() if k not in _RESERVED
-                             and isinstance(v, (int, float)) and not isinstance(v, bool)}, step=row["step"])
+            self._wandb.log(
+                {
+                    f"{kind}/{k}": v
+                    for k, v in row.items()
+                    if k not in _RESERVED and isinstance(v, (int, float)) and not isinstance(v, bool)
+                },
+                step=row["step"],
+            )
         return row
 
     def _write_csv(self, kind: str, row: dict) -> None:
@@ -231,7 +246,8 @@ class MetricsLogger:
             self._csv_fields[kind] = fields
         f = self._csv_files.get(kind)
         if f is None:
-            f = self._csv_files[kind] = open(self.csv_path(kind), "a", encoding="utf-8", newline="")
+            path = self.csv_path(kind)
+            f = self._csv_files[kind] = open(path, "a", encoding="utf-8", newline="")  # noqa: SIM115 -- kept until close()
         csv.DictWriter(f, fieldnames=fields, restval="", extrasaction="ignore").writerow(
             {k: _csv_cell(v) for k, v in row.items()}
         )

@@ -46,8 +46,7 @@ from torch import nn
 from attnres.parallel.state import unwrap
 from attnres.residual.param_groups import PARAM_KINDS, parameter_kinds
 
-__all__ = ["PARAM_KINDS", "OPTIMIZER_NAMES", "CombinedOptimizer", "StackedMuon", "build_optimizer",
-           "group_parameters"]
+__all__ = ["PARAM_KINDS", "OPTIMIZER_NAMES", "CombinedOptimizer", "StackedMuon", "build_optimizer", "group_parameters"]
 
 OPTIMIZER_NAMES = ("adamw", "muon")
 MUON_ADJUST_LR_FNS = ("match_rms_adamw", "original")
@@ -89,7 +88,9 @@ def group_parameters(model: nn.Module) -> dict[str, list[tuple[str, nn.Parameter
     if bad_kind:
         problems.append(f"unknown kinds {bad_kind}; allowed kinds are {list(PARAM_KINDS)}")
     if problems:
-        raise ValueError(f"{type(base).__name__}.param_kinds() does not match named_parameters(): " + "; ".join(problems))
+        raise ValueError(
+            f"{type(base).__name__}.param_kinds() does not match named_parameters(): " + "; ".join(problems)
+        )
 
     groups: dict[str, list[tuple[str, nn.Parameter]]] = {k: [] for k in PARAM_KINDS}
     for n, p in named:
@@ -137,8 +138,10 @@ def _matrices(t: torch.Tensor) -> tuple:
 
     if isinstance(t, DTensor):
         if any(not (p.is_replicate() or p == Shard(0)) for p in t.placements):
-            raise ValueError(f"StackedMuon: a stack of matrices sharded as {t.placements} splits its matrices; "
-                             "shard the stack on dimension 0 (whole matrices per rank)")
+            raise ValueError(
+                f"StackedMuon: a stack of matrices sharded as {t.placements} splits its matrices; "
+                "shard the stack on dimension 0 (whole matrices per rank)"
+            )
         t = t.to_local()
     return t.unbind(0)
 
@@ -189,10 +192,8 @@ class CombinedOptimizer:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not isinstance(state_dict, dict) or state_dict.get("format") != _STATE_FORMAT:
-            raise ValueError(
-                "not a CombinedOptimizer state_dict (expected format "
-                f"{_STATE_FORMAT!r}, got {state_dict.get('format') if isinstance(state_dict, dict) else type(state_dict)!r})"
-            )
+            got = state_dict.get("format") if isinstance(state_dict, dict) else type(state_dict)
+            raise ValueError(f"not a CombinedOptimizer state_dict (expected format {_STATE_FORMAT!r}, got {got!r})")
         saved = state_dict["optimizers"]
         if set(saved) != set(self.optimizers):
             raise ValueError(
@@ -207,7 +208,7 @@ class CombinedOptimizer:
                 raise ValueError(
                     f"{key}: saved state has {len(s_groups)} parameter groups, this optimizer has {len(c_groups)}"
                 )
-            for i, (sg, cg) in enumerate(zip(s_groups, c_groups)):
+            for i, (sg, cg) in enumerate(zip(s_groups, c_groups, strict=True)):
                 if "param_names" in sg and "param_names" in cg and list(sg["param_names"]) != list(cg["param_names"]):
                     only_saved = sorted(set(sg["param_names"]) - set(cg["param_names"]))
                     only_here = sorted(set(cg["param_names"]) - set(sg["param_names"]))
@@ -271,7 +272,11 @@ def build_optimizer(
     optimizers: dict[str, torch.optim.Optimizer] = {}
     if name == "adamw":
         decay = groups["matrix"] + groups["embedding"] + groups["head"]
-        pg = [_named_group(n, ps, lr, wd) for n, ps, wd in (("decay", decay, weight_decay), ("no_decay", groups["no_decay"], 0.0)) if ps]
+        pg = [
+            _named_group(n, ps, lr, wd)
+            for n, ps, wd in (("decay", decay, weight_decay), ("no_decay", groups["no_decay"], 0.0))
+            if ps
+        ]
         optimizers["adamw"] = torch.optim.AdamW(pg, **adamw_kwargs)
         return CombinedOptimizer(optimizers)
 
@@ -290,7 +295,11 @@ def build_optimizer(
             adjust_lr_fn=muon_adjust_lr_fn,
         )
     decay = groups["embedding"] + groups["head"]
-    pg = [_named_group(n, ps, lr, wd) for n, ps, wd in (("decay", decay, weight_decay), ("no_decay", groups["no_decay"], 0.0)) if ps]
+    pg = [
+        _named_group(n, ps, lr, wd)
+        for n, ps, wd in (("decay", decay, weight_decay), ("no_decay", groups["no_decay"], 0.0))
+        if ps
+    ]
     if pg:
         optimizers["adamw"] = torch.optim.AdamW(pg, **adamw_kwargs)
     return CombinedOptimizer(optimizers)

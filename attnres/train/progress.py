@@ -6,10 +6,12 @@ otherwise one plain line every few steps (``step 120/600  loss 4.2100  val 4.650
 the nanoGPT habit). :func:`progress_bar` (evaluation, benchmarks: loops whose result is printed at
 the end) shows a bar on a terminal and stays quiet elsewhere.
 """
+
 from __future__ import annotations
 
 import sys
-from typing import Iterable, Optional, TextIO
+from collections.abc import Iterable
+from typing import TextIO
 
 LINES_PER_RUN = 20  # plain lines a run writes when not on a terminal (plus one per evaluation)
 
@@ -19,22 +21,35 @@ def _is_terminal(stream: TextIO) -> bool:
     return bool(isatty and isatty())
 
 
-def progress_bar(iterable: Optional[Iterable] = None, *, total: Optional[int] = None, desc: str = "",
-                 unit: str = "it", stream: Optional[TextIO] = None):
+def progress_bar(
+    iterable: Iterable | None = None,
+    *,
+    total: int | None = None,
+    desc: str = "",
+    unit: str = "it",
+    stream: TextIO | None = None,
+):
     """A tqdm bar over ``iterable`` on ``stream`` (default stderr) when it is a terminal; a bar that
     draws nothing otherwise (same interface: ``update``, ``set_postfix``, ``close``, iteration)."""
     from tqdm.auto import tqdm
 
     stream = stream if stream is not None else sys.stderr
-    return tqdm(iterable, total=total, desc=desc, unit=unit, file=stream, dynamic_ncols=True, leave=False,
-                disable=not _is_terminal(stream))
+    return tqdm(
+        iterable,
+        total=total,
+        desc=desc,
+        unit=unit,
+        file=stream,
+        dynamic_ncols=True,
+        leave=False,
+        disable=not _is_terminal(stream),
+    )
 
 
 class StepProgress:
     """Per-step feedback of a training run named ``name`` from step ``initial`` to ``total``."""
 
-    def __init__(self, total: int, initial: int, name: str, *, stream: Optional[TextIO] = None,
-                 every: Optional[int] = None):
+    def __init__(self, total: int, initial: int, name: str, *, stream: TextIO | None = None, every: int | None = None):
         self.stream = stream if stream is not None else sys.stdout
         self.total = total
         self.every = every or max(1, total // LINES_PER_RUN)
@@ -42,11 +57,13 @@ class StepProgress:
         if _is_terminal(self.stream):
             from tqdm.auto import tqdm
 
-            self.bar = tqdm(total=total, initial=initial, desc=name, unit="step", file=self.stream,
-                            dynamic_ncols=True, leave=True)
+            self.bar = tqdm(
+                total=total, initial=initial, desc=name, unit="step", file=self.stream, dynamic_ncols=True, leave=True
+            )
 
-    def update(self, step: int, loss: float, tokens_per_second: float, val_loss: Optional[float] = None,
-               evaluated: bool = False) -> None:
+    def update(
+        self, step: int, loss: float, tokens_per_second: float, val_loss: float | None = None, evaluated: bool = False
+    ) -> None:
         """After ``step``: its loss and throughput, and the latest validation loss (``evaluated``: it is
         this step's)."""
         if self.bar is not None:

@@ -6,14 +6,20 @@ second trainer on the same directory is refused with one line instead of racing 
 its checkpoint and metrics. A directory that already holds a run (a checkpoint, metrics or a
 summary) is continued only with ``resume``, replaced only with ``force``, and otherwise refused.
 """
+
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import List
 
 from attnres.checkpoint import find_checkpoint
-from attnres.files import CHECKPOINT_DIR, LOCK_FILE, METRICS_FILE, SUMMARY_FILE, ExclusiveLock
+from attnres.files import (
+    CHECKPOINT_DIR,
+    LOCK_FILE,
+    METRICS_FILE,
+    SUMMARY_FILE,
+    ExclusiveLock,
+)
 
 __all__ = ["RunDirectoryError", "claim_run_directory", "run_contents"]
 
@@ -22,7 +28,7 @@ class RunDirectoryError(ValueError):
     """The run directory cannot be used as asked: busy, not writable, or holding another run."""
 
 
-def run_contents(out_dir) -> List[str]:
+def run_contents(out_dir) -> list[str]:
     """What of a run ``out_dir`` holds: its checkpoint (also a crash-window backup), metrics, summary."""
     out = Path(out_dir)
     found = []
@@ -50,25 +56,30 @@ def claim_run_directory(out_dir, *, resume: bool, force: bool) -> ExclusiveLock:
     if resume and force:
         raise RunDirectoryError("--resume continues the run in --out and --force deletes it: pass one of them")
     if out.exists() and not out.is_dir():
-        raise RunDirectoryError(f"TrainConfig.out_dir={str(out)!r} is a file, not a run directory; "
-                                "pass --out with a directory path")
+        raise RunDirectoryError(
+            f"TrainConfig.out_dir={str(out)!r} is a file, not a run directory; pass --out with a directory path"
+        )
     lock = ExclusiveLock(out / LOCK_FILE)
     try:
         out.mkdir(parents=True, exist_ok=True)
         busy = lock.acquire()
     except OSError as e:
-        raise RunDirectoryError(f"TrainConfig.out_dir={str(out)!r} cannot be written ({e.strerror or e}); "
-                                "pass --out with a directory you can write to") from None
+        raise RunDirectoryError(
+            f"TrainConfig.out_dir={str(out)!r} cannot be written ({e.strerror or e}); "
+            "pass --out with a directory you can write to"
+        ) from None
     if busy:
-        raise RunDirectoryError(f"{out} is in use by another trainer ({busy}); wait for it to finish, "
-                                "or pass a different --out")
+        raise RunDirectoryError(
+            f"{out} is in use by another trainer ({busy}); wait for it to finish, or pass a different --out"
+        )
     try:
         existing = run_contents(out)
         if existing and not resume:
             if not force:
                 raise RunDirectoryError(
                     f"{out} already holds a run ({', '.join(existing)}); continue it with --resume, start "
-                    "over with --force (deletes it), or pass a new --out")
+                    "over with --force (deletes it), or pass a new --out"
+                )
             _clear_run(out)
     except BaseException:
         lock.release()

@@ -1,4 +1,5 @@
 """The up-front memory estimate: a batch that clearly cannot fit is refused with what fits."""
+
 import pytest
 import torch
 
@@ -30,11 +31,15 @@ def test_checkpointing_lowers_the_estimate_and_is_offered_when_it_would_fit():
     # a batch between what fits without and what fits with "block" checkpointing
     available = (estimate_step_memory(model, 64, 32, "none") + estimate_step_memory(model, 64, 32, "block")) // 2
     _, plain = build_configs("tiny", {"n_layers": 12, "batch_size": 64, "seq_len": 32})
-    with pytest.raises(ValueError, match=r"batch_size <= \d+ fits .*activation_checkpointing='block' fits "
-                                         r"batch_size <= \d+"):
+    with pytest.raises(
+        ValueError,
+        match=r"batch_size <= \d+ fits .*activation_checkpointing='block' fits "
+        r"batch_size <= \d+",
+    ):
         check_memory(model, plain, torch.device("cpu"), available=available)
-    _, checkpointed = build_configs("tiny", {"n_layers": 12, "batch_size": 64, "seq_len": 32,
-                                             "activation_checkpointing": "block"})
+    _, checkpointed = build_configs(
+        "tiny", {"n_layers": 12, "batch_size": 64, "seq_len": 32, "activation_checkpointing": "block"}
+    )
     check_memory(model, checkpointed, torch.device("cpu"), available=available)  # fits with checkpointing
 
 
@@ -51,8 +56,14 @@ def test_the_estimate_stays_below_measured_step_peaks():
         for mode in ("none", "block"):
             result = json.loads((reports / f"checkpointing_N4_L{layers}_{mode}.json").read_text())
             c = result["config"]
-            model = ModelConfig(vocab_size=c["vocab_size"], d_model=c["d_model"], n_layers=layers,
-                                n_heads=c["n_heads"], residual="block", attnres_blocks=c["blocks"])
+            model = ModelConfig(
+                vocab_size=c["vocab_size"],
+                d_model=c["d_model"],
+                n_layers=layers,
+                n_heads=c["n_heads"],
+                residual="block",
+                attnres_blocks=c["blocks"],
+            )
             estimate = estimate_step_memory(model, c["batch_size"], c["seq_len"], mode)
             measured = result["rows"]["block"]["step_peak_mib"] * 2**20
             assert 0.4 * measured < estimate < measured, (layers, mode, estimate / measured)

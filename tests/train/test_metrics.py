@@ -112,6 +112,8 @@ def test_wandb_gets_every_numeric_metric_by_kind(tmp_path, monkeypatch):
     with MetricsLogger(tmp_path / "run", tensorboard=False, wandb_config={"train": {"lr": 0.1}}) as m:
         m.log({"loss": 2.5, "note": "text", "flag": True}, step=3)
         m.log({"val_loss": 2.25}, step=3, kind="eval")
-    assert calls[0] == ("init", {"project": "attnres", "name": "run", "dir": str(tmp_path / "run"),
-                                 "config": {"train": {"lr": 0.1}}})
+    assert calls[0] == (
+        "init",
+        {"project": "attnres", "name": "run", "dir": str(tmp_path / "run"), "config": {"train": {"lr": 0.1}}},
+    )
     assert calls[1:] == [("log", {"train/loss": 2.5}, 3), ("log", {"eval/val_loss": 2.25}, 3), ("finish",)]

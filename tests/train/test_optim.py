@@ -6,9 +6,9 @@ import io
 
 import pytest
 import torch
+from stand_in import TinyConfig, TinyLM, make_model, muon_opt, params_equal, train
 
 from attnres.train import CombinedOptimizer, build_optimizer, make_schedule, set_lr
-from stand_in import TinyConfig, TinyLM, make_model, muon_opt, params_equal, train
 
 
 @pytest.mark.parametrize("name", ["adamw", "muon"])
@@ -142,4 +142,3 @@ def test_set_lr_scales_every_group():
     assert all(g["lr"] == g["initial_lr"] for g in opt.param_groups)
     with pytest.raises(ValueError):
         set_lr(opt, float("nan"))
-

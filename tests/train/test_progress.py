@@ -1,4 +1,5 @@
 """attnres.train.progress: a bar on a terminal, plain log lines elsewhere."""
+
 import io
 
 from attnres.train.progress import StepProgress, progress_bar

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from itertools import pairwise
 
 import pytest
 
@@ -15,11 +16,13 @@ def test_wsd_key_steps_and_monotonic():
     assert f(79) == 1.0 and f(80) == 1.0  # start of decay
     assert f(90) == pytest.approx(0.5)
     assert f(100) == 0.0 and f(150) == 0.0  # end of decay and beyond
-    values = [f(s) for s in range(0, 120)]
-    assert all(a <= b for a, b in zip(values[:10], values[1:11]))
-    assert all(a >= b for a, b in zip(values[10:], values[11:]))
+    values = [f(s) for s in range(120)]
+    assert all(a <= b for a, b in pairwise(values[:11]))
+    assert all(a >= b for a, b in pairwise(values[10:]))
 
-    g = make_schedule("wsd", total_steps=100, warmup_steps=0, decay_fraction=0.2, final_lr_frac=0.1, decay_shape="1-sqrt")
+    g = make_schedule(
+        "wsd", total_steps=100, warmup_steps=0, decay_fraction=0.2, final_lr_frac=0.1, decay_shape="1-sqrt"
+    )
     assert g(0) == 1.0
     assert g(85) == pytest.approx(0.1 + 0.9 * 0.5)
     assert g(100) == pytest.approx(0.1)
@@ -33,7 +36,7 @@ def test_cosine_key_steps_and_monotonic():
     assert f(55) == pytest.approx(0.55)
     assert f(100) == pytest.approx(0.1) and f(200) == pytest.approx(0.1)
     values = [f(s) for s in range(10, 110)]
-    assert all(a >= b for a, b in zip(values, values[1:]))
+    assert all(a >= b for a, b in pairwise(values))
     assert cosine(5, 5, 5) == pytest.approx(0.1)
     assert make_schedule("constant", total_steps=10, warmup_steps=4)(7) == 1.0
 
@@ -53,4 +56,3 @@ def test_schedule_errors():
         make_schedule("cosine", total_steps=10, warmup_steps=1, decay_fraction=0.2)
     with pytest.raises(ValueError, match="step"):
         wsd(-1, 10, 1)
-
