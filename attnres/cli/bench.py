@@ -1,4 +1,5 @@
 """attnres bench NAME: one benchmark of the registry attnres.bench.BENCHES."""
+
 from __future__ import annotations
 
 import json
@@ -11,18 +12,27 @@ from attnres.files import atomic_write_text
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks: train (step time, memory), op (bandwidth), decode, pipeline, kimi (exactness)",
-                       description="Benchmarks; `attnres bench NAME --help` describes each one.",
-                       epilog="examples:\n" + "\n".join(f"  {bench.example}" for bench in BENCHES.values()))
+    p = sub.add_parser(
+        "bench",
+        help="benchmarks: train (step time, memory), op (bandwidth), decode, pipeline, kimi (exactness)",
+        description="Benchmarks; `attnres bench NAME --help` describes each one.",
+        epilog="examples:\n" + "\n".join(f"  {bench.example}" for bench in BENCHES.values()),
+    )
     benches = p.add_subparsers(dest="what", metavar="NAME", required=True)
     for name, bench in BENCHES.items():
-        b = benches.add_parser(name, help=bench.summary.split(";")[0].split(" (")[0],
-                               description=bench.summary[0].upper() + bench.summary[1:] + ".",
-                               epilog=f"example:\n  {bench.example}")
+        b = benches.add_parser(
+            name,
+            help=bench.summary.split(";")[0].split(" (")[0],
+            description=bench.summary[0].upper() + bench.summary[1:] + ".",
+            epilog=f"example:\n  {bench.example}",
+        )
         b.add_argument("--quick", action="store_true", help="a smaller config (under 2 minutes on 2 cores)")
         if "variants" in bench.options:
-            b.add_argument("--variants", help="comma list of NAME[:IMPL][:FIELD=VALUE]..., e.g. prenorm,block,full,"
-                           "block:reference,full:attnres_weights=low_rank_query:attnres_query_rank=8")
+            b.add_argument(
+                "--variants",
+                help="comma list of NAME[:IMPL][:FIELD=VALUE]..., e.g. prenorm,block,full,"
+                "block:reference,full:attnres_weights=low_rank_query:attnres_query_rank=8",
+            )
         add_set_option(b, f"benchmark option: {', '.join(sorted(bench.options))}")
         if "memory" in bench.options:
             b.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")

@@ -1,5 +1,6 @@
 """attnres convert: retrofit a Hugging Face LLaMA-family model into AttnRes, or native <-> HF
 (attnres.hf.convert_directory)."""
+
 from __future__ import annotations
 
 from attnres.cli.options import CLIError, add_set_option, examples, parse_set
@@ -9,36 +10,70 @@ RETROFIT_ARGS = ("residual", "attnres_blocks", "attnres_block_size", "max_seq_le
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("convert", help="retrofit a HF LLaMA/Mistral/Qwen2/Kimi Linear into AttnRes; native <-> HF",
-                       description=(
-        "SOURCE is a Hugging Face LLaMA, Mistral, Qwen2 or Kimi Linear causal-LM directory (retrofitted into "
-        "AttnRes with zero-initialised queries, so its logits are unchanged up to RMSNorm eps; a Kimi Linear "
-        "checkpoint in the released AttnRes layout, docs/method.md §10, loads as the Block AttnRes it is), an "
-        "AttnRes Hugging Face directory, or a run/checkpoint directory of attnres train. --to kimi_linear "
-        "writes a model with the Kimi Linear backbone as a Kimi Linear checkpoint (the §10 layout for Block "
-        "AttnRes). Needs transformers (pip install 'attnres[hf]')."), epilog=examples(
-        "attnres convert ./llama ./llama-attnres --residual block --attnres-blocks 8",
-        "attnres convert ./kimi-linear ./k3-layout --to kimi_linear --set attnres_scale_norm_eps=false",
-        "attnres convert runs/block out/block-hf                  # native -> Hugging Face",
-        "attnres convert out/block-hf runs/block-native           # and back: eval / sample take it"))
+    p = sub.add_parser(
+        "convert",
+        help="retrofit a HF LLaMA/Mistral/Qwen2/Kimi Linear into AttnRes; native <-> HF",
+        description=(
+            "SOURCE is a Hugging Face LLaMA, Mistral, Qwen2 or Kimi Linear causal-LM directory (retrofitted into "
+            "AttnRes with zero-initialised queries, so its logits are unchanged up to RMSNorm eps; a Kimi Linear "
+            "checkpoint in the released AttnRes layout, docs/method.md §10, loads as the Block AttnRes it is), an "
+            "AttnRes Hugging Face directory, or a run/checkpoint directory of attnres train. --to kimi_linear "
+            "writes a model with the Kimi Linear backbone as a Kimi Linear checkpoint (the §10 layout for Block "
+            "AttnRes). Needs transformers (pip install 'attnres[hf]')."
+        ),
+        epilog=examples(
+            "attnres convert ./llama ./llama-attnres --residual block --attnres-blocks 8",
+            "attnres convert ./kimi-linear ./k3-layout --to kimi_linear --set attnres_scale_norm_eps=false",
+            "attnres convert runs/block out/block-hf                  # native -> Hugging Face",
+            "attnres convert out/block-hf runs/block-native           # and back: eval / sample take it",
+            "attnres convert runs/kimi out/kimi.gguf --to gguf        # llama.cpp (kimi-k3), docs/serving.md",
+        ),
+    )
     p.add_argument("source", help="model directory (config.json + weights) or attnres run/checkpoint directory")
     p.add_argument("out", help="output directory")
-    p.add_argument("--to", choices=("hf", "native", "kimi_linear"), default=None,
-                   help="output format (default: hf, or native for an AttnRes HF source); kimi_linear: a Kimi "
-                   "Linear checkpoint (docs/method.md §10 layout for Block AttnRes)")
-    p.add_argument("--residual", choices=("block", "full", "prenorm"), default=None,
-                   help="retrofit: residual scheme (default block)")
-    p.add_argument("--attnres-blocks", dest="attnres_blocks", type=int, default=None,
-                   help="retrofit: number of depth blocks N for --residual block")
-    p.add_argument("--attnres-block-size", dest="attnres_block_size", type=int, default=None,
-                   help="retrofit: sublayers per depth block S (instead of N)")
-    p.add_argument("--max-seq-len", dest="max_seq_len", type=int, default=None,
-                   help="retrofit: longest input (default: the source's max_position_embeddings)")
+    p.add_argument(
+        "--to",
+        choices=("hf", "native", "kimi_linear", "gguf"),
+        default=None,
+        help="output format (default: hf, or native for an AttnRes HF source); kimi_linear: a Kimi "
+        "Linear checkpoint (docs/method.md §10 layout for Block AttnRes); gguf: OUT is a .gguf file for "
+        "llama.cpp's kimi-k3 (Kimi Linear backbone; --dtype float32 default, float16, bfloat16; docs/serving.md)",
+    )
+    p.add_argument(
+        "--residual",
+        choices=("block", "full", "prenorm"),
+        default=None,
+        help="retrofit: residual scheme (default block)",
+    )
+    p.add_argument(
+        "--attnres-blocks",
+        dest="attnres_blocks",
+        type=int,
+        default=None,
+        help="retrofit: number of depth blocks N for --residual block",
+    )
+    p.add_argument(
+        "--attnres-block-size",
+        dest="attnres_block_size",
+        type=int,
+        default=None,
+        help="retrofit: sublayers per depth block S (instead of N)",
+    )
+    p.add_argument(
+        "--max-seq-len",
+        dest="max_seq_len",
+        type=int,
+        default=None,
+        help="retrofit: longest input (default: the source's max_position_embeddings)",
+    )
     add_set_option(p, "retrofit: another ModelConfig option, e.g. --set attnres_impl=fused")
-    p.add_argument("--dtype", choices=("auto", "float32", "float64", "bfloat16", "float16"), default="auto",
-                   help="weight dtype of the result (default: the source's)")
-    p.add_argument("--no-verify", action="store_true",
-                   help="retrofit: skip loading the source model to compare logits")
+    p.add_argument(
+        "--dtype",
+        choices=("auto", "float32", "float64", "bfloat16", "float16"),
+        default="auto",
+        help="weight dtype of the result (default: the source's)",
+    )
+    p.add_argument("--no-verify", action="store_true", help="retrofit: skip loading the source model to compare logits")
     p.add_argument("--force", action="store_true", help="write into a non-empty output directory")
     p.set_defaults(func=run)
 
@@ -47,9 +82,47 @@ def run(args) -> int:
     try:
         import attnres.hf as hf
     except ImportError as e:
-        raise CLIError(f"attnres convert needs transformers: pip install 'attnres[hf]' ({e})")
-    retrofit = {**parse_set(args.set),
-                **{key: getattr(args, key) for key in RETROFIT_ARGS if getattr(args, key) is not None}}
-    hf.convert_directory(args.source, args.out, to=args.to, retrofit=retrofit, dtype=args.dtype,
-                         verify=not args.no_verify, force=args.force)
+        raise CLIError(f"attnres convert needs transformers: pip install 'attnres[hf]' ({e})") from e
+    if args.to == "gguf":
+        return _to_gguf(args)
+    retrofit = {
+        **parse_set(args.set),
+        **{key: getattr(args, key) for key in RETROFIT_ARGS if getattr(args, key) is not None},
+    }
+    hf.convert_directory(
+        args.source,
+        args.out,
+        to=args.to,
+        retrofit=retrofit,
+        dtype=args.dtype,
+        verify=not args.no_verify,
+        force=args.force,
+    )
+    return 0
+
+
+def _to_gguf(args) -> int:
+    """--to gguf: attnres.serving.gguf.convert_to_gguf (no retrofit options: the source is one model)."""
+    from attnres.serving.gguf import ServingError, convert_to_gguf
+
+    given = [
+        flag
+        for flag, on in (
+            ("--residual", args.residual),
+            ("--attnres-blocks", args.attnres_blocks),
+            ("--attnres-block-size", args.attnres_block_size),
+            ("--max-seq-len", args.max_seq_len),
+            ("--set", args.set),
+        )
+        if on
+    ]
+    if given:
+        raise CLIError(
+            f"{', '.join(given)} do not apply to --to gguf: it writes the model as it is; convert or "
+            "retrofit first (attnres convert SOURCE OUT --to hf ...), then export that directory"
+        )
+    try:
+        convert_to_gguf(args.source, args.out, dtype=args.dtype, force=args.force)
+    except ServingError as e:
+        raise CLIError(str(e)) from None
     return 0

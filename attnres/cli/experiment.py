@@ -1,30 +1,46 @@
 """attnres experiment: run (or list, or plan) a named experiment spec (attnres.experiments)."""
+
 from __future__ import annotations
 
 from attnres.cli.options import examples
-from attnres.experiments import DEFAULT_RUNS_ROOT, available, format_plan, load_spec, plan_status, run_experiment
+from attnres.experiments import (
+    DEFAULT_RUNS_ROOT,
+    available,
+    format_plan,
+    load_spec,
+    plan_status,
+    run_experiment,
+)
 from attnres.experiments.runner import planned_elsewhere
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("experiment", help="run a named experiment (resumable; finished runs are skipped)",
-                       description=(
-        "Expand experiments/NAME.toml into runs, hash each run's full config, and train the missing ones "
-        "one after another into RUNS/NAME/<hash>/ (interrupted runs resume from their checkpoint). Without "
-        "NAME, list the experiments."), epilog=examples(
-        "attnres experiment                              # the experiments there are",
-        "attnres experiment ablations --dry-run          # its runs, their state and estimated CPU time",
-        "attnres experiment ablations --max-runs 4 --threads 2"))
+    p = sub.add_parser(
+        "experiment",
+        help="run a named experiment (resumable; finished runs are skipped)",
+        description=(
+            "Expand experiments/NAME.toml into runs, hash each run's full config, and train the missing ones "
+            "one after another into RUNS/NAME/<hash>/ (interrupted runs resume from their checkpoint). Without "
+            "NAME, list the experiments."
+        ),
+        epilog=examples(
+            "attnres experiment                              # the experiments there are",
+            "attnres experiment ablations --dry-run          # its runs, their state and estimated CPU time",
+            "attnres experiment ablations --max-runs 4 --threads 2",
+        ),
+    )
     p.add_argument("name", nargs="?", help="experiment name (a spec in experiments/) or a .toml path")
     p.add_argument("--dry-run", action="store_true", help="list the runs, their state and estimated CPU time")
     p.add_argument("--max-runs", dest="max_runs", type=int, default=None, help="train at most K runs")
     p.add_argument("--only", help="only runs whose name (e.g. scheme=full/seed=1) or hash matches this glob")
-    p.add_argument("--runs", default=None,
-                   help="runs directory (default experiments/runs, where the finished runs are committed)")
+    p.add_argument(
+        "--runs", default=None, help="runs directory (default experiments/runs, where the finished runs are committed)"
+    )
     p.add_argument("--specs", default=None, help="spec directory (default ./experiments)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (not part of the run hash)")
-    p.add_argument("--retry-diverged", dest="retry_diverged", action="store_true",
-                   help="train diverged runs again from scratch")
+    p.add_argument(
+        "--retry-diverged", dest="retry_diverged", action="store_true", help="train diverged runs again from scratch"
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=run)
 
@@ -39,13 +55,28 @@ def run(args) -> int:
         print(format_plan(spec, plan_status(spec, runs), args.only, planned_elsewhere(spec)))
         return 0
     # the command recorded with each run: the options that decide what runs, in a fixed order
-    flags = [("--max-runs", args.max_runs), ("--only", args.only), ("--threads", args.threads),
-             ("--runs", args.runs), ("--specs", args.specs)]
-    command = " ".join(["attnres experiment", args.name] + [f"{k} {v}" for k, v in flags if v is not None]
-                       + (["--retry-diverged"] if args.retry_diverged else []))
-    counts = run_experiment(spec, runs, max_runs=args.max_runs, only=args.only,
-                            retry_diverged=args.retry_diverged, progress=not args.no_progress,
-                            threads=args.threads, command=command)
+    flags = [
+        ("--max-runs", args.max_runs),
+        ("--only", args.only),
+        ("--threads", args.threads),
+        ("--runs", args.runs),
+        ("--specs", args.specs),
+    ]
+    command = " ".join(
+        ["attnres experiment", args.name]
+        + [f"{k} {v}" for k, v in flags if v is not None]
+        + (["--retry-diverged"] if args.retry_diverged else [])
+    )
+    counts = run_experiment(
+        spec,
+        runs,
+        max_runs=args.max_runs,
+        only=args.only,
+        retry_diverged=args.retry_diverged,
+        progress=not args.no_progress,
+        threads=args.threads,
+        command=command,
+    )
     report = " ".join(["attnres report", args.name] + [f"{k} {v}" for k, v in flags[3:] if v is not None])
     print(f"{spec.name}: " + ", ".join(f"{v} {k}" for k, v in counts.items()) + f"; report with `{report}`")
     return 0

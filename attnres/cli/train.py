@@ -1,4 +1,5 @@
 """attnres train: one training run (attnres.train.Trainer), single process or under torchrun."""
+
 from __future__ import annotations
 
 from attnres.cli.options import add_run_options, examples, run_overrides
@@ -9,34 +10,54 @@ from attnres.train.trainer import Trainer
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("train", help="train a model", description=(
-        "Train a decoder LM with a chosen residual scheme. Options come from a preset, then a TOML "
-        "--config, then --set KEY=VALUE, then the flags."), epilog=examples(
-        "attnres train --preset demo --residual block --out runs/block",
-        "attnres train --preset tiny --residual full --steps 50 --warmup-steps 5 --eval-every 10 --out runs/t",
-        "attnres train --out runs/block --resume",
-        "torchrun --nproc-per-node 2 -m attnres train --preset small --pp 2 --pp-schedule 1F1B"))
+    p = sub.add_parser(
+        "train",
+        help="train a model",
+        description=(
+            "Train a decoder LM with a chosen residual scheme. Options come from a preset, then a TOML "
+            "--config, then --set KEY=VALUE, then the flags."
+        ),
+        epilog=examples(
+            "attnres train --preset demo --residual block --out runs/block",
+            "attnres train --preset tiny --residual full --steps 50 --warmup-steps 5 --eval-every 10 --out runs/t",
+            "attnres train --out runs/block --resume",
+            "torchrun --nproc-per-node 2 -m attnres train --preset small --pp 2 --pp-schedule 1F1B",
+        ),
+    )
     add_run_options(p, preset_default="demo")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--residual", help="a residual scheme: see `attnres schemes`")
     p.add_argument("--out", help="run directory (checkpoint, metrics, tokenizer, summary)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
-    p.add_argument("--force", action="store_true",
-                   help="delete the run already in --out (checkpoint, metrics, summary) and start over")
-    p.add_argument("--log", action="append", choices=tuple(TRACKERS), default=None,
-                   help="also log to TensorBoard (pip install 'attnres[tb]'; on whenever installed) or to "
-                        "Weights & Biases (pip install wandb; WANDB_MODE=offline works without a network); "
-                        "repeatable")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="delete the run already in --out (checkpoint, metrics, summary) and start over",
+    )
+    p.add_argument(
+        "--log",
+        action="append",
+        choices=tuple(TRACKERS),
+        default=None,
+        help="also log to TensorBoard (pip install 'attnres[tb]'; on whenever installed) or to "
+        "Weights & Biases (pip install wandb; WANDB_MODE=offline works without a network); "
+        "repeatable",
+    )
     g = p.add_argument_group("parallelism (launch with torchrun --nproc-per-node K -m attnres train ...)")
     g.add_argument("--dp", type=int, help="data-parallel ranks (DDP; the global batch is split over them)")
     g.add_argument("--fsdp", action="store_true", help="with --dp: shard with FSDP2 instead of DDP")
     g.add_argument("--pp", type=int, help="pipeline-parallel ranks")
     g.add_argument("--vpp", type=int, help="virtual pipeline stages per rank (Interleaved1F1B, LoopedBFS)")
-    g.add_argument("--pp-schedule", dest="pp_schedule", choices=PIPELINE_SCHEDULES,
-                   help="pipeline schedule (default: 1F1B)")
+    g.add_argument(
+        "--pp-schedule", dest="pp_schedule", choices=PIPELINE_SCHEDULES, help="pipeline schedule (default: 1F1B)"
+    )
     g.add_argument("--microbatches", type=int, help="pipeline microbatches per batch (default pp * vpp)")
-    g.add_argument("--no-pp-cache", dest="no_pp_cache", action="store_true",
-                   help="send the whole block history at every stage transition (no cross-stage caching)")
+    g.add_argument(
+        "--no-pp-cache",
+        dest="no_pp_cache",
+        action="store_true",
+        help="send the whole block history at every stage transition (no cross-stage caching)",
+    )
     p.set_defaults(func=run)
 
 
@@ -46,8 +67,7 @@ def run(args) -> int:
         overrides["out_dir"] = args.out
     if args.no_progress:
         overrides["progress"] = False
-    trainer = Trainer(*build_configs("demo", overrides), resume=args.resume, force=args.force,
-                      trackers=args.log or ())
+    trainer = Trainer(*build_configs("demo", overrides), resume=args.resume, force=args.force, trackers=args.log or ())
     say = print if trainer.is_main else (lambda *a, **k: None)  # under torchrun, rank 0 speaks
     say(trainer.describe())
     result = trainer.run()

@@ -1,4 +1,5 @@
 """The command-line shell: the one --set parser, the shared run options, the verbs it composes."""
+
 import argparse
 import subprocess
 import sys
@@ -12,10 +13,29 @@ from attnres.cli.options import CLIError, parse_set, run_overrides, unescape
 
 
 def test_set_values_are_literals_booleans_none_or_text():
-    assert parse_set(["d_model=256", "lr=3e-3", "blocks=none", "fsdp=True", "sources=[4, 8]", "name=x=y",
-                      "data=my texts/", "tie-embeddings=false", " n_heads = 4 "]) == {
-        "d_model": 256, "lr": 3e-3, "blocks": None, "fsdp": True, "sources": [4, 8], "name": "x=y",
-        "data": "my texts/", "tie_embeddings": False, "n_heads": 4}
+    assert parse_set(
+        [
+            "d_model=256",
+            "lr=3e-3",
+            "blocks=none",
+            "fsdp=True",
+            "sources=[4, 8]",
+            "name=x=y",
+            "data=my texts/",
+            "tie-embeddings=false",
+            " n_heads = 4 ",
+        ]
+    ) == {
+        "d_model": 256,
+        "lr": 3e-3,
+        "blocks": None,
+        "fsdp": True,
+        "sources": [4, 8],
+        "name": "x=y",
+        "data": "my texts/",
+        "tie_embeddings": False,
+        "n_heads": 4,
+    }
     assert parse_set(["steps=3", "steps=5"]) == {"steps": 5}  # the last one wins
     assert parse_set(None) == {}
 
@@ -35,12 +55,42 @@ def test_every_verb_with_set_reports_the_same_error(verb, capsys):
 def test_run_options_layer_config_file_then_set_then_flags(tmp_path):
     cfg = tmp_path / "run.toml"
     cfg.write_text('preset = "tiny"\n[train]\nsteps = 3\nlr = 0.1\n[model]\nd_model = 48\n')
-    args = build_parser().parse_args(["train", "--config", str(cfg), "--set", "steps=4", "--set", "lr=0.2",
-                                      "--lr", "0.3", "--pp-schedule", "GPipe", "--no-pp-cache", "--threads", "2",
-                                      "--warmup-steps", "1", "--eval-every", "2", "--lr-schedule", "cosine"])
-    assert run_overrides(args) == {"preset": "tiny", "steps": 4, "lr": 0.3, "d_model": 48, "pp_schedule": "GPipe",
-                                   "pp_cache": False, "threads": 2, "warmup_steps": 1, "eval_every": 2,
-                                   "schedule": "cosine"}
+    args = build_parser().parse_args(
+        [
+            "train",
+            "--config",
+            str(cfg),
+            "--set",
+            "steps=4",
+            "--set",
+            "lr=0.2",
+            "--lr",
+            "0.3",
+            "--pp-schedule",
+            "GPipe",
+            "--no-pp-cache",
+            "--threads",
+            "2",
+            "--warmup-steps",
+            "1",
+            "--eval-every",
+            "2",
+            "--lr-schedule",
+            "cosine",
+        ]
+    )
+    assert run_overrides(args) == {
+        "preset": "tiny",
+        "steps": 4,
+        "lr": 0.3,
+        "d_model": 48,
+        "pp_schedule": "GPipe",
+        "pp_cache": False,
+        "threads": 2,
+        "warmup_steps": 1,
+        "eval_every": 2,
+        "schedule": "cosine",
+    }
     args = build_parser().parse_args(["demo", "--lr-schedule", "cosine", "--seed", "3"])
     assert run_overrides(args) == {"schedule": "cosine", "seed": 3}
 
@@ -52,8 +102,9 @@ def test_schedule_is_a_deprecated_alias_of_both_schedule_flags(value, field, cap
     flag = "--lr-schedule" if field == "schedule" else "--pp-schedule"
     assert f"--schedule is deprecated; use {flag} {value}" in capsys.readouterr().err
     # the new flag wins over the old one
-    assert run_overrides(build_parser().parse_args(["train", "--schedule", "wsd", "--lr-schedule", "constant"])) \
-        == {"schedule": "constant"}
+    assert run_overrides(build_parser().parse_args(["train", "--schedule", "wsd", "--lr-schedule", "constant"])) == {
+        "schedule": "constant"
+    }
 
 
 def _parsers(parser, name="attnres"):
@@ -74,8 +125,10 @@ def test_every_help_shows_defaults_and_an_example():
         for action in parser._actions:
             shown = action.default is not None and action.default is not False and action.option_strings
             if shown and action.help != argparse.SUPPRESS and action.dest != "help":
-                assert "default" in " ".join((parser._get_formatter()._expand_help(action)).split()), \
-                    (command, action.dest)
+                assert "default" in " ".join((parser._get_formatter()._expand_help(action)).split()), (
+                    command,
+                    action.dest,
+                )
     sample = " ".join(commands["attnres sample"].format_help().split())
     assert "(default: ROMEO:\\n)" in sample and "(default: 200)" in sample and "(default: 0.8)" in sample
 
@@ -102,8 +155,14 @@ def test_schemes_takes_a_preset_and_model_options(capsys):
 
 def test_python_dash_m_attnres_is_the_command():
     root = Path(__file__).resolve().parents[2]
-    done = subprocess.run([sys.executable, "-m", "attnres", "--help"], capture_output=True, text=True,
-                          cwd=root, env={"PYTHONPATH": str(root), "PATH": ""}, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "attnres", "--help"],
+        capture_output=True,
+        text=True,
+        cwd=root,
+        env={"PYTHONPATH": str(root), "PATH": ""},
+        timeout=120,
+    )
     assert done.returncode == 0 and "experiment" in done.stdout and "convert" in done.stdout
 
 

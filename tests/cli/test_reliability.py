@@ -2,6 +2,7 @@
 case of an adversarial probe (issue 19), on tiny runs through the command line (seconds each). The
 library-level cases sit beside their modules: FIFOs and corrupt token caches in tests/data, the
 memory estimate in tests/train/test_memory.py, convert's in tests/hf/test_native.py."""
+
 import dataclasses
 import json
 import os
@@ -43,8 +44,23 @@ def cli(*argv):
 
 
 def train(corpus, out, *flags, steps=4):
-    return cli("train", "--preset", "tiny", "--data", corpus, "--out", out, "--steps", steps,
-               "--set", "warmup_steps=1", "--set", "threads=1", "--no-progress", *flags)
+    return cli(
+        "train",
+        "--preset",
+        "tiny",
+        "--data",
+        corpus,
+        "--out",
+        out,
+        "--steps",
+        steps,
+        "--set",
+        "warmup_steps=1",
+        "--set",
+        "threads=1",
+        "--no-progress",
+        *flags,
+    )
 
 
 def one_line_error(err, verb="train"):
@@ -112,12 +128,17 @@ def test_training_into_an_existing_run_is_refused_unless_resumed_or_forced(corpu
 
 
 def test_a_second_trainer_on_a_run_directory_is_refused(corpus, tmp_path):
-    configs = build_configs("tiny", {"data": corpus, "out_dir": str(tmp_path / "run"), "steps": 3,
-                                     "warmup_steps": 1, "progress": False})
+    configs = build_configs(
+        "tiny", {"data": corpus, "out_dir": str(tmp_path / "run"), "steps": 3, "warmup_steps": 1, "progress": False}
+    )
     first = Trainer(*configs)
     with pytest.raises(ValueError, match=r"is in use by another trainer \(pid \d+"):
-        Trainer(*build_configs("tiny", {"data": corpus, "out_dir": str(tmp_path / "run"), "steps": 3,
-                                        "warmup_steps": 1, "progress": False}))
+        Trainer(
+            *build_configs(
+                "tiny",
+                {"data": corpus, "out_dir": str(tmp_path / "run"), "steps": 3, "warmup_steps": 1, "progress": False},
+            )
+        )
     first.run()
     assert [r["step"] for r in train_rows(tmp_path / "run")] == [1, 2, 3]
     Trainer(*configs, resume=True).close()  # released when the run ended
@@ -129,10 +150,29 @@ def test_a_second_trainer_process_is_refused(corpus, tmp_path):
     holder = Trainer(*configs)
     try:
         done = subprocess.run(
-            [sys.executable, "-m", "attnres", "train", "--preset", "tiny", "--data", corpus, "--out", str(out),
-             "--steps", "2", "--set", "warmup_steps=1", "--no-progress"],
-            capture_output=True, text=True, cwd=ROOT, timeout=300,
-            env={**os.environ, "PYTHONPATH": str(ROOT)})
+            [
+                sys.executable,
+                "-m",
+                "attnres",
+                "train",
+                "--preset",
+                "tiny",
+                "--data",
+                corpus,
+                "--out",
+                str(out),
+                "--steps",
+                "2",
+                "--set",
+                "warmup_steps=1",
+                "--no-progress",
+            ],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=300,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
     finally:
         holder.close()
     assert done.returncode == 2 and "is in use by another trainer" in done.stderr
@@ -251,10 +291,12 @@ def test_a_hostile_state_json_is_refused_before_the_model_is_allocated(corpus, t
 # ----------------------------------------------------------------------------- one clear line, never a traceback
 
 
-WRONG = {int: ["'abc'", "1.5", "None", "[1]", "True", "{}"],
-         float: ["'abc'", "None", "[1]", "True", "inf", "nan"],
-         str: ["5", "1.5", "[1]", "True", "None", "{}"],
-         bool: ["1", "'yes'", "None", "[1]", "0.5"]}
+WRONG = {
+    int: ["'abc'", "1.5", "None", "[1]", "True", "{}"],
+    float: ["'abc'", "None", "[1]", "True", "inf", "nan"],
+    str: ["5", "1.5", "[1]", "True", "None", "{}"],
+    bool: ["1", "'yes'", "None", "[1]", "0.5"],
+}
 
 
 def _wrong_values():
@@ -283,15 +325,21 @@ def test_fuzz_wrong_types_for_every_config_field_are_one_line(field, value, tmp_
     assert f".{field}=" in one_line_error(capsys.readouterr().err)
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["train", "--preset", "tiny", "--set", "d_model=abc"], "ModelConfig.d_model='abc' is invalid: must be a positive integer"),
-    (["schemes", "--set", "d_model=abc"], "ModelConfig.d_model='abc'"),
-    (["schemes", "--preset", "bogus"], "unknown preset 'bogus'"),
-    (["train", "--preset", "tiny", "--set", "threads=-3"], "TrainConfig.threads=-3"),
-    (["train", "--preset", "tiny", "--lr", "inf"], "TrainConfig.lr=inf is invalid: must be a finite number"),
-    (["train", "--preset", "tiny", "--lr", "0"], "TrainConfig.lr=0.0 is invalid: must be a positive"),
-    (["train", "--preset", "tiny", "--out", "/sys/attnres-probe"], "cannot be written"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (
+            ["train", "--preset", "tiny", "--set", "d_model=abc"],
+            "ModelConfig.d_model='abc' is invalid: must be a positive integer",
+        ),
+        (["schemes", "--set", "d_model=abc"], "ModelConfig.d_model='abc'"),
+        (["schemes", "--preset", "bogus"], "unknown preset 'bogus'"),
+        (["train", "--preset", "tiny", "--set", "threads=-3"], "TrainConfig.threads=-3"),
+        (["train", "--preset", "tiny", "--lr", "inf"], "TrainConfig.lr=inf is invalid: must be a finite number"),
+        (["train", "--preset", "tiny", "--lr", "0"], "TrainConfig.lr=0.0 is invalid: must be a positive"),
+        (["train", "--preset", "tiny", "--out", "/sys/attnres-probe"], "cannot be written"),
+    ],
+)
 def test_bad_values_are_one_line(argv, message, tmp_path, capsys):
     if argv[0] == "train" and "--out" not in argv:
         argv = argv + ["--out", str(tmp_path / "x")]
@@ -327,15 +375,18 @@ def test_eval_with_no_batches_is_one_line(trained, capsys, batches):
     assert f"max_batches={batches} is invalid" in one_line_error(capsys.readouterr().err, "eval")
 
 
-@pytest.mark.parametrize("flags,message", [
-    (["--temperature", "nan"], "temperature=nan"),
-    (["--temperature", "-1"], "temperature=-1.0"),
-    (["--top-p", "0"], "top_p=0.0"),
-    (["--top-p", "2"], "top_p=2.0"),
-    (["--top-p", "-0.5"], "top_p=-0.5"),
-    (["--top-k", "-5"], "top_k=-5"),
-    (["--max-new-tokens", "-5"], "max_new_tokens=-5"),
-])
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--temperature", "nan"], "temperature=nan"),
+        (["--temperature", "-1"], "temperature=-1.0"),
+        (["--top-p", "0"], "top_p=0.0"),
+        (["--top-p", "2"], "top_p=2.0"),
+        (["--top-p", "-0.5"], "top_p=-0.5"),
+        (["--top-k", "-5"], "top_k=-5"),
+        (["--max-new-tokens", "-5"], "max_new_tokens=-5"),
+    ],
+)
 def test_bad_sampling_options_are_refused_before_the_prompt_is_echoed(trained, capsys, flags, message):
     assert cli("sample", trained, "--prompt", "the", *flags) == 2
     captured = capsys.readouterr()
@@ -359,7 +410,12 @@ def test_ctrl_c_while_the_libraries_load_is_one_line(monkeypatch, capsys):
     assert main(["schemes"]) == 130
     assert capsys.readouterr().err.strip() == "interrupted"
     # and importing the command loads no PyTorch, so the console script reaches main() at once
-    done = subprocess.run([sys.executable, "-c", "import sys, attnres.cli; print('torch' in sys.modules)"],
-                          capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                          timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", "import sys, attnres.cli; print('torch' in sys.modules)"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=120,
+    )
     assert done.stdout.strip() == "False", done.stderr
