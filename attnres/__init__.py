@@ -6,20 +6,43 @@
 The names below are imported on first use, not with the package: the ``attnres`` command then
 starts without PyTorch, and a Ctrl-C while PyTorch loads is its own, not an import traceback.
 """
+
 import importlib
 
 __version__ = "0.1.0"
-_HOMES = {"AttnResLM": "attnres.model", "LMOutput": "attnres.model", "ModelConfig": "attnres.model",
-          "depth_attention": "attnres.ops", "merge_stats": "attnres.ops", "RESIDUALS": "attnres.residual",
-          # your own model (docs/own_model.md)
-          "BlockAttnRes": "attnres.residual", "FullAttnRes": "attnres.residual",
-          "residual_scheme": "attnres.residual", "DepthState": "attnres.residual",
-          "ResidualScheme": "attnres.residual",
-          "param_groups": "attnres.residual.param_groups", "match_prenorm_eps": "attnres.residual.norms",
-          "multi_query_depth_attention": "attnres.ops"}
-__all__ = ["AttnResLM", "BlockAttnRes", "DepthState", "FullAttnRes", "LMOutput", "ModelConfig", "RESIDUALS",
-           "ResidualScheme", "depth_attention", "match_prenorm_eps", "merge_stats", "multi_query_depth_attention",
-           "param_groups", "residual_scheme"]
+_HOMES = {
+    "AttnResLM": "attnres.model",
+    "LMOutput": "attnres.model",
+    "ModelConfig": "attnres.model",
+    "depth_attention": "attnres.ops",
+    "merge_stats": "attnres.ops",
+    "RESIDUALS": "attnres.residual",
+    # your own model (docs/own_model.md)
+    "BlockAttnRes": "attnres.residual",
+    "FullAttnRes": "attnres.residual",
+    "residual_scheme": "attnres.residual",
+    "DepthState": "attnres.residual",
+    "ResidualScheme": "attnres.residual",
+    "param_groups": "attnres.residual.param_groups",
+    "match_prenorm_eps": "attnres.residual.norms",
+    "multi_query_depth_attention": "attnres.ops",
+}
+__all__ = [
+    "AttnResLM",
+    "BlockAttnRes",
+    "DepthState",
+    "FullAttnRes",
+    "LMOutput",
+    "ModelConfig",
+    "RESIDUALS",
+    "ResidualScheme",
+    "depth_attention",
+    "match_prenorm_eps",
+    "merge_stats",
+    "multi_query_depth_attention",
+    "param_groups",
+    "residual_scheme",
+]
 
 
 def __getattr__(name):

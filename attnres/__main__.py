@@ -1,4 +1,5 @@
 """`python -m attnres ...` (also under torchrun) is the same as the `attnres` command."""
+
 import sys
 
 from attnres.cli import main

@@ -13,6 +13,7 @@ A run directory (what ``attnres train`` writes to ``--out``)::
     summary.json     written last, when training finished      SUMMARY_FILE
     .lock            held (flock) by the one process writing it LOCK_FILE
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -21,8 +22,9 @@ import json
 import os
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, BinaryIO, Iterator, Optional
+from typing import Any, BinaryIO
 
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
@@ -77,7 +79,7 @@ def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, allow_nan=True) + "\n")
 
 
-def read_json(path: str | os.PathLike) -> Optional[Any]:
+def read_json(path: str | os.PathLike) -> Any | None:
     """The JSON value in ``path``, or None when the file is missing or not valid JSON."""
     try:
         return json.loads(Path(path).read_text())
@@ -106,13 +108,13 @@ class ExclusiveLock:
         self.path = Path(path)
         self._file = None
 
-    def acquire(self, holder: Optional[str] = None) -> Optional[str]:
+    def acquire(self, holder: str | None = None) -> str | None:
         try:
             import fcntl
         except ImportError:
             return None
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        f = open(self.path, "a+")
+        f = open(self.path, "a+")  # noqa: SIM115 -- the open file is the lock: held until release()
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -146,7 +148,7 @@ class ExclusiveLock:
 
 
 @contextlib.contextmanager
-def exclusive_lock(path: str | os.PathLike, holder: Optional[str] = None) -> Iterator[Optional[str]]:
+def exclusive_lock(path: str | os.PathLike, holder: str | None = None) -> Iterator[str | None]:
     """:class:`ExclusiveLock` as a context: yields None while this process holds the lock, else who does."""
     lock = ExclusiveLock(path)
     who = lock.acquire(holder)

@@ -1,4 +1,5 @@
 """The Kimi Linear tests need transformers' Kimi Linear modules (pip install attnres[hf]); offline."""
+
 try:
     from transformers import KimiLinearConfig  # noqa: F401
     from transformers.utils import logging as hf_logging
@@ -8,8 +9,8 @@ else:
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -1,5 +1,6 @@
 """The kimi_linear backbone: every residual scheme runs on it, presets, parameter counts, config errors,
 and Muon on stacked expert matrices."""
+
 import pytest
 import torch
 
@@ -9,14 +10,17 @@ from attnres.residual import RESIDUALS
 from attnres.train.config import build_configs, preset_model
 from attnres.train.optim import StackedMuon
 
-TINY = dict(backbone="kimi_linear", vocab_size=40, d_model=16, n_layers=4, n_heads=2, max_seq_len=16,
-            moe_experts=4)
+TINY = dict(backbone="kimi_linear", vocab_size=40, d_model=16, n_layers=4, n_heads=2, max_seq_len=16, moe_experts=4)
 # the Table-4 variants of AttnRes (docs/method.md §5) beside every registered scheme
 VARIANTS = [dict(residual=name) for name in RESIDUALS] + [
-    dict(residual="full", attnres_weights="input_query"), dict(residual="full", attnres_weights="scalar"),
-    dict(residual="full", attnres_kernel="sigmoid"), dict(residual="full", attnres_key_norm=False),
-    dict(residual="full", attnres_heads=2), dict(residual="full", attnres_window=2),
-    dict(residual="block", attnres_block_size=3)]
+    dict(residual="full", attnres_weights="input_query"),
+    dict(residual="full", attnres_weights="scalar"),
+    dict(residual="full", attnres_kernel="sigmoid"),
+    dict(residual="full", attnres_key_norm=False),
+    dict(residual="full", attnres_heads=2),
+    dict(residual="full", attnres_window=2),
+    dict(residual="block", attnres_block_size=3),
+]
 
 
 @pytest.mark.parametrize("options", VARIANTS, ids=lambda o: ",".join(f"{v}" for v in o.values()))
@@ -34,14 +38,23 @@ def test_every_scheme_trains_on_kimi_linear(options):
     if options["residual"] == "rezero":
         return  # zero gates at init: the sublayers do not reach the loss yet
     # the KDA, MLA and expert weights all learn (an expert may get no token in 16: take the stack)
-    for part in ("blocks.0.attn.q_proj", "blocks.1.attn.kv_b_proj", "blocks.1.mlp.experts.gate_up_proj",
-                 "blocks.1.mlp.shared_experts.down_proj", "blocks.0.mlp.down_proj"):
+    for part in (
+        "blocks.0.attn.q_proj",
+        "blocks.1.attn.kv_b_proj",
+        "blocks.1.mlp.experts.gate_up_proj",
+        "blocks.1.mlp.shared_experts.down_proj",
+        "blocks.0.mlp.down_proj",
+    ):
         assert any(n.startswith(part) and g.abs().sum() > 0 for n, g in grads.items()), part
 
 
 def test_kimi_parameter_count_matches_the_modules():
-    for options in (dict(), dict(moe_experts=0), dict(kimi_layer_pattern="KM", mla_q_rank=8, moe_shared_experts=2),
-                    dict(tie_embeddings=True, moe_dense_layers=0)):
+    for options in (
+        dict(),
+        dict(moe_experts=0),
+        dict(kimi_layer_pattern="KM", mla_q_rank=8, moe_shared_experts=2),
+        dict(tie_embeddings=True, moe_dense_layers=0),
+    ):
         config = ModelConfig(**{**TINY, **options})
         model = AttnResLM(scheme_config(config, "prenorm"))
         assert base_params(config) == sum(p.numel() for p in model.parameters()), options
@@ -59,16 +72,19 @@ def test_kimi_presets(preset):
         assert kinds == ["K", "K", "K", "M"] and [b.is_moe for b in model.blocks] == [False, True, True, True]
 
 
-@pytest.mark.parametrize("options, match", [
-    (dict(backbone="llama", kda_heads=2), r"kda_heads=2 .*backbone='kimi_linear' only"),
-    (dict(kimi_layer_pattern="KXM"), r"kimi_layer_pattern='KXM'.*'K' \(KDA\) and 'M' \(MLA\)"),
-    (dict(n_kv_heads=1), r"n_kv_heads=1.*must equal n_heads=2"),
-    (dict(rope_theta=5e5), r"rope_theta=500000.0.*backbone='llama' only"),
-    (dict(moe_experts=0, moe_top_k=3), r"moe_top_k=3.*mixture of experts only"),
-    (dict(moe_experts=1), r"moe_experts=1.*at least 2"),
-    (dict(moe_top_k=5), r"moe_top_k=5.*at most moe_experts=4"),
-    (dict(backbone="mamba"), r"backbone='mamba'.*choose one of \['kimi_linear', 'llama'\]"),
-])
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        (dict(backbone="llama", kda_heads=2), r"kda_heads=2 .*backbone='kimi_linear' only"),
+        (dict(kimi_layer_pattern="KXM"), r"kimi_layer_pattern='KXM'.*'K' \(KDA\) and 'M' \(MLA\)"),
+        (dict(n_kv_heads=1), r"n_kv_heads=1.*must equal n_heads=2"),
+        (dict(rope_theta=5e5), r"rope_theta=500000.0.*backbone='llama' only"),
+        (dict(moe_experts=0, moe_top_k=3), r"moe_top_k=3.*mixture of experts only"),
+        (dict(moe_experts=1), r"moe_experts=1.*at least 2"),
+        (dict(moe_top_k=5), r"moe_top_k=5.*at most moe_experts=4"),
+        (dict(backbone="mamba"), r"backbone='mamba'.*choose one of \['kimi_linear', 'llama'\]"),
+    ],
+)
 def test_bad_kimi_options_are_one_line_errors(options, match):
     with pytest.raises(ValueError, match=match) as e:
         ModelConfig(**{**TINY, **options})
@@ -84,10 +100,12 @@ def test_stacked_muon_equals_torch_muon_on_each_matrix():
     kw = dict(lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
     ours, theirs = StackedMuon([stack, matrix], **kw), torch.optim.Muon(separate, **kw)
     for _ in range(3):
-        grads = [torch.randn(stack.shape, generator=g, dtype=torch.float64),
-                 torch.randn(matrix.shape, generator=g, dtype=torch.float64)]
+        grads = [
+            torch.randn(stack.shape, generator=g, dtype=torch.float64),
+            torch.randn(matrix.shape, generator=g, dtype=torch.float64),
+        ]
         stack.grad, matrix.grad = grads
-        for p, grad in zip(separate, list(grads[0]) + [grads[1]]):
+        for p, grad in zip(separate, [*grads[0], grads[1]], strict=True):
             p.grad = grad.clone()
         ours.step()
         theirs.step()

@@ -1,6 +1,7 @@
 """Kimi Linear checkpoints: exactness against transformers (attnres bench kimi), the released AttnRes
 layout of docs/method.md §10 against an independent transcription of its schedule, the round trip,
 rejected parts, and attnres convert."""
+
 import json
 
 import pytest
@@ -39,15 +40,38 @@ def released_checkpoint(path, pattern, seed=0, prefix=""):
     weights written straight into the files."""
     from transformers import KimiLinearConfig, KimiLinearForCausalLM
 
-    layer_types = ["linear_attention" if pattern[i % len(pattern)] == "K" else "full_attention"
-                   for i in range(N_LAYERS)]
+    layer_types = [
+        "linear_attention" if pattern[i % len(pattern)] == "K" else "full_attention" for i in range(N_LAYERS)
+    ]
     config = KimiLinearConfig(
-        vocab_size=48, hidden_size=16, intermediate_size=32, num_hidden_layers=N_LAYERS, num_attention_heads=2,
-        num_key_value_heads=2, layer_types=layer_types, mlp_layer_types=["dense"] + ["sparse"] * (N_LAYERS - 1),
-        linear_num_heads=2, linear_head_dim=8, kv_lora_rank=8, q_lora_rank=None, qk_nope_head_dim=8,
-        qk_rope_head_dim=4, v_head_dim=8, num_local_experts=4, num_experts_per_tok=2, n_shared_experts=1,
-        moe_intermediate_size=8, n_group=1, topk_group=1, max_position_embeddings=32, rms_norm_eps=1e-5,
-        tie_word_embeddings=False, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+        vocab_size=48,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=N_LAYERS,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        layer_types=layer_types,
+        mlp_layer_types=["dense"] + ["sparse"] * (N_LAYERS - 1),
+        linear_num_heads=2,
+        linear_head_dim=8,
+        kv_lora_rank=8,
+        q_lora_rank=None,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=4,
+        v_head_dim=8,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        moe_intermediate_size=8,
+        n_group=1,
+        topk_group=1,
+        max_position_embeddings=32,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        pad_token_id=None,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
     config._experts_implementation = "eager"  # transformers' grouped_mm has no float64
     torch.manual_seed(seed)
     model = KimiLinearForCausalLM(config).double()
@@ -58,8 +82,9 @@ def released_checkpoint(path, pattern, seed=0, prefix=""):
     model.save_pretrained(str(path))
     tensors = load_file(str(path / "model.safetensors"))
     d = config.hidden_size
-    for name in [f"model.layers.{i}.{site}" for i in range(N_LAYERS) for site in ("self_attention_res", "mlp_res")] \
-            + ["model.output_attn_res"]:
+    for name in [f"model.layers.{i}.{site}" for i in range(N_LAYERS) for site in ("self_attention_res", "mlp_res")] + [
+        "model.output_attn_res"
+    ]:
         tensors[f"{name}_proj.weight"] = torch.randn(1, d, generator=g, dtype=torch.float64)
         tensors[f"{name}_norm.weight"] = 1 + 0.3 * torch.randn(d, generator=g, dtype=torch.float64)
     tensors = {prefix + k: v.contiguous() for k, v in tensors.items()}
@@ -87,8 +112,11 @@ def transcription(model, tensors, ids):
         if i % B == 0:
             sealed, r = sealed + [r], None
         h = layer.input_layernorm(x)
-        out = layer.self_attn(h, attention_mask=None) if layer.block_type == "linear_attention" else \
-            layer.self_attn(h, attention_mask=None)[0]
+        out = (
+            layer.self_attn(h, attention_mask=None)
+            if layer.block_type == "linear_attention"
+            else layer.self_attn(h, attention_mask=None)[0]
+        )
         r = out if r is None else r + out
         r = r + layer.mlp(layer.post_attention_layernorm(read(sealed + [r], f"model.layers.{i}.mlp_res")))
     return model.lm_head(model.model.norm(read(sealed + [r], "model.output_attn_res")))
@@ -125,22 +153,32 @@ def test_layout_round_trip_is_bit_exact_with_prefix(tmp_path):
         assert written[name].dtype == t.dtype and torch.equal(written[name], t), name
     assert json.loads((tmp_path / "out" / "config.json").read_text())["attn_res_block_size"] == B
     again = convert_kimi_linear(tmp_path / "out")
-    for (n, a), (m, b) in zip(ours.state_dict().items(), again.state_dict().items()):
+    for (n, a), (m, b) in zip(ours.state_dict().items(), again.state_dict().items(), strict=True):
         assert n == m and torch.equal(a, b), n
 
 
-@pytest.mark.parametrize("edit, match", [
-    (lambda c, t: c.update(hidden_act="gelu"), r"activation 'gelu' \(hidden_act='gelu'\)"),
-    (lambda c, t: c.update(quantization_config={"quant_method": "fp8"}), r"quantised weights \('fp8'\)"),
-    (lambda c, t: c.update(moe_router_activation_func="softmax"), r"router activation 'softmax'"),
-    (lambda c, t: c.update(num_expert_group=2), r"grouped expert routing \(num_expert_group=2\)"),
-    (lambda c, t: t.update({"vision_tower.patch_embed.weight": torch.zeros(2, 2)}),
-     r"no place for .*\['vision_tower.patch_embed.weight'\]"),
-    (lambda c, t: t.update({"model.layers.1.mlp.experts.down_proj": torch.zeros(4, 16, 8, dtype=torch.int8)}),
-     r"model.layers.1.mlp.experts.down_proj is a torch.int8 tensor \(quantised weights\)"),
-    (lambda c, t: t.pop("model.output_attn_res_norm.weight"), r"lacks depth-attention weights: "
-                                                                r"\['model.output_attn_res_norm.weight'\]"),
-])
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (lambda c, t: c.update(hidden_act="gelu"), r"activation 'gelu' \(hidden_act='gelu'\)"),
+        (lambda c, t: c.update(quantization_config={"quant_method": "fp8"}), r"quantised weights \('fp8'\)"),
+        (lambda c, t: c.update(moe_router_activation_func="softmax"), r"router activation 'softmax'"),
+        (lambda c, t: c.update(num_expert_group=2), r"grouped expert routing \(num_expert_group=2\)"),
+        (
+            lambda c, t: t.update({"vision_tower.patch_embed.weight": torch.zeros(2, 2)}),
+            r"no place for .*\['vision_tower.patch_embed.weight'\]",
+        ),
+        (
+            lambda c, t: t.update({"model.layers.1.mlp.experts.down_proj": torch.zeros(4, 16, 8, dtype=torch.int8)}),
+            r"model.layers.1.mlp.experts.down_proj is a torch.int8 tensor \(quantised weights\)",
+        ),
+        (
+            lambda c, t: t.pop("model.output_attn_res_norm.weight"),
+            r"lacks depth-attention weights: "
+            r"\['model.output_attn_res_norm.weight'\]",
+        ),
+    ],
+)
 def test_unimplemented_parts_are_rejected_by_name(tmp_path, edit, match):
     released_checkpoint(tmp_path, "KM")
     config = json.loads((tmp_path / "config.json").read_text())

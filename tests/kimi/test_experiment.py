@@ -1,5 +1,6 @@
 """experiments/kimi-linear.toml: its budget, and `attnres experiment` / `attnres report` on a one-step
 smoke version of it (kimi-tiny sizes, one seed, a small synthetic corpus)."""
+
 import re
 from pathlib import Path
 
@@ -32,13 +33,20 @@ def test_smoke_experiment_and_report(tmp_path, monkeypatch):
     (tmp_path / "corpus").mkdir()
     corpus = write_pseudo_english(tmp_path / "corpus", works=6, words_per_work=400)
     text = SPEC.read_text()
-    smoke = {"preset": '"kimi-tiny"', "steps": "1", "warmup_steps": "0", "eval_every": "1", "eval_batches": "1",
-             "checkpoint_every": "1"}
+    smoke = {
+        "preset": '"kimi-tiny"',
+        "steps": "1",
+        "warmup_steps": "0",
+        "eval_every": "1",
+        "eval_batches": "1",
+        "checkpoint_every": "1",
+    }
     for key, value in smoke.items():
         text, n = re.subn(rf"(?m)^{key} = .*$", f"{key} = {value}", text)
         assert n == 1, key
     text = text.replace("\nseeds = [0, 1, 2]", "\nseeds = [0]").replace(
-        "\nthreads = 1\n", f'\nthreads = 1\ndata = "{corpus}"\nseq_len = 16\nbatch_size = 2\n')
+        "\nthreads = 1\n", f'\nthreads = 1\ndata = "{corpus}"\nseq_len = 16\nbatch_size = 2\n'
+    )
     (tmp_path / "specs").mkdir()
     (tmp_path / "specs" / "kimi-linear.toml").write_text(text)
     args = ["--specs", str(tmp_path / "specs"), "--runs", str(tmp_path / "runs")]
@@ -47,7 +55,10 @@ def test_smoke_experiment_and_report(tmp_path, monkeypatch):
     report = (tmp_path / "report" / "REPORT.md").read_text()
     assert "## Kimi Linear (KDA + MLA, MoE)" in report and "## LLaMA (GQA + RoPE, SwiGLU)" in report
     assert "## Does the backbone change the verdict?" in report
-    assert "depth_weights_kimi_linear_block.png" in report and (tmp_path / "report" / "depth_weights_kimi_linear_full.png").is_file()
+    assert (
+        "depth_weights_kimi_linear_block.png" in report
+        and (tmp_path / "report" / "depth_weights_kimi_linear_full.png").is_file()
+    )
     kimi_rows = report.split("## Kimi Linear")[1].split("## LLaMA")[0]
     assert re.search(r"\| prenorm \| [\d,]+ \| 1 \| ", kimi_rows)  # a finished run with its parameters
     assert re.search(r"\| block \|.*\| \d\.\d{3} \|", kimi_rows)  # the MoE balance column is filled

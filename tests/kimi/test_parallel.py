@@ -2,12 +2,13 @@
 backbone: each equals the one-process run with Muon, MoE balancing included (expert counts summed over
 replicas; every pipeline rank balances its own layers and rank 0 logs them all; FSDP2 shards the expert
 stacks by expert, and Muon updates each rank's whole matrices)."""
+
 import json
 
 import pytest
-
 from corpora import write_pseudo_english
 from distributed_workers import spawn, trainer_run
+
 from attnres.train.config import build_configs
 from attnres.train.trainer import Trainer
 
@@ -20,8 +21,20 @@ def corpus(tmp_path_factory):
 
 
 def overrides(corpus, out, **extra):
-    return dict(data=corpus, out_dir=str(out), steps=3, warmup_steps=1, eval_every=3, eval_batches=1,
-                checkpoint_every=3, seq_len=16, progress=False, threads=1, cache_dir=str(out) + "-cache", **extra)
+    return dict(
+        data=corpus,
+        out_dir=str(out),
+        steps=3,
+        warmup_steps=1,
+        eval_every=3,
+        eval_batches=1,
+        checkpoint_every=3,
+        seq_len=16,
+        progress=False,
+        threads=1,
+        cache_dir=str(out) + "-cache",
+        **extra,
+    )
 
 
 def train_rows(run_dir):
@@ -48,7 +61,7 @@ def test_parallel_kimi_linear_equals_one_process(corpus, one_process, tmp_path, 
     # one choice of 128 in one layer); anything more means the counts were not summed alike
     model_cfg, train_cfg = build_configs(None, {**MODEL, **overrides(corpus, tmp_path / "cfg")})
     one_choice = 1 / (train_cfg.batch_size * train_cfg.seq_len * model_cfg.moe_top_k)
-    for a, b in zip(one, two):  # the same expert loads, from every layer (both pipeline stages)
+    for a, b in zip(one, two, strict=True):  # the same expert loads, from every layer (both pipeline stages)
         loads = sorted(k for k in a if k.startswith("moe_"))
         assert loads == sorted(k for k in b if k.startswith("moe_")) and len(loads) == 6
         for k in loads:

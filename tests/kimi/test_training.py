@@ -1,5 +1,6 @@
 """Kimi Linear end to end: training (Muon, MoE balancing, checkpoints, resume), decoding through the
 hybrid cache and Hugging Face generate(), and attnres convert on Kimi Linear directories."""
+
 import json
 import os
 import signal
@@ -14,8 +15,17 @@ from attnres.model import AttnResLM, ModelConfig
 from attnres.train.config import build_configs
 from attnres.train.trainer import Trainer, TrainingInterrupted
 
-STEPS = dict(steps=4, warmup_steps=1, eval_every=4, eval_batches=1, checkpoint_every=2, batch_size=2, seq_len=16,
-             progress=False, threads=1)
+STEPS = dict(
+    steps=4,
+    warmup_steps=1,
+    eval_every=4,
+    eval_batches=1,
+    checkpoint_every=2,
+    batch_size=2,
+    seq_len=16,
+    progress=False,
+    threads=1,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -32,8 +42,22 @@ def test_train_kimi_tiny_with_muon_logs_expert_load_and_resumes_bit_identically(
     """The bundled corpus, Block AttnRes, Muon (experts orthogonalised per matrix), router-bias
     balancing; an interrupted and resumed run reproduces the uninterrupted one bit for bit."""
     full = tmp_path / "full"
-    assert main(["train", "--preset", "kimi-tiny", "--residual", "block", "--out", str(full), "--no-progress",
-                 *[f"--set={k}={v}" for k, v in STEPS.items() if k != "progress"]]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--preset",
+                "kimi-tiny",
+                "--residual",
+                "block",
+                "--out",
+                str(full),
+                "--no-progress",
+                *[f"--set={k}={v}" for k, v in STEPS.items() if k != "progress"],
+            ]
+        )
+        == 0
+    )
     train = rows(full)
     assert len(train) == 4 and all(torch.isfinite(torch.tensor(r["loss"])) for r in train)
     for layer in (1, 2, 3):  # the dense first layer has no experts
@@ -63,9 +87,20 @@ def test_train_kimi_tiny_with_muon_logs_expert_load_and_resumes_bit_identically(
 
 def test_router_balancing_moves_the_bias_toward_the_mean_load():
     torch.manual_seed(0)
-    model = AttnResLM(ModelConfig(backbone="kimi_linear", vocab_size=40, d_model=16, n_layers=2, n_heads=2,
-                                  max_seq_len=16, kimi_layer_pattern="M", moe_experts=4, moe_dense_layers=1,
-                                  moe_bias_update_rate=0.01))
+    model = AttnResLM(
+        ModelConfig(
+            backbone="kimi_linear",
+            vocab_size=40,
+            d_model=16,
+            n_layers=2,
+            n_heads=2,
+            max_seq_len=16,
+            kimi_layer_pattern="M",
+            moe_experts=4,
+            moe_dense_layers=1,
+            moe_bias_update_rate=0.01,
+        )
+    )
     model.train()
     model(torch.randint(0, 40, (4, 16))).sum().backward()
     load = model.blocks[1].expert_load.clone()
@@ -89,8 +124,22 @@ def test_cached_generation_equals_uncached_and_hf_generate(residual):
     from attnres.hf import AttnResForCausalLM
 
     torch.manual_seed(1)
-    model = AttnResLM(ModelConfig(backbone="kimi_linear", vocab_size=40, d_model=16, n_layers=4, n_heads=2,
-                                  max_seq_len=12, moe_experts=4, residual=residual)).double().eval()
+    model = (
+        AttnResLM(
+            ModelConfig(
+                backbone="kimi_linear",
+                vocab_size=40,
+                d_model=16,
+                n_layers=4,
+                n_heads=2,
+                max_seq_len=12,
+                moe_experts=4,
+                residual=residual,
+            )
+        )
+        .double()
+        .eval()
+    )
     prompt = torch.randint(0, 40, (1, 5))
     cached = list(generate(model, prompt, 10, temperature=0))
     assert cached == list(generate(model, prompt, 10, temperature=0, use_cache=False))
@@ -115,10 +164,37 @@ def test_convert_kimi_linear_directories(tmp_path):
     assert type(ours).__name__ == "AttnResForCausalLM" and ours.config.residual == "full"
     assert (ours(ids).logits - expected).abs().max() < 1e-5
     # the released layout has no eps compensation (docs/method.md §10): asked for, and without it refused
-    assert main(["convert", str(tmp_path / "kimi"), str(tmp_path / "k3"), "--to", "kimi_linear",
-                 "--attnres-block-size", "2"]) == 2
-    assert main(["convert", str(tmp_path / "kimi"), str(tmp_path / "k3"), "--to", "kimi_linear",
-                 "--attnres-block-size", "2", "--set", "attnres_scale_norm_eps=false", "--force"]) == 0
+    assert (
+        main(
+            [
+                "convert",
+                str(tmp_path / "kimi"),
+                str(tmp_path / "k3"),
+                "--to",
+                "kimi_linear",
+                "--attnres-block-size",
+                "2",
+            ]
+        )
+        == 2
+    )
+    assert (
+        main(
+            [
+                "convert",
+                str(tmp_path / "kimi"),
+                str(tmp_path / "k3"),
+                "--to",
+                "kimi_linear",
+                "--attnres-block-size",
+                "2",
+                "--set",
+                "attnres_scale_norm_eps=false",
+                "--force",
+            ]
+        )
+        == 0
+    )
     assert json.loads((tmp_path / "k3" / "config.json").read_text())["attn_res_block_size"] == 1
     released = AutoModelForCausalLM.from_pretrained(str(tmp_path / "k3"))
     assert type(released).__name__ == "AttnResForCausalLM"
@@ -127,8 +203,21 @@ def test_convert_kimi_linear_directories(tmp_path):
     assert (released(ids).logits - expected).abs().max() < 1e-2
     assert main(["convert", str(tmp_path / "hf"), str(tmp_path / "plain"), "--to", "kimi_linear"]) == 2  # Full
     # prenorm written back is a plain checkpoint transformers loads as its own
-    assert main(["convert", str(tmp_path / "kimi"), str(tmp_path / "pre"), "--to", "kimi_linear",
-                 "--residual", "prenorm", "--no-verify"]) == 0
+    assert (
+        main(
+            [
+                "convert",
+                str(tmp_path / "kimi"),
+                str(tmp_path / "pre"),
+                "--to",
+                "kimi_linear",
+                "--residual",
+                "prenorm",
+                "--no-verify",
+            ]
+        )
+        == 0
+    )
     plain = KimiLinearForCausalLM.from_pretrained(str(tmp_path / "pre"))
     plain.config._experts_implementation = "eager"  # the source's expert loop (grouped_mm sums in another order)
     assert torch.equal(plain(ids).logits, expected)
@@ -143,8 +232,22 @@ def test_beam_search_reorders_the_hybrid_cache():
     from attnres.inference.hybrid_cache import HybridCache
 
     torch.manual_seed(2)
-    model = AttnResLM(ModelConfig(backbone="kimi_linear", vocab_size=40, d_model=16, n_layers=4, n_heads=2,
-                                  max_seq_len=16, moe_experts=4, residual="block")).double().eval()
+    model = (
+        AttnResLM(
+            ModelConfig(
+                backbone="kimi_linear",
+                vocab_size=40,
+                d_model=16,
+                n_layers=4,
+                n_heads=2,
+                max_seq_len=16,
+                moe_experts=4,
+                residual="block",
+            )
+        )
+        .double()
+        .eval()
+    )
     prompts = torch.randint(0, 40, (2, 5))
     with torch.no_grad():
         cache = HybridCache.for_model(model, 2)
@@ -156,8 +259,17 @@ def test_beam_search_reorders_the_hybrid_cache():
     torch.testing.assert_close(logits, alone.expand(2, -1), rtol=0, atol=1e-6)  # KDA runs in float32
 
     hf = AttnResForCausalLM.from_attnres_lm(model).eval()
-    out = hf.generate(prompts[:1], max_new_tokens=6, do_sample=False, num_beams=3, num_return_sequences=3,
-                      length_penalty=0.0, early_stopping=True, output_scores=True, return_dict_in_generate=True)
+    out = hf.generate(
+        prompts[:1],
+        max_new_tokens=6,
+        do_sample=False,
+        num_beams=3,
+        num_return_sequences=3,
+        length_penalty=0.0,
+        early_stopping=True,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
     with torch.no_grad():
         logp = torch.log_softmax(model(out.sequences)[:, 4:-1], dim=-1)
     total = logp.gather(-1, out.sequences[:, 5:, None]).squeeze(-1).sum(-1)
@@ -170,9 +282,14 @@ def test_compiled_decoding_is_refused_by_name():
     from attnres.hf import AttnResForCausalLM
     from attnres.inference import CompiledDecoder
 
-    model = AttnResLM(ModelConfig(backbone="kimi_linear", vocab_size=40, d_model=16, n_layers=2, n_heads=2,
-                                  max_seq_len=12, moe_experts=0)).eval()
-    for refuse in (lambda: CompiledDecoder(model, 1, setting="aot_eager"),
-                   lambda: AttnResForCausalLM.from_attnres_lm(model).compile_decoding("aot_eager")):
+    model = AttnResLM(
+        ModelConfig(
+            backbone="kimi_linear", vocab_size=40, d_model=16, n_layers=2, n_heads=2, max_seq_len=12, moe_experts=0
+        )
+    ).eval()
+    for refuse in (
+        lambda: CompiledDecoder(model, 1, setting="aot_eager"),
+        lambda: AttnResForCausalLM.from_attnres_lm(model).compile_decoding("aot_eager"),
+    ):
         with pytest.raises(ValueError, match=r"backbone='kimi_linear' keeps recurrent state .*\(compile off\)"):
             refuse()
