@@ -8,7 +8,7 @@ TORCH ?= torch==2.13.0
 # test extras: triton lets the kernel tests run in Triton's CPU interpreter (about 1 GB installed),
 # hf brings transformers for attnres.hf, eval the lm-evaluation-harness that tests/hf/test_harness.py
 # drives; `make test TEST_EXTRAS=dev` skips those tests
-TEST_EXTRAS ?= dev,hf,triton,eval
+TEST_EXTRAS ?= dev,hf,triton,eval,serving
 
 .PHONY: install test test-fast lint demo clean
 
@@ -50,3 +50,9 @@ demo: install
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
+
+# the serving oracles (docs/serving.md): mlx-lm's kimi_k3 against our Kimi Linear models (float32, 1e-4)
+# and the GGUF structure; llama.cpp itself: scripts/llama_cpp_parity.py
+test-serving: $(BIN)/.installed-test
+	$(BIN)/python -m pip install -q -e '.[mlx]'
+	$(BIN)/python -m pytest -n 0 tests/serving

@@ -22,6 +22,7 @@ LAYER = {
     "train": 7,                    # optimizer, schedules, metrics, the trainer
     "hf": 8, "experiments": 8,     # transformers integration; specs, runner, reports
     "bench": 9,                    # timing and traffic measurements
+    "serving": 9,                  # GGUF (llama.cpp) and mlx-lm exports of Kimi Linear models
     "cli": 10,                     # argument parsing only
 }
 ENTRY_POINTS = {"__init__": 3.5, "__main__": 11}  # the package root re-exports model-level names

@@ -1,0 +1,134 @@
+"""Our Kimi Linear-backbone models as the released Kimi K3 architecture sees them.
+
+Two serving stacks run K3: llama.cpp (architecture ``kimi-k3``, :mod:`attnres.serving.gguf`) and
+mlx-lm (``kimi_k3``, :mod:`attnres.serving.mlx`). Both implement docs/method.md §10's Block AttnRes
+around Kimi Linear's KDA / MLA / MoE sublayers, plus what K3 adds. What we write, and how:
+
+- **activation**: K3 replaces SwiGLU by SiTU,
+  ``situ(gate, up) = beta·tanh(gate/beta)·sigmoid(gate) · up`` (``up`` optionally squashed by a
+  second ``linear_beta``, off here). As beta grows, ``beta·tanh(gate/beta)`` -> ``gate``, so SiTU
+  -> ``silu(gate)·up``, our SwiGLU. With beta a power of two large enough
+  (:data:`SWIGLU_SITU_BETA` = 2^60) the division and product by beta are exact in binary floating
+  point, and a faithful tanh returns a tiny argument unchanged (its cubic term is under half an
+  ulp): beta·tanh(gate/beta) = gate bit for bit in float32 and float64 for every |gate| from
+  :data:`SWIGLU_EXACT_ABOVE` = 2^-66 (float32: below it gate/beta underflows and SiTU gives 0 where
+  SwiGLU gives about gate/2·up, under 1e-20·|up|) to :data:`SWIGLU_EXACT_BELOW` = 2^33, and there
+  SiTU = gate·sigmoid(gate)·up, SwiGLU (``tests/serving/test_gguf.py`` checks both dtypes).
+- **the depth attention**: §10's per-sublayer pseudo-query w and key-norm weight g are only ever used
+  as their product, which llama.cpp stores fused: ``*_res_score = g ⊙ w`` (computed in float64).
+- **MoE**: the router (sigmoid scores, balancing bias for the choice only, top-k, renormalised,
+  scaled), routed and shared experts: as in Kimi Linear; the bias is written even when zero.
+- what K3 has and our backbone does not (full-rank KDA gate, MLA output gate, latent MoE, a KDA
+  gate lower bound, SiTU's linear_beta) is simply absent from what we write: each is optional in
+  both K3 implementations and off means Kimi Linear's behaviour. Reading such checkpoints back
+  (K3 as a backbone of ours) is not implemented: docs/serving.md lists what remains.
+
+What a K3 stack cannot express at all raises :class:`ServingError` naming the field: a LLaMA
+backbone (no llama.cpp / mlx-lm architecture has AttnRes around LLaMA blocks), Full AttnRes or any
+Block AttnRes variant the §10 layout cannot store (``attnres.hf.kimi``'s rules, with their fixes).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from attnres.model.backbones import KDA, MLA, kimi_sizes, layer_kinds, moe_layers
+
+# SiTU's beta that makes it SwiGLU (see the module docstring): a power of two, so x/beta and
+# beta·y are exact
+SWIGLU_SITU_BETA = 2.0**60
+# below it, (gate / beta)^2 / 3 < 2^-56: under half an ulp of float64 (and float32), so tanh(y) = y
+SWIGLU_EXACT_BELOW = 2.0**33
+# above it, gate / beta is a normal float32 (>= 2^-126): the division loses no bits
+SWIGLU_EXACT_ABOVE = 2.0**-66
+
+
+class ServingError(ValueError):
+    """A model a serving format cannot express; the message names the field, its value and the fix."""
+
+
+def situ(up: torch.Tensor, gate: torch.Tensor, beta: float, linear_beta: float | None = None) -> torch.Tensor:
+    """K3's activation (the reference formula, in the input dtype): beta·tanh(gate/beta)·sigmoid(gate)
+    times ``up`` (squashed to linear_beta·tanh(up/linear_beta) when linear_beta is set)."""
+    a = beta * torch.tanh(gate / beta) * torch.sigmoid(gate)
+    if linear_beta is not None and linear_beta > 0:
+        up = linear_beta * torch.tanh(up / linear_beta)
+    return a * up
+
+
+def check_kimi_backbone(config, target: str) -> None:
+    """ServingError unless ``config`` (a ModelConfig) has the Kimi Linear backbone."""
+    if config.backbone != "kimi_linear":
+        raise ServingError(
+            f"ModelConfig.backbone={config.backbone!r} cannot be written as {target}: the only AttnRes "
+            "architecture llama.cpp and mlx-lm know is Kimi K3 (a Kimi Linear model); LLaMA-backbone AttnRes "
+            "models have none there. Serve them with attnres sample / generate or through transformers "
+            "(attnres convert RUN out/hf), or train with --set backbone=kimi_linear"
+        )
+
+
+def layout_block_size(config, target: str) -> int | None:
+    """§10's B (``attn_res_block_size``) for ``config``, None for a PreNorm model; ServingError
+    (naming the field and the fix) for residual schemes the layout cannot store."""
+    from attnres.hf.convert import ConversionError
+    from attnres.hf.kimi import kimi_config_dict
+
+    try:  # the released layout's config.json: its rules decide what Block AttnRes it stores
+        return kimi_config_dict(config).get("attn_res_block_size")
+    except ConversionError as e:
+        raise ServingError(f"cannot write {target}: {e}") from None
+
+
+def k3_text_config(config) -> dict[str, Any]:
+    """The text config of a K3 checkpoint (``config.json``'s ``text_config``, the fields mlx-lm's
+    ``kimi_k3`` and vLLM / SGLang read) describing ``config``'s model: Kimi Linear's sizes, SiTU with
+    :data:`SWIGLU_SITU_BETA` (= SwiGLU), §10's ``attn_res_block_size``, no K3-only extras."""
+    check_kimi_backbone(config, "a Kimi K3 checkpoint")
+    b = layout_block_size(config, "a Kimi K3 checkpoint")
+    s, kinds, sparse = kimi_sizes(config), layer_kinds(config), moe_layers(config)
+    moe = any(sparse)
+    return {
+        "model_type": "kimi_linear",
+        "architectures": ["KimiLinearForCausalLM"],
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.d_model,
+        "num_hidden_layers": config.n_layers,
+        "num_attention_heads": config.n_heads,
+        "num_key_value_heads": config.n_heads,
+        "intermediate_size": config.d_ff,
+        "rms_norm_eps": config.norm_eps,
+        "max_position_embeddings": config.max_seq_len,
+        "tie_word_embeddings": False,
+        "linear_attn_config": {
+            "num_heads": s["kda_heads"],
+            "head_dim": s["kda_head_dim"],
+            "short_conv_kernel_size": config.kda_conv_kernel,
+            "kda_layers": [i + 1 for i, k in enumerate(kinds) if k == KDA],
+            "full_attn_layers": [i + 1 for i, k in enumerate(kinds) if k == MLA],
+        },
+        "hidden_act": "situ",
+        "activation_situ_beta": SWIGLU_SITU_BETA,
+        "activation_situ_linear_beta": None,
+        "attn_res_block_size": b,
+        "q_lora_rank": config.mla_q_rank,
+        "kv_lora_rank": s["mla_kv_rank"],
+        "qk_nope_head_dim": s["mla_qk_nope_dim"],
+        "qk_rope_head_dim": s["mla_qk_rope_dim"],
+        "v_head_dim": s["mla_v_dim"],
+        "mla_use_nope": True,
+        "mla_use_output_gate": False,
+        "num_experts": config.moe_experts if moe else 0,
+        "num_experts_per_token": config.moe_top_k,
+        "num_shared_experts": config.moe_shared_experts if moe else 0,
+        "moe_intermediate_size": s["moe_d_ff"],
+        "moe_router_activation_func": "sigmoid",
+        "moe_renormalize": bool(config.moe_renormalize),
+        "routed_scaling_factor": float(config.moe_routed_scale),
+        "first_k_dense_replace": sparse.index(True) if moe else config.n_layers,
+        "moe_layer_freq": 1,
+        "use_grouped_topk": False,
+        "num_expert_group": 1,
+        "topk_group": 1,
+    }

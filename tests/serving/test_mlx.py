@@ -1,0 +1,81 @@
+"""An independent oracle: mlx-lm's ``kimi_k3`` (Apple's implementation of the released K3) runs the
+directory attnres.serving.mlx.save_mlx writes, on the same ids as our model; float32 logits agree to
+1e-4. Skipped without mlx (``pip install 'attnres[mlx]'``; ``make test-serving`` runs it)."""
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("mlx.core")
+pytest.importorskip("mlx_lm.models.kimi_k3")
+
+from attnres.model import AttnResLM, ModelConfig
+from attnres.serving.k3 import ServingError
+from attnres.serving.mlx import mlx_logits, save_mlx
+
+TOLERANCE = 1e-4
+
+
+def tiny(seed: int, **overrides) -> AttnResLM:
+    fields = dict(
+        backbone="kimi_linear",
+        vocab_size=96,
+        d_model=32,
+        n_layers=4,
+        n_heads=2,
+        d_ff=64,
+        max_seq_len=32,
+        init_std=0.1,
+        moe_experts=4,
+        moe_top_k=2,
+        moe_shared_experts=1,
+        residual="block",
+        attnres_block_size=4,
+    )
+    fields.update(overrides)
+    if fields["residual"] != "block":
+        fields.pop("attnres_block_size")
+    torch.manual_seed(seed)
+    lm = AttnResLM(ModelConfig(**fields)).eval()
+    with torch.no_grad():  # non-zero depth weights and balancing biases, so that every part acts
+        if lm.config.residual == "block":
+            lm.residual.queries.normal_(0.0, 0.5)
+            lm.residual.key_norm_weight.uniform_(0.5, 1.5)
+        for block in lm.blocks:
+            if block.is_moe:
+                block.mlp.gate.e_score_correction_bias.normal_(0.0, 0.05)
+            block.attn_norm.weight.uniform_(0.5, 1.5)
+    return lm
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(),  # 3 KDA : 1 MLA, MoE + shared, B = 2
+        dict(kimi_layer_pattern="KM", mla_q_rank=16, attnres_block_size=2, moe_shared_experts=2),  # B = 1
+        dict(kimi_layer_pattern="M", moe_experts=0, residual="prenorm", tie_embeddings=True),  # MLA, dense
+        dict(kimi_layer_pattern="K", kda_heads=4, kda_head_dim=8, attnres_block_size=8),  # one depth block
+    ],
+    ids=["kkkm-moe", "km-qrank-b1", "mla-prenorm-tied", "kda-one-block"],
+)
+def test_mlx_kimi_k3_matches_ours(tmp_path, overrides):
+    lm = tiny(0, **overrides)
+    ids = torch.randint(0, lm.config.vocab_size, (2, 13), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        out = lm(ids)
+    ours = (out if torch.is_tensor(out) else out[0]).numpy()
+    theirs = mlx_logits(save_mlx(lm, tmp_path / "k3"), ids)
+    assert theirs.shape == ours.shape
+    assert np.abs(ours).max() > 0.5  # logits of a size where a wrong part would show
+    diff = float(np.abs(theirs - ours).max())
+    print(
+        f"mlx-lm kimi_k3 vs attnres, float32, {'/'.join(f'{k}={v}' for k, v in overrides.items()) or 'default'}: "
+        f"max |logit diff| {diff:.1e} (max |logit| {np.abs(ours).max():.2f})"
+    )
+    assert diff <= TOLERANCE
+
+
+def test_full_attnres_is_refused_by_name(tmp_path):
+    with pytest.raises(ServingError, match="residual='full'"):
+        save_mlx(tiny(0, residual="full"), tmp_path / "k3")
