@@ -33,7 +33,7 @@ except ImportError as e:  # the optional extra is missing
     raise ImportError("backbone='kimi_linear' uses transformers' Kimi Linear modules: "
                       f"pip install 'attnres[hf]' (transformers>=5) ({e})") from e
 
-from attnres.model.backbones import KDA, kimi_sizes, layer_kinds, moe_layers
+from attnres.model.kimi_layout import KDA, kimi_sizes, layer_kinds, moe_layers
 
 
 # ----------------------------------------------------------------------------- transformers' config
