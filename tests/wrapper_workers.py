@@ -99,17 +99,24 @@ def fsdp_per_block(rank: int, world: int, residual: str, out: str, kind: str = "
         torch.save(result, out)
 
 
-def tensor_parallel(rank: int, world: int, residual: str, out: str) -> None:
-    """Attention heads and the MLP split over the ranks (q/k/v and fc column-wise, o_proj and proj
-    row-wise); the depth attention, the norms and the embeddings replicated. Every rank runs the whole
-    batch."""
+# per-block tensor-parallel plans: attention heads and the MLP's hidden units split over the ranks
+TP_PLANS = {
+    "own_gpt": {"attn.q_proj": "col", "attn.k_proj": "col", "attn.v_proj": "col", "attn.o_proj": "row",
+                "mlp.fc": "col", "mlp.proj": "row"},
+    "attnres_lm": {"attn.q_proj": "col", "attn.k_proj": "col", "attn.v_proj": "col", "attn.o_proj": "row",
+                   "mlp.gate_proj": "col", "mlp.up_proj": "col", "mlp.down_proj": "row"},
+}
+
+
+def tensor_parallel(rank: int, world: int, residual: str, out: str, kind: str = "own_gpt") -> None:
+    """Attention heads and the MLP split over the ranks (column-wise in, row-wise out); the depth
+    attention, the norms and the embeddings replicated. Every rank runs the whole batch."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     mesh = init_device_mesh("cpu", (world,))
-    model, x, y = model_and_batch(residual)
-    plan = {"attn.q_proj": ColwiseParallel(), "attn.k_proj": ColwiseParallel(), "attn.v_proj": ColwiseParallel(),
-            "attn.o_proj": RowwiseParallel(), "mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel()}
+    model, x, y = model_and_batch(residual, kind)
+    plan = {name: ColwiseParallel() if how == "col" else RowwiseParallel() for name, how in TP_PLANS[kind].items()}
     for block in model.h:
         parallelize_module(block, mesh, plan)
     loss = model(x, y)

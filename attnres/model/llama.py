@@ -60,9 +60,10 @@ class Attention(nn.Module):
         """x [B, t, D]; cos/sin for the t positions. ``cache`` (e.g. a KVCache) stores this step's
         keys and values and attends over all cached positions; without one, plain causal attention."""
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        # -1 heads: all of them, or this rank's share when tensor parallelism splits the projections
+        q = self.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         repeat = self.n_heads // self.n_kv_heads
         if cache is not None:

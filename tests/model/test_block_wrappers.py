@@ -7,7 +7,7 @@ import pytest
 import torch
 from distributed_workers import spawn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from wrapper_workers import fsdp_per_block, model_and_batch, single_process
+from wrapper_workers import fsdp_per_block, model_and_batch, single_process, tensor_parallel
 
 SCHEMES = ["block", "full", "prenorm", "hyper"]
 
@@ -30,6 +30,17 @@ def test_per_block_checkpoint_wrapper_gives_the_same_gradients(residual):
 def test_fully_shard_per_block_on_two_ranks_equals_one_process(residual, tmp_path):
     out = tmp_path / "fsdp.pt"
     spawn(fsdp_per_block, 2, residual, str(out), "attnres_lm")
+    got, want = torch.load(out, weights_only=True), single_process(residual, "attnres_lm")
+    torch.testing.assert_close(got["loss"], want["loss"], rtol=0, atol=1e-5)
+    for name, g in want["grads"].items():
+        torch.testing.assert_close(got["grads"][name], g, rtol=0, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("residual", ["block", "full"])
+def test_tensor_parallel_on_two_ranks_equals_one_process(residual, tmp_path):
+    """The LLaMA blocks' heads and SwiGLU units split over 2 ranks; the depth attention replicated."""
+    out = tmp_path / "tp.pt"
+    spawn(tensor_parallel, 2, residual, str(out), "attnres_lm")
     got, want = torch.load(out, weights_only=True), single_process(residual, "attnres_lm")
     torch.testing.assert_close(got["loss"], want["loss"], rtol=0, atol=1e-5)
     for name, g in want["grads"].items():
