@@ -15,6 +15,7 @@
 4. The result is saved with ``save_pretrained``, reloaded with ``AutoModelForCausalLM`` and
    samples text with ``generate()`` and a Hugging Face tokenizer equivalent to the byte tokenizer.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,15 +26,15 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM  # noqa: E402
-from transformers.utils import logging as hf_logging  # noqa: E402
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers.utils import logging as hf_logging
 
-from attnres.analysis.depth import depth_weight_matrix  # noqa: E402
-from attnres.data import batch_seed, eval_batches, prepare_data, sample_batch  # noqa: E402
-from attnres.hf import convert_to_attnres, hf_tokenizer  # noqa: E402
-from attnres.hf.convert import conversion_error  # noqa: E402
+from attnres.analysis.depth import depth_weight_matrix
+from attnres.data import batch_seed, eval_batches, prepare_data, sample_batch
+from attnres.hf import convert_to_attnres, hf_tokenizer
+from attnres.hf.convert import conversion_error
 
 
 def parse_args():
@@ -45,8 +46,12 @@ def parse_args():
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--depth-lr", type=float, default=2e-2,
-                   help="learning rate of the AttnRes pseudo-queries and key norms (they start at zero / one)")
+    p.add_argument(
+        "--depth-lr",
+        type=float,
+        default=2e-2,
+        help="learning rate of the AttnRes pseudo-queries and key norms (they start at zero / one)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="save the trained model here (default: a temporary directory)")
     return p.parse_args()
@@ -58,8 +63,9 @@ def train(model, data, steps, param_groups, args, offset, label):
     model.train()
     losses, start = [], time.time()
     for step in range(steps):
-        x, _ = sample_batch(data.train.tokens, args.batch_size, args.seq_len,
-                            seed=batch_seed(args.seed, offset + step, 0))
+        x, _ = sample_batch(
+            data.train.tokens, args.batch_size, args.seq_len, seed=batch_seed(args.seed, offset + step, 0)
+        )
         loss = model(input_ids=x, labels=x).loss  # labels are shifted inside, HF style
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -67,8 +73,7 @@ def train(model, data, steps, param_groups, args, offset, label):
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
         if (step + 1) % 20 == 0 or step + 1 == steps:
-            print(f"  [{label}] step {step + 1:3d}  loss {np.mean(losses[-20:]):.3f}  "
-                  f"({time.time() - start:.0f}s)")
+            print(f"  [{label}] step {step + 1:3d}  loss {np.mean(losses[-20:]):.3f}  ({time.time() - start:.0f}s)")
     model.eval()
     return losses
 
@@ -100,22 +105,36 @@ def main():
     hf_logging.set_verbosity_error()
     data = prepare_data(tokenizer="byte")
     vocab = data.tokenizer.vocab_size
-    print(f"data: bundled Shakespeare, byte tokens, {len(data.train.tokens):,} train / "
-          f"{len(data.val.tokens):,} validation tokens")
+    print(
+        f"data: bundled Shakespeare, byte tokens, {len(data.train.tokens):,} train / "
+        f"{len(data.val.tokens):,} validation tokens"
+    )
 
     # 1. a small "pretrained" LLaMA
-    llama = LlamaForCausalLM(LlamaConfig(
-        vocab_size=vocab, hidden_size=128, intermediate_size=352, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=args.seq_len,
-        rms_norm_eps=1e-6, tie_word_embeddings=False))
-    print(f"\n1. pretraining a LLaMA ({sum(p.numel() for p in llama.parameters()):,} parameters) "
-          f"for {args.pretrain_steps} steps")
+    llama = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=vocab,
+            hidden_size=128,
+            intermediate_size=352,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=args.seq_len,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+        )
+    )
+    print(
+        f"\n1. pretraining a LLaMA ({sum(p.numel() for p in llama.parameters()):,} parameters) "
+        f"for {args.pretrain_steps} steps"
+    )
     train(llama, data, args.pretrain_steps, [{"params": llama.parameters(), "lr": args.lr}], args, 0, "llama")
     llama_val = val_loss(llama, data, args)
 
     # 2. conversion
-    model = convert_to_attnres(llama, residual=args.residual,
-                               attnres_blocks=args.blocks if args.residual == "block" else None)
+    model = convert_to_attnres(
+        llama, residual=args.residual, attnres_blocks=args.blocks if args.residual == "block" else None
+    )
     mc = model.config.model_config()
     x, _ = next(iter(eval_batches(data.val.tokens, 4, args.seq_len, max_batches=1)))
     err = conversion_error(llama, model, x)
@@ -132,16 +151,25 @@ def main():
     depth = [p for n, p in model.named_parameters() if n.startswith("model.residual.")]
     rest = [p for n, p in model.named_parameters() if not n.startswith("model.residual.")]
     print(f"\n3. training the AttnRes model for {args.steps} steps")
-    train(model, data, args.steps, [{"params": rest, "lr": args.lr}, {"params": depth, "lr": args.depth_lr}],
-          args, args.pretrain_steps, "attnres")
+    train(
+        model,
+        data,
+        args.steps,
+        [{"params": rest, "lr": args.lr}, {"params": depth, "lr": args.depth_lr}],
+        args,
+        args.pretrain_steps,
+        "attnres",
+    )
     after, matrix = depth_weight_deviation(model, x)
-    print(f"  validation loss: {val_loss(model, data, args):.4f} nats/token (LLaMA before conversion: "
-          f"{llama_val:.4f}; more steps would help the LLaMA too: this shows the mechanics, not a comparison)")
+    print(
+        f"  validation loss: {val_loss(model, data, args):.4f} nats/token (LLaMA before conversion: "
+        f"{llama_val:.4f}; more steps would help the LLaMA too: this shows the mechanics, not a comparison)"
+    )
     print(f"  max deviation of the mean depth weights from uniform: {before:.2e} -> {after:.3f}")
     sources = "blocks" if args.residual == "block" else "sublayer outputs"
     print(f"  mean depth weights (rows: sublayers 0..L-1, then the output; columns: embedding, {sources}):")
-    for l, row in enumerate(matrix):
-        name = f"sublayer {l:2d}" if l < len(matrix) - 1 else "output    "
+    for i, row in enumerate(matrix):
+        name = f"sublayer {i:2d}" if i < len(matrix) - 1 else "output    "
         print("   ", name, " ".join("  .  " if math.isnan(v) else f"{v:.3f}" for v in row))
 
     # 4. save, reload through the Auto classes, generate (into a temporary directory, removed at the

@@ -11,6 +11,7 @@ wrap a block like any other), and the model starts the state at the embedding an
 the final norm. tests/examples/test_own_gpt.py checks it against a plain PreNorm GPT at init, under
 per-block FSDP2, per-block activation checkpointing, torch.compile and tensor parallelism.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,8 +50,9 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         b, t, _ = x.shape
         # -1 heads: all of them, or this rank's share under tensor parallelism
-        q, k, v = (proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-                   for proj in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = (
+            proj(x).view(b, t, -1, self.head_dim).transpose(1, 2) for proj in (self.q_proj, self.k_proj, self.v_proj)
+        )
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
 
@@ -74,10 +76,10 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, depth: attnres.DepthState, residual: attnres.ResidualScheme) -> attnres.DepthState:
-        stream = residual.stream(depth)                    # AttnRes: x = x + f(ln(x)) becomes
-        stream.apply(lambda h: self.attn(self.ln_1(h)))    # AttnRes: h = a depth mixture, then f(ln(h))
+        stream = residual.stream(depth)  # AttnRes: x = x + f(ln(x)) becomes
+        stream.apply(lambda h: self.attn(self.ln_1(h)))  # AttnRes: h = a depth mixture, then f(ln(h))
         stream.apply(lambda h: self.mlp(self.ln_2(h)))
-        return stream.depth()                              # AttnRes: the state, as tensors
+        return stream.depth()  # AttnRes: the state, as tensors
 
 
 class GPT(nn.Module):
@@ -91,12 +93,14 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight
         self.residual = attnres.residual_scheme(  # AttnRes: attention, MLP, attention, ... and the final read
-            config.residual, config.n_embd, 2 * config.n_layer, norm_eps=1e-5, **config.residual_options)
+            config.residual, config.n_embd, 2 * config.n_layer, norm_eps=1e-5, **config.residual_options
+        )
         self._init_weights()
         # AttnRes: at init every depth weight is uniform, so a sublayer reads its sources' mean, 1/K of
         # the usual residual sum; scaling each pre-norm's eps by 1/K^2 makes the model the PreNorm GPT
-        attnres.match_prenorm_eps([n for block in self.h for n in (block.ln_1, block.ln_2)] + [self.ln_f],
-                                  self.residual)
+        attnres.match_prenorm_eps(
+            [n for block in self.h for n in (block.ln_1, block.ln_2)] + [self.ln_f], self.residual
+        )
 
     def _init_weights(self) -> None:
         for name, p in self.named_parameters():
@@ -105,14 +109,17 @@ class GPT(nn.Module):
             if name.endswith("bias"):
                 nn.init.zeros_(p)
             elif p.dim() == 2:  # GPT-2's: N(0, 0.02), the projections into the residual scaled by depth
-                std = 0.02 / math.sqrt(2 * self.config.n_layer) if name.endswith(("o_proj.weight", "proj.weight")) \
+                std = (
+                    0.02 / math.sqrt(2 * self.config.n_layer)
+                    if name.endswith(("o_proj.weight", "proj.weight"))
                     else 0.02
+                )
                 nn.init.normal_(p, 0.0, std)
 
     def forward(self, idx: Tensor, targets: Tensor | None = None) -> Tensor:
         """idx [B, T] -> logits [B, T, V], or the mean cross-entropy with ``targets``."""
         x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
-        depth = self.residual.start(x)                     # AttnRes: the embedding is source 0
+        depth = self.residual.start(x)  # AttnRes: the embedding is source 0
         for block in self.h:
             depth = block(depth, self.residual)
         logits = self.lm_head(self.ln_f(self.residual.finish(depth)))  # AttnRes: the final depth read
@@ -127,15 +134,17 @@ def bundled_bytes() -> tuple[Tensor, Tensor]:
 
     docs = load_bundled_corpus()
     cut = int(0.9 * len(docs))
-    as_ids = [torch.tensor(list("\n\n".join(d.text for d in part).encode()), dtype=torch.long)
-              for part in (docs[:cut], docs[cut:])]
+    as_ids = [
+        torch.tensor(list("\n\n".join(d.text for d in part).encode()), dtype=torch.long)
+        for part in (docs[:cut], docs[cut:])
+    ]
     return as_ids[0], as_ids[1]
 
 
 def batch(data: Tensor, batch_size: int, block_size: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
     starts = torch.randint(0, len(data) - block_size - 1, (batch_size,), generator=generator)
-    x = torch.stack([data[s:s + block_size] for s in starts.tolist()])
-    y = torch.stack([data[s + 1:s + block_size + 1] for s in starts.tolist()])
+    x = torch.stack([data[s : s + block_size] for s in starts.tolist()])
+    y = torch.stack([data[s + 1 : s + block_size + 1] for s in starts.tolist()])
     return x, y
 
 
@@ -174,8 +183,10 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     result = train(GPTConfig(n_layer=args.layers, residual=args.residual), args.steps, seed=args.seed)
-    print(f"{args.residual}: train loss {result['train_loss']:.4f}, val loss {result['val_loss']:.4f} "
-          f"({result['seconds']:.0f} s)")
+    print(
+        f"{args.residual}: train loss {result['train_loss']:.4f}, val loss {result['val_loss']:.4f} "
+        f"({result['seconds']:.0f} s)"
+    )
 
 
 if __name__ == "__main__":

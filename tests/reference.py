@@ -1,4 +1,5 @@
 """Float64 references written loop by loop from docs/method.md, shared by the tests."""
+
 import torch
 
 

@@ -1,6 +1,7 @@
 """Per-block wrappers under torch.distributed, for examples/own_gpt.py (tests/examples/test_own_gpt.py) and
 AttnResLM (tests/model/test_block_wrappers.py); importable by spawned children (tests/ is on sys.path).
 Each rank writes its loss and full gradients with torch.save."""
+
 from __future__ import annotations
 
 import sys
@@ -10,15 +11,16 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-import own_gpt  # noqa: E402  (examples/ is not a package)
+import own_gpt
 
 BATCH, SEQ = 4, 16
 
 
 def config(residual: str) -> own_gpt.GPTConfig:
     options = {"attnres_blocks": 3} if residual == "block" else {}
-    return own_gpt.GPTConfig(vocab_size=64, block_size=SEQ, n_layer=3, n_head=4, n_embd=32, residual=residual,
-                             residual_options=options)
+    return own_gpt.GPTConfig(
+        vocab_size=64, block_size=SEQ, n_layer=3, n_head=4, n_embd=32, residual=residual, residual_options=options
+    )
 
 
 def model_and_batch(residual: str, kind: str = "own_gpt") -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
@@ -31,8 +33,13 @@ def model_and_batch(residual: str, kind: str = "own_gpt") -> tuple[torch.nn.Modu
         from attnres import AttnResLM, ModelConfig
 
         options = {"attnres_blocks": 3} if residual == "block" else {}
-        model = LMLoss(AttnResLM(ModelConfig(vocab_size=64, d_model=32, n_layers=3, n_heads=4, max_seq_len=SEQ,
-                                             residual=residual, **options)))
+        model = LMLoss(
+            AttnResLM(
+                ModelConfig(
+                    vocab_size=64, d_model=32, n_layers=3, n_heads=4, max_seq_len=SEQ, residual=residual, **options
+                )
+            )
+        )
     with torch.no_grad():
         for p in model.residual.parameters():
             p.add_(0.3 * torch.randn_like(p))
@@ -90,7 +97,7 @@ def fsdp_per_block(rank: int, world: int, residual: str, out: str, kind: str = "
         fully_shard(block)
     fully_shard(model)
     share = BATCH // world
-    loss = model(x[rank * share:(rank + 1) * share], y[rank * share:(rank + 1) * share])
+    loss = model(x[rank * share : (rank + 1) * share], y[rank * share : (rank + 1) * share])
     loss.backward()
     mean = loss.detach().clone()
     dist.all_reduce(mean)
@@ -101,10 +108,23 @@ def fsdp_per_block(rank: int, world: int, residual: str, out: str, kind: str = "
 
 # per-block tensor-parallel plans: attention heads and the MLP's hidden units split over the ranks
 TP_PLANS = {
-    "own_gpt": {"attn.q_proj": "col", "attn.k_proj": "col", "attn.v_proj": "col", "attn.o_proj": "row",
-                "mlp.fc": "col", "mlp.proj": "row"},
-    "attnres_lm": {"attn.q_proj": "col", "attn.k_proj": "col", "attn.v_proj": "col", "attn.o_proj": "row",
-                   "mlp.gate_proj": "col", "mlp.up_proj": "col", "mlp.down_proj": "row"},
+    "own_gpt": {
+        "attn.q_proj": "col",
+        "attn.k_proj": "col",
+        "attn.v_proj": "col",
+        "attn.o_proj": "row",
+        "mlp.fc": "col",
+        "mlp.proj": "row",
+    },
+    "attnres_lm": {
+        "attn.q_proj": "col",
+        "attn.k_proj": "col",
+        "attn.v_proj": "col",
+        "attn.o_proj": "row",
+        "mlp.gate_proj": "col",
+        "mlp.up_proj": "col",
+        "mlp.down_proj": "row",
+    },
 }
 
 
@@ -112,7 +132,11 @@ def tensor_parallel(rank: int, world: int, residual: str, out: str, kind: str = 
     """Attention heads and the MLP split over the ranks (column-wise in, row-wise out); the depth
     attention, the norms and the embeddings replicated. Every rank runs the whole batch."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     mesh = init_device_mesh("cpu", (world,))
     model, x, y = model_and_batch(residual, kind)

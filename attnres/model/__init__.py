@@ -1,4 +1,5 @@
 """Models the residual schemes plug into."""
+
 from attnres.model.config import ModelConfig
 from attnres.model.lm import AttnResLM, LMOutput
 

@@ -11,7 +11,8 @@ The segments go through the depth state every scheme hands from block to block (
 the pipeline's hand-over too), so every scheme can be checkpointed; for schemes without depth
 blocks (PreNorm and the rivals) "block" uses the boundaries Block AttnRes would have with its
 default geometry. Segments are whole Transformer blocks: a depth block that ends inside a
-Transformer block (odd S) joins the next segment. Full AttnRes (S = 1) keeps every source by definition: "block" there is one
+Transformer block (odd S) joins the next segment. Full AttnRes (S = 1) keeps every source by definition:
+"block" there is one
 segment per Transformer block and its kept state still grows with L.
 
 ``"sublayer"`` recomputes the inside of each attention and MLP sublayer (norm included) and keeps
@@ -22,9 +23,10 @@ which applies in training mode.
 Recomputation repeats the forward's exact operations, so gradients equal the plain path's
 (tested in float64).
 """
+
 from __future__ import annotations
 
-from typing import List, Sequence
+from collections.abc import Sequence
 
 from torch.utils.checkpoint import checkpoint
 
@@ -38,7 +40,7 @@ def check_checkpointing(mode: str) -> None:
         raise ValueError(f"activation_checkpointing={mode!r} is invalid: choose one of {CHECKPOINTING}")
 
 
-def segment_layers(config) -> List[range]:
+def segment_layers(config) -> list[range]:
     """The Transformer blocks of each checkpointed segment under "block": runs that end where a
     depth block ends and a Transformer block ends too (for schemes without depth blocks: where
     Block AttnRes' default blocks would end)."""
@@ -53,10 +55,10 @@ def segment_layers(config) -> List[range]:
         if at % 2 == 0:  # a depth block ends between two Transformer blocks
             ends.append(at // 2)
     starts = [0] + ends[:-1]
-    return [range(a, b) for a, b in zip(starts, ends)]
+    return [range(a, b) for a, b in zip(starts, ends, strict=True)]
 
 
-def run_segments(depth, scheme, blocks: Sequence, segments: Sequence[range], cos, sin, attention=None):
+def run_segments(depth, scheme, blocks: nn.ModuleList, segments: Sequence[range], cos, sin, attention=None):
     """Run the depth state (``attnres.residual.DepthState``) through ``blocks`` (all of the model's,
     by index), one checkpointed segment per entry of ``segments``; returns the state after the last
     block (``scheme.finish`` it).
@@ -67,7 +69,8 @@ def run_segments(depth, scheme, blocks: Sequence, segments: Sequence[range], cos
     (a padded batch's mask), as in ``run_blocks``."""
     history, state = depth.history, depth.state
     for seg in segments:
-        n_hist, grown = len(history), []
+        n_hist = len(history)
+        grown: list[int] = []  # how many sources the segment completed, set by its forward
 
         def run(*tensors, seg=seg, n_hist=n_hist, grown=grown):
             inner = DepthState(2 * seg.start, tensors[:n_hist], tensors[n_hist:])
@@ -77,6 +80,6 @@ def run_segments(depth, scheme, blocks: Sequence, segments: Sequence[range], cos
             return (*inner.history[n_hist:], *inner.state)
 
         out = checkpoint(run, *history, *state, use_reentrant=False)
-        history = tuple(history) + tuple(out[:grown[0]])
-        state = tuple(out[grown[0]:])
+        history = tuple(history) + tuple(out[: grown[0]])
+        state = tuple(out[grown[0] :])
     return DepthState(2 * segments[-1].stop, history, state)

@@ -12,9 +12,8 @@ Two granularities:
   compiled, so the module's ``__call__`` and its hooks run eagerly around it, as PyTorch recommends
   for FSDP2 (compile per unit that ``fully_shard`` wraps).
 """
-from __future__ import annotations
 
-from typing import Union
+from __future__ import annotations
 
 import torch
 from torch import nn
@@ -23,7 +22,7 @@ DEFAULT_BACKEND = "inductor"
 GRANULARITIES = ("model", "sublayer")
 
 
-def compile_backend(setting: Union[bool, str]) -> str | None:
+def compile_backend(setting: bool | str) -> str | None:
     """The torch.compile backend a ``compile`` setting asks for: None for False, inductor for True,
     else the named backend (e.g. "aot_eager", which traces and runs autograd ahead of time without
     generating code: for finding graph breaks quickly)."""
@@ -42,13 +41,15 @@ def check_compile_setting(setting, field: str = "TrainConfig.compile") -> None:
         known = torch._dynamo.list_backends(exclude_tags=()) + [DEFAULT_BACKEND]
         if setting in known:
             return
-        raise ValueError(f"{field}={setting!r} is not a torch.compile backend; use true (inductor) or one of "
-                         f"{sorted(set(known))}")
+        raise ValueError(
+            f"{field}={setting!r} is not a torch.compile backend; use true (inductor) or one of {sorted(set(known))}"
+        )
     raise ValueError(f"{field}={setting!r} is invalid: use true, false, or a torch.compile backend name")
 
 
-def compile_model(model: nn.Module, setting: Union[bool, str] = True, *, granularity: str = "model",
-                  fullgraph: bool = False) -> nn.Module:
+def compile_model(
+    model: nn.Module, setting: bool | str = True, *, granularity: str = "model", fullgraph: bool = False
+) -> nn.Module:
     """Compile ``model`` (an AttnResLM) in place and return it; ``setting`` as in
     :func:`compile_backend` (False: leave it eager)."""
     backend = compile_backend(setting)

@@ -1,17 +1,18 @@
 """ModelConfig: every knob of the decoder and its residual scheme, validated on creation."""
+
 from __future__ import annotations
 
 import dataclasses
 import math
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Union
+from typing import Union
 
 from attnres.model.backbones import BACKBONES, validate_backbone
 from attnres.residual import RESIDUALS, validate_scheme
 from attnres.residual.options import bad_option as _bad
 from attnres.residual.options import is_positive_int as _positive_int
-
 
 _TYPE_NAMES = {int: "an integer", float: "a finite number", str: "a string", bool: "True or False"}
 
@@ -45,8 +46,10 @@ def check_field_types(config) -> None:
             kind = args[0]
         if kind not in _TYPE_NAMES or (optional and value is None) or _has_type(value, kind):
             continue
-        raise ValueError(f"{type(config).__name__}.{f.name}={value!r} is invalid: must be {_TYPE_NAMES[kind]}"
-                         + (" or None" if optional else ""))
+        raise ValueError(
+            f"{type(config).__name__}.{f.name}={value!r} is invalid: must be {_TYPE_NAMES[kind]}"
+            + (" or None" if optional else "")
+        )
 
 
 @dataclass
@@ -66,8 +69,8 @@ class ModelConfig:
     d_model: int = 128
     n_layers: int = 8
     n_heads: int = 4
-    n_kv_heads: Optional[int] = None
-    d_ff: Optional[int] = None
+    n_kv_heads: int | None = None
+    d_ff: int | None = None
     max_seq_len: int = 256
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
@@ -75,25 +78,25 @@ class ModelConfig:
     init_std: float = 0.02
 
     residual: str = "block"
-    attnres_blocks: Optional[int] = None
-    attnres_block_size: Optional[int] = None
+    attnres_blocks: int | None = None
+    attnres_block_size: int | None = None
     attnres_weights: str = "pseudo_query"
     attnres_kernel: str = "softmax"
     attnres_key_norm: bool = True
     attnres_heads: int = 1
-    attnres_window: Optional[int] = None
-    attnres_group_size: Optional[int] = None
+    attnres_window: int | None = None
+    attnres_group_size: int | None = None
     attnres_scale_norm_eps: bool = False
     attnres_impl: str = "two_phase"
     attnres_sources: str = "outputs"
-    attnres_block_sizes: Optional[Sequence[int]] = None
-    attnres_query_rank: Optional[int] = None
+    attnres_block_sizes: Sequence[int] | None = None
+    attnres_query_rank: int | None = None
     attnres_values: str = "raw"
-    attnres_score_scale: Optional[float] = None
-    attnres_read_queries: Optional[Sequence[int]] = None
+    attnres_score_scale: float | None = None
+    attnres_read_queries: Sequence[int] | None = None
 
-    layerscale_init: Optional[float] = None
-    highway_rank: Optional[int] = None
+    layerscale_init: float | None = None
+    highway_rank: int | None = None
     denseformer_dilation: int = 1
     denseformer_period: int = 1
     hyper_streams: int = 4
@@ -103,18 +106,18 @@ class ModelConfig:
     gated_heads: int = 8
 
     kimi_layer_pattern: str = "KKKM"
-    kda_heads: Optional[int] = None
-    kda_head_dim: Optional[int] = None
+    kda_heads: int | None = None
+    kda_head_dim: int | None = None
     kda_conv_kernel: int = 4
-    mla_kv_rank: Optional[int] = None
-    mla_q_rank: Optional[int] = None
-    mla_qk_nope_dim: Optional[int] = None
-    mla_qk_rope_dim: Optional[int] = None
-    mla_v_dim: Optional[int] = None
+    mla_kv_rank: int | None = None
+    mla_q_rank: int | None = None
+    mla_qk_nope_dim: int | None = None
+    mla_qk_rope_dim: int | None = None
+    mla_v_dim: int | None = None
     moe_experts: int = 0
     moe_top_k: int = 2
     moe_shared_experts: int = 1
-    moe_d_ff: Optional[int] = None
+    moe_d_ff: int | None = None
     moe_dense_layers: int = 1
     moe_routed_scale: float = 1.0
     moe_renormalize: bool = True
@@ -143,7 +146,7 @@ class ModelConfig:
         return BACKBONES[self.backbone].rope_dim(self)
 
     @property
-    def block_sizes(self) -> List[int]:
+    def block_sizes(self) -> list[int]:
         """Sublayers of each depth block, in order ("full": all 1; schemes without depth blocks: [L])."""
         return RESIDUALS[self.residual].block_sizes(self)
 
@@ -188,7 +191,7 @@ class ModelConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "ModelConfig":
+    def from_dict(cls, data: dict) -> ModelConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -213,33 +216,33 @@ FIELD_DOCS: dict[str, str] = {
     "init_std": "standard deviation of the initial weights",
     "residual": "the residual scheme: a RESIDUALS entry (`attnres schemes`)",
     "attnres_blocks": "Block AttnRes: N depth blocks (S = ceil(L / N), the last block shorter); "
-                      "give at most one of N, S, the sizes",
+    "give at most one of N, S, the sizes",
     "attnres_block_size": "Block AttnRes: S sublayers per depth block (None with N unset: the smallest "
-                          "even S giving at most 8 blocks)",
+    "even S giving at most 8 blocks)",
     "attnres_weights": "the depth query: pseudo_query (the method), input_query (q = W h, W zero-init), "
-                       "low_rank_query (q = w + U V h, U zero-init) or scalar (one logit per sublayer and source)",
+    "low_rank_query (q = w + U V h, U zero-init) or scalar (one logit per sublayer and source)",
     "attnres_kernel": "softmax (normalised depth weights) or sigmoid (independent ones)",
     "attnres_key_norm": "RMSNorm on the keys",
     "attnres_heads": "per-head channel groups with their own depth weights (the key norm spans all of d)",
     "attnres_window": "Full AttnRes over the embedding and the last W sources only",
     "attnres_group_size": "Full AttnRes, two-phase: G sublayers share one Phase-1 pass (exact; None: round(sqrt L))",
     "attnres_scale_norm_eps": "scale each pre-norm's eps by c^2 (c: the init weight of a source) so that a "
-                              "zero-query model equals PreNorm exactly; the retrofit turns it on",
+    "zero-query model equals PreNorm exactly; the retrofit turns it on",
     "attnres_impl": "two_phase (batched Phase 1 per depth block, docs/method.md §6), fused (one op per "
-                    "sublayer) or reference (plain autograd over a stacked history)",
+    "sublayer) or reference (plain autograd over a stacked history)",
     "attnres_sources": "outputs (the paper: sublayer outputs, block sums) or states (running residual sums; "
-                       "docs/method.md §5)",
+    "docs/method.md §5)",
     "attnres_block_sizes": "Block AttnRes: explicit, possibly uneven depth blocks, sublayers per block, summing to L",
     "attnres_query_rank": "rank r of low_rank_query, 1 <= r < d",
     "attnres_values": "raw (the paper, Kimi K3: mix the sources) or normalized (mix RMSNorm(source): Inkling-2)",
-    "attnres_score_scale": "factor on every depth logit (Inkling-2: d_model ** -0.5); none: the paper's unscaled logits",
+    "attnres_score_scale": "factor on every depth logit (Inkling-2: d_model ** -0.5); none: the paper's "
+    "unscaled logits",
     "attnres_read_queries": "queries per read, L + 1 entries: a read with Q > 1 returns Q mixtures [Q, B, T, D] "
-                            "(Inkling-2: 3 before full attention, for its q, k and v inputs)",
+    "(Inkling-2: 3 before full attention, for its q, k and v inputs)",
     "layerscale_init": "LayerScale's initial lambda (None: CaiT's rule by depth: 0.1 up to 18 blocks, "
-                       "1e-5 up to 24, 1e-6 beyond)",
+    "1e-5 up to 24, 1e-6 beyond)",
     "highway_rank": "rank r of the Highway gate W_g = U V (None: a full d x d matrix)",
-    "denseformer_dilation": "DenseFormer: the average after block I reads block outputs j <= I with "
-                            "j = I (mod k)",
+    "denseformer_dilation": "DenseFormer: the average after block I reads block outputs j <= I with j = I (mod k)",
     "denseformer_period": "DenseFormer: an average after every p-th block",
     "hyper_streams": "Hyper-Connections: n residual streams",
     "hyper_dynamic": "Hyper-Connections: input-dependent (DHC) or static (SHC) weights",
@@ -247,7 +250,7 @@ FIELD_DOCS: dict[str, str] = {
     "mhc_sinkhorn_iters": "mHC: Sinkhorn iterations of the doubly stochastic mixer",
     "gated_heads": "heads H of the gated rival's depth attention",
     "kimi_layer_pattern": "each layer's attention, K (Kimi Delta Attention) or M (multi-head latent "
-                          "attention), repeated over the layers",
+    "attention), repeated over the layers",
     "kda_heads": "KDA heads (None: n_heads)",
     "kda_head_dim": "KDA head width (None: d_model // n_heads)",
     "kda_conv_kernel": "KDA short-convolution width",
@@ -264,5 +267,5 @@ FIELD_DOCS: dict[str, str] = {
     "moe_routed_scale": "scale of the routed experts' sum (transformers' routed_scaling_factor)",
     "moe_renormalize": "renormalise the top-k routing weights (transformers' norm_topk_prob)",
     "moe_bias_update_rate": "aux-loss-free balancing: after each step every routing bias moves this much "
-                            "toward the mean load (0: off)",
+    "toward the mean load (0: off)",
 }

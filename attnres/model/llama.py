@@ -7,10 +7,12 @@ padded batches, running blocks, the logits and the loss. Submodule names are par
 analysis tools and tests hook ``attn_norm`` (its input is the sublayer input
 h_l) and ``attn`` (its output is f_l), and likewise ``mlp_norm`` / ``mlp``.
 """
+
 from __future__ import annotations
 
+from collections.abc import Iterable
 from functools import partial
-from typing import TYPE_CHECKING, Iterable, Tuple
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -102,14 +104,16 @@ class TransformerBlock(nn.Module):
         self.gradient_checkpointing = False
         self._gradient_checkpointing_func = None
 
-    def forward(self, depth: DepthState, residual: ResidualScheme, index: int, cos: Tensor, sin: Tensor,
-                cache=None) -> DepthState:
+    def forward(
+        self, depth: DepthState, residual: ResidualScheme, index: int, cos: Tensor, sin: Tensor, cache=None
+    ) -> DepthState:
         """Block ``index``: its two sublayers read their inputs from the depth state and write their
         outputs to it. Tensors in, tensors out, so per-block wrappers (FSDP2's ``fully_shard``,
         ``checkpoint_wrapper``, ``torch.compile``) see an ordinary module."""
         stream = residual.stream(depth)
-        stream.apply(lambda h: self._sublayer(lambda x: self.attn(self.attn_norm(x), cos, sin, cache=cache,
-                                                                  layer=index), h))
+        stream.apply(
+            lambda h: self._sublayer(lambda x: self.attn(self.attn_norm(x), cos, sin, cache=cache, layer=index), h)
+        )
         stream.apply(lambda h: self._sublayer(lambda x: self.mlp(self.mlp_norm(x)), h))
         return stream.depth()
 
@@ -117,15 +121,16 @@ class TransformerBlock(nn.Module):
         # never under no_grad (decoding, whose KV cache must be written once): nothing to save there
         if not (self.gradient_checkpointing and self.training and torch.is_grad_enabled()):
             return run(h)
-        checkpoint = self._gradient_checkpointing_func or partial(torch.utils.checkpoint.checkpoint,
-                                                                  use_reentrant=False)
+        checkpoint = self._gradient_checkpointing_func or partial(
+            torch.utils.checkpoint.checkpoint, use_reentrant=False
+        )
         return checkpoint(run, h)
 
 
 # ----------------------------------------------------------------------------- running the blocks
 
 
-def padding_mask(attention_mask: Tensor, t: int) -> Tuple[Tensor, Tensor]:
+def padding_mask(attention_mask: Tensor, t: int) -> tuple[Tensor, Tensor]:
     """For a padded batch whose last ``t`` columns are being run: (positions [B, t], allowed [B, 1, t, S]).
 
     ``attention_mask`` [B, S] marks real tokens 1 and padding 0 (left or right), over the cached
@@ -159,8 +164,14 @@ class PaddedAttention:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=self.allowed)
 
 
-def run_blocks(depth: DepthState, residual: ResidualScheme, blocks: Iterable[Tuple[int, TransformerBlock]],
-               cos: Tensor, sin: Tensor, cache=None) -> DepthState:
+def run_blocks(
+    depth: DepthState,
+    residual: ResidualScheme,
+    blocks: Iterable[tuple[int, nn.Module]],
+    cos: Tensor,
+    sin: Tensor,
+    cache=None,
+) -> DepthState:
     """Run the depth state through Transformer blocks given as (index, block): the model's forward
     runs all of them, a pipeline chunk runs its own slice."""
     for i, block in blocks:

@@ -4,36 +4,43 @@ Embedding, the Transformer blocks of the backbone (``attnres.model.backbones``: 
 blocks of ``attnres.model.llama``, or Kimi Linear's), driven through the residual stream, the final
 norm and the head.
 """
+
 from __future__ import annotations
 
 import math
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Dict, List, Optional
 
 import torch
 from torch import Tensor, nn
 
 from attnres.model.backbones import BACKBONES
-from attnres.model.checkpointing import check_checkpointing, run_segments, segment_layers
+from attnres.model.checkpointing import (
+    check_checkpointing,
+    run_segments,
+    segment_layers,
+)
 from attnres.model.config import ModelConfig
-from attnres.model.llama import PaddedAttention, output_logits, padding_mask, rope_tables, run_blocks
+from attnres.model.llama import (
+    PaddedAttention,
+    output_logits,
+    padding_mask,
+    rope_tables,
+    run_blocks,
+)
 from attnres.residual import DepthRecord, DepthRecorder, build_residual, observing
 from attnres.residual.param_groups import parameter_kinds
 
 
 def set_norm_eps(norm: nn.Module, eps: float) -> None:
     """torch's RMSNorm keeps its eps in ``eps``, transformers' RMSNorms (Kimi Linear) in ``variance_epsilon``."""
-    if hasattr(norm, "variance_epsilon"):
-        norm.variance_epsilon = eps
-    else:
-        norm.eps = eps
+    setattr(norm, "variance_epsilon" if hasattr(norm, "variance_epsilon") else "eps", eps)
 
 
 @dataclass
 class LMOutput:
     logits: Tensor
-    record: Optional[DepthRecord] = None
+    record: DepthRecord | None = None
 
 
 class AttnResLM(nn.Module):
@@ -42,6 +49,11 @@ class AttnResLM(nn.Module):
     The blocks come from the backbone registry (``attnres.model.backbones``): the TransformerBlock
     of ``attnres.model.llama`` for "llama", transformers' Kimi Linear sublayers for "kimi_linear"; the embedding, the
     residual stream, the final norm and the head are the same for every backbone."""
+
+    blocks: nn.ModuleList
+    norm: nn.Module
+    rope_cos: Tensor  # [max_seq_len, rope_dim] buffers, not saved with the weights
+    rope_sin: Tensor
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -61,8 +73,8 @@ class AttnResLM(nn.Module):
         # a scheme that rescales what a norm reads says by how much its eps must follow (AttnRes'
         # attnres_scale_norm_eps: exact PreNorm equivalence at init); 1 for every other scheme
         for i, block in enumerate(self.blocks):
-            set_norm_eps(block.attn_norm, config.norm_eps * self.residual.norm_eps_scale(2 * i))
-            set_norm_eps(block.mlp_norm, config.norm_eps * self.residual.norm_eps_scale(2 * i + 1))
+            set_norm_eps(block.get_submodule("attn_norm"), config.norm_eps * self.residual.norm_eps_scale(2 * i))
+            set_norm_eps(block.get_submodule("mlp_norm"), config.norm_eps * self.residual.norm_eps_scale(2 * i + 1))
         set_norm_eps(self.norm, config.norm_eps * self.residual.norm_eps_scale(config.n_sublayers))
         # width 0 for a backbone without rotary positions (Kimi Linear): the blocks get empty tables
         cos, sin = rope_tables(config.rope_dim, config.max_seq_len, config.rope_theta)
@@ -78,8 +90,10 @@ class AttnResLM(nn.Module):
         mode = "none" if mode is None else mode  # `--set activation_checkpointing=none` reads as None
         check_checkpointing(mode)
         if mode == "sublayer" and not all(hasattr(block, "gradient_checkpointing") for block in self.blocks):
-            raise ValueError(f"activation_checkpointing='sublayer' is invalid for backbone={self.config.backbone!r}: "
-                             "its blocks have no per-sublayer checkpointing; use 'block' or 'none'")
+            raise ValueError(
+                f"activation_checkpointing='sublayer' is invalid for backbone={self.config.backbone!r}: "
+                "its blocks have no per-sublayer checkpointing; use 'block' or 'none'"
+            )
         self.activation_checkpointing = mode
         for block in self.blocks:
             if hasattr(block, "gradient_checkpointing"):
@@ -102,8 +116,9 @@ class AttnResLM(nn.Module):
                 nn.init.ones_(module.weight)
         BACKBONES[self.config.backbone].init_weights(self)  # what the rule above does not cover
 
-    def forward(self, input_ids: Tensor, *, cache=None, attention_mask: Optional[Tensor] = None,
-                return_record: bool = False):
+    def forward(
+        self, input_ids: Tensor, *, cache=None, attention_mask: Tensor | None = None, return_record: bool = False
+    ):
         """input_ids [B, T] -> logits [B, T, V] (at least float32, under autocast too).
 
         ``cache`` (``attnres.inference.make_cache(model, batch_size)``: a ``KVCache``, or for
@@ -133,19 +148,23 @@ class AttnResLM(nn.Module):
         attention = cache
         if attention_mask is not None:
             if not isinstance(positions, slice):
-                raise ValueError("attention_mask with a StaticKVCache (compiled decoding) is not supported: "
-                                 "decode padded batches with a KVCache")
+                raise ValueError(
+                    "attention_mask with a StaticKVCache (compiled decoding) is not supported: "
+                    "decode padded batches with a KVCache"
+                )
             start = positions.start
             if tuple(attention_mask.shape) != (b, start + t):
                 raise ValueError(
                     f"attention_mask has shape {tuple(attention_mask.shape)}; expected {(b, start + t)} "
-                    "(batch, cached + new positions): pass the mask of the whole sequence so far")
+                    "(batch, cached + new positions): pass the mask of the whole sequence so far"
+                )
             if bool(attention_mask.all()):
                 attention_mask = None
             elif not BACKBONES[self.config.backbone].padded_batches:
                 raise ValueError(
                     f"attention_mask with padding: backbone={self.config.backbone!r} does not run padded batches "
-                    "(its recurrent layers would carry the padding's state); run each sequence alone, unpadded")
+                    "(its recurrent layers would carry the padding's state); run each sequence alone, unpadded"
+                )
         record = DepthRecord() if return_record else None
         if attention_mask is None:
             cos, sin = self.rope_cos[positions], self.rope_sin[positions]
@@ -155,10 +174,16 @@ class AttnResLM(nn.Module):
             attention = PaddedAttention(allowed, cache)
         with observing(self.residual, DepthRecorder(record)) if record is not None else nullcontext():
             depth = self.residual.start(self.embed(input_ids))
-            if (self.activation_checkpointing == "block" and self.training and torch.is_grad_enabled()
-                    and cache is None and record is None):
-                depth = run_segments(depth, self.residual, self.blocks, segment_layers(self.config), cos, sin,
-                                     attention)
+            if (
+                self.activation_checkpointing == "block"
+                and self.training
+                and torch.is_grad_enabled()
+                and cache is None
+                and record is None
+            ):
+                depth = run_segments(
+                    depth, self.residual, self.blocks, segment_layers(self.config), cos, sin, attention
+                )
             else:
                 depth = run_blocks(depth, self.residual, enumerate(self.blocks), cos, sin, cache=attention)
             if cache is not None:
@@ -167,25 +192,26 @@ class AttnResLM(nn.Module):
         return LMOutput(logits, record) if return_record else logits
 
     # ------------------------------------------------------------------ decoding and training steps
-    def step_counters(self) -> List[Tensor]:
+    def step_counters(self) -> list[Tensor]:
         """Statistics the blocks accumulate over a training step (MoE expert loads; none for dense
         blocks). Data-parallel runs sum them over replicas, in place, before ``end_step``."""
         return BACKBONES[self.config.backbone].step_counters(self)
 
-    def end_step(self) -> Dict[str, object]:
+    def end_step(self) -> dict[str, object]:
         """After each optimizer step: the blocks' per-step updates (MoE: the aux-loss-free router-bias
         balancing) and what they report (MoE: expert load and imbalance per layer); {} for dense
         blocks. The trainer logs the report with the step's metrics."""
         return BACKBONES[self.config.backbone].end_step(self)
 
     # ------------------------------------------------------------------ bookkeeping
-    def param_kinds(self) -> Dict[str, str]:
+    def param_kinds(self) -> dict[str, str]:
         """Every parameter name -> "matrix" (hidden weight matrices, and stacks of them such as MoE
         experts: Muon, decayed), "embedding", "head", or "no_decay" (norms, biases, convolution
         filters, every residual-scheme parameter): ``attnres.param_groups``' rule, with the
         backbone's expert stacks and this model's head named."""
-        return parameter_kinds(self, matrix_stacks=BACKBONES[self.config.backbone].matrix_stacks(self),
-                               head=self.lm_head)
+        return parameter_kinds(
+            self, matrix_stacks=BACKBONES[self.config.backbone].matrix_stacks(self), head=self.lm_head
+        )
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())

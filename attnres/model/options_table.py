@@ -5,6 +5,7 @@ backbone reads a field from the registries (``RESIDUALS[name].options``, ``BACKB
 the choices of ``residual`` and ``backbone`` from the registries' names, and each field's one line from
 ``attnres.model.config.FIELD_DOCS``. ``attnres options`` prints it; docs/options.md holds its output.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -59,7 +60,8 @@ def options_markdown() -> str:
         group, who = readers(f.name)
         groups.setdefault(group, []).append(
             f"| `{f.name}` | {cell(type_name(hints[f.name]))} | `{f.default!r}` | {who} "
-            f"| {cell(FIELD_DOCS[f.name] + choices(f.name))} |")
+            f"| {cell(FIELD_DOCS[f.name] + choices(f.name))} |"
+        )
     lines = [
         TITLE,
         "",
@@ -72,6 +74,12 @@ def options_markdown() -> str:
         "says the others ignore it. On the command line: `--set FIELD=VALUE`; in a TOML config: `[model]`.",
     ]
     for group, rows in groups.items():
-        lines += ["", f"## {group}", "", "| field | type | default | read by | meaning |",
-                  "|---|---|---|---|---|", *rows]
+        lines += [
+            "",
+            f"## {group}",
+            "",
+            "| field | type | default | read by | meaning |",
+            "|---|---|---|---|---|",
+            *rows,
+        ]
     return "\n".join(lines)

@@ -10,10 +10,10 @@ Each scheme is evaluated on the given config with its own options kept and
 every other scheme's options reset to their defaults, so one config serves
 all rows (``hyper_streams=8`` changes only the ``hyper`` row).
 """
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
 
 from attnres.model.backbones import BACKBONES
 from attnres.model.config import ModelConfig
@@ -42,7 +42,7 @@ def base_params(config: ModelConfig) -> int:
     return BACKBONES[config.backbone].params(config)
 
 
-def schemes_table(config: Optional[ModelConfig] = None) -> str:
+def schemes_table(config: ModelConfig | None = None) -> str:
     """Markdown table of every registered residual scheme for ``config`` (default: the demo model)."""
     if config is None:
         config = ModelConfig(**DEMO_MODEL)
@@ -53,8 +53,7 @@ def schemes_table(config: Optional[ModelConfig] = None) -> str:
         "Transformer blocks "
         f"(L={L} sublayers), vocabulary {config.vocab_size}: PreNorm model {base:,} parameters.",
         "",
-        "| scheme | weight type | source | params added | % of model | depth state (d floats/token) "
-        "| description |",
+        "| scheme | weight type | source | params added | % of model | depth state (d floats/token) | description |",
         "|---|---|---|---:|---:|---:|---|",
     ]
     for name, info in RESIDUALS.items():

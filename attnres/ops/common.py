@@ -7,13 +7,14 @@ log-sum-exp of the logits. It is what ``depth_attention(..., return_stats=True)`
 attention it carries the same information (h = o / l, lse = m + log l) and merges without
 rescaling o: the second set's share of the union is ``sigmoid(lse_b - lse_a)``.
 """
+
 from __future__ import annotations
 
 import functools
 import importlib
 import os
 from types import ModuleType
-from typing import Dict, NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -53,6 +54,7 @@ def autocast_off(backward):
     """A Function's backward run with autocast off, as its forward is: compiled training traces the
     backward together with the forward, inside the caller's autocast, which would otherwise
     recast the backward's products (bf16 mixed with our float32 statistics fails)."""
+
     @functools.wraps(backward)
     def run(ctx, *grads):
         device = next(g.device.type for g in grads if g is not None)
@@ -78,10 +80,10 @@ def apply_function(function, *args):
     return function.forward(_Unrecorded(), *args)
 
 
-_TRITON_KERNELS: Dict[str, Optional[ModuleType]] = {}  # module name -> module, None when unavailable
+_TRITON_KERNELS: dict[str, ModuleType | None] = {}  # module name -> module, None when unavailable
 
 
-def triton_kernels(module_name: str) -> Optional[ModuleType]:
+def triton_kernels(module_name: str) -> ModuleType | None:
     """A module of Triton kernels, imported on first use; None when triton is missing or
     ``ATTNRES_TRITON=0`` (read on every call, so it can be switched at run time). The fast paths
     call this only for CUDA tensors, so nothing imports triton on a CPU-only machine."""

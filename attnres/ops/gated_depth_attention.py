@@ -24,10 +24,11 @@ has it; the absorbed form still adds it so that both forms use the same paramete
 
 Precision: logits and softmax in float32 for 16-bit inputs (float64 stays float64).
 """
+
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -36,9 +37,21 @@ from torch import Tensor
 from attnres.ops.common import compute_dtype
 
 
-def gated_depth_attention(current: Tensor, sources: Sequence[Tensor], q_weight: Tensor, q_bias: Tensor,
-                          k_weight: Tensor, k_bias: Tensor, v_weight: Tensor, v_bias: Tensor, gate: Tensor, *,
-                          heads: int, absorbed: bool = True, return_weights: bool = False):
+def gated_depth_attention(
+    current: Tensor,
+    sources: Sequence[Tensor],
+    q_weight: Tensor,
+    q_bias: Tensor,
+    k_weight: Tensor,
+    k_bias: Tensor,
+    v_weight: Tensor,
+    v_bias: Tensor,
+    gate: Tensor,
+    *,
+    heads: int,
+    absorbed: bool = True,
+    return_weights: bool = False,
+):
     """current [B, T, D], sources K tensors [B, T, D] -> out [B, T, D] (and, with ``return_weights``,
     the depth weights [K, B, T, H] as a second value, float32/float64)."""
     b, t, d = current.shape

@@ -19,9 +19,8 @@ Plain autograd: Phase 1 stacks its n sources once per block (a copy autograd
 can keep; the stream's buffer is written in place later, so a view of it
 cannot be saved here).
 """
-from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple
+from __future__ import annotations
 
 import torch
 from torch import Tensor
@@ -47,8 +46,14 @@ def _heads_of(queries: Tensor, per_query_dims: int) -> int:
     return 1 if queries.dim() == per_query_dims else queries.shape[-2]
 
 
-def phase1_token_queries(sources: Sequence[Tensor], queries: Tensor, key_weights: Optional[Tensor], *,
-                         eps: float, kernel: str = "softmax") -> Tuple[Tuple[Tensor, ...], Tensor]:
+def phase1_token_queries(
+    sources: list[Tensor] | tuple[Tensor, ...],
+    queries: Tensor,
+    key_weights: Tensor | None,
+    *,
+    eps: float,
+    kernel: str = "softmax",
+) -> tuple[tuple[Tensor, ...], Tensor]:
     """Phase 1 of §6 for S per-token queries over n completed sources.
 
     sources: n tensors [B, T, D]; queries [B, T, S, D] or [B, T, S, H, D/H]; key_weights [S, D] (key
@@ -76,8 +81,9 @@ def phase1_token_queries(sources: Sequence[Tensor], queries: Tensor, key_weights
     return h1.unbind(2), lse
 
 
-def merge_partial_token(stats: DepthStats, partial: Tensor, query: Tensor, key_weight: Optional[Tensor],
-                        eps: float, kernel: str = "softmax") -> Tensor:
+def merge_partial_token(
+    stats: DepthStats, partial: Tensor, query: Tensor, key_weight: Tensor | None, eps: float, kernel: str = "softmax"
+) -> Tensor:
     """Phase 2 with a per-token query: fold the partial sum p into a Phase-1 result, exactly.
 
     stats: h [B, T, D], lse [B, T, H]; partial [B, T, D], query [B, T, D] or [B, T, H, D/H], key_weight [D] or

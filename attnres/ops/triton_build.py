@@ -4,23 +4,23 @@ Interpret mode (how the tests run the kernels on a CPU) executes them as numpy c
 reaches the compiler; ``compile_check`` runs the real pipeline (front end, LLVM, ptxas) on the
 variants the launchers would pick, and reports registers and spills.
 """
+
 from __future__ import annotations
 
 import os
-from typing import Dict, Tuple
+from collections.abc import Mapping
 
 import triton
 
 from attnres.ops.depth_attention import triton as da
 from attnres.ops.two_phase import triton as tp
 
-
 # pointers in the sources' dtype; every other pointer is in the compute dtype
 _DEPTH_ATTENTION_SOURCE_POINTERS = frozenset({"v0_ptr", "v1_ptr", "v2_ptr", "h_ptr", "gh_ptr", "dv_ptr"})
 _PHASE1_SOURCE_POINTERS = frozenset({"v_ptr"})
 
 
-def _aot_signature(fn, dtype: str, constexprs: Dict[str, object], source_pointers) -> Dict[str, str]:
+def _aot_signature(fn, dtype: str, constexprs: Mapping[str, object], source_pointers) -> dict[str, str]:
     """Argument types for ``triton.compile``: source/compute-dtype pointers, i32, fp32 eps."""
     compute = "fp64" if dtype == "fp64" else "fp32"
     sig = {}
@@ -34,7 +34,7 @@ def _aot_signature(fn, dtype: str, constexprs: Dict[str, object], source_pointer
     return sig
 
 
-def compile_check(arch: int = 90, d: int = 1024, heads: int = 1) -> Dict[str, Tuple[int, int]]:
+def compile_check(arch: int = 90, d: int = 1024, heads: int = 1) -> dict[str, tuple[int, int]]:
     """Compile the kernels for ``sm_{arch}`` without a GPU (front end, LLVM and ptxas).
 
     Interpret mode runs the kernels as numpy code and cannot see compiler errors;
@@ -53,30 +53,68 @@ def compile_check(arch: int = 90, d: int = 1024, heads: int = 1) -> Dict[str, Tu
     if da.INTERPRETED:
         raise RuntimeError("compile_check needs a process without TRITON_INTERPRET=1")
     target = GPUTarget("cuda", arch, 32)
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
-                             "cuobjdump")
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     fwd_tile = da.tile_shape(heads, d, per_thread=16, max_warps=8)
     bwd_tile = da.tile_shape(heads, d, per_thread=8, max_warps=16)
     bh, bdh = da.pow2(heads), da.pow2(d // heads)
     variants = []
-    for dtype, softmax, norm, per_token in (("bf16", True, True, False),
-                                            ("fp32", False, False, True),
-                                            ("fp64", True, True, True)):
+    for dtype, softmax, norm, per_token in (
+        ("bf16", True, True, False),
+        ("fp32", False, False, True),
+        ("fp64", True, True, True),
+    ):
         bt, _, _, warps = fwd_tile
-        variants.append((f"fwd {dtype} softmax={softmax} norm={norm} per_token={per_token}",
-                         da._depth_attn_fwd_kernel, dtype, warps, _DEPTH_ATTENTION_SOURCE_POINTERS,
-                         dict(D=d, SOFTMAX=softmax, NORM=norm, PER_TOKEN=per_token,
-                              BLOCK_T=bt, BLOCK_H=bh, BLOCK_DH=bdh)))
+        variants.append(
+            (
+                f"fwd {dtype} softmax={softmax} norm={norm} per_token={per_token}",
+                da._depth_attn_fwd_kernel,
+                dtype,
+                warps,
+                _DEPTH_ATTENTION_SOURCE_POINTERS,
+                dict(D=d, SOFTMAX=softmax, NORM=norm, PER_TOKEN=per_token, BLOCK_T=bt, BLOCK_H=bh, BLOCK_DH=bdh),
+            )
+        )
         bt, _, _, warps = bwd_tile
-        variants.append((f"bwd {dtype} softmax={softmax} norm={norm} per_token={per_token}",
-                         da._depth_attn_bwd_kernel, dtype, warps, _DEPTH_ATTENTION_SOURCE_POINTERS,
-                         dict(D=d, SOFTMAX=softmax, NORM=norm, PER_TOKEN=per_token,
-                              DELTA_FROM_H=dtype != "bf16", BLOCK_T=bt, BLOCK_H=bh, BLOCK_DH=bdh)))
+        variants.append(
+            (
+                f"bwd {dtype} softmax={softmax} norm={norm} per_token={per_token}",
+                da._depth_attn_bwd_kernel,
+                dtype,
+                warps,
+                _DEPTH_ATTENTION_SOURCE_POINTERS,
+                dict(
+                    D=d,
+                    SOFTMAX=softmax,
+                    NORM=norm,
+                    PER_TOKEN=per_token,
+                    DELTA_FROM_H=dtype != "bf16",
+                    BLOCK_T=bt,
+                    BLOCK_H=bh,
+                    BLOCK_DH=bdh,
+                ),
+            )
+        )
     bt, bs, _, _, warps = tp._phase1_tile(heads, d, 4)
-    variants.append(("phase1 bf16 S=4", tp._phase1_kernel, "bf16", warps, _PHASE1_SOURCE_POINTERS,
-                     dict(D=d, SOFTMAX=True, NORM=True, BLOCK_T=bt, BLOCK_S=bs, BLOCK_H=bh, BLOCK_DH=bdh)))
-    variants.append(("merge fp32", tp._merge_kernel, "fp32", fwd_tile[3], frozenset(),
-                     dict(D=d, SOFTMAX=True, BLOCK_T=fwd_tile[0], BLOCK_H=bh, BLOCK_DH=bdh)))
+    variants.append(
+        (
+            "phase1 bf16 S=4",
+            tp._phase1_kernel,
+            "bf16",
+            warps,
+            _PHASE1_SOURCE_POINTERS,
+            dict(D=d, SOFTMAX=True, NORM=True, BLOCK_T=bt, BLOCK_S=bs, BLOCK_H=bh, BLOCK_DH=bdh),
+        )
+    )
+    variants.append(
+        (
+            "merge fp32",
+            tp._merge_kernel,
+            "fp32",
+            fwd_tile[3],
+            frozenset(),
+            dict(D=d, SOFTMAX=True, BLOCK_T=fwd_tile[0], BLOCK_H=bh, BLOCK_DH=bdh),
+        )
+    )
     report = {}
     for name, fn, dtype, warps, source_pointers, constexprs in variants:
         src = ASTSource(fn, _aot_signature(fn, dtype, constexprs, source_pointers), constexprs)
@@ -87,11 +125,9 @@ def compile_check(arch: int = 90, d: int = 1024, heads: int = 1) -> Dict[str, Tu
                 path = os.path.join(tmp, "kernel.cubin")
                 with open(path, "wb") as f:
                     f.write(kernel.asm["cubin"])
-                out = subprocess.run([cuobjdump, "-res-usage", path], capture_output=True,
-                                     text=True).stdout
+                out = subprocess.run([cuobjdump, "-res-usage", path], capture_output=True, text=True).stdout
             found = re.search(r"REG:(\d+).*?STACK:(\d+)", out, re.S)
             if found:
                 regs, stack = int(found.group(1)), int(found.group(2))
         report[name] = (regs, stack)
     return report
-

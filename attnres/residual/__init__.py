@@ -14,27 +14,78 @@
 - hyper.py: multi-stream rivals (Hyper-Connections, mHC);
 - gated.py: the gated multi-head depth attention of popular write-ups (a rival, not AttnRes).
 """
+
 from attnres.residual.attnres import DepthAttentionResidual, source_plan
 from attnres.residual.base import DepthState, ResidualScheme, Stream, StreamOps
 from attnres.residual.config import ResidualConfig
 from attnres.residual.dense import DenseFormerResidual, MUDDResidual
 from attnres.residual.gated import GatedDepthAttentionResidual
-from attnres.residual.hyper import HyperConnectionResidual, ManifoldHyperConnectionResidual, sinkhorn
-from attnres.residual.modules import BlockAttnRes, FullAttnRes, residual_config, residual_scheme
+from attnres.residual.hyper import (
+    HyperConnectionResidual,
+    ManifoldHyperConnectionResidual,
+    sinkhorn,
+)
+from attnres.residual.modules import (
+    BlockAttnRes,
+    FullAttnRes,
+    residual_config,
+    residual_scheme,
+)
 from attnres.residual.norms import match_prenorm_eps, prenorm_eps_scales
-from attnres.residual.observe import DepthRecord, DepthRecorder, IOCounter, StreamObserver, observing
+from attnres.residual.observe import (
+    DepthRecord,
+    DepthRecorder,
+    IOCounter,
+    StreamObserver,
+    observing,
+)
 from attnres.residual.options import Option
 from attnres.residual.param_groups import param_groups, parameter_kinds
 from attnres.residual.prenorm import PreNormResidual
-from attnres.residual.registry import RESIDUALS, SchemeInfo, build_residual, scheme_options, validate_scheme
+from attnres.residual.registry import (
+    RESIDUALS,
+    SchemeInfo,
+    build_residual,
+    scheme_options,
+    validate_scheme,
+)
 from attnres.residual.scaled import HighwayResidual, LayerScaleResidual, ReZeroResidual
 
 __all__ = [
-    "RESIDUALS", "BlockAttnRes", "DenseFormerResidual", "DepthAttentionResidual", "DepthRecord", "DepthRecorder",
-    "DepthState", "FullAttnRes", "GatedDepthAttentionResidual", "HighwayResidual", "HyperConnectionResidual",
-    "IOCounter", "LayerScaleResidual", "MUDDResidual", "ManifoldHyperConnectionResidual", "Option",
-    "PreNormResidual", "ReZeroResidual", "ResidualConfig", "ResidualScheme", "SchemeInfo", "Stream",
-    "StreamObserver", "StreamOps", "build_residual", "match_prenorm_eps", "observing", "param_groups",
-    "parameter_kinds", "prenorm_eps_scales", "residual_config", "residual_scheme", "scheme_options", "sinkhorn",
-    "source_plan", "validate_scheme",
+    "RESIDUALS",
+    "BlockAttnRes",
+    "DenseFormerResidual",
+    "DepthAttentionResidual",
+    "DepthRecord",
+    "DepthRecorder",
+    "DepthState",
+    "FullAttnRes",
+    "GatedDepthAttentionResidual",
+    "HighwayResidual",
+    "HyperConnectionResidual",
+    "IOCounter",
+    "LayerScaleResidual",
+    "MUDDResidual",
+    "ManifoldHyperConnectionResidual",
+    "Option",
+    "PreNormResidual",
+    "ReZeroResidual",
+    "ResidualConfig",
+    "ResidualScheme",
+    "SchemeInfo",
+    "Stream",
+    "StreamObserver",
+    "StreamOps",
+    "build_residual",
+    "match_prenorm_eps",
+    "observing",
+    "param_groups",
+    "parameter_kinds",
+    "prenorm_eps_scales",
+    "residual_config",
+    "residual_scheme",
+    "scheme_options",
+    "sinkhorn",
+    "source_plan",
+    "validate_scheme",
 ]

@@ -28,17 +28,24 @@ implementation serves both.
 Depth blocks may be uneven (``attnres_block_sizes``): the geometry lives in
 ``source_plan`` alone, which every path reads.
 """
+
 from __future__ import annotations
 
 import math
-from typing import List, Sequence, Tuple, Union
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
 
 from attnres.residual.base import ResidualScheme, Stream
 from attnres.residual.depth_streams import stream_class
-from attnres.residual.options import Option, boolean, is_positive_int, one_of, positive_int
+from attnres.residual.options import (
+    Option,
+    boolean,
+    is_positive_int,
+    one_of,
+    positive_int,
+)
 
 WEIGHTS = ("pseudo_query", "input_query", "low_rank_query", "scalar")
 SOURCES = ("outputs", "states")
@@ -67,13 +74,13 @@ def block_size(config) -> int:
     return min(s, L)
 
 
-def equal_block_sizes(n_sublayers: int, size: int) -> List[int]:
+def equal_block_sizes(n_sublayers: int, size: int) -> list[int]:
     """Blocks of ``size`` sublayers, the last one shorter when ``size`` does not divide L."""
     full, rest = divmod(n_sublayers, size)
     return [size] * full + ([rest] if rest else [])
 
 
-def block_sizes(config) -> List[int]:
+def block_sizes(config) -> list[int]:
     """Sublayers per depth block, in order: ``attnres_block_sizes``, else equal blocks of S
     (``block_size``) with the last one shorter."""
     if config.attnres_block_sizes is not None:
@@ -81,7 +88,7 @@ def block_sizes(config) -> List[int]:
     return equal_block_sizes(config.n_sublayers, block_size(config))
 
 
-def full_block_sizes(config) -> List[int]:
+def full_block_sizes(config) -> list[int]:
     """Full AttnRes: every sublayer output is its own source (S = 1)."""
     return [1] * config.n_sublayers
 
@@ -116,11 +123,15 @@ def _weights(value, config):
 
 def _query_rank(r, config):
     if config.attnres_weights != "low_rank_query":
-        return (f"applies to attnres_weights='low_rank_query' only (attnres_weights={config.attnres_weights!r}); "
-                "drop it or set attnres_weights='low_rank_query'")
+        return (
+            f"applies to attnres_weights='low_rank_query' only (attnres_weights={config.attnres_weights!r}); "
+            "drop it or set attnres_weights='low_rank_query'"
+        )
     if not is_positive_int(r) or r >= config.d_model:
-        return (f"must be an integer in [1, {config.d_model - 1}] (below d_model={config.d_model}); "
-                "use attnres_weights='input_query' for a full-rank query")
+        return (
+            f"must be an integer in [1, {config.d_model - 1}] (below d_model={config.d_model}); "
+            "use attnres_weights='input_query' for a full-rank query"
+        )
     return None
 
 
@@ -128,8 +139,10 @@ def _sources(value, config):
     if value not in SOURCES:
         return f"choose one of {SOURCES}"
     if value == "states" and config.attnres_scale_norm_eps:
-        return ("states-sourced AttnRes reads a weighted mix of running sums at init, not a multiple of the "
-                "PreNorm sum, so attnres_scale_norm_eps cannot make it exact; drop attnres_scale_norm_eps")
+        return (
+            "states-sourced AttnRes reads a weighted mix of running sums at init, not a multiple of the "
+            "PreNorm sum, so attnres_scale_norm_eps cannot make it exact; drop attnres_scale_norm_eps"
+        )
     return None
 
 
@@ -145,9 +158,11 @@ def _blocks(n, config):
         return f"exceeds the number of sublayers L={L} (2 * n_layers); use at most {L}"
     s = math.ceil(L / n)
     if math.ceil(L / s) != n:
-        return (f"cannot split L={L} sublayers into {n} blocks of {s} with only the last one shorter; "
-                f"set attnres_block_size instead (S={s} gives {math.ceil(L / s)} blocks), or list the sizes "
-                f"in attnres_block_sizes")
+        return (
+            f"cannot split L={L} sublayers into {n} blocks of {s} with only the last one shorter; "
+            f"set attnres_block_size instead (S={s} gives {math.ceil(L / s)} blocks), or list the sizes "
+            f"in attnres_block_sizes"
+        )
     return None
 
 
@@ -164,12 +179,10 @@ def _block_size(s, config):
 
 def _block_sizes(sizes, config):
     L = config.n_sublayers
-    if (not isinstance(sizes, (list, tuple)) or not sizes
-            or not all(is_positive_int(s) for s in sizes)):
+    if not isinstance(sizes, (list, tuple)) or not sizes or not all(is_positive_int(s) for s in sizes):
         return "must be a non-empty list of positive integers (sublayers per depth block, in order)"
     if sum(sizes) != L:
-        return (f"sums to {sum(sizes)}, not to the L={L} sublayers (2 * n_layers); "
-                f"make the sizes add up to {L}")
+        return f"sums to {sum(sizes)}, not to the L={L} sublayers (2 * n_layers); make the sizes add up to {L}"
     return None
 
 
@@ -186,8 +199,10 @@ def _values(value, config):
     if value not in VALUES:
         return f"choose one of {VALUES}"
     if value == "normalized" and config.attnres_scale_norm_eps:
-        return ("a zero-query read of normalized values is no multiple of the PreNorm sum, so "
-                "attnres_scale_norm_eps cannot make it exact; drop attnres_scale_norm_eps")
+        return (
+            "a zero-query read of normalized values is no multiple of the PreNorm sum, so "
+            "attnres_scale_norm_eps cannot make it exact; drop attnres_scale_norm_eps"
+        )
     return _multi_query_variant(config) if value == "normalized" else None
 
 
@@ -201,10 +216,11 @@ def _score_scale(value, config):
 
 def _read_queries(value, config):
     n = config.n_sublayers + 1
-    if (not isinstance(value, (list, tuple)) or len(value) != n
-            or not all(is_positive_int(q) for q in value)):
-        return (f"must list {n} positive integers (queries per read: the L={config.n_sublayers} sublayers, then the "
-                "final aggregation)")
+    if not isinstance(value, (list, tuple)) or len(value) != n or not all(is_positive_int(q) for q in value):
+        return (
+            f"must list {n} positive integers (queries per read: the L={config.n_sublayers} sublayers, then the "
+            "final aggregation)"
+        )
     return _multi_query_variant(config)
 
 
@@ -236,7 +252,7 @@ BLOCK_OPTIONS = {
 }
 
 
-def source_plan(n_sublayers: int, block_size: Union[int, Sequence[int]]) -> List[Tuple[int, bool]]:
+def source_plan(n_sublayers: int, block_size: int | Sequence[int]) -> list[tuple[int, bool]]:
     """For each sublayer l (and the final aggregation at index L): (completed sources, has partial).
 
     ``block_size``: S (equal blocks, the last one shorter) or the list of block sizes.
@@ -286,15 +302,16 @@ class DepthAttentionResidual(ResidualScheme):
         self.multi_query = self.values != "raw" or self.score_scale is not None or max(self.read_queries) > 1
         self.plan = source_plan(L, self.block_sizes)
         # the first sublayer of each sublayer's depth block (the final aggregation is its own block)
-        self.block_start = []
+        self.block_start: list[int] = []
         for l, (_, partial) in enumerate(self.plan):
             self.block_start.append(self.block_start[-1] if partial else l)
         # the first sublayer of each sublayer's Phase-1 group: its depth block, or for Full AttnRes
         # G consecutive sublayers (their later sources are merged in per sublayer)
         group = group_size(config) if config.residual == "full" else 1
         self.grouped = self.block_size == 1 and group > 1
-        self.group_start = [(l // group) * group if l < L else L for l in range(L + 1)] \
-            if self.grouped else list(self.block_start)
+        self.group_start = (
+            [(l // group) * group if l < L else L for l in range(L + 1)] if self.grouped else list(self.block_start)
+        )
 
         n_q = L + 1  # every sublayer plus the final aggregation
         if self.weights_kind == "pseudo_query":
@@ -310,9 +327,7 @@ class DepthAttentionResidual(ResidualScheme):
             self.query_up = nn.Parameter(torch.zeros(n_q, d, r))
             self.query_down = nn.Parameter(torch.randn(n_q, r, d) / math.sqrt(d))
         else:  # scalar: one learned logit per (sublayer, source)
-            self.mix_logits = nn.ParameterList(
-                [nn.Parameter(torch.zeros(self.num_sources(l))) for l in range(n_q)]
-            )
+            self.mix_logits = nn.ParameterList([nn.Parameter(torch.zeros(self.num_sources(l))) for l in range(n_q)])
         if max(self.read_queries) > 1:
             # a read's queries beyond its first, in read order; zero at init like the first
             self.extra_queries = nn.Parameter(torch.zeros(sum(self.read_queries) - n_q, d))
@@ -331,7 +346,11 @@ class DepthAttentionResidual(ResidualScheme):
         """c, where at init (zero queries: uniform weights) read l returns c times the PreNorm residual
         sum: 1/K_l for softmax over K_l sources, 1/2 for sigmoid. None where no such c exists: with
         "states" sources (a mix of running sums), normalized values, or a window that leaves sources out."""
-        if self.states or self.values != "raw" or (self.window is not None and self.num_sources(l) < self.plan[l][0] + int(self.plan[l][1])):
+        if (
+            self.states
+            or self.values != "raw"
+            or (self.window is not None and self.num_sources(l) < self.plan[l][0] + int(self.plan[l][1]))
+        ):
             return None
         return 0.5 if self.kernel == "sigmoid" else 1.0 / self.num_sources(l)
 

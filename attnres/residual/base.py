@@ -38,11 +38,13 @@ Measurement stays out of the arithmetic: a stream only computes. Observers
 to it and see each read, write and end, and may wrap the tensor operations in
 ``stream.ops`` to count what they move.
 """
+
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -101,9 +103,9 @@ class DepthState(NamedTuple):
     """
 
     at: int
-    history: Tuple[Tensor, ...]
-    state: Tuple[Tensor, ...]
-    cache: Tuple[Tensor, ...] = ()
+    history: tuple[Tensor, ...]
+    state: tuple[Tensor, ...]
+    cache: tuple[Tensor, ...] = ()
 
 
 class Stream:
@@ -113,16 +115,16 @@ class Stream:
     """
 
     ops: StreamOps = PLAIN_OPS
-    token_shape: Optional[Tuple[int, ...]] = None  # [B, T, D], set by begin / resume: what write checks
+    token_shape: tuple[int, ...] | None = None  # [B, T, D], set by begin / resume: what write checks
 
     def __init__(self, n_sublayers: int):
         self.n_sublayers = n_sublayers
-        self.observers: List = []
+        self.observers: list = []
         self.at = 0
         self._next = 0
         self._reading = False
 
-    def read(self, l: Optional[int] = None) -> Tensor:
+    def read(self, l: int | None = None) -> Tensor:
         """The input h_l of sublayer ``l`` (default: the next one), before its pre-norm."""
         l = self._next if l is None else l
         if l != self._next or self._reading:
@@ -134,14 +136,16 @@ class Stream:
             observer.after_read(self, l, h)
         return h
 
-    def write(self, l: Optional[int], f: Tensor) -> None:
+    def write(self, l: int | None, f: Tensor) -> None:
         """Sublayer ``l``'s output f_l (``l`` None: the sublayer just read)."""
         l = self._next if l is None else l
         if l != self._next or not self._reading:
             raise RuntimeError(f"stream.write({l}) out of order: expected read({self._next}) first")
         if self.token_shape is not None and tuple(f.shape) != self.token_shape:
-            raise ValueError(f"stream.write({l}, f): f has shape {tuple(f.shape)}, the stream's tokens are "
-                             f"{list(self.token_shape)} [B, T, D]; a sublayer must return one vector per token")
+            raise ValueError(
+                f"stream.write({l}, f): f has shape {tuple(f.shape)}, the stream's tokens are "
+                f"{list(self.token_shape)} [B, T, D]; a sublayer must return one vector per token"
+            )
         self._reading = False
         self._next += 1
         self.at = l
@@ -163,7 +167,7 @@ class Stream:
             observer.before_end(self)
         return self._end()
 
-    def export(self) -> Tuple[List[Tensor], List[Tensor]]:
+    def export(self) -> tuple[list[Tensor], list[Tensor]]:
         """(history, state) between two sublayers, for a pipeline transition (see the module doc)."""
         if self._reading:
             raise RuntimeError(f"stream.export() between read({self._next}) and its write")
@@ -180,7 +184,7 @@ class Stream:
         0 for single-state schemes."""
         return 0
 
-    def depth_weights(self, l: int) -> Optional[Tuple[Tensor, List[str]]]:
+    def depth_weights(self, l: int) -> tuple[Tensor, list[str]] | None:
         """The depth weights sublayer l (L = the final aggregation) reads its sources with, [K, B, T]
         (or [K, B, T, H]), and the sources' names; None for schemes without depth weights. Called
         between read(l) and write(l), or just before end()."""
@@ -196,7 +200,7 @@ class Stream:
     def _end(self) -> Tensor:
         raise NotImplementedError
 
-    def _export(self) -> Tuple[List[Tensor], List[Tensor]]:
+    def _export(self) -> tuple[list[Tensor], list[Tensor]]:
         raise NotImplementedError
 
     def _cache(self) -> Sequence[Tensor]:
@@ -208,36 +212,48 @@ class Stream:
 class ResidualScheme(nn.Module):
     """Base class of residual schemes: owns parameters, starts streams.
 
-    Subclasses implement ``_begin(embedding)`` and ``_resume(history, state)``; ``begin`` and
+    Subclasses implement ``_begin(embedding)`` and ``_resume(history, state, cache)``; ``begin`` and
     ``resume`` attach the observers (``record``, and those registered with
     ``attnres.residual.observe.observing``).
     """
 
+    n_sublayers: int  # L, set by each subclass
+
     def __init__(self):
         super().__init__()
-        self.observers: List = []  # attached to every stream this scheme starts
+        self.observers: list = []  # attached to every stream this scheme starts
 
     def begin(self, embedding: Tensor, record=None) -> Stream:
         """Start a forward pass at the embedding [B, T, D]. ``record``: a ``DepthRecord`` to fill."""
         if not isinstance(embedding, Tensor) or embedding.dim() != 3 or not embedding.is_floating_point():
-            found = (f"a {embedding.dim()}-D {embedding.dtype} tensor of shape {tuple(embedding.shape)}"
-                     if isinstance(embedding, Tensor) else type(embedding).__name__)
-            raise ValueError(f"{type(self).__name__}.begin(embedding): expected a floating tensor [B, T, D], "
-                             f"got {found}")
+            found = (
+                f"a {embedding.dim()}-D {embedding.dtype} tensor of shape {tuple(embedding.shape)}"
+                if isinstance(embedding, Tensor)
+                else type(embedding).__name__
+            )
+            raise ValueError(
+                f"{type(self).__name__}.begin(embedding): expected a floating tensor [B, T, D], got {found}"
+            )
         d = getattr(self, "d_model", None)
         if d is not None and embedding.shape[-1] != d:
-            raise ValueError(f"{type(self).__name__}.begin(embedding): last dimension {embedding.shape[-1]} is not "
-                             f"d_model={d}; build the scheme with d_model={embedding.shape[-1]} or pass [B, T, {d}]")
+            raise ValueError(
+                f"{type(self).__name__}.begin(embedding): last dimension {embedding.shape[-1]} is not "
+                f"d_model={d}; build the scheme with d_model={embedding.shape[-1]} or pass [B, T, {d}]"
+            )
         stream = self._begin(embedding)
         stream.token_shape = tuple(embedding.shape)
         return self._observed(stream, record)
 
-    def resume(self, at: int, history: Sequence[Tensor], state: Sequence[Tensor], record=None,
-               cache: Sequence[Tensor] = ()) -> Stream:
+    def resume(
+        self, at: int, history: Sequence[Tensor], state: Sequence[Tensor], record=None, cache: Sequence[Tensor] = ()
+    ) -> Stream:
         """Continue, at sublayer ``at``, a stream that another stage exported after sublayer at - 1
         (``cache``: what ``Stream.depth()`` derived besides, or nothing)."""
-        stream = self._resume(list(history), list(state), tuple(cache)) if cache else \
-            self._resume(list(history), list(state))
+        stream = (
+            self._resume(list(history), list(state), tuple(cache))
+            if cache
+            else self._resume(list(history), list(state))
+        )
         if not 0 <= at <= stream.n_sublayers:
             raise ValueError(f"resume at sublayer {at}: the scheme has {stream.n_sublayers} sublayers (0 … L)")
         stream._next = stream.at = at
@@ -269,10 +285,12 @@ class ResidualScheme(nn.Module):
     def _begin(self, embedding: Tensor) -> Stream:
         raise NotImplementedError
 
-    def _resume(self, history: List[Tensor], state: List[Tensor]) -> Stream:
+    def _resume(self, history: list[Tensor], state: list[Tensor], cache: tuple[Tensor, ...] = ()) -> Stream:
+        """``cache``: what the exporting stream's ``_cache()`` derived (empty for streams that derive
+        nothing); ``resume`` passes it only when there is some."""
         raise NotImplementedError
 
-    def prenorm_read_scale(self, l: int) -> Optional[float]:
+    def prenorm_read_scale(self, l: int) -> float | None:
         """c, where at initialisation read l returns c times the PreNorm residual sum (1 for PreNorm
         itself); None where the scheme does not compute a multiple of it at init."""
         return None
@@ -282,6 +300,6 @@ class ResidualScheme(nn.Module):
         unless a scheme rescales its reads (AttnRes' ``attnres_scale_norm_eps``)."""
         return 1.0
 
-    def no_weight_decay(self) -> List[str]:
+    def no_weight_decay(self) -> list[str]:
         """Names (relative to this module) of parameters the trainer must not decay: all of ours."""
         return [name for name, _ in self.named_parameters()]

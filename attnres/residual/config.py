@@ -6,12 +6,13 @@ can be built for any model from plain arguments (``attnres.residual.modules``: `
 ``FullAttnRes``, ``BlockAttnRes``), with any number of sublayers; they validate it with the same
 registry checks as ``ModelConfig``'s.
 """
+
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
-
+from typing import Any
 
 
 @dataclass

@@ -33,10 +33,10 @@ with Y_{L_b} (the last block's average), which goes to the final norm.
   a_I one-hot on X_I (so Y_I = X_I: step 0 equals ``prenorm``), W1 normal
   with std 1/sqrt(d) so W2 gets gradient from the first step.
 """
+
 from __future__ import annotations
 
 import math
-from typing import List
 
 import torch
 import torch.nn.functional as F
@@ -47,20 +47,18 @@ from attnres.residual.options import Option, positive_int
 from attnres.residual.scaled import unit_rms
 
 DENSEFORMER_OPTIONS = {
-    "denseformer_dilation": Option(positive_int("blocks between connected outputs",
-                                                lambda c: c.n_layers, "n_layers")),
-    "denseformer_period": Option(positive_int("blocks between two averagings",
-                                              lambda c: c.n_layers, "n_layers")),
+    "denseformer_dilation": Option(positive_int("blocks between connected outputs", lambda c: c.n_layers, "n_layers")),
+    "denseformer_period": Option(positive_int("blocks between two averagings", lambda c: c.n_layers, "n_layers")),
 }
 
 
-def dwa_blocks(config) -> List[int]:
+def dwa_blocks(config) -> list[int]:
     """The blocks I (1-based) after which DenseFormer averages: multiples of the period."""
     p = config.denseformer_period
     return [i for i in range(1, config.n_layers + 1) if i % p == 0]
 
 
-def dwa_sources(block: int, dilation: int) -> List[int]:
+def dwa_sources(block: int, dilation: int) -> list[int]:
     """Block outputs j (0 = embedding) read by the DWA after block I: j <= I, j = I (mod k)."""
     return [j for j in range(block + 1) if (block - j) % dilation == 0]
 
@@ -68,11 +66,11 @@ def dwa_sources(block: int, dilation: int) -> List[int]:
 class _BlockOutputStream(Stream):
     """Running state plus the list of block outputs; the scheme averages after each block."""
 
-    def __init__(self, scheme: "_BlockAveraging", embedding: Tensor):
+    def __init__(self, scheme: _BlockAveraging, embedding: Tensor):
         super().__init__(scheme.n_sublayers)
         self.scheme = scheme
         self.h = embedding
-        self.outputs: List[Tensor] = [embedding]  # X_0, X_1, …
+        self.outputs: list[Tensor] = [embedding]  # X_0, X_1, …
 
     def _read(self, l: int) -> Tensor:
         return self.h
@@ -100,13 +98,13 @@ class _BlockAveraging(ResidualScheme):
         self.n_blocks = config.n_layers
         self.eps = config.norm_eps
 
-    def average(self, block: int, outputs: List[Tensor]) -> Tensor:
+    def average(self, block: int, outputs: list[Tensor]) -> Tensor:
         raise NotImplementedError
 
     def _begin(self, embedding: Tensor) -> Stream:
         return _BlockOutputStream(self, embedding)
 
-    def _resume(self, history, state):
+    def _resume(self, history, state, cache=()):
         stream = _BlockOutputStream(self, state[0])
         stream.outputs = history
         return stream
@@ -129,14 +127,15 @@ class DenseFormerResidual(_BlockAveraging):
             weights.append(nn.Parameter(w))
         self.dwa_weights = nn.ParameterList(weights)
 
-    def average(self, block: int, outputs: List[Tensor]) -> Tensor:
+    def average(self, block: int, outputs: list[Tensor]) -> Tensor:
         if block not in self.slot:
             return outputs[block]
         w = self.dwa_weights[self.slot[block]]
-        y = None
-        for a, j in zip(w, self.sources[block]):
+        y: Tensor | None = None
+        for a, j in zip(w, self.sources[block], strict=True):
             term = a.to(outputs[j].dtype) * outputs[j]
             y = term if y is None else y + term
+        assert y is not None  # a block averages at least its own output
         return y
 
 
@@ -166,12 +165,13 @@ class MUDDResidual(_BlockAveraging):
             hidden = F.gelu(u @ self.w1[i].to(dtype).t())
             return hidden @ self.w2[i].to(dtype).t() + self.static[i].to(dtype)
 
-    def average(self, block: int, outputs: List[Tensor]) -> Tensor:
+    def average(self, block: int, outputs: list[Tensor]) -> Tensor:
         w = self.weights(block, outputs[block])
-        y = None
+        y: Tensor | None = None
         for j, x in enumerate(outputs):
-            term = w[..., j:j + 1].to(x.dtype) * x
+            term = w[..., j : j + 1].to(x.dtype) * x
             y = term if y is None else y + term
+        assert y is not None  # outputs holds the embedding at least
         return y
 
 

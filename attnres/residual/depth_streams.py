@@ -26,16 +26,20 @@ buffer, inverse RMS, the group's Phase-1 statistics). ``export`` hands over the 
 ``depth()`` the derived ones too (``DepthState.cache``), so a Transformer block that resumes the
 stream recomputes nothing.
 """
+
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from attnres.ops.common import DepthStats, inverse_rms
-from attnres.ops.depth_attention import depth_attention_reference, multi_query_depth_attention
+from attnres.ops.depth_attention import (
+    depth_attention_reference,
+    multi_query_depth_attention,
+)
 from attnres.ops.token_queries import low_rank_queries
 from attnres.residual.base import COMPILED_OPS, Stream
 
@@ -48,11 +52,10 @@ class DepthAttentionStream(Stream):
     completed sources, [embedding] at the start; ``partial``: the running block sum, if any;
     ``cache``: what ``_cache`` of the same form handed over (then nothing is recomputed)."""
 
-    def __init__(self, scheme, sources: Sequence[Tensor], partial: Optional[Tensor] = None,
-                 cache: Sequence[Tensor] = ()):
+    def __init__(self, scheme, sources: Sequence[Tensor], partial: Tensor | None = None, cache: Sequence[Tensor] = ()):
         super().__init__(scheme.n_sublayers)
         self.scheme = scheme
-        self.sources: List[Tensor] = []
+        self.sources: list[Tensor] = []
         if cache:
             self.sources = list(sources)
             self._restore(cache)
@@ -60,17 +63,21 @@ class DepthAttentionStream(Stream):
             self._allocate(sources[0])
             for v in sources:
                 self._add_source(v)
-        self.partial: Optional[Tensor] = partial
+        self.partial: Tensor | None = partial
 
     def _allocate(self, embedding: Tensor) -> None:
         """Tensors a fast form derives from the sources, allocated once per forward pass."""
+
+    def _restore(self, cache: Sequence[Tensor]) -> None:
+        """Take back the tensors that ``_cache`` of the same form exported (the fast forms' buffers)."""
+        raise NotImplementedError(f"{type(self).__name__} exports no cache to resume from")
 
     def _add_source(self, v: Tensor) -> None:
         """A completed source (the embedding, or a depth block just closed)."""
         self.sources.append(v)
 
     # ------------------------------------------------------------------ which sources, which query
-    def _source_rows(self, l: int) -> List[Tuple[int, int]]:
+    def _source_rows(self, l: int) -> list[tuple[int, int]]:
         """Row ranges [start, stop) of completed sources that sublayer l reads (a window keeps the
         embedding and the last W)."""
         complete, _ = self.scheme.plan[l]
@@ -79,7 +86,7 @@ class DepthAttentionStream(Stream):
             return [(0, complete)]
         return [(0, 1), (complete - w, complete)]
 
-    def _producers(self, l: int) -> List[Tensor]:
+    def _producers(self, l: int) -> list[Tensor]:
         out = [t for a, b in self._source_rows(l) for t in self.sources[a:b]]
         if self.partial is not None:
             out.append(self.partial)
@@ -92,32 +99,43 @@ class DepthAttentionStream(Stream):
             return q.view(s.heads, -1) if s.heads > 1 else q
         if s.weights_kind == "low_rank_query":
             # the most recent completed source: the same for every sublayer of a depth block
-            q = low_rank_queries(s.queries[l:l + 1], s.query_up[l:l + 1], s.query_down[l:l + 1],
-                                 self.sources[-1])[:, :, 0]
+            q = low_rank_queries(
+                s.queries[l : l + 1], s.query_up[l : l + 1], s.query_down[l : l + 1], self.sources[-1]
+            )[:, :, 0]
             return q.unflatten(-1, (s.heads, -1)) if s.heads > 1 else q
         # input-dependent: project the stream's most recent state
         recent = self.partial if self.partial is not None else self.sources[-1]
         q = recent @ s.query_proj[l].to(recent.dtype).t()
         return q.unflatten(-1, (s.heads, -1)) if s.heads > 1 else q
 
-    def _key_weight(self, l: int) -> Optional[Tensor]:
+    def _key_weight(self, l: int) -> Tensor | None:
         return self.scheme.key_norm_weight[l] if self.scheme.key_norm else None
 
     # ------------------------------------------------------------------ the read
     def _aggregate(self, l: int) -> Tensor:
         s = self.scheme
         return self.ops.attend_reference(
-            torch.stack(self._producers(l)), self._query(l), self._key_weight(l),
-            eps=s.eps, kernel=s.kernel, normalize_keys=s.key_norm,
+            torch.stack(self._producers(l)),
+            self._query(l),
+            self._key_weight(l),
+            eps=s.eps,
+            kernel=s.kernel,
+            normalize_keys=s.key_norm,
         ).h
 
     def _weights(self, l: int) -> Tensor:
         """alpha [K, B, T] (or [K, B, T, H]) of read l, for the depth record."""
         s = self.scheme
-        return depth_attention_reference(
-            torch.stack(self._producers(l)), self._query(l), self._key_weight(l),
-            eps=s.eps, kernel=s.kernel, normalize_keys=s.key_norm,
+        weights = depth_attention_reference(
+            torch.stack(self._producers(l)),
+            self._query(l),
+            self._key_weight(l),
+            eps=s.eps,
+            kernel=s.kernel,
+            normalize_keys=s.key_norm,
         ).weights
+        assert weights is not None  # the reference op always returns its weights
+        return weights
 
     # ------------------------------------------------------------------ stream interface
     def _read(self, l: int) -> Tensor:
@@ -167,10 +185,11 @@ class ScalarMixStream(DepthAttentionStream):
 
     def _aggregate(self, l: int) -> Tensor:
         # no stacking: each term keeps a reference to its (already alive) source
-        h = None
-        for a, v in zip(self._alpha(l), self._producers(l)):
+        h: Tensor | None = None
+        for a, v in zip(self._alpha(l), self._producers(l), strict=True):
             term = a.to(v.dtype) * v
             h = term if h is None else h + term
+        assert h is not None  # every read has a producer: the embedding at least
         return h
 
     def _weights(self, l: int) -> Tensor:
@@ -187,12 +206,12 @@ class MultiQueryStream(DepthAttentionStream):
 
     def _queries(self, l: int) -> Tensor:
         s = self.scheme
-        first = s.queries[l:l + 1]
+        first = s.queries[l : l + 1]
         extra = s.read_queries[l] - 1
         if not extra:
             return first
         start = s.extra_start[l]
-        return torch.cat([first, s.extra_queries[start:start + extra]])
+        return torch.cat([first, s.extra_queries[start : start + extra]])
 
     def _aggregate(self, l: int) -> Tensor:
         s = self.scheme
@@ -200,8 +219,15 @@ class MultiQueryStream(DepthAttentionStream):
         if len(producers) == 1:
             h = producers[0]
             return h if q == 1 else h.expand(q, *h.shape)
-        out = multi_query_depth_attention(torch.stack(producers), self._queries(l), self._key_weight(l), eps=s.eps,
-                                          scale=s.score_scale, values=s.values, kernel=s.kernel)
+        out = multi_query_depth_attention(
+            torch.stack(producers),
+            self._queries(l),
+            self._key_weight(l),
+            eps=s.eps,
+            scale=s.score_scale,
+            values=s.values,
+            kernel=s.kernel,
+        )
         return out[0] if q == 1 else out
 
     def _weights(self, l: int) -> Tensor:
@@ -210,9 +236,16 @@ class MultiQueryStream(DepthAttentionStream):
         if len(producers) == 1:
             b, t, _ = producers[0].shape
             return producers[0].new_ones(1, b, t)
-        return multi_query_depth_attention(torch.stack(producers), self._queries(l)[:1], self._key_weight(l),
-                                           eps=s.eps, scale=s.score_scale, values=s.values, kernel=s.kernel,
-                                           return_weights=True).weights[0]
+        return multi_query_depth_attention(
+            torch.stack(producers),
+            self._queries(l)[:1],
+            self._key_weight(l),
+            eps=s.eps,
+            scale=s.score_scale,
+            values=s.values,
+            kernel=s.kernel,
+            return_weights=True,
+        ).weights[0]
 
 
 class FusedStream(DepthAttentionStream):
@@ -234,8 +267,15 @@ class FusedStream(DepthAttentionStream):
         segments = [self.buffer[:, :, a:b] for a, b in self._source_rows(l)]
         if self.partial is not None:
             segments.append(self.partial.unsqueeze(2))
-        return self.ops.attend(segments, self._producers(l), self._query(l), self._key_weight(l),
-                               eps=s.eps, kernel=s.kernel, normalize_keys=s.key_norm)
+        return self.ops.attend(
+            segments,
+            self._producers(l),
+            self._query(l),
+            self._key_weight(l),
+            eps=s.eps,
+            kernel=s.kernel,
+            normalize_keys=s.key_norm,
+        )
 
     def state_bytes(self) -> int:
         return self.buffer.numel() * self.buffer.element_size()
@@ -254,9 +294,9 @@ class TwoPhaseStream(FusedStream):
     group and the partial sum by online softmax. The group's statistics are tensors of the state."""
 
     keeps_inv_rms = True  # each source's inverse RMS, computed once for every reader (with key norm)
-    inv_rms: Optional[Tensor] = None
+    inv_rms: Tensor | None = None
     # (group start, S tensors h1 [B, T, D], lse [B, T, S(, H)], per-token queries or None)
-    _phase1: Optional[tuple] = None
+    _phase1: tuple | None = None
     _handed: Sequence[Tensor] = ()  # a resumed group's statistics, unpacked at the first read
 
     def _allocate(self, embedding: Tensor) -> None:
@@ -264,8 +304,11 @@ class TwoPhaseStream(FusedStream):
         if self.scheme.key_norm and self.keeps_inv_rms:
             b, t, _ = embedding.shape
             self.inv_rms = embedding.new_empty(
-                b, t, self.scheme.num_blocks + 1,
-                dtype=torch.float64 if embedding.dtype == torch.float64 else torch.float32)
+                b,
+                t,
+                self.scheme.num_blocks + 1,
+                dtype=torch.float64 if embedding.dtype == torch.float64 else torch.float32,
+            )
 
     def _add_source(self, v: Tensor) -> None:
         if self.inv_rms is not None:
@@ -273,7 +316,7 @@ class TwoPhaseStream(FusedStream):
                 self.inv_rms[:, :, len(self.sources)].copy_(inverse_rms(v, self.scheme.eps))
         super()._add_source(v)
 
-    def _group(self, l: int) -> Tuple[int, int]:
+    def _group(self, l: int) -> tuple[int, int]:
         """[start, stop) of the Phase-1 group of sublayer l."""
         starts = self.scheme.group_start
         start = stop = starts[l]
@@ -286,11 +329,12 @@ class TwoPhaseStream(FusedStream):
         q = s.queries[start:stop]
         return q.view(stop - start, s.heads, -1) if s.heads > 1 else q
 
-    def _phase1_over(self, a: int, b: int, queries: Tensor, key_weights: Optional[Tensor]):
+    def _phase1_over(self, a: int, b: int, queries: Tensor, key_weights: Tensor | None):
         """Phase 1 of ``queries`` over completed sources a..b-1, read in place from the buffer."""
         inv = self.inv_rms[:, :, a:b] if self.inv_rms is not None else None
-        return self.ops.phase1(self.buffer[:, :, a:b], inv, queries, key_weights, self.sources[a:b],
-                               kernel=self.scheme.kernel)
+        return self.ops.phase1(
+            self.buffer[:, :, a:b], inv, queries, key_weights, self.sources[a:b], kernel=self.scheme.kernel
+        )
 
     def _run_phase1(self, start: int, stop: int, n: int) -> tuple:
         s = self.scheme
@@ -307,8 +351,12 @@ class TwoPhaseStream(FusedStream):
         start, stop = self._group(l)
         n = s.plan[start][0]  # sources completed when the group began
         if self._handed:  # handed over by the previous block: this group's statistics
-            self._phase1 = (start, tuple(self._handed[:stop - start]), self._handed[stop - start],
-                            self._handed[stop - start + 1] if len(self._handed) > stop - start + 1 else None)
+            self._phase1 = (
+                start,
+                tuple(self._handed[: stop - start]),
+                self._handed[stop - start],
+                self._handed[stop - start + 1] if len(self._handed) > stop - start + 1 else None,
+            )
             self._handed = ()
         if self._phase1 is None or self._phase1[0] != start:
             self._phase1 = self._run_phase1(start, stop, n)
@@ -318,7 +366,7 @@ class TwoPhaseStream(FusedStream):
         m = s.plan[l][0]
         if m > n:  # sources completed inside the group (Full AttnRes): attend to them, merge
             q = self._group_queries(l, l + 1)
-            kw = s.key_norm_weight[l:l + 1] if s.key_norm else None
+            kw = s.key_norm_weight[l : l + 1] if s.key_norm else None
             (h2,), lse2 = self._phase1_over(n, m, q, kw)
             h, lse = self.ops.merge(DepthStats(h, lse), DepthStats(h2, lse2[:, :, 0]), s.kernel)
         if self.partial is None:
@@ -330,7 +378,7 @@ class TwoPhaseStream(FusedStream):
         return sum(t.numel() * t.element_size() for t in held)
 
     # the cache: the buffer, the inverse RMS, and the current group's statistics if it has begun
-    def _derived(self) -> List[Tensor]:
+    def _derived(self) -> list[Tensor]:
         return [self.buffer] + ([self.inv_rms] if self.inv_rms is not None else [])
 
     def _cache(self) -> Sequence[Tensor]:
@@ -365,8 +413,9 @@ class TokenQueryTwoPhaseStream(TwoPhaseStream):
     def _run_phase1(self, start: int, stop: int, n: int) -> tuple:
         s = self.scheme
         key_weights = s.key_norm_weight[start:stop] if s.key_norm else None
-        queries = low_rank_queries(s.queries[start:stop], s.query_up[start:stop], s.query_down[start:stop],
-                                   self.sources[n - 1])
+        queries = low_rank_queries(
+            s.queries[start:stop], s.query_up[start:stop], s.query_down[start:stop], self.sources[n - 1]
+        )
         if s.heads > 1:
             queries = queries.unflatten(-1, (s.heads, -1))
         h1, lse = self.ops.phase1_token(self.sources[:n], queries, key_weights, eps=s.eps, kernel=s.kernel)
@@ -374,9 +423,9 @@ class TokenQueryTwoPhaseStream(TwoPhaseStream):
 
     def _merge_partial(self, l: int, stats: DepthStats, i: int) -> Tensor:
         s = self.scheme
+        assert self._phase1 is not None  # _aggregate ran the group's Phase 1 before this merge
         queries = self._phase1[3]
-        return self.ops.merge_partial_token(stats, self.partial, queries[:, :, i], self._key_weight(l),
-                                            s.eps, s.kernel)
+        return self.ops.merge_partial_token(stats, self.partial, queries[:, :, i], self._key_weight(l), s.eps, s.kernel)
 
 
 def compiled_form(embedding: Tensor) -> bool:
@@ -396,10 +445,9 @@ class CompiledTwoPhaseStream(TwoPhaseStream):
     ops = COMPILED_OPS
     buffer = None  # type: ignore[assignment]  # the point of this form: no buffer
     # inverse RMS of each completed source, as autograd tensors (with key norm)
-    source_inv_rms: Optional[List[Tensor]] = None
+    source_inv_rms: list[Tensor] | None = None
 
-    def __init__(self, scheme, sources: Sequence[Tensor], partial: Optional[Tensor] = None,
-                 cache: Sequence[Tensor] = ()):
+    def __init__(self, scheme, sources: Sequence[Tensor], partial: Tensor | None = None, cache: Sequence[Tensor] = ()):
         self.recompute_phase1 = torch.is_grad_enabled()
         super().__init__(scheme, sources, partial, cache)
 
@@ -412,22 +460,29 @@ class CompiledTwoPhaseStream(TwoPhaseStream):
             self.source_inv_rms.append(inverse_rms(v, self.scheme.eps))
         DepthAttentionStream._add_source(self, v)
 
-    def _phase1_over(self, a: int, b: int, queries: Tensor, key_weights: Optional[Tensor]):
+    def _phase1_over(self, a: int, b: int, queries: Tensor, key_weights: Tensor | None):
         inv = self.source_inv_rms[a:b] if self.source_inv_rms is not None else None
         kernel = self.scheme.kernel
         if self.recompute_phase1:
             # from the sources, which backward keeps anyway. Kept instead, a block's stacked
             # outputs (Block) or a group's and the in-group attentions (Full) are what made
             # AttnRes keep more for backward than prenorm (`attnres bench graph`, docs/performance.md)
-            return checkpoint(self.ops.phase1_sources, self.sources[a:b], inv, queries, key_weights,
-                              kernel=kernel, use_reentrant=False)
+            return checkpoint(
+                self.ops.phase1_sources,
+                self.sources[a:b],
+                inv,
+                queries,
+                key_weights,
+                kernel=kernel,
+                use_reentrant=False,
+            )
         return self.ops.phase1_sources(self.sources[a:b], inv, queries, key_weights, kernel=kernel)
 
     def state_bytes(self) -> int:
         held = list(self.sources) + (self.source_inv_rms or [])
         return sum(t.numel() * t.element_size() for t in held)
 
-    def _derived(self) -> List[Tensor]:
+    def _derived(self) -> list[Tensor]:
         return list(self.source_inv_rms or [])
 
     def _restore_derived(self, cache: Sequence[Tensor]) -> int:
@@ -449,9 +504,13 @@ def stream_class(scheme, embedding: Tensor) -> type:
     # Phase 1 needs every query of a group known when it starts: pseudo-queries, and low-rank queries
     # in Block AttnRes (their input is the block's input); Full AttnRes' per-sublayer low-rank
     # queries, full-rank input-dependent queries and windows read one sublayer at a time
-    two_phase = scheme.impl == "two_phase" and scheme.window is None and (
-        scheme.weights_kind == "pseudo_query"
-        or (scheme.weights_kind == "low_rank_query" and scheme.block_size > 1))
+    two_phase = (
+        scheme.impl == "two_phase"
+        and scheme.window is None
+        and (
+            scheme.weights_kind == "pseudo_query" or (scheme.weights_kind == "low_rank_query" and scheme.block_size > 1)
+        )
+    )
     if not two_phase:
         return FusedStream
     if scheme.weights_kind == "low_rank_query":

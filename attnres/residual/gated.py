@@ -36,9 +36,11 @@ the gate per consumer). ``attnres_impl="reference"`` runs the module literally
 rearrangement of ``attnres.ops.gated_depth_attention`` (3d² + 2KHd per token instead
 of (2K + 1)d²). Depth weights are reported per head ([K, B, T, H]).
 """
+
 from __future__ import annotations
 
-from typing import List, Sequence
+from collections.abc import Sequence
+from typing import cast
 
 import torch
 from torch import Tensor, nn
@@ -67,8 +69,11 @@ GATED_OPTIONS = {
 def check_gated(config) -> None:
     """The default head count is never checked as an option; it must divide d_model too."""
     if config.d_model % config.gated_heads:
-        raise bad_option("gated_heads", config.gated_heads,
-                         f"must divide d_model={config.d_model} (the default is 8); set gated_heads")
+        raise bad_option(
+            "gated_heads",
+            config.gated_heads,
+            f"must divide d_model={config.d_model} (the default is 8); set gated_heads",
+        )
 
 
 def gated_params(config) -> int:
@@ -90,16 +95,25 @@ class DepthAttention(nn.Module):
         nn.init.normal_(self.q_proj.weight, mean=0.0, std=0.01)
         nn.init.zeros_(self.q_proj.bias)
 
-    def forward(self, current: Tensor, sources: Sequence[Tensor], *, absorbed: bool = True,
-                return_weights: bool = False):
+    def forward(
+        self, current: Tensor, sources: Sequence[Tensor], *, absorbed: bool = True, return_weights: bool = False
+    ):
         """current [B, T, D], sources K tensors [B, T, D] (the history) -> [B, T, D]."""
-        return gated_depth_attention(current, sources, *self.weights(), heads=self.heads, absorbed=absorbed,
-                                     return_weights=return_weights)
+        return gated_depth_attention(
+            current, sources, *self.weights(), heads=self.heads, absorbed=absorbed, return_weights=return_weights
+        )
 
     def weights(self):
         """The op's parameter arguments, in order (W_q, b_q, W_k, b_k, W_v, b_v, gate)."""
-        return (self.q_proj.weight, self.q_proj.bias, self.k_proj.weight, self.k_proj.bias,
-                self.v_proj.weight, self.v_proj.bias, self.gate)
+        return (
+            self.q_proj.weight,
+            self.q_proj.bias,
+            self.k_proj.weight,
+            self.k_proj.bias,
+            self.v_proj.weight,
+            self.v_proj.bias,
+            self.gate,
+        )
 
 
 class GatedDepthAttentionResidual(ResidualScheme):
@@ -109,29 +123,31 @@ class GatedDepthAttentionResidual(ResidualScheme):
         self.heads = config.gated_heads
         self.absorbed = config.attnres_impl != "reference"
         self.depth_attention = nn.ModuleList(
-            DepthAttention(config.d_model, config.gated_heads) for _ in range(config.n_sublayers + 1))
+            DepthAttention(config.d_model, config.gated_heads) for _ in range(config.n_sublayers + 1)
+        )
 
     def _begin(self, embedding: Tensor) -> Stream:
         return GatedStream(self, [embedding], embedding)
 
-    def _resume(self, history, state):
+    def _resume(self, history, state, cache=()):
         return GatedStream(self, history, state[0])
 
 
 class GatedStream(Stream):
     """sources [v_0, f_1, …] (the history) and x, the residual stream the module output replaces."""
 
-    def __init__(self, scheme: GatedDepthAttentionResidual, sources: List[Tensor], x: Tensor):
+    def __init__(self, scheme: GatedDepthAttentionResidual, sources: list[Tensor], x: Tensor):
         super().__init__(scheme.n_sublayers)
         self.scheme = scheme
         self.sources = sources
         self.x = x
-        self._h = None  # the last read, to which its sublayer's output is added
+        self._h: Tensor | None = None  # the last read, to which its sublayer's output is added
 
     def _mix(self, l: int) -> Tensor:
-        module = self.scheme.depth_attention[l]
-        return self.ops.gated(self.x, self.sources, *module.weights(), heads=module.heads,
-                              absorbed=self.scheme.absorbed)
+        module = cast(DepthAttention, self.scheme.depth_attention[l])  # ModuleList items are typed Module
+        return self.ops.gated(
+            self.x, self.sources, *module.weights(), heads=module.heads, absorbed=self.scheme.absorbed
+        )
 
     def _read(self, l: int) -> Tensor:
         self._h = self._mix(l)
@@ -154,6 +170,7 @@ class GatedStream(Stream):
     def depth_weights(self, l: int):
         names = ["emb"] + [f"v{i}" for i in range(1, len(self.sources))]
         with torch.no_grad():
-            _, weights = self.scheme.depth_attention[l](self.x, self.sources, absorbed=self.scheme.absorbed,
-                                                        return_weights=True)
+            _, weights = self.scheme.depth_attention[l](
+                self.x, self.sources, absorbed=self.scheme.absorbed, return_weights=True
+            )
         return weights, names

@@ -60,6 +60,7 @@ Since the streams start equal, pre's positive weights only rescale the
 sublayer input (undone by the sublayer's RMSNorm), and rows of R sum to 1,
 step 0 computes exactly the ``prenorm`` function (up to norm eps).
 """
+
 from __future__ import annotations
 
 import torch
@@ -72,10 +73,11 @@ from attnres.residual.scaled import unit_rms
 HC_DYNAMIC_SCALE_INIT = 0.01
 MHC_INIT = dict(alpha=0.01, pre_on=2.0, pre_off=-2.0, post=0.0, res_diag=0.0, res_off=-2.0)
 
-HYPER_OPTIONS = {"hyper_streams": Option(positive_int("number of residual streams")),
-                 "hyper_dynamic": Option(boolean)}
-MHC_OPTIONS = {"mhc_streams": Option(positive_int("number of residual streams")),
-               "mhc_sinkhorn_iters": Option(positive_int("Sinkhorn-Knopp iterations"))}
+HYPER_OPTIONS = {"hyper_streams": Option(positive_int("number of residual streams")), "hyper_dynamic": Option(boolean)}
+MHC_OPTIONS = {
+    "mhc_streams": Option(positive_int("number of residual streams")),
+    "mhc_sinkhorn_iters": Option(positive_int("Sinkhorn-Knopp iterations")),
+}
 
 
 def sinkhorn(logits: Tensor, iters: int) -> Tensor:
@@ -96,11 +98,11 @@ def sinkhorn(logits: Tensor, iters: int) -> Tensor:
 class MultiStream(Stream):
     """n streams [n, B, T, D]; the scheme supplies per-sublayer coefficients."""
 
-    def __init__(self, scheme: "_MultiStreamScheme", embedding: Tensor):
+    def __init__(self, scheme: _MultiStreamScheme, embedding: Tensor):
         super().__init__(scheme.n_sublayers)
         self.scheme = scheme
         self.H = embedding.unsqueeze(0).expand(scheme.n_streams, *embedding.shape)
-        self._coeffs = None
+        self._coeffs: tuple[Tensor, Tensor] | None = None  # (post, res) of the last read
 
     def _read(self, l: int) -> Tensor:
         pre, post, res = self.scheme.coefficients(l, self.H)
@@ -111,6 +113,7 @@ class MultiStream(Stream):
         return torch.einsum("btj,jbtd->btd", pre.to(dt), self.H)
 
     def _write(self, l: int, f: Tensor) -> None:
+        assert self._coeffs is not None  # Stream.write runs only after the read that set them
         post, res = self._coeffs
         self._coeffs = None
         dt = self.H.dtype
@@ -149,7 +152,7 @@ class _MultiStreamScheme(ResidualScheme):
     def _begin(self, embedding: Tensor) -> Stream:
         return MultiStream(self, embedding)
 
-    def _resume(self, history, state):
+    def _resume(self, history, state, cache=()):
         stream = MultiStream(self, state[0][0])
         stream.H = state[0]
         return stream
@@ -219,10 +222,8 @@ class ManifoldHyperConnectionResidual(_MultiStreamScheme):
             u = unit_rms(x, self.eps)
             g = self.gate[l].to(dtype)
             pre = torch.sigmoid(g[0] * (u @ self.phi_pre[l].to(dtype)) + self.bias_pre[l].to(dtype))
-            post = 2 * torch.sigmoid(g[1] * (u @ self.phi_post[l].to(dtype))
-                                     + self.bias_post[l].to(dtype))
-            logits = g[2] * (u @ self.phi_res[l].to(dtype)).unflatten(-1, (n, n)) \
-                + self.bias_res[l].to(dtype)
+            post = 2 * torch.sigmoid(g[1] * (u @ self.phi_post[l].to(dtype)) + self.bias_post[l].to(dtype))
+            logits = g[2] * (u @ self.phi_res[l].to(dtype)).unflatten(-1, (n, n)) + self.bias_res[l].to(dtype)
             res = sinkhorn(logits, self.iters)
         return pre, post, res
 

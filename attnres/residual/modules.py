@@ -10,9 +10,11 @@
 variants as keyword arguments; ``residual_scheme(name, ...)`` builds any registered scheme (the
 PreNorm baseline and the rivals too: ``attnres schemes`` lists them) behind the same interface.
 """
+
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from attnres.residual.attnres import DepthAttentionResidual
 from attnres.residual.base import ResidualScheme
@@ -20,22 +22,35 @@ from attnres.residual.config import ResidualConfig
 from attnres.residual.registry import RESIDUALS, validate_scheme
 
 # keyword arguments of FullAttnRes / BlockAttnRes -> the ResidualConfig field each sets
-_VARIANTS = ("weights", "query_rank", "sources", "kernel", "key_norm", "heads", "impl", "scale_norm_eps", "values",
-             "score_scale", "read_queries")
+_VARIANTS = (
+    "weights",
+    "query_rank",
+    "sources",
+    "kernel",
+    "key_norm",
+    "heads",
+    "impl",
+    "scale_norm_eps",
+    "values",
+    "score_scale",
+    "read_queries",
+)
 _FULL_ONLY = ("window", "group_size")
 
 
-def residual_config(residual: str, d_model: int, n_sublayers: int, *, norm_eps: float = 1e-6,
-                    **options: Any) -> ResidualConfig:
+def residual_config(
+    residual: str, d_model: int, n_sublayers: int, *, norm_eps: float = 1e-6, **options: Any
+) -> ResidualConfig:
     """A validated ``ResidualConfig``. ``options``: scheme fields by their ``ModelConfig`` names
     (``attnres_blocks=8``, ``hyper_streams=4``, ...; ``attnres options`` lists them)."""
     fields = set(ResidualConfig.__dataclass_fields__) - {"residual", "d_model", "n_sublayers", "norm_eps"}
     unknown = sorted(set(options) - fields)
     if unknown:
-        raise TypeError(f"unknown scheme option(s) {unknown}; the options are {sorted(fields)} "
-                        "(`attnres options` says what each one does)")
-    config = ResidualConfig(residual=residual, d_model=d_model, n_sublayers=n_sublayers, norm_eps=norm_eps,
-                            **options)
+        raise TypeError(
+            f"unknown scheme option(s) {unknown}; the options are {sorted(fields)} "
+            "(`attnres options` says what each one does)"
+        )
+    config = ResidualConfig(residual=residual, d_model=d_model, n_sublayers=n_sublayers, norm_eps=norm_eps, **options)
     for name in ("d_model", "n_sublayers"):
         value = getattr(config, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -43,14 +58,17 @@ def residual_config(residual: str, d_model: int, n_sublayers: int, *, norm_eps: 
     if isinstance(norm_eps, bool) or not isinstance(norm_eps, (int, float)) or not norm_eps > 0:
         raise ValueError(f"norm_eps={norm_eps!r} is invalid: must be a positive number")
     if residual in ("denseformer", "mudd") and n_sublayers % 2:
-        raise ValueError(f"n_sublayers={n_sublayers} is invalid for residual={residual!r}: it acts after each "
-                         "Transformer block of two sublayers, so give an even number")
+        raise ValueError(
+            f"n_sublayers={n_sublayers} is invalid for residual={residual!r}: it acts after each "
+            "Transformer block of two sublayers, so give an even number"
+        )
     validate_scheme(config)
     return config
 
 
-def residual_scheme(residual: str, d_model: int, n_sublayers: int, *, norm_eps: float = 1e-6,
-                    **options: Any) -> ResidualScheme:
+def residual_scheme(
+    residual: str, d_model: int, n_sublayers: int, *, norm_eps: float = 1e-6, **options: Any
+) -> ResidualScheme:
     """Any registered residual scheme for a model with ``n_sublayers`` sublayers of width ``d_model``.
 
     ``residual``: "prenorm", "full", "block" or a rival (``attnres schemes``); ``options``: its
@@ -97,11 +115,22 @@ class BlockAttnRes(DepthAttentionResidual):
     smallest even S giving at most 8 blocks (the paper's N of about 8, boundaries before attention).
     The other options are ``FullAttnRes``'s, without ``window`` and ``group_size``."""
 
-    def __init__(self, d_model: int, n_sublayers: int, *, num_blocks: int | None = None,
-                 block_size: int | None = None, block_sizes: Sequence[int] | None = None,
-                 norm_eps: float = 1e-6, **variants: Any):
+    def __init__(
+        self,
+        d_model: int,
+        n_sublayers: int,
+        *,
+        num_blocks: int | None = None,
+        block_size: int | None = None,
+        block_sizes: Sequence[int] | None = None,
+        norm_eps: float = 1e-6,
+        **variants: Any,
+    ):
         fields = _variant_fields("BlockAttnRes", variants, _VARIANTS)
-        geometry = {"attnres_blocks": num_blocks, "attnres_block_size": block_size,
-                    "attnres_block_sizes": list(block_sizes) if block_sizes is not None else None}
+        geometry = {
+            "attnres_blocks": num_blocks,
+            "attnres_block_size": block_size,
+            "attnres_block_sizes": list(block_sizes) if block_sizes is not None else None,
+        }
         fields.update({name: value for name, value in geometry.items() if value is not None})
         super().__init__(residual_config("block", d_model, n_sublayers, norm_eps=norm_eps, **fields))

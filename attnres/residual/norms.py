@@ -19,9 +19,10 @@ Call it once after building the model (before training or loading a checkpoint: 
 a state dict). It is idempotent: the first call remembers each norm's own eps, and every call sets
 eps = that base eps · c_l², so calling it again (with the same scheme) changes nothing.
 """
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -41,11 +42,15 @@ def _eps_attribute(norm: nn.Module, where: str) -> str:
                 return name  # torch's RMSNorm without an eps: resolved in _base_eps
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 return name
-            raise TypeError(f"{where} ({type(norm).__name__}) has {name}={value!r}, not a number; "
-                            "match_prenorm_eps scales a float eps")
-    raise TypeError(f"{where} is a {type(norm).__module__}.{type(norm).__qualname__}, which has no float `eps` or "
-                    "`variance_epsilon` attribute; match_prenorm_eps takes the norms that read each sublayer's input "
-                    "(nn.RMSNorm, nn.LayerNorm, transformers' RMSNorms or any norm with a float eps)")
+            raise TypeError(
+                f"{where} ({type(norm).__name__}) has {name}={value!r}, not a number; "
+                "match_prenorm_eps scales a float eps"
+            )
+    raise TypeError(
+        f"{where} is a {type(norm).__module__}.{type(norm).__qualname__}, which has no float `eps` or "
+        "`variance_epsilon` attribute; match_prenorm_eps takes the norms that read each sublayer's input "
+        "(nn.RMSNorm, nn.LayerNorm, transformers' RMSNorms or any norm with a float eps)"
+    )
 
 
 def _base_eps(norm: nn.Module, attribute: str) -> float:
@@ -70,7 +75,7 @@ def prenorm_eps_scales(scheme: ResidualScheme, final: bool = True) -> list[float
     return scales
 
 
-def match_prenorm_eps(norms: Sequence[nn.Module], scheme: ResidualScheme) -> list[float]:
+def match_prenorm_eps(norms: Iterable[nn.Module], scheme: ResidualScheme) -> list[float]:
     """Scale each pre-norm's eps so that the zero-initialised ``scheme`` computes the PreNorm function.
 
     norms: the norms that read sublayers 0 … L-1 (L = ``scheme.n_sublayers``), in order, optionally
@@ -83,27 +88,35 @@ def match_prenorm_eps(norms: Sequence[nn.Module], scheme: ResidualScheme) -> lis
     for a wrong number of norms or one module at two positions that need different eps.
     """
     if not isinstance(scheme, ResidualScheme):
-        raise TypeError(f"scheme must be an attnres ResidualScheme (FullAttnRes, BlockAttnRes, residual_scheme(...)); "
-                        f"got {type(scheme).__name__}")
-    if isinstance(norms, nn.Module) and not isinstance(norms, (nn.ModuleList, nn.Sequential)):
-        raise TypeError(f"norms must be a sequence of norm modules (one per sublayer, then the final norm); "
-                        f"got one {type(norms).__name__}")
+        raise TypeError(
+            f"scheme must be an attnres ResidualScheme (FullAttnRes, BlockAttnRes, residual_scheme(...)); "
+            f"got {type(scheme).__name__}"
+        )
+    if not isinstance(norms, (nn.ModuleList, nn.Sequential)) and isinstance(norms, nn.Module):
+        raise TypeError(
+            f"norms must be a sequence of norm modules (one per sublayer, then the final norm); "
+            f"got one {type(norms).__name__}"
+        )
     norms = list(norms)
     L = scheme.n_sublayers
     if len(norms) not in (L, L + 1):
-        raise ValueError(f"norms has {len(norms)} modules but the scheme has {L} sublayers: give the {L} pre-norms "
-                         f"(one per sublayer, in order), optionally followed by the final norm ({L + 1} in all)")
+        raise ValueError(
+            f"norms has {len(norms)} modules but the scheme has {L} sublayers: give the {L} pre-norms "
+            f"(one per sublayer, in order), optionally followed by the final norm ({L + 1} in all)"
+        )
     scales = prenorm_eps_scales(scheme, final=len(norms) == L + 1)
     where = [f"norms[{i}]" + (" (the final norm)" if i == L else f" (sublayer {i})") for i in range(len(norms))]
-    attributes = [_eps_attribute(norm, w) for norm, w in zip(norms, where)]
+    attributes = [_eps_attribute(norm, w) for norm, w in zip(norms, where, strict=True)]
     seen: dict[int, int] = {}
     for i, norm in enumerate(norms):  # a norm shared by several positions needs one eps for all of them
         j = seen.setdefault(id(norm), i)
         if j != i and scales[j] != scales[i]:
-            raise ValueError(f"{where[i]} is the same module as {where[j]}, but they need eps scales {scales[i]:.6g} "
-                             f"and {scales[j]:.6g}: give each sublayer its own norm")
+            raise ValueError(
+                f"{where[i]} is the same module as {where[j]}, but they need eps scales {scales[i]:.6g} "
+                f"and {scales[j]:.6g}: give each sublayer its own norm"
+            )
     set_to = []
-    for norm, attribute, scale in zip(norms, attributes, scales):
+    for norm, attribute, scale in zip(norms, attributes, scales, strict=True):
         base = _base_eps(norm, attribute)
         setattr(norm, _BASE, base)
         setattr(norm, attribute, base * scale)

@@ -29,12 +29,13 @@ write and before the end. Two ship with the library:
 ``with observing(model.residual, IOCounter()) as counter: model(x)`` attaches observers to
 every stream the scheme starts inside the block.
 """
+
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 from torch import Tensor
 
@@ -51,10 +52,10 @@ class DepthRecord:
     input h_l and output f_l over batch and tokens.
     """
 
-    weights: List[Optional[Tensor]] = field(default_factory=list)
-    sources: List[Optional[List[str]]] = field(default_factory=list)
-    input_rms: List[float] = field(default_factory=list)
-    output_rms: List[float] = field(default_factory=list)
+    weights: list[Tensor | None] = field(default_factory=list)
+    sources: list[list[str] | None] = field(default_factory=list)
+    input_rms: list[float] = field(default_factory=list)
+    output_rms: list[float] = field(default_factory=list)
 
 
 def _rms(x: Tensor) -> float:
@@ -106,7 +107,7 @@ def _vectors(t: Tensor) -> int:
 
 
 # operation name -> (args, kwargs) -> (reads, writes), in d-vectors per token
-IO_RULES: Dict[str, Callable[..., Tuple[int, int]]] = {
+IO_RULES: dict[str, Callable[..., tuple[int, int]]] = {
     "accumulate": lambda s, f: (2, 1),
     "store": lambda buffer, row, v: (1, 1),
     "phase1": lambda values, inv_rms, queries, *rest, **kw: (_vectors(values), queries.shape[0]),
@@ -127,8 +128,8 @@ class IOCounter(StreamObserver):
     resumed from it block by block."""
 
     def __init__(self):
-        self.reads: List[int] = []
-        self.writes: List[int] = []
+        self.reads: list[int] = []
+        self.writes: list[int] = []
 
     def attach(self, stream) -> None:
         super().attach(stream)
@@ -136,8 +137,9 @@ class IOCounter(StreamObserver):
             # a new forward pass; a stream resumed by the next block keeps counting the same pass
             self.reads = [0] * (stream.n_sublayers + 1)
             self.writes = [0] * (stream.n_sublayers + 1)
-        wrapped = {f.name: self._counting(stream, f.name, getattr(stream.ops, f.name))
-                   for f in dataclasses.fields(stream.ops)}
+        wrapped = {
+            f.name: self._counting(stream, f.name, getattr(stream.ops, f.name)) for f in dataclasses.fields(stream.ops)
+        }
         stream.ops = dataclasses.replace(stream.ops, **wrapped)
 
     def _counting(self, stream, name: str, op: Callable) -> Callable:

@@ -7,11 +7,13 @@ schemes: an option left at its default is never checked; a set option must belon
 chosen scheme (unless it is marked ``exclusive=False``: then the other schemes ignore it) and
 pass its check.
 """
+
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional
+from typing import Any
 
 
 def bad_option(field: str, value: Any, allowed: str, owner: str = "ModelConfig") -> ValueError:
@@ -29,14 +31,14 @@ def is_positive_int(value) -> bool:
 class Option:
     """``check(value, config)`` returns None when the value is valid, else what would be valid."""
 
-    check: Callable[[Any, Any], Optional[str]]
+    check: Callable[[Any, Any], str | None]
     exclusive: bool = True  # set for another scheme: an error (False: the other schemes ignore it)
 
 
 # ----------------------------------------------------------------------------- common checks
 
 
-def boolean(value, config) -> Optional[str]:
+def boolean(value, config) -> str | None:
     return None if isinstance(value, bool) else "must be True or False"
 
 
@@ -47,7 +49,7 @@ def one_of(*choices: str) -> Callable:
     return check
 
 
-def positive_int(what: str, upper: Optional[Callable[[Any], int]] = None, upper_name: str = "") -> Callable:
+def positive_int(what: str, upper: Callable[[Any], int] | None = None, upper_name: str = "") -> Callable:
     """A positive integer; with ``upper(config)`` at most that (``upper_name`` says what it is)."""
 
     def check(value, config):
@@ -81,9 +83,13 @@ def check_scheme_options(config, registry: Mapping[str, Any], selector: str = "r
             continue
         if chosen not in schemes and option.exclusive:
             names = " or ".join(repr(s) for s in schemes)
-            raise bad_option(option_name, value,
-                             f"applies to {selector}={names} only ({selector}={chosen!r}); "
-                             f"drop it or set {selector}={names.split(' or ')[0]}", owner=type(config).__name__)
+            raise bad_option(
+                option_name,
+                value,
+                f"applies to {selector}={names} only ({selector}={chosen!r}); "
+                f"drop it or set {selector}={names.split(' or ')[0]}",
+                owner=type(config).__name__,
+            )
         problem = option.check(value, config)
         if problem is not None:
             raise bad_option(option_name, value, problem, owner=type(config).__name__)

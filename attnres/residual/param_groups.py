@@ -28,6 +28,7 @@ The rule (the one ``attnres.train.build_optimizer`` and ``AttnResLM`` use), for 
 
 Frozen parameters (``requires_grad=False``) are left out of the groups.
 """
+
 from __future__ import annotations
 
 import math
@@ -40,8 +41,11 @@ from attnres.residual.base import ResidualScheme
 
 PARAM_KINDS = ("matrix", "embedding", "head", "no_decay")
 # kind -> (group name, optimizer, decayed)
-_GROUPS = (("matrix", "muon", True, ("matrix",)), ("decay", "adamw", True, ("embedding", "head")),
-           ("no_decay", "adamw", False, ("no_decay",)))
+_GROUPS = (
+    ("matrix", "muon", True, ("matrix",)),
+    ("decay", "adamw", True, ("embedding", "head")),
+    ("no_decay", "adamw", False, ("no_decay",)),
+)
 
 
 def _names_under(model: nn.Module, prefix: str, module: nn.Module, names: Iterable[str]) -> set[str]:
@@ -69,7 +73,9 @@ def _head_modules(model: nn.Module, head) -> list[nn.Module]:
         if isinstance(out, nn.Module):
             return [out]
     shapes = {tuple(m.weight.shape) for m in model.modules() if isinstance(m, nn.Embedding)}
-    candidates = [m for m in model.modules() if isinstance(m, nn.Linear) and tuple(m.weight.shape) in shapes]
+    candidates: list[nn.Module] = [
+        m for m in model.modules() if isinstance(m, nn.Linear) and tuple(m.weight.shape) in shapes
+    ]
     return candidates[-1:]
 
 
@@ -87,16 +93,19 @@ def _stack_names(model: nn.Module, matrix_stacks: Iterable[str] | None) -> set[s
     return names
 
 
-def parameter_kinds(model: nn.Module, *, matrix_stacks: Iterable[str] | None = None,
-                    head: nn.Module | Sequence[nn.Module] | None = None) -> dict[str, str]:
+def parameter_kinds(
+    model: nn.Module, *, matrix_stacks: Iterable[str] | None = None, head: nn.Module | Sequence[nn.Module] | None = None
+) -> dict[str, str]:
     """Every name of ``model.named_parameters()`` (frozen ones too) -> its kind, one of
     :data:`PARAM_KINDS` (the rule in the module docstring)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
     named = list(model.named_parameters())
     if not named:
-        raise ValueError(f"{type(model).__name__} has no parameters: there is nothing to optimize "
-                         "(build the model, with its AttnRes scheme, before its optimizer)")
+        raise ValueError(
+            f"{type(model).__name__} has no parameters: there is nothing to optimize "
+            "(build the model, with its AttnRes scheme, before its optimizer)"
+        )
     params = dict(named)
     ids = {id(p): n for n, p in named}
 
@@ -113,16 +122,23 @@ def parameter_kinds(model: nn.Module, *, matrix_stacks: Iterable[str] | None = N
     stacks = _stack_names(model, matrix_stacks)
     unknown = sorted(stacks - set(params))
     if unknown:
-        raise ValueError(f"matrix_stacks names parameters {type(model).__name__} does not have: {unknown} "
-                         "(give names as model.named_parameters() spells them)")
+        raise ValueError(
+            f"matrix_stacks names parameters {type(model).__name__} does not have: {unknown} "
+            "(give names as model.named_parameters() spells them)"
+        )
     not_stacks = sorted(n for n in stacks if params[n].dim() != 3)
     if not_stacks:
-        raise ValueError(f"matrix_stacks must name 3-D stacks of matrices [n, rows, cols]; "
-                         + ", ".join(f"{n} has shape {tuple(params[n].shape)}" for n in not_stacks))
+        raise ValueError(
+            "matrix_stacks must name 3-D stacks of matrices [n, rows, cols]; "
+            + ", ".join(f"{n} has shape {tuple(params[n].shape)}" for n in not_stacks)
+        )
 
     embeddings = {ids[id(m.weight)] for m in model.modules() if isinstance(m, nn.Embedding) and id(m.weight) in ids}
-    heads = {ids[id(m.weight)] for m in _head_modules(model, head)
-             if isinstance(getattr(m, "weight", None), nn.Parameter) and id(m.weight) in ids}
+    heads = {
+        ids[id(m.weight)]
+        for m in _head_modules(model, head)
+        if isinstance(getattr(m, "weight", None), nn.Parameter) and id(m.weight) in ids
+    }
 
     kinds = {}
     for name, p in named:
@@ -139,8 +155,13 @@ def parameter_kinds(model: nn.Module, *, matrix_stacks: Iterable[str] | None = N
     return kinds
 
 
-def param_groups(model: nn.Module, weight_decay: float = 0.1, *, matrix_stacks: Iterable[str] | None = None,
-                 head: nn.Module | Sequence[nn.Module] | None = None) -> list[dict[str, Any]]:
+def param_groups(
+    model: nn.Module,
+    weight_decay: float = 0.1,
+    *,
+    matrix_stacks: Iterable[str] | None = None,
+    head: nn.Module | Sequence[nn.Module] | None = None,
+) -> list[dict[str, Any]]:
     """torch-style parameter groups for ``model`` (any ``nn.Module``: your own model, ``AttnResLM``,
     ``AttnResForCausalLM``), by the rule of the module docstring.
 
@@ -160,20 +181,34 @@ def param_groups(model: nn.Module, weight_decay: float = 0.1, *, matrix_stacks: 
     ``matrix_stacks``: names of further 3-D parameters that are stacks of matrices. ``head``: the
     output head module(s), when the rule above does not find it.
     """
-    if isinstance(weight_decay, bool) or not isinstance(weight_decay, (int, float)) \
-            or not math.isfinite(weight_decay) or weight_decay < 0:
-        raise ValueError(f"weight_decay={weight_decay!r} is invalid: give a finite number >= 0 (0.1 is usual; "
-                         "0 turns weight decay off)")
+    if (
+        isinstance(weight_decay, bool)
+        or not isinstance(weight_decay, (int, float))
+        or not math.isfinite(weight_decay)
+        or weight_decay < 0
+    ):
+        raise ValueError(
+            f"weight_decay={weight_decay!r} is invalid: give a finite number >= 0 (0.1 is usual; "
+            "0 turns weight decay off)"
+        )
     kinds = parameter_kinds(model, matrix_stacks=matrix_stacks, head=head)
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not trainable:
-        raise ValueError(f"{type(model).__name__} has no trainable parameters (all {len(kinds)} have "
-                         "requires_grad=False): unfreeze what should train")
+        raise ValueError(
+            f"{type(model).__name__} has no trainable parameters (all {len(kinds)} have "
+            "requires_grad=False): unfreeze what should train"
+        )
     groups = []
     for group, optimizer, decayed, members in _GROUPS:
         chosen = [(n, p) for n, p in trainable if kinds[n] in members]
         if chosen:
-            groups.append({"params": [p for _, p in chosen], "names": [n for n, _ in chosen],
-                           "weight_decay": float(weight_decay) if decayed else 0.0,
-                           "optimizer": optimizer, "kind": group})
+            groups.append(
+                {
+                    "params": [p for _, p in chosen],
+                    "names": [n for n, _ in chosen],
+                    "weight_decay": float(weight_decay) if decayed else 0.0,
+                    "optimizer": optimizer,
+                    "kind": group,
+                }
+            )
     return groups

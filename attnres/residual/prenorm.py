@@ -1,4 +1,5 @@
 """The standard PreNorm residual (docs/method.md §2): h_{l+1} = h_l + f_l."""
+
 from __future__ import annotations
 
 from torch import Tensor
@@ -35,5 +36,5 @@ class PreNormResidual(ResidualScheme):
     def _begin(self, embedding: Tensor) -> Stream:
         return PreNormStream(embedding, self.n_sublayers)
 
-    def _resume(self, history, state):
+    def _resume(self, history, state, cache=()):
         return PreNormStream(state[0], self.n_sublayers)

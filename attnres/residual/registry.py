@@ -6,23 +6,56 @@ Each entry says where the scheme sits in the paper's Table 5 classification (wei
 static / dynamic; source: single state / multi-stream / cross-layer), how many parameters it adds and
 how much depth state it keeps per token (``attnres.model.schemes_table`` renders them all).
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Mapping, Optional, Union
 
-from attnres.residual.attnres import (BLOCK_OPTIONS, FULL_OPTIONS, DepthAttentionResidual, block_sizes,
-                                      full_block_sizes, group_size, source_plan)
+from attnres.residual.attnres import (
+    BLOCK_OPTIONS,
+    FULL_OPTIONS,
+    DepthAttentionResidual,
+    block_sizes,
+    full_block_sizes,
+    group_size,
+    source_plan,
+)
 from attnres.residual.base import ResidualScheme
-from attnres.residual.dense import (DENSEFORMER_OPTIONS, DenseFormerResidual, MUDDResidual, denseformer_params,
-                                    denseformer_state, mudd_params)
-from attnres.residual.gated import GATED_OPTIONS, GatedDepthAttentionResidual, check_gated, gated_params
-from attnres.residual.hyper import (HYPER_OPTIONS, MHC_OPTIONS, HyperConnectionResidual,
-                                    ManifoldHyperConnectionResidual, hyper_params, mhc_params)
+from attnres.residual.dense import (
+    DENSEFORMER_OPTIONS,
+    DenseFormerResidual,
+    MUDDResidual,
+    denseformer_params,
+    denseformer_state,
+    mudd_params,
+)
+from attnres.residual.gated import (
+    GATED_OPTIONS,
+    GatedDepthAttentionResidual,
+    check_gated,
+    gated_params,
+)
+from attnres.residual.hyper import (
+    HYPER_OPTIONS,
+    MHC_OPTIONS,
+    HyperConnectionResidual,
+    ManifoldHyperConnectionResidual,
+    hyper_params,
+    mhc_params,
+)
 from attnres.residual.options import Option, bad_option, check_scheme_options
 from attnres.residual.prenorm import PreNormResidual
-from attnres.residual.scaled import (HIGHWAY_OPTIONS, LAYERSCALE_OPTIONS, HighwayResidual, LayerScaleResidual,
-                                     ReZeroResidual, highway_params, layerscale_params, rezero_params)
+from attnres.residual.scaled import (
+    HIGHWAY_OPTIONS,
+    LAYERSCALE_OPTIONS,
+    HighwayResidual,
+    LayerScaleResidual,
+    ReZeroResidual,
+    highway_params,
+    layerscale_params,
+    rezero_params,
+)
 
 
 def _attnres_params(config) -> int:
@@ -39,8 +72,9 @@ def _attnres_params(config) -> int:
         scheme_plan = source_plan(config.n_sublayers, config.block_sizes)
         w = config.attnres_window
         return sum((1 + min(w, c - 1)) if w is not None else c + int(p) for c, p in scheme_plan)
-    per = {"pseudo_query": d, "input_query": d * d,
-           "low_rank_query": d + 2 * d * (config.attnres_query_rank or 0)}[config.attnres_weights]
+    per = {"pseudo_query": d, "input_query": d * d, "low_rank_query": d + 2 * d * (config.attnres_query_rank or 0)}[
+        config.attnres_weights
+    ]
     if config.attnres_key_norm:
         per += d
     extra = sum(config.attnres_read_queries) - n_q if config.attnres_read_queries else 0  # queries beyond the first
@@ -57,7 +91,7 @@ def _no_state(config) -> int:
     return 0
 
 
-def _one_block(config) -> List[int]:
+def _one_block(config) -> list[int]:
     return [config.n_sublayers]
 
 
@@ -87,87 +121,133 @@ class SchemeInfo:
     name: str
     factory: Callable
     description: str
-    weight_type: Union[str, Callable]
+    weight_type: str | Callable
     source: str
     extra_params: Callable
     depth_state: Callable = _no_state
     options: Mapping[str, Option] = field(default_factory=dict)
     block_sizes: Callable = _one_block
     group_size: Callable = _no_groups
-    check: Optional[Callable] = None
+    check: Callable | None = None
 
     def weight_type_of(self, config) -> str:
         return self.weight_type(config) if callable(self.weight_type) else self.weight_type
 
 
-RESIDUALS: Dict[str, SchemeInfo] = {
+RESIDUALS: dict[str, SchemeInfo] = {
     "prenorm": SchemeInfo(
-        "prenorm", PreNormResidual,
+        "prenorm",
+        PreNormResidual,
         "standard PreNorm residual: h <- h + f (the baseline)",
-        "fixed", "single state", lambda config: 0,
+        "fixed",
+        "single state",
+        lambda config: 0,
     ),
     "full": SchemeInfo(
-        "full", DepthAttentionResidual,
+        "full",
+        DepthAttentionResidual,
         "Full AttnRes: softmax attention over the embedding and every earlier sublayer output",
-        "dynamic", "cross-layer", _attnres_params, _full_state, FULL_OPTIONS,
-        block_sizes=full_block_sizes, group_size=group_size,
+        "dynamic",
+        "cross-layer",
+        _attnres_params,
+        _full_state,
+        FULL_OPTIONS,
+        block_sizes=full_block_sizes,
+        group_size=group_size,
     ),
     "block": SchemeInfo(
-        "block", DepthAttentionResidual,
+        "block",
+        DepthAttentionResidual,
         "Block AttnRes: attention over N depth-block sums plus the running partial sum",
-        "dynamic", "cross-layer", _attnres_params, lambda config: config.num_blocks + 1, BLOCK_OPTIONS,
+        "dynamic",
+        "cross-layer",
+        _attnres_params,
+        lambda config: config.num_blocks + 1,
+        BLOCK_OPTIONS,
         block_sizes=block_sizes,
     ),
     "rezero": SchemeInfo(
-        "rezero", ReZeroResidual,
+        "rezero",
+        ReZeroResidual,
         "ReZero: h <- h + a_l f, one scalar per sublayer, zero at init",
-        "static", "single state", rezero_params,
+        "static",
+        "single state",
+        rezero_params,
     ),
     "layerscale": SchemeInfo(
-        "layerscale", LayerScaleResidual,
+        "layerscale",
+        LayerScaleResidual,
         "LayerScale: h <- h + diag(lambda_l) f, per-channel scales (CaiT init by depth)",
-        "static", "single state", layerscale_params, options=LAYERSCALE_OPTIONS,
+        "static",
+        "single state",
+        layerscale_params,
+        options=LAYERSCALE_OPTIONS,
     ),
     "highway": SchemeInfo(
-        "highway", HighwayResidual,
-        "Highway: h <- (1 - g) h + g f, per-channel gate g = sigmoid(W_g rms(h) + b_g), "
-        "b_g = -2",
-        "dynamic", "single state", highway_params, options=HIGHWAY_OPTIONS,
+        "highway",
+        HighwayResidual,
+        "Highway: h <- (1 - g) h + g f, per-channel gate g = sigmoid(W_g rms(h) + b_g), b_g = -2",
+        "dynamic",
+        "single state",
+        highway_params,
+        options=HIGHWAY_OPTIONS,
     ),
     "denseformer": SchemeInfo(
-        "denseformer", DenseFormerResidual,
+        "denseformer",
+        DenseFormerResidual,
         "DenseFormer: learned scalar depth-weighted average of block outputs after each block",
-        "static", "cross-layer", denseformer_params, denseformer_state, DENSEFORMER_OPTIONS,
+        "static",
+        "cross-layer",
+        denseformer_params,
+        denseformer_state,
+        DENSEFORMER_OPTIONS,
     ),
     "mudd": SchemeInfo(
-        "mudd", MUDDResidual,
+        "mudd",
+        MUDDResidual,
         "MUDD (one way): per-token weights over block outputs from an MLP on the current state",
-        "dynamic", "cross-layer", mudd_params, lambda config: config.n_layers + 1,
+        "dynamic",
+        "cross-layer",
+        mudd_params,
+        lambda config: config.n_layers + 1,
     ),
     "hyper": SchemeInfo(
-        "hyper", HyperConnectionResidual,
-        "Hyper-Connections: n streams, learned read/mix/write (dynamic DHC; static SHC "
-        "with hyper_dynamic=False)",
+        "hyper",
+        HyperConnectionResidual,
+        "Hyper-Connections: n streams, learned read/mix/write (dynamic DHC; static SHC with hyper_dynamic=False)",
         lambda config: "dynamic" if config.hyper_dynamic else "static",
-        "multi-stream", hyper_params, lambda config: config.hyper_streams, HYPER_OPTIONS,
+        "multi-stream",
+        hyper_params,
+        lambda config: config.hyper_streams,
+        HYPER_OPTIONS,
     ),
     "mhc": SchemeInfo(
-        "mhc", ManifoldHyperConnectionResidual,
+        "mhc",
+        ManifoldHyperConnectionResidual,
         "mHC: hyper-connections with sigmoid read/write and a Sinkhorn doubly stochastic mixer",
-        "dynamic", "multi-stream", mhc_params, lambda config: config.mhc_streams, MHC_OPTIONS,
+        "dynamic",
+        "multi-stream",
+        mhc_params,
+        lambda config: config.mhc_streams,
+        MHC_OPTIONS,
     ),
     "gated": SchemeInfo(
-        "gated", GatedDepthAttentionResidual,
+        "gated",
+        GatedDepthAttentionResidual,
         "gated multi-head depth attention as popular write-ups present AttnRes (not the paper's): "
         "h = g x + (1 - g) softmax(q k / sqrt(d_h)) v over the embedding and sublayer outputs, "
         "q/k/v projections, g = 0.5 at init",
-        "dynamic", "cross-layer", gated_params, lambda config: config.n_sublayers + 1, GATED_OPTIONS,
+        "dynamic",
+        "cross-layer",
+        gated_params,
+        lambda config: config.n_sublayers + 1,
+        GATED_OPTIONS,
         check=check_gated,
     ),
 }
 
 
-def scheme_options() -> Dict[str, Option]:
+def scheme_options() -> dict[str, Option]:
     """Every option of every registered scheme (the ModelConfig fields that belong to schemes)."""
     return {name: option for info in RESIDUALS.values() for name, option in info.options.items()}
 
@@ -175,8 +255,7 @@ def scheme_options() -> Dict[str, Option]:
 def validate_scheme(config) -> None:
     """``config.residual`` names a registered scheme and its options pass their checks."""
     if not isinstance(config.residual, str) or config.residual not in RESIDUALS:
-        raise bad_option("residual", config.residual, f"choose one of {sorted(RESIDUALS)}",
-                         owner=type(config).__name__)
+        raise bad_option("residual", config.residual, f"choose one of {sorted(RESIDUALS)}", owner=type(config).__name__)
     check_scheme_options(config, RESIDUALS)
     info = RESIDUALS[config.residual]
     if info.check is not None:

@@ -20,6 +20,7 @@ sublayer's own pre-norm stays in the model.
   matrix is low rank, W_g = U V (U: d x r, zero at init; V: r x d, normal with
   std 1/sqrt(d), so U receives gradient from the first step).
 """
+
 from __future__ import annotations
 
 import math
@@ -41,8 +42,10 @@ def _layerscale_init(v, config):
 
 def _highway_rank(r, config):
     if isinstance(r, bool) or not isinstance(r, int) or not 1 <= r < config.d_model:
-        return (f"must be an integer in [1, {config.d_model - 1}] (below d_model={config.d_model}); "
-                "use None for a full-rank gate")
+        return (
+            f"must be an integer in [1, {config.d_model - 1}] (below d_model={config.d_model}); "
+            "use None for a full-rank gate"
+        )
     return None
 
 
@@ -69,7 +72,7 @@ def unit_rms(x: Tensor, eps: float) -> Tensor:
 class _SingleStateStream(Stream):
     """One running state h; ``update(l, h, f)`` returns the new state."""
 
-    def __init__(self, scheme: "ResidualScheme", embedding: Tensor):
+    def __init__(self, scheme: _SingleStateScheme, embedding: Tensor):
         super().__init__(scheme.n_sublayers)
         self.scheme = scheme
         self.h = embedding
@@ -100,7 +103,7 @@ class _SingleStateScheme(ResidualScheme):
     def _begin(self, embedding: Tensor) -> Stream:
         return _SingleStateStream(self, embedding)
 
-    def _resume(self, history, state):
+    def _resume(self, history, state, cache=()):
         return _SingleStateStream(self, state[0])
 
 

@@ -1,6 +1,7 @@
 """examples/own_gpt.py: a GPT of the user's own with AttnRes. At init it is the plain PreNorm GPT; per-block
 FSDP2, per-block activation checkpointing, torch.compile(fullgraph=True) and tensor parallelism wrap its
 blocks like any other and compute what one plain process computes."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -8,8 +9,18 @@ import dataclasses
 import pytest
 import torch
 from distributed_workers import spawn
-from wrapper_workers import BATCH, config, fsdp_per_block, model_and_batch, own_gpt, single_process, tensor_parallel
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    checkpoint_wrapper,
+)
+from wrapper_workers import (
+    BATCH,
+    config,
+    fsdp_per_block,
+    model_and_batch,
+    own_gpt,
+    single_process,
+    tensor_parallel,
+)
 
 SCHEMES = ["block", "full"]
 
@@ -17,6 +28,7 @@ SCHEMES = ["block", "full"]
 def prenorm_logits(model: own_gpt.GPT, idx: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
     """The plain GPT's forward, x = x + f(LayerNorm(x)), written out with the model's own weights and the
     LayerNorms' original eps."""
+
     def ln(norm, x):
         return torch.nn.functional.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, eps)
 

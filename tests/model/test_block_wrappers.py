@@ -1,13 +1,21 @@
 """AttnResLM's Transformer blocks take and return a DepthState of tensors, so per-block FSDP2 (with its default
 reshard_after_forward=True) and per-block checkpoint_wrapper wrap them like any other block and compute what
 the plain model computes."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 from distributed_workers import spawn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from wrapper_workers import fsdp_per_block, model_and_batch, single_process, tensor_parallel
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    checkpoint_wrapper,
+)
+from wrapper_workers import (
+    fsdp_per_block,
+    model_and_batch,
+    single_process,
+    tensor_parallel,
+)
 
 SCHEMES = ["block", "full", "prenorm", "hyper"]
 

@@ -1,11 +1,12 @@
 """Activation checkpointing recomputes exactly: gradients equal the plain path's, for every scheme."""
+
 import pytest
 import torch
+from reference import randomize
 
 from attnres import AttnResLM, ModelConfig
 from attnres.model.checkpointing import segment_layers
 from attnres.residual import RESIDUALS
-from reference import randomize
 
 
 def model_for(residual, impl="two_phase", **extra):
@@ -24,9 +25,11 @@ def gradients(model, x, mode):
 
 
 # "block" with every scheme and every AttnRes implementation; "sublayer" with the three main schemes
-CASES = ([(r, "two_phase", "block") for r in sorted(RESIDUALS)]
-         + [(r, impl, "block") for r in ("block", "full") for impl in ("fused", "reference")]
-         + [(r, "two_phase", "sublayer") for r in ("prenorm", "block", "full")])
+CASES = (
+    [(r, "two_phase", "block") for r in sorted(RESIDUALS)]
+    + [(r, impl, "block") for r in ("block", "full") for impl in ("fused", "reference")]
+    + [(r, "two_phase", "sublayer") for r in ("prenorm", "block", "full")]
+)
 
 
 @pytest.mark.parametrize("residual,impl,mode", CASES)
@@ -54,13 +57,16 @@ def test_block_checkpointing_under_compile_equals_eager():
         torch.testing.assert_close(p.grad, plain[name], rtol=1e-10, atol=1e-12, msg=name)
 
 
-@pytest.mark.parametrize("residual,extra,want", [
-    ("block", {"attnres_blocks": 6}, [[0], [1], [2], [3], [4], [5]]),  # S = 2: one Transformer block each
-    ("block", {"attnres_block_size": 4}, [[0, 1], [2, 3], [4, 5]]),
-    ("block", {"attnres_block_size": 3}, [[0, 1, 2], [3, 4, 5]]),  # odd S: boundaries every lcm(S, 2)
-    ("full", {}, [[i] for i in range(6)]),
-    ("prenorm", {}, [[0], [1], [2], [3], [4], [5]]),  # Block's default: S = 2 for L = 12 (6 blocks <= 8)
-])
+@pytest.mark.parametrize(
+    "residual,extra,want",
+    [
+        ("block", {"attnres_blocks": 6}, [[0], [1], [2], [3], [4], [5]]),  # S = 2: one Transformer block each
+        ("block", {"attnres_block_size": 4}, [[0, 1], [2, 3], [4, 5]]),
+        ("block", {"attnres_block_size": 3}, [[0, 1, 2], [3, 4, 5]]),  # odd S: boundaries every lcm(S, 2)
+        ("full", {}, [[i] for i in range(6)]),
+        ("prenorm", {}, [[0], [1], [2], [3], [4], [5]]),  # Block's default: S = 2 for L = 12 (6 blocks <= 8)
+    ],
+)
 def test_segments_end_at_depth_block_boundaries(residual, extra, want):
     config = ModelConfig(d_model=16, n_layers=6, n_heads=2, residual=residual, **extra)
     assert [list(r) for r in segment_layers(config)] == want

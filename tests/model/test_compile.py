@@ -5,8 +5,10 @@ Trace tests use the "aot_eager" backend (dynamo and AOT autograd, no code genera
 one test runs inductor for real (marked compile_heavy: `pytest -m compile_heavy`). All models are
 tiny: compilation cost grows with the graph.
 """
+
 import pytest
 import torch
+from reference import randomize
 from torch._dynamo.utils import counters
 
 from attnres import AttnResLM, ModelConfig
@@ -14,7 +16,6 @@ from attnres.inference import CompiledDecoder, KVCache
 from attnres.inference.sampling import generate
 from attnres.model.compile import check_compile_setting, compile_model
 from attnres.residual.depth_streams import CompiledTwoPhaseStream, TwoPhaseStream
-from reference import randomize
 
 
 def tiny(residual, impl="two_phase", dtype=torch.float32, **extra):
@@ -34,8 +35,9 @@ def grads(model):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("residual,impl", [("prenorm", "two_phase"), ("block", "two_phase"),
-                                           ("full", "two_phase"), ("block", "fused")])
+@pytest.mark.parametrize(
+    "residual,impl", [("prenorm", "two_phase"), ("block", "two_phase"), ("full", "two_phase"), ("block", "fused")]
+)
 def test_forward_and_backward_compile_without_graph_breaks(residual, impl):
     torch._dynamo.reset()
     model = tiny(residual, impl)
@@ -112,8 +114,8 @@ def test_compiled_decoding_logits_equal_the_kv_cache_in_float64():
     decoder = CompiledDecoder(model, 2, setting="aot_eager")
     cache = KVCache.for_model(model, 2)
     with torch.no_grad():
-        want = [model(x[:, :12], cache=cache)] + [model(x[:, t:t + 1], cache=cache) for t in range(12, 20)]
-        got = [decoder(x[:, :12])] + [decoder(x[:, t:t + 1]) for t in range(12, 20)]
+        want = [model(x[:, :12], cache=cache)] + [model(x[:, t : t + 1], cache=cache) for t in range(12, 20)]
+        got = [decoder(x[:, :12])] + [decoder(x[:, t : t + 1]) for t in range(12, 20)]
         full = model(x)
     torch.testing.assert_close(torch.cat(got, 1), torch.cat(want, 1), rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(torch.cat(got, 1), full, rtol=1e-10, atol=1e-10)

@@ -1,4 +1,5 @@
 """ModelConfig validation: every bad field is a ValueError naming the field, the value and the fix."""
+
 import pytest
 
 from attnres import AttnResLM, ModelConfig
@@ -81,10 +82,15 @@ def test_scheme_options_are_config_fields_and_the_config_names_no_scheme():
 
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
     assert set(scheme_options()) <= fields
-    functions = [node for node in ast.walk(ast.parse(inspect.getsource(config_module)))
-                 if isinstance(node, ast.FunctionDef)]
-    literals = {node.value for f in functions for node in ast.walk(f)
-                if isinstance(node, ast.Constant) and isinstance(node.value, str)}
+    functions = [
+        node for node in ast.walk(ast.parse(inspect.getsource(config_module))) if isinstance(node, ast.FunctionDef)
+    ]
+    literals = {
+        node.value
+        for f in functions
+        for node in ast.walk(f)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str)
+    }
     assert not literals & set(RESIDUALS), "ModelConfig's code names a scheme: ask the registry instead"
 
 

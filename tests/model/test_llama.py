@@ -1,10 +1,11 @@
 """The LLaMA-style decoder (attnres/model/llama.py) around any residual scheme: causality, parameter
 kinds for the optimizer, input checks, and the shared initialisation that paired comparisons need."""
+
 import pytest
 import torch
+from reference import randomize
 
 from attnres.residual import RESIDUALS
-from reference import randomize
 
 
 @pytest.mark.parametrize("residual", sorted(RESIDUALS))
@@ -43,7 +44,7 @@ def test_sequence_longer_than_max_seq_len_is_a_clear_error(make, tokens):
 
 def test_every_scheme_gets_the_same_sublayer_weights_for_one_seed(make):
     """Paired comparisons across schemes need the same init: the scheme's own draws must not shift it."""
-    base = {k: v for k, v in make("prenorm").state_dict().items()}
+    base = dict(make("prenorm").state_dict().items())
     for residual in RESIDUALS:
         extra = {"highway_rank": 4} if residual == "highway" else {}
         state = make(residual, **extra).state_dict()

@@ -1,4 +1,5 @@
 """docs/options.md is ``attnres options``' output, and every ModelConfig field has its one line."""
+
 import dataclasses
 from pathlib import Path
 

@@ -1,11 +1,12 @@
 """Full and Block AttnRes streams (docs/method.md §3-6) driven by the model: every option against the
 float64 loop reference, the zero-query equivalence with PreNorm, the fast paths against the plain
 one, the depth record and the bookkeeping."""
+
 import pytest
 import torch
+from reference import randomize, reference_stream_inputs
 
 from attnres.residual import RESIDUALS
-from reference import reference_stream_inputs, randomize
 
 # (residual, overrides) covering every option; "block" with S odd and L not divisible
 VARIANTS = [
@@ -31,8 +32,11 @@ VARIANTS = [
 IDS = [f"{r}-{'-'.join(f'{k}={v}' for k, v in o.items()) or 'default'}" for r, o in VARIANTS]
 
 
-@pytest.mark.parametrize("residual,overrides", [v for v in VARIANTS if "attnres_window" not in v[1]],
-                         ids=[i for i, v in zip(IDS, VARIANTS) if "attnres_window" not in v[1]])
+@pytest.mark.parametrize(
+    "residual,overrides",
+    [v for v in VARIANTS if "attnres_window" not in v[1]],
+    ids=[i for i, v in zip(IDS, VARIANTS, strict=True) if "attnres_window" not in v[1]],
+)
 def test_zero_initialised_attnres_equals_prenorm(residual, overrides, make, tokens):
     """docs/method.md §3: zero queries -> uniform weights -> mean of sources -> same function after RMSNorm."""
     # exact up to norm eps; at init the mean of K sources has a small RMS (embedding std 0.02),
@@ -78,7 +82,7 @@ def test_sublayer_inputs_match_float64_reference(residual, overrides, impl, make
     got = capture(model, tokens())
     want = reference_stream_inputs(model.residual, got["emb"], got["out"])
     assert len(got["in"]) == model.config.n_sublayers
-    for l, (a, b) in enumerate(zip(got["in"] + [got["final"]], want)):
+    for l, (a, b) in enumerate(zip(got["in"] + [got["final"]], want, strict=True)):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=f"sublayer {l}")
 
 
@@ -132,8 +136,11 @@ def test_parameter_counts(make):
     for residual, overrides in VARIANTS + [("prenorm", {})]:
         model = make(residual, **overrides)
         formula = RESIDUALS[residual].extra_params(model.config)
-        assert model.num_params() - make("prenorm", **{k: v for k, v in overrides.items()
-                                                      if not k.startswith("attnres")}).num_params() == formula
+        assert (
+            model.num_params()
+            - make("prenorm", **{k: v for k, v in overrides.items() if not k.startswith("attnres")}).num_params()
+            == formula
+        )
 
 
 def test_stream_must_be_driven_in_order(make):
@@ -149,8 +156,10 @@ def test_stream_must_be_driven_in_order(make):
         stream.end()
 
 
-@pytest.mark.parametrize("residual,overrides", [("full", {}), ("block", {"attnres_blocks": 2}),
-                                                ("full", {"attnres_heads": 2, "attnres_kernel": "sigmoid"})])
+@pytest.mark.parametrize(
+    "residual,overrides",
+    [("full", {}), ("block", {"attnres_blocks": 2}), ("full", {"attnres_heads": 2, "attnres_kernel": "sigmoid"})],
+)
 def test_scaled_norm_eps_makes_the_equivalence_exact_at_default_eps(residual, overrides, make, tokens):
     model = make(residual, attnres_scale_norm_eps=True, **overrides)
     base = make("prenorm")

@@ -6,19 +6,24 @@ incrementally as the stream does), under every implementation; the fast paths ag
 plain one on gradients; zero-query equivalence with PreNorm where it holds (and its failure
 where it cannot hold); cached decoding, chunked prefill and pipeline hand-over.
 """
+
 import math
 
 import pytest
 import torch
+from reference import randomize
 
 from attnres import AttnResLM, ModelConfig
 from attnres.inference import KVCache, chunked_prefill
 from attnres.model.llama import output_logits, run_blocks
 from attnres.ops.common import DepthStats
-from attnres.ops.token_queries import low_rank_queries, merge_partial_token, phase1_token_queries
+from attnres.ops.token_queries import (
+    low_rank_queries,
+    merge_partial_token,
+    phase1_token_queries,
+)
 from attnres.residual import RESIDUALS, DepthState, IOCounter, observing, source_plan
 from attnres.residual.depth_streams import FusedStream, TokenQueryTwoPhaseStream
-from reference import randomize
 
 BASE = dict(vocab_size=50, d_model=16, n_layers=3, n_heads=2, max_seq_len=16)  # L = 6
 
@@ -37,10 +42,25 @@ VARIANTS = [
     ("full", {"attnres_weights": "low_rank_query", "attnres_query_rank": 3}),
     ("full", {"attnres_weights": "low_rank_query", "attnres_query_rank": 2, "attnres_heads": 2}),
     ("block", {"attnres_weights": "low_rank_query", "attnres_query_rank": 3}),
-    ("block", {"attnres_weights": "low_rank_query", "attnres_query_rank": 2, "attnres_block_sizes": [1, 3, 2],
-               "attnres_heads": 4}),
-    ("block", {"attnres_weights": "low_rank_query", "attnres_query_rank": 2, "attnres_kernel": "sigmoid",
-               "attnres_key_norm": False, "attnres_sources": "states"}),
+    (
+        "block",
+        {
+            "attnres_weights": "low_rank_query",
+            "attnres_query_rank": 2,
+            "attnres_block_sizes": [1, 3, 2],
+            "attnres_heads": 4,
+        },
+    ),
+    (
+        "block",
+        {
+            "attnres_weights": "low_rank_query",
+            "attnres_query_rank": 2,
+            "attnres_kernel": "sigmoid",
+            "attnres_key_norm": False,
+            "attnres_sources": "states",
+        },
+    ),
 ]
 IDS = [f"{r}-{'-'.join(f'{k}={v}' for k, v in o.items())}" for r, o in VARIANTS]
 IMPLS = ("two_phase", "fused", "reference")
@@ -70,7 +90,7 @@ def reference_inputs(scheme, emb, outs):
     queries: w_l; W_l h (h the newest source); w_l + U_l V_l h (h the newest completed source).
     """
     L, sizes, P = scheme.n_sublayers, scheme.block_sizes, dict(scheme.named_parameters())
-    ends = [sum(sizes[:m + 1]) for m in range(len(sizes))]
+    ends = [sum(sizes[: m + 1]) for m in range(len(sizes))]
     B, T, D = emb.shape
     H = scheme.heads
     result = [torch.zeros(B, T, D, dtype=torch.float64) for _ in range(L + 1)]
@@ -78,7 +98,7 @@ def reference_inputs(scheme, emb, outs):
         for t in range(T):
             v0, f = emb[b, t], [o[b, t] for o in outs]
 
-            def state(j):  # v_0 + the first j outputs
+            def state(j, v0=v0, f=f):  # v_0 + the first j outputs
                 return v0 + sum(f[:j], torch.zeros_like(v0))
 
             for l in range(L + 1):
@@ -88,10 +108,10 @@ def reference_inputs(scheme, emb, outs):
                     complete = [v0] + [state(ends[m]) for m in range(done)]
                     partial = state(l) if l > start else None
                 else:
-                    complete = [v0] + [sum(f[ends[m] - sizes[m]:ends[m]]) for m in range(done)]
+                    complete = [v0] + [sum(f[ends[m] - sizes[m] : ends[m]]) for m in range(done)]
                     partial = sum(f[start:l]) if l > start else None
                 if scheme.window is not None and len(complete) - 1 > scheme.window:
-                    complete = [complete[0]] + complete[-scheme.window:]
+                    complete = [complete[0]] + complete[-scheme.window :]
                 srcs = complete + ([partial] if partial is not None else [])
                 if scheme.weights_kind == "scalar":
                     z = P[f"mix_logits.{l}"].detach()
@@ -103,7 +123,9 @@ def reference_inputs(scheme, emb, outs):
                 elif scheme.weights_kind == "input_query":
                     q = P[f"query_proj.{l}"].detach() @ srcs[-1]
                 else:  # low rank, from the newest completed source
-                    q = P["queries"][l].detach() + P["query_up"][l].detach() @ (P["query_down"][l].detach() @ complete[-1])
+                    q = P["queries"][l].detach() + P["query_up"][l].detach() @ (
+                        P["query_down"][l].detach() @ complete[-1]
+                    )
                 dh = D // H
                 for head in range(H):
                     ch = slice(head * dh, (head + 1) * dh)
@@ -136,7 +158,7 @@ def test_stream_matches_float64_reference(residual, overrides, impl):
     outs = [torch.randn(2, 3, BASE["d_model"], generator=g, dtype=torch.float64) for _ in range(6)]
     got = drive(model.residual, emb, outs)
     want = reference_inputs(model.residual, emb, outs)
-    for l, (a, b) in enumerate(zip(got, want)):
+    for l, (a, b) in enumerate(zip(got, want, strict=True)):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=f"{impl}: consumer {l}")
 
 
@@ -152,8 +174,11 @@ def test_low_rank_block_runs_two_phase_and_full_falls_back_to_fused():
     assert counter.reads[0] == 1 and counter.reads[2] == 2 and counter.reads[4] == 3
 
 
-@pytest.mark.parametrize("residual,overrides", [v for v in VARIANTS if "attnres_window" not in v[1]],
-                         ids=[i for i, v in zip(IDS, VARIANTS) if "attnres_window" not in v[1]])
+@pytest.mark.parametrize(
+    "residual,overrides",
+    [v for v in VARIANTS if "attnres_window" not in v[1]],
+    ids=[i for i, v in zip(IDS, VARIANTS, strict=True) if "attnres_window" not in v[1]],
+)
 def test_fast_paths_agree_with_plain_autograd_on_gradients(residual, overrides):
     grads = {}
     for impl in IMPLS:
@@ -232,8 +257,15 @@ def test_source_plan_accepts_sizes_and_equals_the_equal_blocks_form():
         sizes = [S] * (L // S) + ([L % S] if L % S else [])
         assert source_plan(L, sizes) == source_plan(L, S)
     # blocks of 1, 3, 2: complete sources and partial flags per consumer
-    assert source_plan(6, [1, 3, 2]) == [(1, False), (2, False), (2, True), (2, True), (3, False), (3, True),
-                                         (4, False)]
+    assert source_plan(6, [1, 3, 2]) == [
+        (1, False),
+        (2, False),
+        (2, True),
+        (2, True),
+        (3, False),
+        (3, True),
+        (4, False),
+    ]
     with pytest.raises(ValueError, match="do not add up"):
         source_plan(6, [2, 2])
 
@@ -257,21 +289,26 @@ def test_parameter_counts():
     d, L = BASE["d_model"], 6
     prenorm = make("prenorm").num_params()
     r = 3
-    assert make("full", attnres_weights="low_rank_query", attnres_query_rank=r).num_params() - prenorm \
-        == (2 * d + 2 * r * d) * (L + 1)
-    assert make("block", attnres_weights="low_rank_query", attnres_query_rank=r, attnres_key_norm=False
-                ).num_params() - prenorm == (d + 2 * r * d) * (L + 1)
+    assert make("full", attnres_weights="low_rank_query", attnres_query_rank=r).num_params() - prenorm == (
+        2 * d + 2 * r * d
+    ) * (L + 1)
+    assert make(
+        "block", attnres_weights="low_rank_query", attnres_query_rank=r, attnres_key_norm=False
+    ).num_params() - prenorm == (d + 2 * r * d) * (L + 1)
     # scalar mixing over blocks of 2, 1, 1, 2: consumers read 1, 2, 2, 3, 4, 5 sources, the final 5
-    assert make("block", attnres_weights="scalar", attnres_block_sizes=[2, 1, 1, 2]).num_params() - prenorm \
+    assert (
+        make("block", attnres_weights="scalar", attnres_block_sizes=[2, 1, 1, 2]).num_params() - prenorm
         == 1 + 2 + 2 + 3 + 4 + 5 + 5
+    )
     for residual, overrides in VARIANTS:
         model = make(residual, **overrides)
         assert model.num_params() - prenorm == RESIDUALS[residual].extra_params(model.config), (residual, overrides)
 
 
 def test_low_rank_initialisation():
-    model = make("block", dtype=torch.float32, d_model=64, n_heads=2, attnres_weights="low_rank_query",
-                 attnres_query_rank=8)
+    model = make(
+        "block", dtype=torch.float32, d_model=64, n_heads=2, attnres_weights="low_rank_query", attnres_query_rank=8
+    )
     res = model.residual
     assert res.queries.abs().sum() == 0 and res.query_up.abs().sum() == 0
     assert res.query_down.shape == (7, 8, 64)
@@ -311,8 +348,14 @@ def test_shared_options_apply_to_a_whole_comparison():
 
 
 def test_new_options_round_trip():
-    cfg = ModelConfig(**BASE, residual="block", attnres_block_sizes=[1, 3, 2], attnres_sources="states",
-                      attnres_weights="low_rank_query", attnres_query_rank=2)
+    cfg = ModelConfig(
+        **BASE,
+        residual="block",
+        attnres_block_sizes=[1, 3, 2],
+        attnres_sources="states",
+        attnres_weights="low_rank_query",
+        attnres_query_rank=2,
+    )
     assert ModelConfig.from_dict(cfg.to_dict()) == cfg
 
 
@@ -327,7 +370,7 @@ def test_cached_decoding_equals_the_full_forward(residual, overrides):
     with torch.no_grad():
         full = model(x)
         cache = KVCache.for_model(model, batch_size=2)
-        steps = [model(x[:, :5], cache=cache)] + [model(x[:, t:t + 1], cache=cache) for t in range(5, 14)]
+        steps = [model(x[:, :5], cache=cache)] + [model(x[:, t : t + 1], cache=cache) for t in range(5, 14)]
         chunked = chunked_prefill(model, x, KVCache.for_model(model, 2), 4, all_logits=True)
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(chunked, full, rtol=1e-10, atol=1e-10)
@@ -344,9 +387,12 @@ def test_handover_at_every_transformer_block_is_exact(residual, overrides):
     for i, block in enumerate(model.blocks):
         depth = run_blocks(depth, model.residual, [(i, block)], cos, sin)
         history, state = depth.history, depth.state
-        depth = DepthState(2 * (i + 1), tuple(h.detach().clone() for h in history),
-                           tuple(s.detach().clone() for s in state))
-    torch.testing.assert_close(output_logits(model.norm, model.lm_head, model.residual.finish(depth)), want, rtol=0, atol=1e-12)
+        depth = DepthState(
+            2 * (i + 1), tuple(h.detach().clone() for h in history), tuple(s.detach().clone() for s in state)
+        )
+    torch.testing.assert_close(
+        output_logits(model.norm, model.lm_head, model.residual.finish(depth)), want, rtol=0, atol=1e-12
+    )
 
 
 def test_pipeline_layout_counts_uneven_blocks():
@@ -355,8 +401,17 @@ def test_pipeline_layout_counts_uneven_blocks():
     running partial sum of block 2 (sublayers 2-5) crosses the first cut as the state."""
     from attnres.parallel.pipeline import probe_layout
 
-    model = AttnResLM(ModelConfig(vocab_size=20, d_model=8, n_layers=4, n_heads=2, max_seq_len=4,
-                                  residual="block", attnres_block_sizes=[1, 5, 2]))
+    model = AttnResLM(
+        ModelConfig(
+            vocab_size=20,
+            d_model=8,
+            n_layers=4,
+            n_heads=2,
+            max_seq_len=4,
+            residual="block",
+            attnres_block_sizes=[1, 5, 2],
+        )
+    )
     layout = probe_layout(model, 2, 1, 1, 4, cache=False)
     assert [len(h) for h in layout.history] == [2, 4] and [len(s) for s in layout.state] == [1, 0]
     assert [r["blocks"] for r in layout.traffic()] == [1]
@@ -409,8 +464,9 @@ def test_token_query_ops_match_the_definitions_and_merge_exactly(heads, kernel, 
     # merging the partial sum equals attending over sources + partial at once
     both, _ = _reference_token_phase(sources, queries, kw, 1e-6, kernel, partial=partial)
     for s in range(S):
-        merged = merge_partial_token(DepthStats(h1[s], lse[:, :, s]), partial, queries[:, :, s],
-                                     kw[s] if kw is not None else None, 1e-6, kernel)
+        merged = merge_partial_token(
+            DepthStats(h1[s], lse[:, :, s]), partial, queries[:, :, s], kw[s] if kw is not None else None, 1e-6, kernel
+        )
         torch.testing.assert_close(merged, both[:, :, s], rtol=1e-12, atol=1e-12)
 
 

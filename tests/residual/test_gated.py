@@ -4,10 +4,12 @@ Its definition (attnres/residual/gated.py, docs/method.md §5) is re-derived her
 token and head by head, from the module as written (every source projected to a key and a value),
 and compared with both implementations the stream runs.
 """
+
 import math
 
 import pytest
 import torch
+from reference import randomize
 
 from attnres import AttnResLM, ModelConfig
 from attnres.inference import KVCache
@@ -16,7 +18,6 @@ from attnres.model.schemes_table import base_params, schemes_table
 from attnres.ops.gated_depth_attention import gated_depth_attention
 from attnres.residual import RESIDUALS, DepthState, IOCounter, build_residual, observing
 from attnres.residual.gated import DepthAttention
-from reference import randomize
 
 BASE = dict(vocab_size=50, d_model=16, n_layers=3, n_heads=2, max_seq_len=24)  # L = 6
 
@@ -78,7 +79,7 @@ def test_stream_matches_float64_reference(heads, impl):
         got.append(stream.read(l))
         stream.write(l, outs[l])
     got.append(stream.end())
-    for l, (a, b) in enumerate(zip(got, reference(scheme, emb, outs))):
+    for l, (a, b) in enumerate(zip(got, reference(scheme, emb, outs), strict=True)):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=f"consumer {l}")
 
 
@@ -108,10 +109,10 @@ def test_absorbed_and_literal_forms_agree_on_values_and_gradients():
     torch.testing.assert_close(logits["two_phase"], logits["reference"], rtol=1e-10, atol=1e-12)
     for name, g in grads["reference"].items():
         torch.testing.assert_close(grads["two_phase"][name], g, rtol=1e-8, atol=1e-12, msg=name)
-        if name.startswith("residual.") and not name.endswith("k_proj.bias"):
-            # consumer 0 reads one source: its q and k projections get no gradient, like any softmax over one
-            if not (name.startswith("residual.depth_attention.0.") and ("q_proj" in name or "k_proj" in name)):
-                assert g.abs().sum() > 0, name
+        # consumer 0 reads one source: its q and k projections get no gradient, like any softmax over one
+        lone = name.startswith("residual.depth_attention.0.") and ("q_proj" in name or "k_proj" in name)
+        if name.startswith("residual.") and not name.endswith("k_proj.bias") and not lone:
+            assert g.abs().sum() > 0, name
 
 
 def test_key_bias_is_inert():
@@ -143,8 +144,11 @@ def test_parameter_count_and_classification():
     assert model.num_params() - prenorm.num_params() == want == RESIDUALS["gated"].extra_params(model.config)
     assert make(gated_heads=2).num_params() == model.num_params()  # heads only split channels
     info = RESIDUALS["gated"]
-    assert (info.weight_type_of(model.config), info.source, info.depth_state(model.config)) == \
-        ("dynamic", "cross-layer", L + 1)
+    assert (info.weight_type_of(model.config), info.source, info.depth_state(model.config)) == (
+        "dynamic",
+        "cross-layer",
+        L + 1,
+    )
     row = next(line for line in schemes_table().splitlines() if line.startswith("| gated |"))
     demo = 4096 * 128 * 2 + 8 * (4 * 128 * 128 + 3 * 128 * 352 + 2 * 128) + 128
     extra = 17 * (3 * 128 * 128 + 3 * 128 + 1)
@@ -159,7 +163,7 @@ def test_depth_weights_are_reported_per_head_and_sum_to_one():
     randomize(model.residual, scale=0.3)
     record = model(tokens(), return_record=True).record
     assert len(record.weights) == 7
-    for l, (w, names) in enumerate(zip(record.weights, record.sources)):
+    for l, (w, names) in enumerate(zip(record.weights, record.sources, strict=True)):
         assert w.shape == (l + 1, 2, 6, 4) and names == ["emb"] + [f"v{i}" for i in range(1, l + 1)]
         torch.testing.assert_close(w.sum(0), torch.ones_like(w[0]), rtol=1e-6, atol=1e-6)
     assert depth_weight_matrix(record).shape == (7, 7)
@@ -186,7 +190,7 @@ def test_cached_decoding_and_handover(impl):
     with torch.no_grad():
         full = model(x)
         cache = KVCache.for_model(model, batch_size=2)
-        steps = [model(x[:, :4], cache=cache)] + [model(x[:, t:t + 1], cache=cache) for t in range(4, 12)]
+        steps = [model(x[:, :4], cache=cache)] + [model(x[:, t : t + 1], cache=cache) for t in range(4, 12)]
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-10, atol=1e-10)
     cos, sin = model.rope_cos[:12], model.rope_sin[:12]
     depth = model.residual.start(model.embed(x))
@@ -194,9 +198,12 @@ def test_cached_decoding_and_handover(impl):
         depth = run_blocks(depth, model.residual, [(i, block)], cos, sin)
         history, state = depth.history, depth.state
         assert len(history) == 2 * (i + 1) + 1 and len(state) == 1
-        depth = DepthState(2 * (i + 1), tuple(h.detach().clone() for h in history),
-                           tuple(s.detach().clone() for s in state))
-    torch.testing.assert_close(output_logits(model.norm, model.lm_head, model.residual.finish(depth)), full, rtol=0, atol=1e-12)
+        depth = DepthState(
+            2 * (i + 1), tuple(h.detach().clone() for h in history), tuple(s.detach().clone() for s in state)
+        )
+    torch.testing.assert_close(
+        output_logits(model.norm, model.lm_head, model.residual.finish(depth)), full, rtol=0, atol=1e-12
+    )
 
 
 def test_io_counter_counts_the_state_and_every_source():

@@ -4,6 +4,7 @@ layer input at every block boundary and read depth mixtures with ``Inkling2Block
 same layers' sublayers, replaced by small stand-ins, run through our stream built with
 ``values="normalized"``, ``score_scale=d ** -0.5`` and three queries before each full-attention layer
 (one each for its q, k and v inputs). The two agree in float32."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,8 +13,10 @@ from torch import nn
 
 from attnres.residual import BlockAttnRes
 
-modeling = pytest.importorskip("transformers.models.inkling2.modeling_inkling2",
-                               reason="this transformers does not ship Inkling-2 (transformers.models.inkling2)")
+modeling = pytest.importorskip(
+    "transformers.models.inkling2.modeling_inkling2",
+    reason="this transformers does not ship Inkling-2 (transformers.models.inkling2)",
+)
 
 D, LAYERS, PER_BLOCK = 16, 6, 2
 TYPES = ["hybrid_sliding", "hybrid", "hybrid_sliding", "hybrid_sliding", "hybrid", "hybrid_sliding"]
@@ -25,7 +28,7 @@ class StandInAttention(nn.Module):
     def __init__(self, seed: int):
         super().__init__()
         g = torch.Generator().manual_seed(seed)
-        self.w = nn.Parameter(torch.randn(3, D, D, generator=g) / D ** 0.5)
+        self.w = nn.Parameter(torch.randn(3, D, D, generator=g) / D**0.5)
 
     def forward(self, hidden_states, key_hidden_states=None, value_hidden_states=None, **kwargs):
         k = hidden_states if key_hidden_states is None else key_hidden_states
@@ -39,8 +42,11 @@ class StandIn(nn.Module):
 
     def __init__(self, seed: int | None):
         super().__init__()
-        self.w = None if seed is None else nn.Parameter(
-            torch.randn(D, D, generator=torch.Generator().manual_seed(seed)) / D ** 0.5)
+        self.w = (
+            None
+            if seed is None
+            else nn.Parameter(torch.randn(D, D, generator=torch.Generator().manual_seed(seed)) / D**0.5)
+        )
 
     def forward(self, hidden_states, **kwargs):
         return hidden_states if self.w is None else torch.tanh(hidden_states @ self.w) * 1.5
@@ -49,11 +55,24 @@ class StandIn(nn.Module):
 def inkling2_layers():
     from transformers.models.inkling2.configuration_inkling2 import Inkling2TextConfig
 
-    config = Inkling2TextConfig(hidden_size=D, num_hidden_layers=LAYERS, layer_types=TYPES,
-                                n_layers_per_attn_res_block=PER_BLOCK, num_attention_heads=2, num_key_value_heads=1,
-                                head_dim=8, swa_num_attention_heads=2, swa_num_key_value_heads=1, swa_head_dim=8,
-                                moe_intermediate_size=8, n_routed_experts=4, num_experts_per_tok=2, d_rel=4,
-                                rel_extent=8, sliding_window_size=8)
+    config = Inkling2TextConfig(
+        hidden_size=D,
+        num_hidden_layers=LAYERS,
+        layer_types=TYPES,
+        n_layers_per_attn_res_block=PER_BLOCK,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        swa_num_attention_heads=2,
+        swa_num_key_value_heads=1,
+        swa_head_dim=8,
+        moe_intermediate_size=8,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        d_rel=4,
+        rel_extent=8,
+        sliding_window_size=8,
+    )
     config._attn_implementation = "eager"
     g = torch.Generator().manual_seed(0)
     layers = []
@@ -86,15 +105,16 @@ def inkling2_forward(layers, final, x):
 
 def our_scheme(layers, final) -> BlockAttnRes:
     reads = [q for kind in TYPES for q in ((3 if kind == "hybrid" else 1), 1)] + [1]
-    scheme = BlockAttnRes(D, 2 * LAYERS, block_size=2 * PER_BLOCK, values="normalized", score_scale=D ** -0.5,
-                          read_queries=reads)
+    scheme = BlockAttnRes(
+        D, 2 * LAYERS, block_size=2 * PER_BLOCK, values="normalized", score_scale=D**-0.5, read_queries=reads
+    )
     with torch.no_grad():
         for i, layer in enumerate(layers):
             if layer.attention_input is not None:  # layer 0 reads the embedding alone: no read, no query
                 q = layer.attention_input.query.reshape(-1, D)
                 scheme.queries[2 * i].copy_(q[0])
                 if len(q) > 1:
-                    scheme.extra_queries[scheme.extra_start[2 * i]:scheme.extra_start[2 * i] + 2].copy_(q[1:])
+                    scheme.extra_queries[scheme.extra_start[2 * i] : scheme.extra_start[2 * i] + 2].copy_(q[1:])
             scheme.queries[2 * i + 1].copy_(layer.mlp_input.query)
         scheme.queries[2 * LAYERS].copy_(final.query)
     return scheme
@@ -107,8 +127,11 @@ def our_forward(scheme, layers, x):
         h = stream.read()
         if h.dim() == 4:  # three mixtures: the inputs of q, k and v
             q, k, v = h
-            a = layer.self_attn(layer.q_input_layernorm(q), key_hidden_states=layer.k_input_layernorm(k),
-                                value_hidden_states=layer.v_input_layernorm(v))[0]
+            a = layer.self_attn(
+                layer.q_input_layernorm(q),
+                key_hidden_states=layer.k_input_layernorm(k),
+                value_hidden_states=layer.v_input_layernorm(v),
+            )[0]
         else:
             norm = layer.input_layernorm if hasattr(layer, "input_layernorm") else layer.q_input_layernorm
             a = layer.self_attn(norm(h))[0]

@@ -1,6 +1,7 @@
 """match_prenorm_eps: with each pre-norm's eps scaled by c_l², a zero-initialised AttnRes network of
 your own computes exactly the PreNorm network with the same weights (float64, 1e-12); without the call
 it does not. Stand-in network: L small MLP sublayers, each behind its own pre-norm, and a final norm."""
+
 import pytest
 import torch
 from torch import nn
@@ -36,8 +37,9 @@ class StandIn(nn.Module):
     def __init__(self, norm: str, seed: int = 0):
         super().__init__()
         torch.manual_seed(seed)
-        self.sublayers = nn.ModuleList(nn.Sequential(nn.Linear(D, 2 * D), nn.Tanh(), nn.Linear(2 * D, D))
-                                       for _ in range(L))
+        self.sublayers = nn.ModuleList(
+            nn.Sequential(nn.Linear(D, 2 * D), nn.Tanh(), nn.Linear(2 * D, D)) for _ in range(L)
+        )
         self.norms = nn.ModuleList(NORMS[norm]() for _ in range(L))
         self.final_norm = NORMS[norm]()
         with torch.no_grad():  # norms away from their identity init, so that the weights matter too
@@ -48,13 +50,13 @@ class StandIn(nn.Module):
 
     def prenorm(self, x):
         h = x
-        for f, norm in zip(self.sublayers, self.norms):
+        for f, norm in zip(self.sublayers, self.norms, strict=True):
             h = h + f(norm(h))
         return self.final_norm(h)
 
     def attnres(self, x, scheme):
         stream = scheme.begin(x)
-        for l, (f, norm) in enumerate(zip(self.sublayers, self.norms)):
+        for l, (f, norm) in enumerate(zip(self.sublayers, self.norms, strict=True)):
             stream.write(l, f(norm(stream.read(l))))
         return self.final_norm(stream.end())
 
@@ -127,8 +129,11 @@ def test_errors():
     with pytest.raises(ValueError, match="norms has 8 modules"):
         match_prenorm_eps(norms + [nn.LayerNorm(D)], scheme)
     bad = norms[:2] + [nn.Identity()] + norms[3:]
-    with pytest.raises(TypeError, match=r"norms\[2\] \(sublayer 2\) is a torch.nn.modules.linear.Identity, which has "
-                                        r"no float `eps` or `variance_epsilon` attribute"):
+    with pytest.raises(
+        TypeError,
+        match=r"norms\[2\] \(sublayer 2\) is a torch.nn.modules.linear.Identity, which has "
+        r"no float `eps` or `variance_epsilon` attribute",
+    ):
         match_prenorm_eps(bad, scheme)
     weird = nn.LayerNorm(D)
     weird.eps = "small"

@@ -1,4 +1,5 @@
 """Observers: the depth record and residual I/O counting, outside the streams' arithmetic."""
+
 import pytest
 import torch
 
@@ -12,13 +13,22 @@ SIZES = dict(vocab_size=64, d_model=32, n_layers=5, n_heads=2, max_seq_len=16)
 # observer (commit 95b432d): the observer must reproduce them exactly.
 IO_BEFORE = {
     "prenorm": ({"residual": "prenorm"}, [2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 0], [1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0]),
-    "block": ({"residual": "block", "attnres_blocks": 4}, [1, 4, 5, 2, 4, 5, 3, 4, 5, 5, 5],
-              [3, 2, 3, 3, 2, 3, 3, 2, 3, 2, 1]),
-    "block-fused": ({"residual": "block", "attnres_blocks": 4, "attnres_impl": "fused"},
-                    [1, 4, 5, 2, 5, 6, 3, 6, 7, 5, 5], [1, 2, 3, 1, 2, 3, 1, 2, 3, 2, 1]),
+    "block": (
+        {"residual": "block", "attnres_blocks": 4},
+        [1, 4, 5, 2, 4, 5, 3, 4, 5, 5, 5],
+        [3, 2, 3, 3, 2, 3, 3, 2, 3, 2, 1],
+    ),
+    "block-fused": (
+        {"residual": "block", "attnres_blocks": 4, "attnres_impl": "fused"},
+        [1, 4, 5, 2, 5, 6, 3, 6, 7, 5, 5],
+        [1, 2, 3, 1, 2, 3, 1, 2, 3, 2, 1],
+    ),
     "full": ({"residual": "full"}, [2, 4, 5, 5, 4, 5, 8, 4, 5, 11, 11], [4, 3, 3, 4, 3, 3, 4, 3, 3, 2, 1]),
-    "full-window": ({"residual": "full", "attnres_window": 3}, [2, 3, 4, 5, 5, 5, 5, 5, 5, 5, 4],
-                    [2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 1]),
+    "full-window": (
+        {"residual": "full", "attnres_window": 3},
+        [2, 3, 4, 5, 5, 5, 5, 5, 5, 5, 4],
+        [2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 1],
+    ),
 }
 
 
@@ -77,7 +87,7 @@ def test_depth_record_through_the_observer():
     assert len(record.weights) == len(record.sources) == L + 1
     assert len(record.input_rms) == len(record.output_rms) == L
     assert record.sources[0] == ["emb"] and record.sources[4] == ["emb", "b1", "b2~"]
-    for w, names in zip(record.weights, record.sources):
+    for w, names in zip(record.weights, record.sources, strict=True):
         assert w.shape == (len(names), 2, 4)
         torch.testing.assert_close(w.sum(0), torch.ones(2, 4))
     prenorm = AttnResLM(ModelConfig(**SIZES, residual="prenorm"))

@@ -1,6 +1,7 @@
 """attnres.param_groups: torch-style groups for any model with AttnRes parts. AttnRes parameters never
 reach Muon and are never decayed; the assignment equals AttnResLM.param_kinds() (what the trainer used);
 the groups drive torch.optim.Muon + AdamW; bad arguments fail clearly."""
+
 import math
 
 import pytest
@@ -32,11 +33,17 @@ def assert_same_assignment(model, groups, kinds, prefix=""):
 
 
 LM_CASES = [
-    dict(residual="full"), dict(residual="block", attnres_blocks=2), dict(residual="prenorm"),
-    dict(residual="full", attnres_weights="input_query"), dict(residual="full", attnres_weights="low_rank_query",
-                                                              attnres_query_rank=2),
-    dict(residual="block", attnres_weights="scalar"), dict(residual="full", attnres_heads=2),
-    dict(residual="mudd"), dict(residual="hyper"), dict(residual="gated"), dict(residual="highway"),
+    dict(residual="full"),
+    dict(residual="block", attnres_blocks=2),
+    dict(residual="prenorm"),
+    dict(residual="full", attnres_weights="input_query"),
+    dict(residual="full", attnres_weights="low_rank_query", attnres_query_rank=2),
+    dict(residual="block", attnres_weights="scalar"),
+    dict(residual="full", attnres_heads=2),
+    dict(residual="mudd"),
+    dict(residual="hyper"),
+    dict(residual="gated"),
+    dict(residual="highway"),
     dict(residual="full", backbone="kimi_linear", moe_experts=4),
     dict(residual="block", backbone="kimi_linear", moe_experts=4, attnres_blocks=2),
 ]
@@ -65,8 +72,7 @@ def test_attnres_for_causal_lm():
     from attnres.hf import AttnResConfig, AttnResForCausalLM
 
     torch.manual_seed(0)
-    model = AttnResForCausalLM(AttnResConfig.from_model_config(ModelConfig(**TINY, residual="block",
-                                                                            attnres_blocks=2)))
+    model = AttnResForCausalLM(AttnResConfig.from_model_config(ModelConfig(**TINY, residual="block", attnres_blocks=2)))
     groups = param_groups(model)
     check_partition(model, groups)
     assert_same_assignment(model, groups, model.model.param_kinds(), prefix="model.")
@@ -125,8 +131,14 @@ def test_own_model(tied):
     assert kinds["cls_token"] == kinds["scale"] == "no_decay"
     for i in range(2):
         b = f"blocks.{i}."
-        for name in ("attn.weight", "proj.weight", "mlp.0.weight", "mlp.2.weight", "experts.gate_up_proj",
-                     "experts.down_proj"):
+        for name in (
+            "attn.weight",
+            "proj.weight",
+            "mlp.0.weight",
+            "mlp.2.weight",
+            "experts.gate_up_proj",
+            "experts.down_proj",
+        ):
             assert kinds[b + name] == "matrix", name
         for name in ("ln_1.weight", "ln_1.bias", "attn.bias", "mlp.2.bias", "gate"):
             assert kinds[b + name] == "no_decay", name
@@ -170,7 +182,8 @@ def test_muon_and_adamw_train_with_the_groups():
     muon = torch.optim.Muon([g for g in groups if g["optimizer"] == "muon"], lr=0.02, adjust_lr_fn="match_rms_adamw")
     adamw = torch.optim.AdamW([g for g in groups if g["optimizer"] == "adamw"], lr=3e-3)
     assert {n for g in muon.param_groups for n in g["names"]}.isdisjoint(
-        n for n, _ in model.attnres.named_parameters(prefix="attnres"))
+        n for n, _ in model.attnres.named_parameters(prefix="attnres")
+    )
     assert [g["weight_decay"] for g in adamw.param_groups] == [0.1, 0.0]
     ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1))
     before = {n: p.detach().clone() for n, p in model.named_parameters()}

@@ -4,15 +4,21 @@ Every update rule is re-derived here in float64, token by token, from the
 papers' equations (see the module docstrings of attnres/residual/scaled.py,
 dense.py, hyper.py), and compared with the stream the model drives.
 """
+
 import math
 
 import pytest
 import torch
+from reference import randomize
 
 from attnres import AttnResLM, ModelConfig
+from attnres.model.schemes_table import (
+    DEMO_MODEL,
+    base_params,
+    scheme_config,
+    schemes_table,
+)
 from attnres.residual import RESIDUALS, build_residual, sinkhorn
-from attnres.model.schemes_table import DEMO_MODEL, base_params, scheme_config, schemes_table
-from reference import randomize
 
 RIVALS = ("rezero", "layerscale", "highway", "denseformer", "mudd", "hyper", "mhc")
 
@@ -180,10 +186,15 @@ def test_registry_lists_every_scheme():
         assert info.name == name and info.description
         assert info.weight_type_of(ModelConfig(residual=name)) in ("fixed", "static", "dynamic")
         assert info.source in ("single state", "multi-stream", "cross-layer")
-    table5 = {"rezero": ("static", "single state"), "layerscale": ("static", "single state"),
-              "highway": ("dynamic", "single state"), "denseformer": ("static", "cross-layer"),
-              "mudd": ("dynamic", "cross-layer"), "hyper": ("dynamic", "multi-stream"),
-              "mhc": ("dynamic", "multi-stream")}
+    table5 = {
+        "rezero": ("static", "single state"),
+        "layerscale": ("static", "single state"),
+        "highway": ("dynamic", "single state"),
+        "denseformer": ("static", "cross-layer"),
+        "mudd": ("dynamic", "cross-layer"),
+        "hyper": ("dynamic", "multi-stream"),
+        "mhc": ("dynamic", "multi-stream"),
+    }
     for name, (weight, source) in table5.items():
         info = RESIDUALS[name]
         assert (info.weight_type_of(ModelConfig(residual=name)), info.source) == (weight, source)
@@ -224,9 +235,11 @@ STEP0 = [
 ]
 
 
-@pytest.mark.parametrize("residual,overrides", STEP0,
-                         ids=[f"{r}-{'-'.join(f'{k}={v}' for k, v in o.items()) or 'default'}"
-                              for r, o in STEP0])
+@pytest.mark.parametrize(
+    "residual,overrides",
+    STEP0,
+    ids=[f"{r}-{'-'.join(f'{k}={v}' for k, v in o.items()) or 'default'}" for r, o in STEP0],
+)
 def test_initialised_scheme_equals_prenorm(residual, overrides, make, tokens):
     """Identity-initialised averaging, PreNorm-equivalent HC matrices, mHC's static init."""
     overrides = {**overrides, "norm_eps": 1e-20}  # exact up to norm eps: keep eps far below the RMS
@@ -255,8 +268,7 @@ def test_mhc_mixer_is_doubly_stochastic(dtype, config):
     cfg = config("mhc")
     scheme = build_residual(cfg).to(dtype)
     randomize(scheme, scale=0.1)
-    H = torch.randn(cfg.mhc_streams, 2, 5, cfg.d_model, dtype=dtype,
-                    generator=torch.Generator().manual_seed(3))
+    H = torch.randn(cfg.mhc_streams, 2, 5, cfg.d_model, dtype=dtype, generator=torch.Generator().manual_seed(3))
     for l in range(cfg.n_sublayers):
         pre, post, res = scheme.coefficients(l, H)
         assert res.dtype == torch.promote_types(dtype, torch.float32) and res.shape == (2, 5, 4, 4)
@@ -396,9 +408,10 @@ def test_schemes_table():
     assert by_name["mhc"][5] == "4" and by_name["denseformer"][5] == "9"
     assert by_name["mhc"][3] == f"{RESIDUALS['mhc'].extra_params(scheme_config(demo, 'mhc')):,}"
     # a scheme's own options change its row and no other
-    custom = schemes_table(ModelConfig(**{**DEMO_MODEL, "residual": "hyper", "hyper_streams": 2,
-                                          "hyper_dynamic": False}))
-    changed = [(a, b) for a, b in zip(table.splitlines(), custom.splitlines()) if a != b]
+    custom = schemes_table(
+        ModelConfig(**{**DEMO_MODEL, "residual": "hyper", "hyper_streams": 2, "hyper_dynamic": False})
+    )
+    changed = [(a, b) for a, b in zip(table.splitlines(), custom.splitlines(), strict=True) if a != b]
     assert len(changed) == 1 and changed[0][1].startswith("| hyper ")
     assert "| static | multi-stream | 128 |" in changed[0][1]  # 16 sublayers x (2 + 4 + 2)
     assert "| 2 |" in changed[0][1]

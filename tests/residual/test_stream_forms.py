@@ -1,6 +1,7 @@
 """Every form of the AttnRes stream (attnres/residual/depth_streams.py) against the reference stream, in
 float64 with stand-in sublayers: the sublayer inputs, the output and the gradients; and a stream handed
 from sublayer to sublayer as a DepthState (with the fast forms' cache, and without it) computes the same."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,10 +23,14 @@ CASES = {
     "fused_window": (lambda: FullAttnRes(D, L, window=2), forms.FusedStream),
     "two_phase_block": (lambda: BlockAttnRes(D, L, block_sizes=[1, 3, 2]), forms.TwoPhaseStream),
     "two_phase_full_grouped": (lambda: FullAttnRes(D, L, group_size=3), forms.TwoPhaseStream),
-    "two_phase_heads_sigmoid": (lambda: BlockAttnRes(D, L, block_size=4, heads=2, kernel="sigmoid"),
-                                forms.TwoPhaseStream),
-    "token_queries": (lambda: BlockAttnRes(D, L, block_size=3, weights="low_rank_query", query_rank=2),
-                      forms.TokenQueryTwoPhaseStream),
+    "two_phase_heads_sigmoid": (
+        lambda: BlockAttnRes(D, L, block_size=4, heads=2, kernel="sigmoid"),
+        forms.TwoPhaseStream,
+    ),
+    "token_queries": (
+        lambda: BlockAttnRes(D, L, block_size=3, weights="low_rank_query", query_rank=2),
+        forms.TokenQueryTwoPhaseStream,
+    ),
     "compiled": (lambda: BlockAttnRes(D, L, block_size=4), forms.CompiledTwoPhaseStream),
     "compiled_full": (lambda: FullAttnRes(D, L, group_size=2, key_norm=False), forms.CompiledTwoPhaseStream),
 }
@@ -40,7 +45,7 @@ def scheme_for(case: str):
 
 def sublayers():
     g = torch.Generator().manual_seed(5)
-    weights = [torch.randn(D, D, generator=g, dtype=torch.float64) / D ** 0.5 for _ in range(L)]
+    weights = [torch.randn(D, D, generator=g, dtype=torch.float64) / D**0.5 for _ in range(L)]
     return [lambda h, w=w: torch.tanh(h @ w) for w in weights]
 
 
@@ -75,12 +80,15 @@ def test_each_form_matches_the_reference_stream(case, monkeypatch):
     got_x = x.grad.clone()
 
     reference = scheme_for(case)
-    monkeypatch.setattr(attnres_scheme, "stream_class",
-                        lambda s, e: forms.ScalarMixStream if case == "scalar" else forms.DepthAttentionStream)
+    monkeypatch.setattr(
+        attnres_scheme,
+        "stream_class",
+        lambda s, e: forms.ScalarMixStream if case == "scalar" else forms.DepthAttentionStream,
+    )
     x.grad = None
     want_inputs, want = run(reference, x)
     (want.square().sum() + sum(h.sum() for h in want_inputs)).backward()
-    for a, b in zip(got_inputs, want_inputs):
+    for a, b in zip(got_inputs, want_inputs, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(got_x, x.grad, rtol=1e-9, atol=1e-12)
@@ -97,7 +105,7 @@ def test_a_stream_handed_over_after_every_sublayer_computes_the_same(case, hando
     x = torch.randn(2, 3, D, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     want_inputs, want = run(scheme, x)
     got_inputs, got = run(scheme, x, handover)
-    for a, b in zip(got_inputs, want_inputs):
+    for a, b in zip(got_inputs, want_inputs, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-13)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-13)
 

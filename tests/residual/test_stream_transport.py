@@ -1,19 +1,21 @@
 """stream.export() / scheme.resume(): a stream handed over between any two Transformer blocks (as a
 pipeline stage boundary does) computes exactly what the uninterrupted stream computes."""
+
 import pytest
 import torch
+from reference import randomize
 
 from attnres import AttnResLM, ModelConfig
 from attnres.model.llama import output_logits, run_blocks
 from attnres.residual import RESIDUALS, DepthState
-from reference import randomize
 
 
 def model(residual):
     torch.manual_seed(0)
     options = {"attnres_block_size": 3} if residual == "block" else {}  # boundaries inside depth blocks
-    m = AttnResLM(ModelConfig(vocab_size=40, d_model=16, n_layers=4, n_heads=2, max_seq_len=8,
-                              residual=residual, **options)).double()
+    m = AttnResLM(
+        ModelConfig(vocab_size=40, d_model=16, n_layers=4, n_heads=2, max_seq_len=8, residual=residual, **options)
+    ).double()
     randomize(m.residual)
     return m
 

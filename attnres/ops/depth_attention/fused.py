@@ -14,14 +14,21 @@ Dispatch. ``fused_depth_attention`` runs the Triton kernels of ``triton.py`` for
 when triton is installed and the case is covered (imported on first use, so this module never
 needs triton); ``depth_attention`` chooses between this path and the reference.
 """
+
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
-from attnres.ops.common import apply_function, autocast_off, compute_dtype, split_heads, triton_kernels
+from attnres.ops.common import (
+    apply_function,
+    autocast_off,
+    compute_dtype,
+    split_heads,
+    triton_kernels,
+)
 from attnres.ops.depth_attention.reference import (
     DepthAttentionOutput,
     check_kernel,
@@ -73,23 +80,20 @@ class _FusedDepthAttention(torch.autograd.Function):
                 r_parts.append(torch.rsqrt(ms + eps))  # [B, T, k]
         s = torch.cat(s_parts, dim=2)
         r = torch.cat(r_parts, dim=2) if normalize_keys else None
-        z = s * r.unsqueeze(-1) if normalize_keys else s
-        if kernel == "softmax":
-            alpha = torch.softmax(z, dim=2)
-        else:
-            alpha = torch.sigmoid(z)
+        z = s * r.unsqueeze(-1) if r is not None else s
+        alpha = torch.softmax(z, dim=2) if kernel == "softmax" else torch.sigmoid(z)
 
-        h = None
+        h: Tensor | None = None
         start = 0
         for seg in segments:
             k = seg.shape[2]
-            part = _weighted_sum(seg.to(cd), alpha[:, :, start:start + k], heads)
+            part = _weighted_sum(seg.to(cd), alpha[:, :, start : start + k], heads)
             h = part if h is None else h + part
             start += k
+        assert h is not None  # segments is never empty: the embedding's row at least
 
         ctx.segments = segments
-        ctx.opts = (eps, kernel, normalize_keys, heads, per_token, cd,
-                    [(p.shape, p.dtype) for p in producers])
+        ctx.opts = (eps, kernel, normalize_keys, heads, per_token, cd, [(p.shape, p.dtype) for p in producers])
         ctx.save_for_backward(query, key_weight, alpha, s, r)
         return h.to(segments[0].dtype)
 
@@ -119,7 +123,8 @@ class _FusedDepthAttention(torch.autograd.Function):
         else:
             gs, cv = gz, None
 
-        grads, gu = [], None
+        grads: list[Tensor] = []
+        gu: Tensor | None = None
         start = 0
         u_b = u.unsqueeze(-2) if per_token else u  # broadcast over k
         gh_h = split_heads(gh, heads).unsqueeze(2)  # [B, T, 1, H, Dh]
@@ -127,23 +132,25 @@ class _FusedDepthAttention(torch.autograd.Function):
         for seg in segments:
             k = seg.shape[2]
             v = seg.to(cd)
-            a_k, gs_k = alpha[:, :, start:start + k], gs[:, :, start:start + k]
+            a_k, gs_k = alpha[:, :, start : start + k], gs[:, :, start : start + k]
             # dv = alpha (x) gh + gs (x) u + cv * v, built in place (one [B, T, k, D] tensor)
             gv = a_k.unsqueeze(-1) * gh_h
             gv.addcmul_(gs_k.unsqueeze(-1), u_h)
             gv = gv.flatten(-2)
             if cv is not None:
-                gv.addcmul_(cv[:, :, start:start + k].unsqueeze(-1), v)
+                gv.addcmul_(cv[:, :, start : start + k].unsqueeze(-1), v)
             grads.append(gv)
             part = _weighted_sum(v, gs_k, heads)  # [B, T, D] = sum_k gs_k v_k
             gu = part if gu is None else gu + part
             start += k
+        assert gu is not None  # segments is never empty
 
-        gq = gg = None
+        gq: Tensor | None = None
+        gg: Tensor | None = None
         if not per_token:
             gu = gu.sum(dim=(0, 1))
         if ctx.needs_input_grad[0]:
-            gq = gu * g if use_g else gu
+            gq = gu * g if g is not None else gu
             if heads > 1:
                 gq = gq.reshape(query.shape)
             gq = gq.to(query.dtype)
@@ -158,7 +165,7 @@ class _FusedDepthAttention(torch.autograd.Function):
             for i in range(gv.shape[2]):
                 producer_grads.append(gv[:, :, i])
         producer_grads = [
-            gp.reshape(shape).to(dtype) for gp, (shape, dtype) in zip(producer_grads, producer_shapes)
+            gp.reshape(shape).to(dtype) for gp, (shape, dtype) in zip(producer_grads, producer_shapes, strict=True)
         ]
         return (gq, gg, None, None, *producer_grads)
 
@@ -197,7 +204,7 @@ def fused_depth_attention(
     segments: Sequence[Tensor],
     producers: Sequence[Tensor],
     query: Tensor,
-    key_weight: Optional[Tensor] = None,
+    key_weight: Tensor | None = None,
     *,
     eps: float = 1e-6,
     kernel: str = "softmax",
@@ -218,8 +225,13 @@ def fused_depth_attention(
         fast = _triton_module()
         if fast is not None and fast.supported(segments, query, key_weight, kernel=kernel):
             return fast.triton_fused_depth_attention(
-                segments, producers, query, key_weight,
-                eps=eps, kernel=kernel, normalize_keys=normalize_keys,
+                segments,
+                producers,
+                query,
+                key_weight,
+                eps=eps,
+                kernel=kernel,
+                normalize_keys=normalize_keys,
             )
     return apply_function(
         _FusedDepthAttention, query, key_weight, tuple(segments), (eps, kernel, normalize_keys), *producers
@@ -232,7 +244,7 @@ def fused_depth_attention(
 def depth_attention(
     sources: Tensor,
     query: Tensor,
-    key_weight: Optional[Tensor] = None,
+    key_weight: Tensor | None = None,
     *,
     eps: float = 1e-6,
     kernel: str = "softmax",
@@ -269,10 +281,13 @@ def depth_attention(
         )
         if not (return_weights or return_stats):
             return out.h
-        return DepthAttentionOutput(
-            out.h, out.weights if return_weights else None, out.stats if return_stats else None
-        )
+        return DepthAttentionOutput(out.h, out.weights if return_weights else None, out.stats if return_stats else None)
     return fused_depth_attention(
-        (sources.movedim(0, 2),), sources.unbind(0), query, key_weight,
-        eps=eps, kernel=kernel, normalize_keys=normalize_keys,
+        (sources.movedim(0, 2),),
+        sources.unbind(0),
+        query,
+        key_weight,
+        eps=eps,
+        kernel=kernel,
+        normalize_keys=normalize_keys,
     )

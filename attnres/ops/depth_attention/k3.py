@@ -15,9 +15,8 @@ logits (to the rounding of one product). A fused vector goes to ``depth_attentio
 split of the product into w and g, which only training sees (the two are separate parameters with
 their own optimizer states); fusing is for inference and export.
 """
-from __future__ import annotations
 
-from typing import Optional, Tuple
+from __future__ import annotations
 
 import torch
 from torch import Tensor
@@ -25,7 +24,7 @@ from torch import Tensor
 from attnres.ops.common import compute_dtype
 
 
-def fuse_score_weight(query: Tensor, key_norm_weight: Optional[Tensor] = None) -> Tensor:
+def fuse_score_weight(query: Tensor, key_norm_weight: Tensor | None = None) -> Tensor:
     """``query ⊙ key_norm_weight``: the one vector per read that scores sources as the pair does.
 
     query: [D] (or any [..., D], e.g. K3's ``res_proj.weight`` [1, D]); key_norm_weight: [D], or None
@@ -38,18 +37,20 @@ def fuse_score_weight(query: Tensor, key_norm_weight: Optional[Tensor] = None) -
     if key_norm_weight is None:
         return query.to(compute_dtype(query.dtype)).clone()
     if not isinstance(key_norm_weight, Tensor) or not key_norm_weight.is_floating_point():
-        raise TypeError(f"key_norm_weight must be a floating-point tensor [D] = [{d}] or None; "
-                        f"got {_describe(key_norm_weight)}")
+        raise TypeError(
+            f"key_norm_weight must be a floating-point tensor [D] = [{d}] or None; got {_describe(key_norm_weight)}"
+        )
     if tuple(key_norm_weight.shape) != (d,):
-        raise ValueError(f"key_norm_weight must be [D] = [{d}] (query has {d} channels); "
-                         f"got shape {tuple(key_norm_weight.shape)}")
+        raise ValueError(
+            f"key_norm_weight must be [D] = [{d}] (query has {d} channels); got shape {tuple(key_norm_weight.shape)}"
+        )
     if key_norm_weight.device != query.device:
         raise ValueError(f"key_norm_weight is on {key_norm_weight.device} but query is on {query.device}")
     cd = compute_dtype(torch.promote_types(query.dtype, key_norm_weight.dtype))
     return query.to(cd) * key_norm_weight.to(cd)
 
 
-def unfuse_score_weight(fused: Tensor) -> Tuple[Tensor, Tensor]:
+def unfuse_score_weight(fused: Tensor) -> tuple[Tensor, Tensor]:
     """A (query, key_norm_weight) pair for a fused score weight [..., D]: (a copy of it, ones [D]).
 
     With it, ``depth_attention(sources, query, key_norm_weight)`` computes the logits of the fused

@@ -25,9 +25,10 @@ Precision: logits, weights and the mixture in float32 for float32/bfloat16/float
 stays float64); the result has the sources' dtype. Plain autograd (every intermediate is [Q, K, B, T]
 or [K, B, T], besides the sources in the compute dtype).
 """
+
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -52,20 +53,24 @@ def _check_queries(queries, sources: Tensor) -> None:
     d = sources.shape[-1]
     check_companion(queries, "queries", f"[Q, D] = [Q, {d}]", sources)
     if queries.dim() == 1 and queries.shape[0] == d:
-        raise ValueError(f"queries must be [Q, D] = [Q, {d}]; got one query of shape {tuple(queries.shape)}: "
-                         "pass queries.unsqueeze(0) (Q = 1)")
+        raise ValueError(
+            f"queries must be [Q, D] = [Q, {d}]; got one query of shape {tuple(queries.shape)}: "
+            "pass queries.unsqueeze(0) (Q = 1)"
+        )
     if queries.dim() != 2 or queries.shape[-1] != d or queries.shape[0] == 0:
-        raise ValueError(f"queries must be [Q, D] = [Q, {d}] with Q >= 1 (one full-width query per read); "
-                         f"got shape {tuple(queries.shape)}")
+        raise ValueError(
+            f"queries must be [Q, D] = [Q, {d}] with Q >= 1 (one full-width query per read); "
+            f"got shape {tuple(queries.shape)}"
+        )
 
 
 def multi_query_depth_attention(
     sources: Tensor,
     queries: Tensor,
-    key_norm_weight: Optional[Tensor] = None,
+    key_norm_weight: Tensor | None = None,
     *,
     eps: float = 1e-6,
-    scale: Optional[float] = None,
+    scale: float | None = None,
     values: str = "raw",
     kernel: str = "softmax",
     return_weights: bool = False,
@@ -116,10 +121,10 @@ def multi_query_depth_attention(
 def multi_query_depth_attention_reference(
     sources: Tensor,
     queries: Tensor,
-    key_norm_weight: Optional[Tensor] = None,
+    key_norm_weight: Tensor | None = None,
     *,
     eps: float = 1e-6,
-    scale: Optional[float] = None,
+    scale: float | None = None,
     values: str = "raw",
     kernel: str = "softmax",
 ) -> MultiQueryOutput:

@@ -18,9 +18,10 @@ Easy to read and checkable in float64; it keeps every [B, T, K, D] intermediate 
 ``fused.py`` computes the same thing keeping only [B, T, K]-sized tensors, ``triton.py`` in one
 pass over the sources on a GPU.
 """
+
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -32,8 +33,8 @@ KERNELS = ("softmax", "sigmoid")
 
 class DepthAttentionOutput(NamedTuple):
     h: Tensor
-    weights: Optional[Tensor]  # [K, B, T] or [K, B, T, H]
-    stats: Optional[DepthStats]
+    weights: Tensor | None  # [K, B, T] or [K, B, T, H]
+    stats: DepthStats | None
 
 
 # ----------------------------------------------------------------------------- shapes
@@ -50,9 +51,7 @@ def query_heads(query: Tensor, d: int) -> int:
         if h * dh != d:
             raise ValueError(f"query heads {h} x {dh} do not cover the {d} source channels")
         return h
-    raise ValueError(
-        f"query must be [D], [H, D/H], [B, T, D] or [B, T, H, D/H]; got shape {tuple(query.shape)}"
-    )
+    raise ValueError(f"query must be [D], [H, D/H], [B, T, D] or [B, T, H, D/H]; got shape {tuple(query.shape)}")
 
 
 def is_per_token(query: Tensor) -> bool:
@@ -76,13 +75,18 @@ def check_sources(sources, name: str = "sources") -> None:
         if isinstance(sources, (list, tuple)):
             raise TypeError(
                 f"{name} must be one tensor [K, B, T, D]; got a {type(sources).__name__} of {len(sources)} "
-                f"items: pass torch.stack({name}) (the K sources [B, T, D] stacked along a new dim 0)")
+                f"items: pass torch.stack({name}) (the K sources [B, T, D] stacked along a new dim 0)"
+            )
         raise TypeError(f"{name} must be a tensor [K, B, T, D]; got {type(sources).__name__}")
     if sources.dim() != 4:
-        hint = (" (one [B, T, D] tensor: add the source dim with unsqueeze(0), or stack K of them)"
-                if sources.dim() == 3 else "")
-        raise ValueError(f"{name} must be [K, B, T, D] (K sources of [B, T, D]); got shape "
-                         f"{tuple(sources.shape)}{hint}")
+        hint = (
+            " (one [B, T, D] tensor: add the source dim with unsqueeze(0), or stack K of them)"
+            if sources.dim() == 3
+            else ""
+        )
+        raise ValueError(
+            f"{name} must be [K, B, T, D] (K sources of [B, T, D]); got shape {tuple(sources.shape)}{hint}"
+        )
     if sources.shape[0] == 0:
         raise ValueError(f"{name} must hold at least one source; got shape {tuple(sources.shape)} (K = 0)")
     if not sources.is_floating_point():
@@ -100,8 +104,9 @@ def check_companion(x, name: str, expected: str, sources: Tensor, optional: bool
     if not x.is_floating_point():
         raise TypeError(f"{name} must be a floating-point tensor; got dtype {x.dtype}")
     if x.device != sources.device:
-        raise ValueError(f"{name} is on {x.device} but sources are on {sources.device}; move it with "
-                         f"{name}.to(sources.device)")
+        raise ValueError(
+            f"{name} is on {x.device} but sources are on {sources.device}; move it with {name}.to(sources.device)"
+        )
 
 
 def check_query(query, sources: Tensor, name: str = "query") -> None:
@@ -137,8 +142,7 @@ def _expand_heads(x: Tensor, d: int) -> Tensor:
 # ----------------------------------------------------------------------------- reference
 
 
-def _reference_logits(v: Tensor, query: Tensor, key_weight: Optional[Tensor], eps: float,
-                      normalize_keys: bool) -> Tensor:
+def _reference_logits(v: Tensor, query: Tensor, key_weight: Tensor | None, eps: float, normalize_keys: bool) -> Tensor:
     """v: [B, T, K, D] (compute dtype). Returns logits [B, T, K, H]."""
     d = v.shape[-1]
     heads = query_heads(query, d)
@@ -156,7 +160,7 @@ def _reference_logits(v: Tensor, query: Tensor, key_weight: Optional[Tensor], ep
 def depth_attention_reference(
     sources: Tensor,
     query: Tensor,
-    key_weight: Optional[Tensor] = None,
+    key_weight: Tensor | None = None,
     *,
     eps: float = 1e-6,
     kernel: str = "softmax",

@@ -1,6 +1,7 @@
 """Depth attention as Triton kernels (docs/method.md §3): forward and backward, for CUDA.
 
-The math is the same as ``reference.py`` and ``fused.py`` (read those first); this file only changes how the work is laid out on a GPU. For one token
+The math is the same as ``reference.py`` and ``fused.py`` (read those first); this file only changes how the
+work is laid out on a GPU. For one token
 and sources v_0 … v_{K-1} (keys equal values), a query q and key-norm weight g:
 
     u   = q * g                                  (q alone without key norm)
@@ -50,12 +51,13 @@ environment variable must be set before this module is imported (``@triton.jit``
 reads it when the kernels are defined). ``fused.py`` imports this module only when it
 dispatches a CUDA call, and this module imports only the reference's shape helpers: no circle.
 """
+
 from __future__ import annotations
 
 import contextlib
 import functools
 import os
-from typing import Optional, Sequence, Tuple
+from collections.abc import Sequence
 
 import torch
 import triton
@@ -83,8 +85,7 @@ __all__ = [
 
 
 @triton.jit
-def tile_coords(tile, N, T, H, DH, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-                 BLOCK_DH: tl.constexpr):
+def tile_coords(tile, N, T, H, DH, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DH: tl.constexpr):
     """Token indices of one tile and the [BLOCK_H, BLOCK_DH] channel grid (with masks)."""
     tok = tile * BLOCK_T + tl.arange(0, BLOCK_T)
     tok_mask = tok < N
@@ -99,8 +100,25 @@ def tile_coords(tile, N, T, H, DH, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
 
 
 @triton.jit
-def _fwd_segment(v_ptr, k, sb, st, sk, b64, t64, mask, ch, u, m, l, acc, eps,
-                 D: tl.constexpr, SOFTMAX: tl.constexpr, NORM: tl.constexpr):
+def _fwd_segment(
+    v_ptr,
+    k,
+    sb,
+    st,
+    sk,
+    b64,
+    t64,
+    mask,
+    ch,
+    u,
+    m,
+    l,
+    acc,
+    eps,
+    D: tl.constexpr,
+    SOFTMAX: tl.constexpr,
+    NORM: tl.constexpr,
+):
     """Fold the k sources of one segment into the running (m, l, acc) of a token tile."""
     p = v_ptr + (b64 * sb + t64 * st)[:, None, None] + ch[None, :, :]
     for _ in range(k):
@@ -127,17 +145,41 @@ def _fwd_segment(v_ptr, k, sb, st, sk, b64, t64, mask, ch, u, m, l, acc, eps,
 
 @triton.jit
 def _depth_attn_fwd_kernel(
-    v0_ptr, k0, sb0, st0, sk0,
-    v1_ptr, k1, sb1, st1, sk1,
-    v2_ptr, k2, sb2, st2, sk2,
-    u_ptr, h_ptr, lse_ptr,
-    N, T, H, DH, eps,
-    D: tl.constexpr, SOFTMAX: tl.constexpr, NORM: tl.constexpr, PER_TOKEN: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DH: tl.constexpr,
+    v0_ptr,
+    k0,
+    sb0,
+    st0,
+    sk0,
+    v1_ptr,
+    k1,
+    sb1,
+    st1,
+    sk1,
+    v2_ptr,
+    k2,
+    sb2,
+    st2,
+    sk2,
+    u_ptr,
+    h_ptr,
+    lse_ptr,
+    N,
+    T,
+    H,
+    DH,
+    eps,
+    D: tl.constexpr,
+    SOFTMAX: tl.constexpr,
+    NORM: tl.constexpr,
+    PER_TOKEN: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_DH: tl.constexpr,
 ):
     CDT = lse_ptr.dtype.element_ty
     tok64, b64, t64, tok_mask, head, ch, ch_mask = tile_coords(
-        tl.program_id(0), N, T, H, DH, BLOCK_T, BLOCK_H, BLOCK_DH)
+        tl.program_id(0), N, T, H, DH, BLOCK_T, BLOCK_H, BLOCK_DH
+    )
     mask = tok_mask[:, None, None] & ch_mask[None, :, :]
     if PER_TOKEN:
         u = tl.load(u_ptr + tok64[:, None, None] * D + ch[None, :, :], mask=mask, other=0.0)
@@ -148,12 +190,9 @@ def _depth_attn_fwd_kernel(
     m = tl.full([BLOCK_T, BLOCK_H], float("-inf"), CDT)
     l = tl.zeros([BLOCK_T, BLOCK_H], CDT)
     acc = tl.zeros([BLOCK_T, BLOCK_H, BLOCK_DH], CDT)
-    m, l, acc = _fwd_segment(v0_ptr, k0, sb0, st0, sk0, b64, t64, mask, ch, u, m, l, acc, eps,
-                             D, SOFTMAX, NORM)
-    m, l, acc = _fwd_segment(v1_ptr, k1, sb1, st1, sk1, b64, t64, mask, ch, u, m, l, acc, eps,
-                             D, SOFTMAX, NORM)
-    m, l, acc = _fwd_segment(v2_ptr, k2, sb2, st2, sk2, b64, t64, mask, ch, u, m, l, acc, eps,
-                             D, SOFTMAX, NORM)
+    m, l, acc = _fwd_segment(v0_ptr, k0, sb0, st0, sk0, b64, t64, mask, ch, u, m, l, acc, eps, D, SOFTMAX, NORM)
+    m, l, acc = _fwd_segment(v1_ptr, k1, sb1, st1, sk1, b64, t64, mask, ch, u, m, l, acc, eps, D, SOFTMAX, NORM)
+    m, l, acc = _fwd_segment(v2_ptr, k2, sb2, st2, sk2, b64, t64, mask, ch, u, m, l, acc, eps, D, SOFTMAX, NORM)
     if SOFTMAX:
         acc = acc / l[:, :, None]
         head_mask = tok_mask[:, None] & (head < H)[None, :]
@@ -163,8 +202,9 @@ def _depth_attn_fwd_kernel(
 
 
 @triton.jit
-def _delta_segment(v_ptr, k, sb, st, sk, b64, t64, mask, ch, u, gh, lse, delta, eps,
-                   D: tl.constexpr, NORM: tl.constexpr):
+def _delta_segment(
+    v_ptr, k, sb, st, sk, b64, t64, mask, ch, u, gh, lse, delta, eps, D: tl.constexpr, NORM: tl.constexpr
+):
     """Add sum_i a_i (gh . v_i) over one segment's sources (the softmax-backward delta)."""
     p = v_ptr + (b64 * sb + t64 * st)[:, None, None] + ch[None, :, :]
     for _ in range(k):
@@ -178,8 +218,28 @@ def _delta_segment(v_ptr, k, sb, st, sk, b64, t64, mask, ch, u, gh, lse, delta, 
 
 
 @triton.jit
-def _bwd_segment(v_ptr, k, sb, st, sk, b64, t64, mask, ch, u, gh, delta, lse, du, dv, sdv, eps,
-                 D: tl.constexpr, SOFTMAX: tl.constexpr, NORM: tl.constexpr):
+def _bwd_segment(
+    v_ptr,
+    k,
+    sb,
+    st,
+    sk,
+    b64,
+    t64,
+    mask,
+    ch,
+    u,
+    gh,
+    delta,
+    lse,
+    du,
+    dv,
+    sdv,
+    eps,
+    D: tl.constexpr,
+    SOFTMAX: tl.constexpr,
+    NORM: tl.constexpr,
+):
     """Write dv for the k sources of one segment; return the updated du and dv pointers."""
     p = v_ptr + (b64 * sb + t64 * st)[:, None, None] + ch[None, :, :]
     for _ in range(k):
@@ -213,14 +273,42 @@ def _bwd_segment(v_ptr, k, sb, st, sk, b64, t64, mask, ch, u, gh, delta, lse, du
 
 @triton.jit
 def _depth_attn_bwd_kernel(
-    v0_ptr, k0, sb0, st0, sk0,
-    v1_ptr, k1, sb1, st1, sk1,
-    v2_ptr, k2, sb2, st2, sk2,
-    u_ptr, gh_ptr, h_ptr, lse_ptr, dv_ptr, du_ptr,
-    N, T, H, DH, eps, sdv, num_tiles,
-    D: tl.constexpr, SOFTMAX: tl.constexpr, NORM: tl.constexpr, PER_TOKEN: tl.constexpr,
+    v0_ptr,
+    k0,
+    sb0,
+    st0,
+    sk0,
+    v1_ptr,
+    k1,
+    sb1,
+    st1,
+    sk1,
+    v2_ptr,
+    k2,
+    sb2,
+    st2,
+    sk2,
+    u_ptr,
+    gh_ptr,
+    h_ptr,
+    lse_ptr,
+    dv_ptr,
+    du_ptr,
+    N,
+    T,
+    H,
+    DH,
+    eps,
+    sdv,
+    num_tiles,
+    D: tl.constexpr,
+    SOFTMAX: tl.constexpr,
+    NORM: tl.constexpr,
+    PER_TOKEN: tl.constexpr,
     DELTA_FROM_H: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DH: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_DH: tl.constexpr,
 ):
     CDT = du_ptr.dtype.element_ty
     pid = tl.program_id(0)
@@ -234,11 +322,10 @@ def _depth_attn_bwd_kernel(
     du_total = tl.zeros([BLOCK_H, BLOCK_DH], CDT)
     # a fixed set of tiles per program: the reduction of du is deterministic
     for tile in range(pid, num_tiles, programs):
-        tok64, b64, t64, tok_mask, head, ch, ch_mask = tile_coords(
-            tile, N, T, H, DH, BLOCK_T, BLOCK_H, BLOCK_DH)
+        tok64, b64, t64, tok_mask, head, ch, ch_mask = tile_coords(tile, N, T, H, DH, BLOCK_T, BLOCK_H, BLOCK_DH)
         mask = tok_mask[:, None, None] & ch_mask[None, :, :]
         rows = tok64[:, None, None] * D + ch[None, :, :]
-        if PER_TOKEN:
+        if PER_TOKEN:  # noqa: SIM108  (a constexpr branch: Triton compiles only the taken side)
             u = tl.load(u_ptr + rows, mask=mask, other=0.0).to(CDT)
         else:
             u = u_static
@@ -252,23 +339,23 @@ def _depth_attn_bwd_kernel(
                 delta = tl.sum(gh * h, axis=2)
             else:  # h was rounded to 16 bits: gh . h would cancel badly, so one more pass
                 delta = tl.zeros([BLOCK_T, BLOCK_H], CDT)
-                delta = _delta_segment(v0_ptr, k0, sb0, st0, sk0, b64, t64, mask, ch, u, gh, lse,
-                                       delta, eps, D, NORM)
-                delta = _delta_segment(v1_ptr, k1, sb1, st1, sk1, b64, t64, mask, ch, u, gh, lse,
-                                       delta, eps, D, NORM)
-                delta = _delta_segment(v2_ptr, k2, sb2, st2, sk2, b64, t64, mask, ch, u, gh, lse,
-                                       delta, eps, D, NORM)
+                delta = _delta_segment(v0_ptr, k0, sb0, st0, sk0, b64, t64, mask, ch, u, gh, lse, delta, eps, D, NORM)
+                delta = _delta_segment(v1_ptr, k1, sb1, st1, sk1, b64, t64, mask, ch, u, gh, lse, delta, eps, D, NORM)
+                delta = _delta_segment(v2_ptr, k2, sb2, st2, sk2, b64, t64, mask, ch, u, gh, lse, delta, eps, D, NORM)
         else:
             delta = tl.zeros([BLOCK_T, BLOCK_H], CDT)
             lse = delta
         du = tl.zeros([BLOCK_T, BLOCK_H, BLOCK_DH], CDT)
         dv = dv_ptr + rows
-        du, dv = _bwd_segment(v0_ptr, k0, sb0, st0, sk0, b64, t64, mask, ch, u, gh, delta, lse,
-                              du, dv, sdv, eps, D, SOFTMAX, NORM)
-        du, dv = _bwd_segment(v1_ptr, k1, sb1, st1, sk1, b64, t64, mask, ch, u, gh, delta, lse,
-                              du, dv, sdv, eps, D, SOFTMAX, NORM)
-        du, dv = _bwd_segment(v2_ptr, k2, sb2, st2, sk2, b64, t64, mask, ch, u, gh, delta, lse,
-                              du, dv, sdv, eps, D, SOFTMAX, NORM)
+        du, dv = _bwd_segment(
+            v0_ptr, k0, sb0, st0, sk0, b64, t64, mask, ch, u, gh, delta, lse, du, dv, sdv, eps, D, SOFTMAX, NORM
+        )
+        du, dv = _bwd_segment(
+            v1_ptr, k1, sb1, st1, sk1, b64, t64, mask, ch, u, gh, delta, lse, du, dv, sdv, eps, D, SOFTMAX, NORM
+        )
+        du, dv = _bwd_segment(
+            v2_ptr, k2, sb2, st2, sk2, b64, t64, mask, ch, u, gh, delta, lse, du, dv, sdv, eps, D, SOFTMAX, NORM
+        )
         if PER_TOKEN:
             tl.store(du_ptr + rows, du, mask=mask)
         else:
@@ -284,7 +371,7 @@ def pow2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
 
 
-def tile_shape(heads: int, d: int, per_thread: int, max_warps: int) -> Tuple[int, int, int, int]:
+def tile_shape(heads: int, d: int, per_thread: int, max_warps: int) -> tuple[int, int, int, int]:
     """(BLOCK_T, BLOCK_H, BLOCK_DH, num_warps): about ``per_thread`` float32 per thread per tile.
 
     The numbers come from the register reports of the sm_90 builds (cuobjdump): the
@@ -299,7 +386,7 @@ def tile_shape(heads: int, d: int, per_thread: int, max_warps: int) -> Tuple[int
     return bt, bh, bdh, warps
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
@@ -320,8 +407,7 @@ def on_device(t: Tensor):
 def check_device(t: Tensor) -> None:
     if t.device.type != "cuda" and not INTERPRETED:
         raise ValueError(
-            "the Triton depth-attention kernels need CUDA tensors "
-            "(or TRITON_INTERPRET=1 set before triton is imported)"
+            "the Triton depth-attention kernels need CUDA tensors (or TRITON_INTERPRET=1 set before triton is imported)"
         )
 
 
@@ -338,11 +424,11 @@ def _segment_args(segments: Sequence[Tensor]):
 def unsupported_reason(
     segments: Sequence[Tensor],
     query: Tensor,
-    key_weight: Optional[Tensor] = None,
+    key_weight: Tensor | None = None,
     *,
     kernel: str = "softmax",
     require_cuda: bool = True,
-) -> Optional[str]:
+) -> str | None:
     """Why the Triton kernels cannot run this case (None when they can).
 
     With ``require_cuda`` (the automatic dispatch), float64 and non-CUDA tensors
@@ -379,8 +465,7 @@ def unsupported_reason(
         return str(err)
     if query.dim() >= 3 and tuple(query.shape[:2]) != (b, t):
         return "per-token query does not match [B, T]"
-    if query.device != first.device or (key_weight is not None
-                                        and key_weight.device != first.device):
+    if query.device != first.device or (key_weight is not None and key_weight.device != first.device):
         return "query or key weight on another device"
     if key_weight is not None and tuple(key_weight.shape) != (d,):
         return "key weight must be [D]"
@@ -391,12 +476,12 @@ def unsupported_reason(
 
 def supported(segments, query, key_weight=None, *, kernel="softmax", require_cuda=True) -> bool:
     """True when ``unsupported_reason`` finds nothing."""
-    return unsupported_reason(segments, query, key_weight, kernel=kernel,
-                              require_cuda=require_cuda) is None
+    return unsupported_reason(segments, query, key_weight, kernel=kernel, require_cuda=require_cuda) is None
 
 
-def _u_vector(query: Tensor, key_weight: Optional[Tensor], d: int, normalize_keys: bool,
-              cd: torch.dtype) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+def _u_vector(
+    query: Tensor, key_weight: Tensor | None, d: int, normalize_keys: bool, cd: torch.dtype
+) -> tuple[Tensor, Tensor, Tensor | None]:
     """(q flattened to [D] or [N, D], u = q*g contiguous, g) in the compute dtype."""
     q = query.to(cd)
     q = q.reshape(d) if query.dim() <= 2 else q.reshape(-1, d)
@@ -417,9 +502,23 @@ def _forward(segments, query, key_weight, eps, kernel, normalize_keys):
     bt, bh, bdh, warps = tile_shape(heads, d, per_thread=16, max_warps=8)
     grid = (triton.cdiv(n, bt),)
     _depth_attn_fwd_kernel[grid](
-        *_segment_args(segments), u, h, lse, n, t, heads, d // heads, float(eps),
-        D=d, SOFTMAX=kernel == "softmax", NORM=normalize_keys, PER_TOKEN=query.dim() >= 3,
-        BLOCK_T=bt, BLOCK_H=bh, BLOCK_DH=bdh, num_warps=warps,
+        *_segment_args(segments),
+        u,
+        h,
+        lse,
+        n,
+        t,
+        heads,
+        d // heads,
+        float(eps),
+        D=d,
+        SOFTMAX=kernel == "softmax",
+        NORM=normalize_keys,
+        PER_TOKEN=query.dim() >= 3,
+        BLOCK_T=bt,
+        BLOCK_H=bh,
+        BLOCK_DH=bdh,
+        num_warps=warps,
     )
     return h, lse
 
@@ -440,11 +539,29 @@ def _backward(segments, query, key_weight, h, lse, gh, eps, kernel, normalize_ke
     programs = min(num_tiles, _max_programs(seg0.device))
     du = torch.empty((n if per_token else programs), d, device=seg0.device, dtype=cd)
     _depth_attn_bwd_kernel[(programs,)](
-        *_segment_args(segments), u, gh, h, lse, dv, du,
-        n, t, heads, d // heads, float(eps), n * d, num_tiles,
-        D=d, SOFTMAX=kernel == "softmax", NORM=normalize_keys, PER_TOKEN=per_token,
+        *_segment_args(segments),
+        u,
+        gh,
+        h,
+        lse,
+        dv,
+        du,
+        n,
+        t,
+        heads,
+        d // heads,
+        float(eps),
+        n * d,
+        num_tiles,
+        D=d,
+        SOFTMAX=kernel == "softmax",
+        NORM=normalize_keys,
+        PER_TOKEN=per_token,
         DELTA_FROM_H=h.dtype == cd,
-        BLOCK_T=bt, BLOCK_H=bh, BLOCK_DH=bdh, num_warps=warps,
+        BLOCK_T=bt,
+        BLOCK_H=bh,
+        BLOCK_DH=bdh,
+        num_warps=warps,
     )
     if not per_token:
         du = du.sum(0)  # fixed order: deterministic
@@ -487,8 +604,7 @@ class _TritonDepthAttention(torch.autograd.Function):
         meta = ctx.producer_meta
         dv_dtype = meta[0][1] if all(dt == meta[0][1] for _, dt in meta) else segments[0].dtype
         with torch.autocast(segments[0].device.type, enabled=False), on_device(segments[0]):
-            dv, gq, gg = _backward(segments, query, key_weight, h, lse, gh, eps, kernel,
-                                   normalize_keys, dv_dtype)
+            dv, gq, gg = _backward(segments, query, key_weight, h, lse, gh, eps, kernel, normalize_keys, dv_dtype)
         gq = gq.reshape(query.shape).to(query.dtype) if ctx.needs_input_grad[0] else None
         gg = gg.to(key_weight.dtype) if (gg is not None and ctx.needs_input_grad[1]) else None
         grads = [dv[i].reshape(shape).to(dtype) for i, (shape, dtype) in enumerate(meta)]
@@ -499,7 +615,7 @@ def triton_fused_depth_attention(
     segments: Sequence[Tensor],
     producers: Sequence[Tensor],
     query: Tensor,
-    key_weight: Optional[Tensor] = None,
+    key_weight: Tensor | None = None,
     *,
     eps: float = 1e-6,
     kernel: str = "softmax",
@@ -521,15 +637,13 @@ def triton_fused_depth_attention(
     n = sum(seg.shape[2] for seg in segments)
     if n != len(producers):
         raise ValueError(f"segments hold {n} sources but {len(producers)} producers were given")
-    return _TritonDepthAttention.apply(
-        query, key_weight, segments, (eps, kernel, normalize_keys), *producers
-    )
+    return _TritonDepthAttention.apply(query, key_weight, segments, (eps, kernel, normalize_keys), *producers)
 
 
 def triton_depth_attention(
     sources: Tensor,
     query: Tensor,
-    key_weight: Optional[Tensor] = None,
+    key_weight: Tensor | None = None,
     *,
     eps: float = 1e-6,
     kernel: str = "softmax",
@@ -539,6 +653,11 @@ def triton_depth_attention(
     if sources.dim() != 4:
         raise ValueError(f"sources must be [K, B, T, D]; got shape {tuple(sources.shape)}")
     return triton_fused_depth_attention(
-        (sources.movedim(0, 2),), sources.unbind(0), query, key_weight,
-        eps=eps, kernel=kernel, normalize_keys=normalize_keys,
+        (sources.movedim(0, 2),),
+        sources.unbind(0),
+        query,
+        key_weight,
+        eps=eps,
+        kernel=kernel,
+        normalize_keys=normalize_keys,
     )

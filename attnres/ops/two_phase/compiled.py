@@ -14,8 +14,8 @@ nothing is stacked or written in place, and every step is a pointwise op or a re
 Autograd then saves the sources themselves, which the stream keeps alive anyway, and the
 [B, T, n, S, H] weights; inductor generates the backward. For training the streams wrap this in
 ``torch.utils.checkpoint`` (``DepthAttentionStream._phase1_over``), so backward recomputes the
-outputs from the sources instead of keeping them. Eager mode runs this too (the tests compare it with ``reference.py`` in
-float64), but allocates an [B, T, S, D] temporary per source: the streams use it only while
+outputs from the sources instead of keeping them. Eager mode runs this too (the tests compare it with
+``reference.py`` in float64), but allocates an [B, T, S, D] temporary per source: the streams use it only while
 compiling.
 
 Merges are elementwise; the compiled streams use ``reference.merge`` and ``reference.merge_partial``.
@@ -24,9 +24,10 @@ fused Phase 1's matrix products still made Full's compiled prefill slower than t
 (docs/performance.md, "Compiled decoding and prefill"). A compiled one-token step without
 gradients (decoding) keeps the buffered fused path, which decoded faster.
 """
+
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -36,9 +37,14 @@ from attnres.ops.depth_attention.reference import check_kernel
 from attnres.ops.two_phase.reference import check_queries
 
 
-def phase1_sources(sources: Sequence[Tensor], inv_rms: Optional[Sequence[Tensor]], queries: Tensor,
-                   key_weights: Optional[Tensor] = None, *,
-                   kernel: str = "softmax") -> Tuple[Tuple[Tensor, ...], Tensor]:
+def phase1_sources(
+    sources: Sequence[Tensor],
+    inv_rms: Sequence[Tensor] | None,
+    queries: Tensor,
+    key_weights: Tensor | None = None,
+    *,
+    kernel: str = "softmax",
+) -> tuple[tuple[Tensor, ...], Tensor]:
     """Phase 1 of S static queries over n completed sources given as n tensors.
 
     sources: n tensors [B, T, D]; inv_rms: n tensors [B, T] (``inverse_rms(v_i, eps)``, with their
@@ -76,9 +82,10 @@ def phase1_sources(sources: Sequence[Tensor], inv_rms: Optional[Sequence[Tensor]
         lse = z.new_zeros(z.shape[:2] + z.shape[3:])
         alpha = torch.sigmoid(z)
 
-    h = None
+    h: Tensor | None = None
     for i, v in enumerate(values):
         term = alpha[:, :, i].unsqueeze(-1) * v  # [B, T, S, H, e]
         h = term if h is None else h + term
+    assert h is not None  # sources is not empty (checked above)
     h = h.flatten(-2)  # [B, T, S, D]
     return tuple(h.unbind(2)), lse

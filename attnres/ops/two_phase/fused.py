@@ -16,9 +16,10 @@ Triton. For CUDA float32/bfloat16/float16 tensors, ``_Phase1``'s forward and ``m
 gradient is needed) run the kernels of ``triton.py`` (imported on first use; ``ATTNRES_TRITON=0``
 turns them off); ``_Phase1``'s backward then recomputes the weights from the saved lse.
 """
+
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -97,8 +98,13 @@ class _Phase1(torch.autograd.Function):
         if alpha is None:  # a Triton forward: recompute the weights (one [BT, n, S, H] pass)
             dots, z = _logits(v3, inv_rms, queries, key_weights, heads)
             alpha = torch.exp(z - lse.unsqueeze(1)) if kernel == "softmax" else torch.sigmoid(z)
-        gh = torch.stack([g if g is not None else torch.zeros(b, t, d, dtype=cd, device=values.device)
-                          for g in g_h1s], dim=2).to(cd).flatten(0, 1)  # [BT, S, D]
+        gh = (
+            torch.stack(
+                [g if g is not None else torch.zeros(b, t, d, dtype=cd, device=values.device) for g in g_h1s], dim=2
+            )
+            .to(cd)
+            .flatten(0, 1)
+        )  # [BT, S, D]
         q = queries.to(cd).reshape(s_count, d)
         g = key_weights.to(cd) if key_weights is not None else None
         u = q * g if g is not None else q
@@ -137,7 +143,9 @@ class _Phase1(torch.autograd.Function):
             if heads == 1:
                 # one [S, BT] @ [BT, D] product per source reads the strided buffer rows in place
                 gd = gdots.squeeze(-1)
-                du = sum(torch.mm(gd[:, i].t(), v3[:, i]) for i in range(n))
+                du = torch.mm(gd[:, 0].t(), v3[:, 0])
+                for i in range(1, n):
+                    du = du + torch.mm(gd[:, i].t(), v3[:, i])
             else:
                 du = torch.einsum("xnsh,xnhe->she", gdots, split_heads(v3, heads)).reshape(s_count, d)
             if ctx.needs_input_grad[0]:
@@ -150,8 +158,9 @@ class _Phase1(torch.autograd.Function):
         return (gq, gg, None, None, None, *grads)
 
 
-def _logits(v3: Tensor, inv_rms: Optional[Tensor], queries: Tensor, key_weights: Optional[Tensor],
-            heads: int) -> Tuple[Tensor, Tensor]:
+def _logits(
+    v3: Tensor, inv_rms: Tensor | None, queries: Tensor, key_weights: Tensor | None, heads: int
+) -> tuple[Tensor, Tensor]:
     """(raw dot products v_i . u_s, logits z = r_i dots), both [BT, n, S, H], from v3 [BT, n, D]."""
     cd, d = v3.dtype, v3.shape[-1]
     s_count = queries.shape[0]
@@ -183,9 +192,15 @@ def _mix(alpha: Tensor, v3: Tensor, heads: int) -> Tensor:
     return out.flatten(-2)
 
 
-def phase1_outputs(values: Tensor, inv_rms: Optional[Tensor], queries: Tensor,
-                   key_weights: Optional[Tensor], producers: Sequence[Tensor], *,
-                   kernel: str = "softmax") -> Tuple[Tuple[Tensor, ...], Tensor]:
+def phase1_outputs(
+    values: Tensor,
+    inv_rms: Tensor | None,
+    queries: Tensor,
+    key_weights: Tensor | None,
+    producers: Sequence[Tensor],
+    *,
+    kernel: str = "softmax",
+) -> tuple[tuple[Tensor, ...], Tensor]:
     """Phase 1 over rows of the residual stream's buffer, the form the streams use.
 
     values [B, T, n, D] is read in place (a view into the buffer: later writes to other rows are
@@ -200,13 +215,18 @@ def phase1_outputs(values: Tensor, inv_rms: Optional[Tensor], queries: Tensor,
     kernels = _triton_for(values)
     if kernels is not None and not kernels.fits(heads, values.shape[-1]):
         kernels = None
-    *h1s, lse = apply_function(_Phase1, queries, key_weights, values, inv_rms, (kernel, heads, kernels),
-                               *producers)
+    *h1s, lse = apply_function(_Phase1, queries, key_weights, values, inv_rms, (kernel, heads, kernels), *producers)
     return tuple(h1s), lse
 
 
-def phase1(values: Tensor, inv_rms: Optional[Tensor], queries: Tensor, key_weights: Optional[Tensor] = None,
-           *, kernel: str = "softmax") -> DepthStats:
+def phase1(
+    values: Tensor,
+    inv_rms: Tensor | None,
+    queries: Tensor,
+    key_weights: Tensor | None = None,
+    *,
+    kernel: str = "softmax",
+) -> DepthStats:
     """Phase 1 as one custom-autograd op; the arguments and result of ``reference.phase1``.
 
     The key-norm gradient is taken through values (inv_rms must be ``inverse_rms(values, eps)``;
@@ -254,8 +274,14 @@ class _MergePartial(torch.autograd.Function):
         gp.addcmul_(gs.unsqueeze(-1), q * g)
         gp.addcmul_((-gr * r.pow(3) / d).unsqueeze(-1), p)
         gu = torch.matmul(gs.reshape(-1), p.reshape(-1, d))  # sum over tokens of gs * p
-        return (gh1.to(h1.dtype), (-gz).unsqueeze(-1).to(cd), gp.to(partial.dtype),
-                (gu * g).to(query.dtype), (gu * q).to(key_weight.dtype), None)
+        return (
+            gh1.to(h1.dtype),
+            (-gz).unsqueeze(-1).to(cd),
+            gp.to(partial.dtype),
+            (gu * g).to(query.dtype),
+            (gu * q).to(key_weight.dtype),
+            None,
+        )
 
 
 def merge(a: DepthStats, b: DepthStats, kernel: str = "softmax") -> DepthStats:
@@ -267,8 +293,9 @@ def merge(a: DepthStats, b: DepthStats, kernel: str = "softmax") -> DepthStats:
     return reference.merge(a, b, kernel)
 
 
-def merge_partial(stats: DepthStats, partial: Tensor, query: Tensor, key_weight: Optional[Tensor], eps: float,
-                  kernel: str = "softmax") -> Tensor:
+def merge_partial(
+    stats: DepthStats, partial: Tensor, query: Tensor, key_weight: Tensor | None, eps: float, kernel: str = "softmax"
+) -> Tensor:
     """Phase 2; the arguments and result of ``reference.merge_partial``. The common case (one head,
     softmax, key norm) runs as one custom-autograd op, the others as the plain reference."""
     check_kernel(kernel)

@@ -18,9 +18,8 @@ and merging adds.
 ``fused.py`` computes the same with custom autograd Functions (the sources read once per block in
 backward too, from the stream's buffer in place); ``triton.py`` with GPU kernels for inference.
 """
-from __future__ import annotations
 
-from typing import Optional
+from __future__ import annotations
 
 import torch
 from torch import Tensor
@@ -29,8 +28,7 @@ from attnres.ops.common import DepthStats, compute_dtype, inverse_rms, split_hea
 from attnres.ops.depth_attention.reference import check_kernel
 
 
-def check_phase1_inputs(values: Tensor, inv_rms: Optional[Tensor], queries: Tensor,
-                        key_weights: Optional[Tensor]) -> int:
+def check_phase1_inputs(values: Tensor, inv_rms: Tensor | None, queries: Tensor, key_weights: Tensor | None) -> int:
     """The number of heads of Phase 1's queries, after checking that the arguments line up."""
     if values.dim() != 4 or values.shape[2] == 0:
         raise ValueError(f"values must be [B, T, n, D] with n >= 1; got {tuple(values.shape)}")
@@ -41,7 +39,7 @@ def check_phase1_inputs(values: Tensor, inv_rms: Optional[Tensor], queries: Tens
     return heads
 
 
-def check_queries(queries: Tensor, key_weights: Optional[Tensor], d: int) -> int:
+def check_queries(queries: Tensor, key_weights: Tensor | None, d: int) -> int:
     """The number of heads of S queries [S, D] or [S, H, D/H] over D source channels, after checking
     them and the key weights [S, D] (or None)."""
     if queries.dim() not in (2, 3):
@@ -54,8 +52,14 @@ def check_queries(queries: Tensor, key_weights: Optional[Tensor], d: int) -> int
     return heads
 
 
-def phase1(values: Tensor, inv_rms: Optional[Tensor], queries: Tensor, key_weights: Optional[Tensor] = None,
-           *, kernel: str = "softmax") -> DepthStats:
+def phase1(
+    values: Tensor,
+    inv_rms: Tensor | None,
+    queries: Tensor,
+    key_weights: Tensor | None = None,
+    *,
+    kernel: str = "softmax",
+) -> DepthStats:
     """Phase 1: S static queries against n completed sources.
 
     values [B, T, n, D]; inv_rms [B, T, n], ``inverse_rms(values, eps)`` (None: no key norm);
@@ -99,8 +103,9 @@ def merge(a: DepthStats, b: DepthStats, kernel: str = "softmax") -> DepthStats:
     return DepthStats(h, torch.logaddexp(a.lse, b.lse))
 
 
-def merge_partial(stats: DepthStats, partial: Tensor, query: Tensor, key_weight: Optional[Tensor], eps: float,
-                  kernel: str = "softmax") -> Tensor:
+def merge_partial(
+    stats: DepthStats, partial: Tensor, query: Tensor, key_weight: Tensor | None, eps: float, kernel: str = "softmax"
+) -> Tensor:
     """Phase 2: fold the intra-block partial sum p [B, T, D] into one query's Phase-1 result, exactly.
 
     stats: h [B, T, D], lse [B, T, H]; query [D] or [H, D/H]; key_weight [D] (key norm on) or None.

@@ -16,9 +16,8 @@ needed.
 Tests run the kernels on the CPU through ``TRITON_INTERPRET=1`` (see
 ``attnres.ops.depth_attention.triton``, whose tiling helpers these kernels share).
 """
-from __future__ import annotations
 
-from typing import Optional, Tuple
+from __future__ import annotations
 
 import torch
 import triton
@@ -42,19 +41,41 @@ __all__ = ["fits", "merge", "phase1"]
 
 @triton.jit
 def _phase1_kernel(
-    v_ptr, K, sb, st, sk, r_ptr, rb, rt, rk, u_ptr, h_ptr, lse_ptr,
-    N, T, S, H, DH,
-    D: tl.constexpr, SOFTMAX: tl.constexpr, NORM: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DH: tl.constexpr,
+    v_ptr,
+    K,
+    sb,
+    st,
+    sk,
+    r_ptr,
+    rb,
+    rt,
+    rk,
+    u_ptr,
+    h_ptr,
+    lse_ptr,
+    N,
+    T,
+    S,
+    H,
+    DH,
+    D: tl.constexpr,
+    SOFTMAX: tl.constexpr,
+    NORM: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_DH: tl.constexpr,
 ):
     CDT = h_ptr.dtype.element_ty
     tok64, b64, t64, tok_mask, head, ch, ch_mask = tile_coords(
-        tl.program_id(0), N, T, H, DH, BLOCK_T, BLOCK_H, BLOCK_DH)
+        tl.program_id(0), N, T, H, DH, BLOCK_T, BLOCK_H, BLOCK_DH
+    )
     q_idx = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
     q_mask = q_idx < S
     q64 = q_idx.to(tl.int64)
-    u = tl.load(u_ptr + q64[:, None, None] * D + ch[None, :, :],
-                mask=q_mask[:, None, None] & ch_mask[None, :, :], other=0.0).to(CDT)  # [BS, BH, DH]
+    u = tl.load(
+        u_ptr + q64[:, None, None] * D + ch[None, :, :], mask=q_mask[:, None, None] & ch_mask[None, :, :], other=0.0
+    ).to(CDT)  # [BS, BH, DH]
     mask = tok_mask[:, None, None] & ch_mask[None, :, :]
     m = tl.full([BLOCK_T, BLOCK_S, BLOCK_H], float("-inf"), CDT)
     l = tl.zeros([BLOCK_T, BLOCK_S, BLOCK_H], CDT)
@@ -84,8 +105,7 @@ def _phase1_kernel(
         lse = m + tl.log(l)
     else:
         lse = tl.zeros([BLOCK_T, BLOCK_S, BLOCK_H], CDT)
-    out_mask = (tok_mask[:, None, None, None] & q_mask[None, :, None, None]
-                & ch_mask[None, None, :, :])
+    out_mask = tok_mask[:, None, None, None] & q_mask[None, :, None, None] & ch_mask[None, None, :, :]
     h_rows = tok64[:, None, None, None] * (S * D) + q64[None, :, None, None] * D + ch[None, None, :, :]
     tl.store(h_ptr + h_rows, acc, mask=out_mask)
     stat_mask = tok_mask[:, None, None] & q_mask[None, :, None] & (head < H)[None, None, :]
@@ -95,14 +115,23 @@ def _phase1_kernel(
 
 @triton.jit
 def _merge_kernel(
-    ha_ptr, lsea_ptr, hb_ptr, lseb_ptr, h_ptr, lse_ptr,
-    M, H, DH,
-    D: tl.constexpr, SOFTMAX: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DH: tl.constexpr,
+    ha_ptr,
+    lsea_ptr,
+    hb_ptr,
+    lseb_ptr,
+    h_ptr,
+    lse_ptr,
+    M,
+    H,
+    DH,
+    D: tl.constexpr,
+    SOFTMAX: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_DH: tl.constexpr,
 ):
     CDT = h_ptr.dtype.element_ty
-    row64, _b, _t, row_mask, head, ch, ch_mask = tile_coords(
-        tl.program_id(0), M, 1, H, DH, BLOCK_T, BLOCK_H, BLOCK_DH)
+    row64, _b, _t, row_mask, head, ch, ch_mask = tile_coords(tl.program_id(0), M, 1, H, DH, BLOCK_T, BLOCK_H, BLOCK_DH)
     stat = row64[:, None] * H + head[None, :]
     stat_mask = row_mask[:, None] & (head < H)[None, :]
     lse_a = tl.load(lsea_ptr + stat, mask=stat_mask, other=0.0).to(CDT)
@@ -123,7 +152,7 @@ def _merge_kernel(
     tl.store(h_ptr + rows, h, mask=mask)
 
 
-def _phase1_tile(heads: int, d: int, s: int) -> Tuple[int, int, int, int, int]:
+def _phase1_tile(heads: int, d: int, s: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_T, BLOCK_S, BLOCK_H, BLOCK_DH, num_warps) of phase 1.
 
     Accumulators [BLOCK_T, BLOCK_S, D]: up to 16K float32 per program (32 per thread
@@ -143,14 +172,22 @@ def fits(heads: int, d: int) -> bool:
     return pow2(heads) * pow2(d // heads) <= MAX_PADDED_WIDTH
 
 
-def _refuse_autograd(name: str, *tensors: Optional[Tensor]) -> None:
+def _refuse_autograd(name: str, *tensors: Tensor | None) -> None:
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
-        raise RuntimeError(f"the Triton {name} has no backward; use attnres.ops.two_phase.fused "
-                           "for training, or call it under torch.no_grad()")
+        raise RuntimeError(
+            f"the Triton {name} has no backward; use attnres.ops.two_phase.fused "
+            "for training, or call it under torch.no_grad()"
+        )
 
 
-def phase1(values: Tensor, inv_rms: Optional[Tensor], queries: Tensor, key_weights: Optional[Tensor] = None,
-           *, kernel: str = "softmax") -> DepthStats:
+def phase1(
+    values: Tensor,
+    inv_rms: Tensor | None,
+    queries: Tensor,
+    key_weights: Tensor | None = None,
+    *,
+    kernel: str = "softmax",
+) -> DepthStats:
     """Phase 1 in one kernel launch; the arguments and result of ``reference.phase1``.
 
     values [B, T, n, D] may have any strides over (B, T, n) (a view into the stream's buffer is
@@ -180,10 +217,29 @@ def phase1(values: Tensor, inv_rms: Optional[Tensor], queries: Tensor, key_weigh
     if tokens:
         with on_device(values):
             _phase1_kernel[(triton.cdiv(tokens, bt), triton.cdiv(s, bs))](
-                values, n, values.stride(0), values.stride(1), values.stride(2), r, *r_strides, u, h, lse,
-                tokens, t, s, heads, d // heads,
-                D=d, SOFTMAX=kernel == "softmax", NORM=inv_rms is not None,
-                BLOCK_T=bt, BLOCK_S=bs, BLOCK_H=bh, BLOCK_DH=bdh, num_warps=warps,
+                values,
+                n,
+                values.stride(0),
+                values.stride(1),
+                values.stride(2),
+                r,
+                *r_strides,
+                u,
+                h,
+                lse,
+                tokens,
+                t,
+                s,
+                heads,
+                d // heads,
+                D=d,
+                SOFTMAX=kernel == "softmax",
+                NORM=inv_rms is not None,
+                BLOCK_T=bt,
+                BLOCK_S=bs,
+                BLOCK_H=bh,
+                BLOCK_DH=bdh,
+                num_warps=warps,
             )
     return DepthStats(h, lse)
 
@@ -192,8 +248,10 @@ def merge(a: DepthStats, b: DepthStats, kernel: str = "softmax") -> DepthStats:
     """The exact merge in one kernel launch; the arguments and result of ``reference.merge``."""
     check_kernel(kernel)
     if a.h.shape != b.h.shape or a.lse.shape != b.lse.shape or a.lse.shape[:-1] != a.h.shape[:-1]:
-        raise ValueError(f"merge: statistics h {tuple(a.h.shape)} / {tuple(b.h.shape)}, lse "
-                         f"{tuple(a.lse.shape)} / {tuple(b.lse.shape)} do not line up")
+        raise ValueError(
+            f"merge: statistics h {tuple(a.h.shape)} / {tuple(b.h.shape)}, lse "
+            f"{tuple(a.lse.shape)} / {tuple(b.lse.shape)} do not line up"
+        )
     _refuse_autograd("merge", *a, *b)
     check_device(a.h)
     d, heads = a.h.shape[-1], a.lse.shape[-1]
@@ -207,8 +265,20 @@ def merge(a: DepthStats, b: DepthStats, kernel: str = "softmax") -> DepthStats:
         bt, bh, bdh, warps = tile_shape(heads, d, per_thread=16, max_warps=8)
         with on_device(a.h):
             _merge_kernel[(triton.cdiv(rows, bt),)](
-                a.h.contiguous(), a.lse.contiguous(), b.h.contiguous(), b.lse.contiguous(), h, lse,
-                rows, heads, d // heads,
-                D=d, SOFTMAX=kernel == "softmax", BLOCK_T=bt, BLOCK_H=bh, BLOCK_DH=bdh, num_warps=warps,
+                a.h.contiguous(),
+                a.lse.contiguous(),
+                b.h.contiguous(),
+                b.lse.contiguous(),
+                h,
+                lse,
+                rows,
+                heads,
+                d // heads,
+                D=d,
+                SOFTMAX=kernel == "softmax",
+                BLOCK_T=bt,
+                BLOCK_H=bh,
+                BLOCK_DH=bdh,
+                num_warps=warps,
             )
     return DepthStats(h, lse)

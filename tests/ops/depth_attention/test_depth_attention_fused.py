@@ -1,11 +1,12 @@
 """Depth attention, reference and fused, against the float64 loop-by-loop reference in tests/reference.py
 and against each other."""
+
 import itertools
 
 import pytest
 import torch
-
 from reference import logits, loop_reference
+
 from attnres.ops import depth_attention, fused_depth_attention, merge_stats
 
 
@@ -28,11 +29,11 @@ CASES = list(itertools.product(["softmax", "sigmoid"], [True, False], [1, 2], [F
 def test_values_match_loop_reference(kernel, normalize_keys, heads, per_token, impl):
     sources, query, kw = make_inputs(heads=heads, per_token=per_token)
     want_h, want_a = loop_reference(sources, query, kw, 1e-6, kernel, normalize_keys)
-    h = depth_attention(sources, query, kw, eps=1e-6, kernel=kernel,
-                        normalize_keys=normalize_keys, impl=impl)
+    h = depth_attention(sources, query, kw, eps=1e-6, kernel=kernel, normalize_keys=normalize_keys, impl=impl)
     torch.testing.assert_close(h, want_h, rtol=1e-12, atol=1e-12)
-    out = depth_attention(sources, query, kw, eps=1e-6, kernel=kernel,
-                          normalize_keys=normalize_keys, return_weights=True)
+    out = depth_attention(
+        sources, query, kw, eps=1e-6, kernel=kernel, normalize_keys=normalize_keys, return_weights=True
+    )
     torch.testing.assert_close(out.weights, want_a, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(out.h, want_h, rtol=1e-12, atol=1e-12)
 
@@ -49,8 +50,7 @@ def test_fused_gradcheck(kernel, normalize_keys, heads, per_token):
         # two segments exercise the cross-segment softmax
         stacked = torch.stack(v, dim=2)
         segments = (stacked[:, :, :3], stacked[:, :, 3:])
-        return fused_depth_attention(segments, v, q, w, eps=1e-6, kernel=kernel,
-                                     normalize_keys=normalize_keys)
+        return fused_depth_attention(segments, v, q, w, eps=1e-6, kernel=kernel, normalize_keys=normalize_keys)
 
     assert torch.autograd.gradcheck(f, (query, kw, *vs), eps=1e-6, atol=1e-8)
 
@@ -61,8 +61,7 @@ def test_reference_gradcheck(kernel, normalize_keys, heads, per_token):
     args = (sources.requires_grad_(), query.requires_grad_(), kw.requires_grad_())
 
     def f(s, q, w):
-        return depth_attention(s, q, w, kernel=kernel, normalize_keys=normalize_keys,
-                               impl="reference")
+        return depth_attention(s, q, w, kernel=kernel, normalize_keys=normalize_keys, impl="reference")
 
     assert torch.autograd.gradcheck(f, args, eps=1e-6, atol=1e-8)
 
@@ -79,7 +78,7 @@ def test_float32_fused_grads_match_float64(heads, per_token):
         h = depth_attention(s, q, w, impl="fused" if dtype == torch.float32 else "reference")
         (h * gh.to(dtype)).sum().backward()
         grads[dtype] = (h.detach(), s.grad, q.grad, w.grad)
-    for a, b in zip(grads[torch.float32], grads[torch.float64]):
+    for a, b in zip(grads[torch.float32], grads[torch.float64], strict=True):
         torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-5)
 
 
@@ -88,8 +87,9 @@ def test_stats_and_exact_merge(heads):
     sources, query, kw = make_inputs(K=7, B=2, T=3, D=8, heads=heads)
     full = depth_attention(sources, query, kw, return_stats=True, return_weights=True)
     torch.testing.assert_close(full.stats.h, full.h, rtol=0, atol=0)  # float64: no rounding between
-    torch.testing.assert_close(full.stats.lse, torch.logsumexp(logits(sources, query, kw, 1e-6), dim=0),
-                               rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(
+        full.stats.lse, torch.logsumexp(logits(sources, query, kw, 1e-6), dim=0), rtol=1e-12, atol=1e-12
+    )
     a = depth_attention(sources[:4], query, kw, return_stats=True).stats
     b = depth_attention(sources[4:], query, kw, return_stats=True).stats
     merged = merge_stats(a, b)
@@ -101,8 +101,7 @@ def test_stats_and_exact_merge(heads):
 
 def test_bfloat16_inputs_keep_float32_statistics():
     sources, query, kw = make_inputs(K=5, D=16, dtype=torch.float32)
-    out = depth_attention(sources.bfloat16(), query.bfloat16(), kw.bfloat16(),
-                          return_stats=True, return_weights=True)
+    out = depth_attention(sources.bfloat16(), query.bfloat16(), kw.bfloat16(), return_stats=True, return_weights=True)
     assert out.stats.h.dtype == out.stats.lse.dtype == torch.float32
     assert out.weights.dtype == torch.float32
     assert out.h.dtype == torch.bfloat16
@@ -140,7 +139,7 @@ def test_fused_reads_buffer_views_and_routes_gradients():
     h_ref = depth_attention(torch.stack(ref), query, kw, impl="reference")
     (h_ref * gh).sum().backward()
     torch.testing.assert_close(h, h_ref, rtol=1e-12, atol=1e-12)
-    for p, r in zip(producers, ref):
+    for p, r in zip(producers, ref, strict=True):
         torch.testing.assert_close(p.grad, r.grad, rtol=1e-10, atol=1e-12)
 
 

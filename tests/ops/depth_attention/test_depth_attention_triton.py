@@ -5,6 +5,7 @@ Tolerances: float64 inputs run the kernels in float64 and must match the loop
 reference to 1e-12 (values) / 1e-10 (gradients); float32 inputs must match the
 float64 reference to rtol 1e-4, atol 1e-5 (the same bound as the torch fused op).
 """
+
 import dataclasses
 import itertools
 import os
@@ -12,12 +13,12 @@ import sys
 
 import pytest
 import torch
-
 from interpreted_triton import DEVICE, ON_GPU, import_kernels
 
 tda = import_kernels("attnres.ops.depth_attention.triton")
 
 from reference import loop_reference  # noqa: E402
+
 from attnres.ops import depth_attention, fused_depth_attention  # noqa: E402
 from attnres.ops.depth_attention import fused as fused_module  # noqa: E402
 
@@ -46,8 +47,7 @@ def run_both(sources, query, kw, gh, kernel, normalize_keys, impl_dtype=None):
         if which == "triton":
             h = tda.triton_depth_attention(s, q, w, kernel=kernel, normalize_keys=normalize_keys)
         else:
-            h = depth_attention(s, q, w, kernel=kernel, normalize_keys=normalize_keys,
-                                impl="reference")
+            h = depth_attention(s, q, w, kernel=kernel, normalize_keys=normalize_keys, impl="reference")
         (h * cast(gh)).sum().backward()
         out.append((h.detach(), s.grad, q.grad, w.grad))
     return out
@@ -64,11 +64,10 @@ def test_float64_values_and_grads(kernel, normalize_keys, shape, per_token):
     sources, query, kw = make_inputs(K=4, D=d, heads=heads, per_token=per_token)
     want_h, _ = loop_reference(sources.cpu(), query.cpu(), kw.cpu(), 1e-6, kernel, normalize_keys)
     gh = torch.randn(2, 3, d, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    (h, *grads), (h_ref, *grads_ref) = run_both(sources, query, kw, gh.to(DEVICE), kernel,
-                                                normalize_keys)
+    (h, *grads), (h_ref, *grads_ref) = run_both(sources, query, kw, gh.to(DEVICE), kernel, normalize_keys)
     torch.testing.assert_close(h.cpu(), want_h, **F64)
     torch.testing.assert_close(h, h_ref, **F64)
-    for g, g_ref in zip(grads, grads_ref):
+    for g, g_ref in zip(grads, grads_ref, strict=True):
         if g_ref is None:  # key weight without key norm: unused
             assert g is None
         else:
@@ -78,13 +77,12 @@ def test_float64_values_and_grads(kernel, normalize_keys, shape, per_token):
 @pytest.mark.parametrize("K", [1, 2, 7])
 @pytest.mark.parametrize("heads,per_token", [(1, False), (4, False), (2, True)])
 def test_float32_matches_float64_reference(K, heads, per_token):
-    sources, query, kw = make_inputs(K=K, B=2, T=5, D=24, heads=heads, per_token=per_token,
-                                     dtype=torch.float32, seed=3)
+    sources, query, kw = make_inputs(K=K, B=2, T=5, D=24, heads=heads, per_token=per_token, dtype=torch.float32, seed=3)
     gh = torch.randn(2, 5, 24, generator=torch.Generator().manual_seed(4)).to(DEVICE)
     (h, *grads), (h_ref, *grads_ref) = run_both(sources, query, kw, gh, "softmax", True)
     assert h.dtype == torch.float32
     torch.testing.assert_close(h.double(), h_ref, **F32)
-    for g, g_ref in zip(grads, grads_ref):
+    for g, g_ref in zip(grads, grads_ref, strict=True):
         assert g.dtype == torch.float32
         torch.testing.assert_close(g.double(), g_ref, **F32)
 
@@ -92,8 +90,7 @@ def test_float32_matches_float64_reference(K, heads, per_token):
 def test_gradcheck_float64():
     sources, query, kw = make_inputs(K=3, B=1, T=2, D=6, heads=2)
     args = tuple(x.requires_grad_() for x in (sources, query, kw))
-    assert torch.autograd.gradcheck(lambda s, q, w: tda.triton_depth_attention(s, q, w), args,
-                                    eps=1e-6, atol=1e-8)
+    assert torch.autograd.gradcheck(lambda s, q, w: tda.triton_depth_attention(s, q, w), args, eps=1e-6, atol=1e-8)
 
 
 def test_many_tiles_reduce_the_query_gradient():
@@ -102,10 +99,10 @@ def test_many_tiles_reduce_the_query_gradient():
     sources, query, kw = make_inputs(K=3, B=2, T=300, D=8, seed=5)
     gh = torch.randn(2, 300, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
     first, ref = run_both(sources, query, kw, gh.to(DEVICE), "softmax", True)
-    for g, g_ref in zip(first, ref):
+    for g, g_ref in zip(first, ref, strict=True):
         torch.testing.assert_close(g, g_ref, **F64_GRAD)
     again, _ = run_both(sources, query, kw, gh.to(DEVICE), "softmax", True)
-    for a, b in zip(first, again):  # deterministic: no atomics
+    for a, b in zip(first, again, strict=True):  # deterministic: no atomics
         assert torch.equal(a, b)
 
 
@@ -114,7 +111,7 @@ def test_buffer_views_window_layout_and_producer_grads():
     sources, query, kw = make_inputs(K=4, D=10, heads=2, seed=7)
     producers = [s.clone().requires_grad_() for s in sources.unbind(0)]
     buffer = torch.zeros(2, 3, 6, 10, dtype=torch.float64, device=DEVICE)
-    for row, p in zip((0, 2, 3), producers[:3]):
+    for row, p in zip((0, 2, 3), producers[:3], strict=True):
         buffer[:, :, row] = p.detach()
     segments = [buffer[:, :, 0:1], buffer[:, :, 2:4], producers[3].unsqueeze(2)]
     h = tda.triton_fused_depth_attention(segments, producers, query, kw)
@@ -127,7 +124,7 @@ def test_buffer_views_window_layout_and_producer_grads():
     h_ref = depth_attention(torch.stack(ref), query, kw, impl="reference")
     (h_ref * gh).sum().backward()
     torch.testing.assert_close(h, h_ref, **F64)
-    for p, r in zip(producers, ref):
+    for p, r in zip(producers, ref, strict=True):
         torch.testing.assert_close(p.grad, r.grad, **F64_GRAD)
 
 
@@ -162,11 +159,13 @@ def test_unsupported_cases_are_named():
     sources, query, kw = make_inputs(K=4, D=8)
     seg = sources.movedim(0, 2)
     assert tda.unsupported_reason([seg], query, kw, require_cuda=False) is None
-    four = [seg[:, :, i:i + 1] for i in range(4)]
+    four = [seg[:, :, i : i + 1] for i in range(4)]
     assert "segments" in tda.unsupported_reason(four, query, kw, require_cuda=False)
     every_other = seg[..., ::2]  # channel stride 2
-    assert tda.unsupported_reason([every_other], query[:4], kw[:4],
-                                  require_cuda=False) == "a segment is not contiguous along D"
+    assert (
+        tda.unsupported_reason([every_other], query[:4], kw[:4], require_cuda=False)
+        == "a segment is not contiguous along D"
+    )
     bad_q = torch.randn(4, 3, 8, dtype=torch.float64, device=DEVICE)
     assert "[B, T]" in tda.unsupported_reason([seg], bad_q, kw, require_cuda=False)
     assert tda.unsupported_reason([seg], query, kw, require_cuda=True) is not None  # float64
@@ -214,29 +213,41 @@ def test_kernels_compile_for_sm90_without_a_gpu():
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = env.get("TRITON_DEFAULT_FP_FUSION", "1")
-    code = ("from attnres.ops.triton_build import compile_check\n"
-            "r = compile_check(arch=90, d=96, heads=3)\n"
-            "assert len(r) == 8 and all(regs != 0 for regs, _ in r.values()), r\n"
-            "print(r)\n")
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=300)
+    code = (
+        "from attnres.ops.triton_build import compile_check\n"
+        "r = compile_check(arch=90, d=96, heads=3)\n"
+        "assert len(r) == 8 and all(regs != 0 for regs, _ in r.values()), r\n"
+        "print(r)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
-@pytest.mark.parametrize("residual,overrides", [
-    ("full", {}),
-    ("full", {"attnres_window": 2}),  # three segments: row 0, the window rows, the partial sum
-    ("block", {"attnres_heads": 2, "attnres_weights": "input_query"}),
-    ("block", {"attnres_key_norm": False, "attnres_kernel": "sigmoid"}),
-])
+@pytest.mark.parametrize(
+    "residual,overrides",
+    [
+        ("full", {}),
+        ("full", {"attnres_window": 2}),  # three segments: row 0, the window rows, the partial sum
+        ("block", {"attnres_heads": 2, "attnres_weights": "input_query"}),
+        ("block", {"attnres_key_norm": False, "attnres_kernel": "sigmoid"}),
+    ],
+)
 def test_whole_model_through_the_triton_op(monkeypatch, residual, overrides):
     # every depth aggregation of a small float64 model (forward and backward) goes through
     # the Triton op instead of the torch fused one: same loss, same gradients
     from attnres import AttnResLM, ModelConfig
     from attnres.residual.base import PLAIN_OPS, Stream
 
-    cfg = ModelConfig(vocab_size=40, d_model=12, n_layers=2, n_heads=2, max_seq_len=8,
-                      residual=residual, attnres_impl="fused", **overrides)
+    cfg = ModelConfig(
+        vocab_size=40,
+        d_model=12,
+        n_layers=2,
+        n_heads=2,
+        max_seq_len=8,
+        residual=residual,
+        attnres_impl="fused",
+        **overrides,
+    )
     torch.manual_seed(0)
     model = AttnResLM(cfg).to(device=DEVICE, dtype=torch.float64)
     g = torch.Generator().manual_seed(1)
@@ -253,8 +264,7 @@ def test_whole_model_through_the_triton_op(monkeypatch, residual, overrides):
         logits = model(ids)
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten())
         loss.backward()
-        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
-                               if p.grad is not None}
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
     want_loss, want = loss_and_grads()
     calls = []

@@ -1,19 +1,27 @@
 """Wrong arguments at the public depth-attention ops fail at once, naming the argument, what was found
 and what was expected (instead of broadcasting silently or failing deep inside)."""
+
 import re
 
 import pytest
 import torch
 
-from attnres.ops import depth_attention, depth_attention_reference, multi_query_depth_attention
+from attnres.ops import (
+    depth_attention,
+    depth_attention_reference,
+    multi_query_depth_attention,
+)
 
 K, B, T, D = 4, 2, 3, 8
 
 
 def make_inputs(dtype=torch.float64):
     g = torch.Generator().manual_seed(0)
-    return (torch.randn(K, B, T, D, generator=g, dtype=dtype), torch.randn(D, generator=g, dtype=dtype),
-            torch.rand(D, generator=g, dtype=dtype) + 0.5)
+    return (
+        torch.randn(K, B, T, D, generator=g, dtype=dtype),
+        torch.randn(D, generator=g, dtype=dtype),
+        torch.rand(D, generator=g, dtype=dtype) + 0.5,
+    )
 
 
 OPS = {
@@ -33,8 +41,12 @@ def test_sources(op):
         attend(tuple(sources.unbind(0)), query, w)
     with pytest.raises(TypeError, match="sources must be a tensor .K, B, T, D.; got ndarray"):
         attend(sources.numpy(), query, w)
-    with pytest.raises(ValueError, match=re.escape("sources must be [K, B, T, D] (K sources of [B, T, D]); "
-                                                   "got shape (2, 3, 8) (one [B, T, D] tensor")):
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "sources must be [K, B, T, D] (K sources of [B, T, D]); got shape (2, 3, 8) (one [B, T, D] tensor"
+        ),
+    ):
         attend(sources[0], query, w)
     with pytest.raises(ValueError, match=re.escape("got shape (1, 4, 2, 3, 8)")):
         attend(sources[None], query, w)
@@ -45,8 +57,9 @@ def test_sources(op):
 
 
 @pytest.mark.parametrize("op", OPS)
-@pytest.mark.parametrize("shape", [(7,), (3, 3), (B, T, 7), (B + 1, T, D), (B, 1, D), (B, T, 3, 3), (D, 1, 1, 1, 1),
-                                   ()])
+@pytest.mark.parametrize(
+    "shape", [(7,), (3, 3), (B, T, 7), (B + 1, T, D), (B, 1, D), (B, T, 3, 3), (D, 1, 1, 1, 1), ()]
+)
 def test_query_shape(op, shape):
     sources, _, w = make_inputs()
     expected = "[D] = [8], [H, D/H] with H * D/H = 8, or per token [B, T, D] = [2, 3, 8] / [B, T, H, D/H]"
@@ -64,8 +77,9 @@ def test_query_and_key_weight_type_dtype_device(op):
         attend(sources, query.long(), w)
     with pytest.raises(ValueError, match=r"query is on meta but sources are on cpu.*query.to\(sources.device\)"):
         attend(sources, query.to("meta"), w)
-    with pytest.raises(ValueError, match=re.escape("key_weight must be [D] = [8] (one weight per source channel); "
-                                                   "got shape (2, 4)")):
+    with pytest.raises(
+        ValueError, match=re.escape("key_weight must be [D] = [8] (one weight per source channel); got shape (2, 4)")
+    ):
         attend(sources, query, w.view(2, 4))
     with pytest.raises(TypeError, match=r"key_weight must be a tensor or None of shape \[D\] = \[8\]; got float"):
         attend(sources, query, 1.0)
@@ -77,8 +91,12 @@ def test_query_and_key_weight_type_dtype_device(op):
 
 def test_valid_shapes_still_pass():
     sources, query, w = make_inputs()
-    for q in (query, query.view(2, 4), torch.randn(B, T, D, dtype=torch.float64),
-              torch.randn(B, T, 2, 4, dtype=torch.float64)):
+    for q in (
+        query,
+        query.view(2, 4),
+        torch.randn(B, T, D, dtype=torch.float64),
+        torch.randn(B, T, 2, 4, dtype=torch.float64),
+    ):
         for impl in ("fused", "reference"):
             assert depth_attention(sources, q, w, impl=impl).shape == (B, T, D)
         assert depth_attention(sources, q, None).shape == (B, T, D)
@@ -89,8 +107,9 @@ def test_valid_shapes_still_pass():
 def test_checks_trace_under_compile():
     """The checks read shapes only: a compiled call traces them without a graph break."""
     sources, query, w = make_inputs(torch.float32)
-    compiled = torch.compile(lambda s, q, g: depth_attention(s, q, g, impl="reference"), fullgraph=True,
-                             backend="eager")
+    compiled = torch.compile(
+        lambda s, q, g: depth_attention(s, q, g, impl="reference"), fullgraph=True, backend="eager"
+    )
     torch.testing.assert_close(compiled(sources, query, w), depth_attention(sources, query, w, impl="reference"))
 
 
@@ -101,8 +120,12 @@ def test_multi_query_errors():
         multi_query_depth_attention(list(sources.unbind(0)), queries)
     with pytest.raises(ValueError, match=re.escape("got one query of shape (8,): pass queries.unsqueeze(0)")):
         multi_query_depth_attention(sources, query)
-    with pytest.raises(ValueError, match=re.escape("queries must be [Q, D] = [Q, 8] with Q >= 1 (one full-width "
-                                                   "query per read); got shape (3, 2, 4)")):
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "queries must be [Q, D] = [Q, 8] with Q >= 1 (one full-width query per read); got shape (3, 2, 4)"
+        ),
+    ):
         multi_query_depth_attention(sources, queries.view(3, 2, 4))
     with pytest.raises(ValueError, match=re.escape("got shape (0, 8)")):
         multi_query_depth_attention(sources, queries[:0])

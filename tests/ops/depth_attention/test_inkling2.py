@@ -2,13 +2,16 @@
 ``multi_query_depth_attention`` with an unweighted key norm, scale D^-1/2 and normalised values:
 checked against transformers' own module, one query (every sublayer) and three (the q, k and v inputs
 of a full-attention layer), with random non-zero queries, in float32."""
+
 import pytest
 import torch
 
 from attnres.ops import multi_query_depth_attention
 
-inkling2 = pytest.importorskip("transformers.models.inkling2.modeling_inkling2",
-                               reason="this transformers does not ship Inkling-2 (transformers.models.inkling2)")
+inkling2 = pytest.importorskip(
+    "transformers.models.inkling2.modeling_inkling2",
+    reason="this transformers does not ship Inkling-2 (transformers.models.inkling2)",
+)
 
 
 def inkling2_read(d: int, num_queries: int, seed: int):
@@ -35,8 +38,7 @@ def test_inkling2_block_attention_residual(num_queries, sealed):
 
     sources = torch.cat([block_states, partial.unsqueeze(-2)], dim=-2).movedim(-2, 0)  # [K, B, T, D]
     queries = module.query.detach().reshape(num_queries, d)
-    h = multi_query_depth_attention(sources, queries, None, eps=module.norm.eps, scale=d ** -0.5,
-                                    values="normalized")
+    h = multi_query_depth_attention(sources, queries, None, eps=module.norm.eps, scale=d**-0.5, values="normalized")
     assert h.shape == (num_queries, b, t, d) and len(want) == num_queries
     diff = max((h[q] - want[q]).abs().max().item() for q in range(num_queries))
     assert diff <= 1e-6, f"max difference {diff:.3g} from Inkling2BlockAttentionResidual"

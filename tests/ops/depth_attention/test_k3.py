@@ -1,5 +1,6 @@
 """Kimi K3's fused score weight (llama.cpp's ``attn_res_score`` = key-norm weight ⊙ query): the fused
 vector and the pair score the sources alike, and fuse(unfuse(f)) == f exactly."""
+
 import pytest
 import torch
 

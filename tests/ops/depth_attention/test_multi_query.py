@@ -1,5 +1,6 @@
 """multi_query_depth_attention: Q full-width queries over the same sources in one pass, against a float64
 loop-by-loop reference, the plain reference beside it, depth_attention once per query, and gradcheck."""
+
 import itertools
 
 import pytest
@@ -50,13 +51,15 @@ def test_matches_loop_reference(values, kernel, weighted, scale):
     sources, queries, g = make_inputs()
     g = g if weighted else None
     want_h, want_a = loop_reference(sources, queries, g, 1e-6, scale, values, kernel)
-    out = multi_query_depth_attention(sources, queries, g, eps=1e-6, scale=scale, values=values, kernel=kernel,
-                                      return_weights=True)
+    out = multi_query_depth_attention(
+        sources, queries, g, eps=1e-6, scale=scale, values=values, kernel=kernel, return_weights=True
+    )
     assert isinstance(out, MultiQueryOutput)
     torch.testing.assert_close(out.h, want_h, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(out.weights, want_a, rtol=1e-12, atol=1e-12)
-    ref = multi_query_depth_attention_reference(sources, queries, g, eps=1e-6, scale=scale, values=values,
-                                                kernel=kernel)
+    ref = multi_query_depth_attention_reference(
+        sources, queries, g, eps=1e-6, scale=scale, values=values, kernel=kernel
+    )
     torch.testing.assert_close(ref.h, want_h, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(ref.weights, want_a, rtol=1e-12, atol=1e-12)
     h = multi_query_depth_attention(sources, queries, g, eps=1e-6, scale=scale, values=values, kernel=kernel)
@@ -94,11 +97,13 @@ def test_gradcheck(values, kernel, weighted, scale):
 def test_low_precision_computes_in_float32(dtype):
     s64, q64, g64 = make_inputs(K=6, B=2, T=4, D=16, seed=4)
     sources = s64.to(dtype)
-    out = multi_query_depth_attention(sources, q64.float(), g64.float(), scale=0.25, values="normalized",
-                                      return_weights=True)
+    out = multi_query_depth_attention(
+        sources, q64.float(), g64.float(), scale=0.25, values="normalized", return_weights=True
+    )
     assert out.h.dtype == dtype and out.weights.dtype == torch.float32
-    want = multi_query_depth_attention(sources.double(), q64.float().double(), g64.float().double(), scale=0.25,
-                                       values="normalized")
+    want = multi_query_depth_attention(
+        sources.double(), q64.float().double(), g64.float().double(), scale=0.25, values="normalized"
+    )
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(out.h.double(), want, rtol=tol, atol=tol)
 

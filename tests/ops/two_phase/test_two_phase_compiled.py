@@ -1,14 +1,14 @@
 """Phase 1 in the form compiled streams trace (``compiled.phase1_sources``: the sources as separate
 tensors, plain autograd): against the float64 loop reference per query and against ``reference.phase1``
 in values and gradients, and gradcheck."""
+
 import pytest
 import torch
+from reference import logits, loop_reference, two_phase_inputs
 
 from attnres.ops.common import inverse_rms
 from attnres.ops.two_phase import compiled
 from attnres.ops.two_phase import reference as two_phase_reference
-from reference import logits, two_phase_inputs
-from reference import loop_reference
 
 EPS = 1e-6
 F64 = dict(rtol=1e-12, atol=1e-12)
@@ -54,8 +54,9 @@ def test_phase1_sources_equals_reference_values_and_grads(kernel, key_norm, head
         qq, kk = q.clone().requires_grad_(), kw.clone().requires_grad_()
         if form == "reference":
             values = torch.stack(sources, dim=2)
-            stats = two_phase_reference.phase1(values, inverse_rms(values, EPS) if key_norm else None, qq,
-                                 kk if key_norm else None, kernel=kernel)
+            stats = two_phase_reference.phase1(
+                values, inverse_rms(values, EPS) if key_norm else None, qq, kk if key_norm else None, kernel=kernel
+            )
             h, lse = stats.h, stats.lse
         else:
             h1s, lse = unstacked(sources, qq, kk, kernel, key_norm)
@@ -89,7 +90,7 @@ def test_phase1_sources_float32_matches_float64():
     want, want_lse = unstacked(list(v.unbind(0)), q, kw, "softmax", True)
     got, got_lse = unstacked(list(v.float().unbind(0)), q.float(), kw.float(), "softmax", True)
     assert got[0].dtype == torch.float32
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got_lse.double(), want_lse, rtol=1e-5, atol=1e-5)
 

@@ -1,13 +1,14 @@
 """Two-phase depth attention, reference and fused: Phase 1 for S queries at once, the exact merge and
 Phase 2, against the float64 loop-by-loop reference in tests/reference.py and against each other."""
+
 import pytest
 import torch
+from reference import logits, loop_reference
+from reference import two_phase_inputs as inputs
 
 from attnres.ops.common import DepthStats, inverse_rms
 from attnres.ops.two_phase import fused
 from attnres.ops.two_phase import reference as two_phase_reference
-from reference import logits, two_phase_inputs as inputs
-from reference import loop_reference
 
 EPS = 1e-6
 F64 = dict(rtol=1e-12, atol=1e-12)
@@ -52,11 +53,13 @@ def phase1_with_grads(impl, v, q, kw, gh, glse, kernel, key_norm):
 def phase1_of_producers(kernel, key_norm):
     """fused.phase1_outputs as a function of (q, kw, *producers) for gradcheck: the values and
     inverse RMS are rebuilt from the producers so gradcheck's perturbations reach them."""
+
     def f(q, kw, *vs):
         values = torch.stack(vs, dim=2)
         inv = inverse_rms(values, EPS) if key_norm else None
         h1s, lse = fused.phase1_outputs(values, inv, q, kw if key_norm else None, vs, kernel=kernel)
         return (*h1s, lse) if kernel == "softmax" else h1s
+
     return f
 
 
@@ -125,7 +128,7 @@ def test_float32_phase1_matches_float64():
             stats = run_phase1(impl, v.to(dtype), q.to(dtype), kw.to(dtype), "softmax", True)
             assert stats.h.dtype == stats.lse.dtype == dtype
             outs[dtype] = stats
-        for a, b in zip(outs[torch.float32], outs[torch.float64]):
+        for a, b in zip(outs[torch.float32], outs[torch.float64], strict=True):
             torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5)
 
 
@@ -143,17 +146,24 @@ def test_clear_errors():
             impl.phase1(values, None, q, kw, kernel="relu")
 
 
-@pytest.mark.parametrize("heads,kernel,key_norm", [(1, "softmax", True), (2, "softmax", True),
-                                                   (1, "sigmoid", True), (1, "softmax", False)])
+@pytest.mark.parametrize(
+    "heads,kernel,key_norm", [(1, "softmax", True), (2, "softmax", True), (1, "sigmoid", True), (1, "softmax", False)]
+)
 def test_merge_partial_gradcheck_and_fused_equals_reference(heads, kernel, key_norm):
     v, q, kw, p = inputs(n=2, S=1, B=2, T=2, D=4, heads=heads, seed=5)
     stats = run_phase1("reference", v, q, kw, kernel, key_norm)
-    args = (stats.h[:, :, 0].detach().clone().requires_grad_(), stats.lse[:, :, 0].detach().clone().requires_grad_(),
-            p.clone().requires_grad_(), q[0].clone().requires_grad_(), kw[0].clone().requires_grad_())
+    args = (
+        stats.h[:, :, 0].detach().clone().requires_grad_(),
+        stats.lse[:, :, 0].detach().clone().requires_grad_(),
+        p.clone().requires_grad_(),
+        q[0].clone().requires_grad_(),
+        kw[0].clone().requires_grad_(),
+    )
 
     def run(impl):
         def f(h1, lse, p, q, kw):
             return impl.merge_partial(DepthStats(h1, lse), p, q, kw if key_norm else None, EPS, kernel)
+
         return f
 
     assert torch.autograd.gradcheck(run(fused), args, eps=1e-6, atol=1e-8)
@@ -183,6 +193,9 @@ def test_merge_gradcheck():
     a = run_phase1("reference", v[:2], q, kw, "softmax", True)
     b = run_phase1("reference", v[2:], q, kw, "softmax", True)
     args = tuple(x.detach().clone().requires_grad_() for x in (*a, *b))
-    assert torch.autograd.gradcheck(lambda ha, la, hb, lb: tuple(two_phase_reference.merge(DepthStats(ha, la), DepthStats(hb, lb))),
-                                    args, eps=1e-6, atol=1e-8)
-
+    assert torch.autograd.gradcheck(
+        lambda ha, la, hb, lb: tuple(two_phase_reference.merge(DepthStats(ha, la), DepthStats(hb, lb))),
+        args,
+        eps=1e-6,
+        atol=1e-8,
+    )

@@ -1,9 +1,9 @@
 """The Triton Phase-1 and merge kernels against the reference two-phase ops (tests/interpreted_triton.py
 says how they run without a GPU). float64 runs the kernels in float64: 1e-12; float32 must match
 the float64 reference to rtol 1e-4, atol 1e-5."""
+
 import pytest
 import torch
-
 from interpreted_triton import DEVICE, import_kernels
 
 tp = import_kernels("attnres.ops.two_phase.triton")
@@ -35,9 +35,16 @@ def make_block(K=4, S=3, B=2, T=3, D=8, heads=1, dtype=torch.float64, seed=10, e
 def phase1_both(values, queries, key_weights, key_norm, kernel):
     inv = inverse_rms(values, EPS) if key_norm else None
     kw = key_weights if key_norm else None
-    return (tp.phase1(values, inv, queries, kw, kernel=kernel),
-            two_phase_reference.phase1(values.double(), None if inv is None else inv.double(), queries.double(),
-                         None if kw is None else kw.double(), kernel=kernel))
+    return (
+        tp.phase1(values, inv, queries, kw, kernel=kernel),
+        two_phase_reference.phase1(
+            values.double(),
+            None if inv is None else inv.double(),
+            queries.double(),
+            None if kw is None else kw.double(),
+            kernel=kernel,
+        ),
+    )
 
 
 @pytest.mark.parametrize("heads,D,S,K", [(1, 8, 3, 4), (2, 6, 5, 2), (3, 12, 1, 1)])
@@ -47,12 +54,12 @@ def test_phase1_matches_reference(heads, D, S, K, key_norm, kernel):
     values, queries, kws = make_block(K=K, S=S, D=D, heads=heads)
     got, want = phase1_both(values, queries, kws, key_norm, kernel)
     assert got.h.shape == (2, 3, S, D) and got.lse.shape == (2, 3, S, heads)
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, **F64)
     # float32 sources: float32 statistics, close to the float64 ones
     got32, _ = phase1_both(values.float(), queries.float(), kws.float(), key_norm, kernel)
     assert got32.h.dtype == got32.lse.dtype == torch.float32
-    for a, b in zip(got32, want):
+    for a, b in zip(got32, want, strict=True):
         torch.testing.assert_close(a.double(), b, **F32)
 
 
@@ -60,7 +67,7 @@ def test_phase1_many_tokens_and_queries():
     # several token tiles and (for a wide D) several query tiles per program grid
     values, queries, kws = make_block(K=3, S=6, B=2, T=40, D=16, heads=2, seed=11)
     got, want = phase1_both(values, queries, kws, True, "softmax")
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, **F64)
 
 
@@ -73,7 +80,7 @@ def test_merge_matches_reference_and_is_exact(heads, kernel):
     b = tp.phase1(values[:, :, 3:], inv[:, :, 3:], queries, kws, kernel=kernel)
     got = tp.merge(a, b, kernel)
     want = two_phase_reference.merge(a, b, kernel)
-    for x, y in zip(got, want):
+    for x, y in zip(got, want, strict=True):
         torch.testing.assert_close(x, y, **F64)
     whole = tp.phase1(values, inv, queries, kws, kernel=kernel)
     torch.testing.assert_close(got.h, whole.h, **F64)
@@ -96,8 +103,9 @@ def test_two_phase_block_equals_plain_forward():
         if partial is None:
             h, sources = mine.h, blocks
         else:
-            one = tp.phase1(partial.unsqueeze(2), inverse_rms(partial.unsqueeze(2), EPS), queries[i:i + 1],
-                            kws[i:i + 1])
+            one = tp.phase1(
+                partial.unsqueeze(2), inverse_rms(partial.unsqueeze(2), EPS), queries[i : i + 1], kws[i : i + 1]
+            )
             h = tp.merge(mine, DepthStats(one.h[:, :, 0], one.lse[:, :, 0])).h
             sources = torch.cat([blocks, partial.unsqueeze(0)])
         want = depth_attention(sources, queries[i], kws[i], impl="reference")
@@ -137,8 +145,9 @@ def route_to_triton(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("kernel,key_norm,heads", [("softmax", True, 1), ("softmax", True, 2),
-                                                   ("sigmoid", True, 1), ("softmax", False, 2)])
+@pytest.mark.parametrize(
+    "kernel,key_norm,heads", [("softmax", True, 1), ("softmax", True, 2), ("sigmoid", True, 1), ("softmax", False, 2)]
+)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_routed_phase1_equals_torch_forward_and_backward(monkeypatch, kernel, key_norm, heads, dtype):
     values, queries, kws = make_block(K=4, S=3, D=8, heads=heads, dtype=dtype, seed=14)
@@ -151,7 +160,7 @@ def test_routed_phase1_equals_torch_forward_and_backward(monkeypatch, kernel, ke
         q, kw = queries.clone().requires_grad_(), kws.clone().requires_grad_()
         inv = inverse_rms(values, EPS) if key_norm else None
         h1s, lse = fused.phase1_outputs(values, inv, q, kw if key_norm else None, producers, kernel=kernel)
-        loss = sum((h * g_).sum() for h, g_ in zip(h1s, gh))
+        loss = sum((h * g_).sum() for h, g_ in zip(h1s, gh, strict=True))
         if kernel == "softmax":
             loss = loss + (lse * glse).sum()
         grads = torch.autograd.grad(loss, [q, kw, *producers] if key_norm else [q, *producers])
@@ -162,7 +171,7 @@ def test_routed_phase1_equals_torch_forward_and_backward(monkeypatch, kernel, ke
     got = run()
     assert len(calls) == 1
     tol = F64 if dtype == torch.float64 else F32
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, **tol)
 
 
@@ -175,7 +184,7 @@ def test_routed_merge_only_without_gradients(monkeypatch):
     calls = route_to_triton(monkeypatch)
     got = fused.merge(a, b)
     assert len(calls) == 1
-    for x, y in zip(got, want):
+    for x, y in zip(got, want, strict=True):
         torch.testing.assert_close(x, y, **F32)
     # a merge that needs a gradient stays with torch (the kernel has no backward)
     h = a.h.clone().requires_grad_()
@@ -185,19 +194,31 @@ def test_routed_merge_only_without_gradients(monkeypatch):
     torch.testing.assert_close(merged.h, want.h, **F32)
 
 
-@pytest.mark.parametrize("residual,overrides", [
-    ("block", {"attnres_heads": 2}),
-    ("full", {"attnres_group_size": 2}),  # Phase 1 per group, then merges inside the group
-    ("block", {"attnres_key_norm": False, "attnres_kernel": "sigmoid"}),
-])
+@pytest.mark.parametrize(
+    "residual,overrides",
+    [
+        ("block", {"attnres_heads": 2}),
+        ("full", {"attnres_group_size": 2}),  # Phase 1 per group, then merges inside the group
+        ("block", {"attnres_key_norm": False, "attnres_kernel": "sigmoid"}),
+    ],
+)
 def test_whole_model_through_the_routed_two_phase_path(monkeypatch, residual, overrides):
     # the default attnres_impl ("two_phase"): every Phase 1 of a small float64 model (forward and
     # backward) and every merge of a no-grad forward go through the Triton kernels: same results
-    from attnres import AttnResLM, ModelConfig
     from reference import randomize
 
-    cfg = ModelConfig(vocab_size=40, d_model=12, n_layers=3, n_heads=2, max_seq_len=8, residual=residual,
-                      **({"attnres_blocks": 2} if residual == "block" else {}), **overrides)
+    from attnres import AttnResLM, ModelConfig
+
+    cfg = ModelConfig(
+        vocab_size=40,
+        d_model=12,
+        n_layers=3,
+        n_heads=2,
+        max_seq_len=8,
+        residual=residual,
+        **({"attnres_blocks": 2} if residual == "block" else {}),
+        **overrides,
+    )
     assert cfg.attnres_impl == "two_phase"
     torch.manual_seed(0)
     model = randomize(AttnResLM(cfg).to(device=DEVICE, dtype=torch.float64))
@@ -210,8 +231,7 @@ def test_whole_model_through_the_routed_two_phase_path(monkeypatch, residual, ov
         loss.backward()
         with torch.no_grad():
             again = model(ids)
-        return loss.detach(), again, {n: p.grad.clone() for n, p in model.named_parameters()
-                                      if p.grad is not None}
+        return loss.detach(), again, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
     want_loss, want_logits, want = loss_grads_and_logits()
     calls = route_to_triton(monkeypatch)
