@@ -27,7 +27,7 @@ from attnres.bench import decode, graph, kimi, op, pipeline, train
 
 @dataclass(frozen=True)
 class Bench:
-    config: type  # the config dataclass
+    config: type[Any]  # the config dataclass, with a quick() classmethod
     run: Callable[[Any], dict]
     format_table: Callable[[dict], str]
     summary: str  # what it measures (the command's help)

@@ -61,9 +61,14 @@ def _base(node: torch.fx.Node) -> torch.fx.Node:
     """The node whose storage ``node`` shares: through views (and the items of a split)."""
     while node.op == "call_function":
         view = node.args[0] if node.target is operator.getitem else node  # the op an item came from
-        if not (getattr(view.target, "is_view", False) or view.target is torch.ops.aten._unsafe_view.default):
+        if not isinstance(view, torch.fx.Node) or not (
+            getattr(view.target, "is_view", False) or view.target is torch.ops.aten._unsafe_view.default
+        ):
             break
-        node = view.args[0]
+        source = view.args[0]
+        if not isinstance(source, torch.fx.Node):
+            break
+        node = source
     return node
 
 
@@ -94,14 +99,13 @@ def saved_elements(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule
 
 def trace(cfg: GraphBenchConfig, variant: str) -> dict:
     """The forward and backward graphs of one variant's training step as inductor receives them."""
-    from functorch.compile import make_boxed_func
     from torch._dynamo.utils import counters
-    from torch._functorch.aot_autograd import aot_module_simplified
+    from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
     from torch._inductor.compile_fx import partition_fn
 
     graphs: dict[str, list[Counter]] = {"forward": [], "backward": []}
     forwards: list[torch.fx.GraphModule] = []
-    saved = []
+    saved: list[int] = []
 
     def recorder(kind):
         def compiler(gm, _inputs):

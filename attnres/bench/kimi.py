@@ -77,7 +77,8 @@ def reference_model(cfg: KimiBenchConfig, case: str):
     with torch.no_grad():
         for t in list(model.parameters()) + [b for n, b in model.named_buffers() if "correction_bias" in n]:
             t.add_(torch.randn(t.shape, generator=g, dtype=t.dtype) * cfg.weight_noise)
-    return model.to(cfg.device).eval()
+    # transformers wraps PreTrainedModel.to in functools.wraps, which hides the bound signature from mypy
+    return model.to(cfg.device).eval()  # type: ignore[arg-type]
 
 
 @torch.no_grad()

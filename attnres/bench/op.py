@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -88,7 +89,7 @@ def _copy(n_bytes: int, cfg: OpBenchConfig) -> Callable[[], object]:
     return lambda: dst.copy_(src)
 
 
-_Impl = tuple[Callable[[], torch.Tensor], Callable[[torch.Tensor], object], int]
+_Impl = tuple[Callable[[], Any], Callable[[Any], object], int]  # forward output: a tensor, or S of them
 
 
 def _impls(cfg: OpBenchConfig, K: int, dtype: torch.dtype) -> dict[str, _Impl]:
@@ -129,6 +130,11 @@ def _impls(cfg: OpBenchConfig, K: int, dtype: torch.dtype) -> dict[str, _Impl]:
     }
 
 
+def _then(fwd: Callable[[], Any], bwd: Callable[[Any], object]) -> Callable[[], object]:
+    """One call: ``bwd`` of the output of ``fwd``."""
+    return lambda: bwd(fwd())
+
+
 def run(cfg: OpBenchConfig) -> dict:
     dtype = getattr(torch, cfg.dtype)
     B, T, D = cfg.batch_size, cfg.seq_len, cfg.d_model
@@ -142,7 +148,7 @@ def run(cfg: OpBenchConfig) -> dict:
         fns: dict[str, Callable[[], object]] = {"copy": _copy(fwd_bytes, cfg)}
         for name, (fwd, bwd, _) in impls.items():
             fns[name + " fwd"] = torch.no_grad()(fwd)
-            fns[name + " fwd+bwd"] = lambda fwd=fwd, bwd=bwd: bwd(fwd())
+            fns[name + " fwd+bwd"] = _then(fwd, bwd)
         times = _interleaved_times(fns, cfg.repeats, cfg.device)
         copy_bw = 2 * fwd_bytes / min(times["copy"]) / 1e9
         copy_bw_median = 2 * fwd_bytes / statistics.median(times["copy"]) / 1e9
@@ -244,7 +250,7 @@ def time_triton_vs_torch(
     query = (0.1 * torch.randn(shape, device=dev, generator=gen)).requires_grad_()
     key_weight = torch.ones(D, device=dev, requires_grad=True)
     gh = torch.randn(B, T, D, device=dev, dtype=dtype, generator=gen)
-    opts = dict(kernel=kernel, normalize_keys=normalize_keys)
+    opts: dict[str, Any] = dict(kernel=kernel, normalize_keys=normalize_keys)
 
     def torch_fwd():
         with _without_triton():

@@ -19,6 +19,7 @@ import os
 import statistics
 import time
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -52,7 +53,7 @@ class PipelineBenchConfig:
 
 def _model(cfg: PipelineBenchConfig) -> AttnResLM:
     torch.manual_seed(0)
-    options = {"attnres_block_size": cfg.block_size} if cfg.residual == "block" else {}
+    options: dict[str, Any] = {"attnres_block_size": cfg.block_size} if cfg.residual == "block" else {}
     config = ModelConfig(
         vocab_size=4096,
         d_model=cfg.d_model,
@@ -107,7 +108,7 @@ def run(cfg: PipelineBenchConfig) -> dict:
     measured = {m: gather_traffic(p) for m, p in pipes.items()}
     layouts = {m: p.layout for m, p in pipes.items()}
     step = {m: statistics.median(t) for m, t in times.items()}
-    totals = {}
+    totals: dict[str, dict[str, Any]] = {}
     for m, counts in measured.items():
         spec = formula(layouts[m])
         totals[m] = {

@@ -25,7 +25,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 MATMUL_OPS = frozenset(
     {
@@ -141,7 +141,7 @@ def ratio_at_equal_matmul(row: dict[str, float], base: dict[str, float]) -> floa
 
 
 def round_robin_breakdowns(
-    calls: dict[str, Callable[[], object]], rounds: int, per_round: int, device: str, desc: str
+    calls: Mapping[str, Callable[[], object]], rounds: int, per_round: int, device: str, desc: str
 ) -> dict[str, dict[str, float]]:
     """Each callable's median breakdown over ``rounds`` rounds that each run every callable
     ``per_round`` times in turn (so drifts of the machine hit all alike); {} with no rounds or off

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import json
 import os
 import resource
@@ -205,7 +206,7 @@ def time_variants(cfg: BenchConfig) -> tuple[dict[str, list[float]], dict[str, f
                 _step(model, opt, x, y)
             _sync(cfg.device)
             times[v].append((clock() - t0) / cfg.steps_per_repeat)
-    calls = {v: (lambda setup=setup: _step(*setup)) for v, setup in setups.items()}
+    calls = {v: functools.partial(_step, *setup) for v, setup in setups.items()}
     return (
         times,
         warmup,
