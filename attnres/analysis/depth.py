@@ -20,14 +20,28 @@ def _column(name: str) -> int:
     return int(name.lstrip("vbs").rstrip("~"))
 
 
+def _consumers(record: DepthRecord) -> list[tuple[torch.Tensor, list[str]]] | None:
+    """(depth weights, source names) of every consumer; None for schemes without depth weights. A
+    scheme records weights at every consumer or at none."""
+    if not record.weights or record.weights[0] is None:
+        return None
+    consumers = []
+    for w, names in zip(record.weights, record.sources, strict=True):
+        if w is None or names is None:
+            raise ValueError("a depth record with weights at some consumers only")
+        consumers.append((w, names))
+    return consumers
+
+
 def depth_weight_matrix(record: DepthRecord) -> np.ndarray | None:
     """Mean depth weight over batch, tokens (and heads): [L + 1, max sources]; NaN where a
     consumer does not read that source. None for schemes without depth weights (prenorm)."""
-    if not record.weights or record.weights[0] is None:
+    consumers = _consumers(record)
+    if consumers is None:
         return None
-    cols = max(_column(n) for names in record.sources for n in names) + 1
-    out = np.full((len(record.weights), cols), np.nan)
-    for row, (w, names) in enumerate(zip(record.weights, record.sources, strict=True)):
+    cols = max(_column(n) for _, names in consumers for n in names) + 1
+    out = np.full((len(consumers), cols), np.nan)
+    for row, (w, names) in enumerate(consumers):
         mean = w.float().flatten(1).mean(1) if w.dim() > 1 else w.float()
         for value, name in zip(mean.tolist(), names, strict=True):
             out[row, _column(name)] = value
@@ -43,10 +57,11 @@ def routing_sharpness(record: DepthRecord) -> dict[str, list[float]] | None:
     uniform routing reads max_weight = 1/K_l and entropy = log K_l. None for schemes without depth
     weights (prenorm and the other single-state or multi-stream rivals).
     """
-    if not record.weights or record.weights[0] is None:
+    consumers = _consumers(record)
+    if consumers is None:
         return None
     out: dict[str, list[float]] = {"max_weight": [], "entropy": [], "n_sources": []}
-    for w in record.weights:
+    for w, _ in consumers:
         w = w.double()  # [K, B, T] or [K, B, T, H]
         p = w / w.sum(0, keepdim=True)
         out["max_weight"].append(w.amax(0).mean().item())
@@ -63,9 +78,10 @@ def record_on_batch(model, input_ids: torch.Tensor) -> DepthRecord:
 
 
 def source_labels(record: DepthRecord) -> list[str]:
-    cols = max(_column(n) for names in record.sources for n in names) + 1
+    sources = [names for names in record.sources if names is not None]
+    cols = max(_column(n) for names in sources for n in names) + 1
     labels = [""] * cols
-    for names in record.sources:
+    for names in sources:
         for n in names:
             labels[_column(n)] = n.rstrip("~")
     return labels

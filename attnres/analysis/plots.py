@@ -21,7 +21,7 @@ def pyplot():
 
 
 def read_metrics(run_dir: str) -> dict[str, list[dict]]:
-    rows = {"train": [], "eval": []}
+    rows: dict[str, list[dict]] = {"train": [], "eval": []}
     path = Path(run_dir) / METRICS_FILE
     if path.exists():
         for line in path.read_text().splitlines():
