@@ -64,8 +64,8 @@ class KVCache:
             c.n_layers, batch_size, c.n_kv_heads, c.head_dim, max_len or c.max_seq_len, dtype=p.dtype, device=p.device
         )
 
-    def positions(self, t: int) -> slice:
-        """The absolute positions of the next t tokens."""
+    def positions(self, t: int) -> slice | Tensor:
+        """The absolute positions of the next t tokens: a slice here (StaticKVCache's are a tensor)."""
         return slice(self.length, self.length + t)
 
     def room(self) -> int:
@@ -142,12 +142,19 @@ class StaticKVCache(KVCache):
         """Cached positions, read on the host (a device sync: for the caller, not the compiled step)."""
         return int(self.position)
 
+    @length.setter
+    def length(self, value: int) -> None:
+        self.position.fill_(value)
+
     def positions(self, t: int) -> Tensor:
         return self.position + self.slots[:t]
 
-    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, repeat: int) -> Tensor:
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, repeat: int, mask: Tensor | None = None) -> Tensor:
         """Store this step's keys/values of ``layer`` at their positions and attend over the cache.
-        No bounds check here (it would read the position on the host): callers check ``room()``."""
+        No bounds check here (it would read the position on the host): callers check ``room()``.
+        Unpadded batches only: a ``mask`` (a padded batch's allowed pairs) is refused."""
+        if mask is not None:
+            raise ValueError("StaticKVCache decodes unpadded batches; a padded batch needs a KVCache")
         at = self.positions(k.shape[2])
         self.keys[layer].index_copy_(2, at, k)
         self.values[layer].index_copy_(2, at, v)

@@ -17,6 +17,8 @@ causal mask MLA needs when several new tokens follow cached ones (chunked prefil
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import Tensor
 
@@ -76,7 +78,8 @@ class HybridCache:
         """Keep, for each row, the state of row ``beam_idx[row]`` (beam search re-ranks its beams after
         every step): MLA latents and KDA convolution and recurrent states alike, by transformers' own
         per-layer reorder."""
-        self.layers.reorder_cache(beam_idx)
+        # transformers annotates the index torch.LongTensor, a type no tensor has at run time
+        self.layers.reorder_cache(cast(torch.LongTensor, beam_idx))
 
     def get_seq_length(self, layer: int = 0) -> int:
         """Cached positions (the name transformers' generate() asks a cache for)."""

@@ -11,7 +11,7 @@ step re-prefills that window.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -103,6 +103,7 @@ def _generate(
     ids = input_ids.to(device)
     limit = model.config.max_seq_len
     cache = None
+    step: Callable[[torch.Tensor], torch.Tensor]
     if compile:
         step = CompiledDecoder(model, 1, setting=compile)
         cache = step.cache
