@@ -15,6 +15,7 @@ def gather_traffic(pipeline: Pipeline) -> Counts:
     dist.all_gather_object(pieces, pipeline.bytes_sent(), group=pipeline.group)
     total: Counts = {}
     for piece in pieces:
+        assert piece is not None  # all_gather_object filled every rank's slot
         for k, v in piece.items():
             total[k] = total.get(k, 0) + v
     return total

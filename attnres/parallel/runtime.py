@@ -13,11 +13,13 @@ returns the global mean loss, so a run's numbers do not depend on its layout:
 Checkpoints are always the single-process format (``attnres.parallel.state``):
 ``gather`` collects the pieces on rank 0, ``scatter`` hands each rank its own.
 """
+
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Callable, Dict, Optional, Tuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,7 +31,10 @@ from attnres.model.llama import lm_loss
 from attnres.model.lm import AttnResLM
 from attnres.parallel.pipeline import all_reduce_gradients, build_pipeline
 from attnres.parallel.state import (
-    full_model_state, load_full_model_state, load_named_optimizer_state, named_optimizer_state,
+    full_model_state,
+    load_full_model_state,
+    load_named_optimizer_state,
+    named_optimizer_state,
 )
 
 
@@ -66,23 +71,29 @@ def check_layout(dp: int, pp: int) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1")) if launched_by_torchrun() else 1
     if need > 1 and not launched_by_torchrun():
         flag = " ".join(f"--{k} {v}" for k, v in (("dp", dp), ("pp", pp)) if v > 1)
-        raise ValueError(f"{flag} needs {need} processes: launch with "
-                         f"`torchrun --nproc-per-node {need} -m attnres train ... {flag}`")
+        raise ValueError(
+            f"{flag} needs {need} processes: launch with `torchrun --nproc-per-node {need} -m attnres train ... {flag}`"
+        )
     if world != need:
-        raise ValueError(f"torchrun started {world} processes but dp * pp = {need}; pass --nproc-per-node "
-                         f"{need} or set --dp / --pp to match")
+        raise ValueError(
+            f"torchrun started {world} processes but dp * pp = {need}; pass --nproc-per-node "
+            f"{need} or set --dp / --pp to match"
+        )
     return need
 
 
 class SingleProcess:
     """One process, the whole model."""
 
-    is_main = True
     distributed = False
 
     def __init__(self, model: AttnResLM, autocast: Callable):
         self.model = model  # the parameters this rank optimizes, under their full-model names
         self.autocast = autocast
+
+    @property
+    def is_main(self) -> bool:
+        return True
 
     def compile(self, setting) -> str:
         """torch.compile what this strategy runs, in place (parameter names unchanged); returns how."""
@@ -104,7 +115,7 @@ class SingleProcess:
     def reduce_gradients(self) -> None:
         pass
 
-    def end_step(self) -> Dict[str, object]:
+    def end_step(self) -> dict[str, object]:
         """After the optimizer step: the model's per-step update and report (``AttnResLM.end_step``:
         MoE router balancing and expert loads; {} for dense models)."""
         return self.model.end_step()
@@ -115,10 +126,10 @@ class SingleProcess:
     def any_rank(self, flag: bool) -> bool:
         return flag
 
-    def gather(self, optimizer) -> Optional[Tuple[Dict[str, Tensor], dict]]:
+    def gather(self, optimizer) -> tuple[dict[str, Tensor], dict] | None:
         return full_model_state(self.model), named_optimizer_state(optimizer)
 
-    def scatter(self, model_state: Dict[str, Tensor], optim_state: dict, optimizer) -> None:
+    def scatter(self, model_state: dict[str, Tensor], optim_state: dict, optimizer) -> None:
         load_full_model_state(self.model, model_state)
         load_named_optimizer_state(optimizer, optim_state, self.model)
 
@@ -161,10 +172,10 @@ class DataParallel(_Distributed):
             # the sublayers are the tensor-in, tensor-out units; a Transformer block's forward takes the
             # residual stream, which FSDP's backward hooks cannot see
             for block in model.blocks:
-                fully_shard(block.attn)
-                fully_shard(block.mlp)
+                fully_shard(block.get_submodule("attn"))
+                fully_shard(block.get_submodule("mlp"))
             fully_shard(model)
-            self.wrapped = model
+            self.wrapped: nn.Module = model
         else:
             self.wrapped = nn.parallel.DistributedDataParallel(model)
 
@@ -175,7 +186,7 @@ class DataParallel(_Distributed):
         self.wrapped.compile(backend=compile_model_backend(setting))  # DDP: dynamo splits at buckets
         return "whole model under DDP"
 
-    def end_step(self) -> Dict[str, object]:
+    def end_step(self) -> dict[str, object]:
         for counter in self.model.step_counters():  # every replica updates from the global counts
             dist.all_reduce(counter)
         return self.model.end_step()
@@ -212,8 +223,20 @@ class PipelineParallel(_Distributed):
     [i B/dp, (i+1) B/dp) of every batch; gradients are averaged over replicas). ``self.model`` is this
     rank's part of the model."""
 
-    def __init__(self, model: AttnResLM, autocast: Callable, *, pp: int, vpp: int, schedule: str,
-                 microbatches: int, batch_size: int, seq_len: int, cache: bool = True, dp: int = 1):
+    def __init__(
+        self,
+        model: AttnResLM,
+        autocast: Callable,
+        *,
+        pp: int,
+        vpp: int,
+        schedule: str,
+        microbatches: int,
+        batch_size: int,
+        seq_len: int,
+        cache: bool = True,
+        dp: int = 1,
+    ):
         self.dp, self.pp_group, self.dp_group, self.dp_rank = dp, None, None, 0
         if dp > 1:
             from torch.distributed.device_mesh import init_device_mesh
@@ -224,9 +247,18 @@ class PipelineParallel(_Distributed):
             mesh = init_device_mesh(device.type, (dp, pp), mesh_dim_names=("dp", "pp"))
             self.pp_group, self.dp_group = mesh.get_group("pp"), mesh.get_group("dp")
             self.dp_rank = mesh.get_local_rank("dp")
-        self.pipeline = build_pipeline(model, pp=pp, vpp=vpp, schedule=schedule, microbatches=microbatches,
-                                       batch_size=batch_size // dp, seq_len=seq_len, cache=cache,
-                                       group=self.pp_group, autocast=autocast)
+        self.pipeline = build_pipeline(
+            model,
+            pp=pp,
+            vpp=vpp,
+            schedule=schedule,
+            microbatches=microbatches,
+            batch_size=batch_size // dp,
+            seq_len=seq_len,
+            cache=cache,
+            group=self.pp_group,
+            autocast=autocast,
+        )
         super().__init__(self.pipeline.model, autocast)
 
     def compile(self, setting) -> str:
@@ -263,7 +295,7 @@ class PipelineParallel(_Distributed):
     def clip_grad_norm(self, max_norm: float) -> None:
         self.pipeline.clip_grad_norm_(max_norm)  # replicas hold equal gradients: their norm is global
 
-    def end_step(self) -> Dict[str, object]:
+    def end_step(self) -> dict[str, object]:
         """Each rank updates its own blocks (from counts summed over replicas); rank 0 gets every
         rank's report."""
         if self.dp > 1:
@@ -271,18 +303,19 @@ class PipelineParallel(_Distributed):
                 dist.all_reduce(counter, group=self.dp_group)
         report = self.model.end_step()
         first = dist.get_rank(self.pp_group) == 0
-        pieces = [None] * dist.get_world_size(self.pp_group) if first else None
+        pieces: list[Any] | None = [None] * dist.get_world_size(self.pp_group) if first else None
         dist.gather_object(report, pieces, group=self.pp_group, group_dst=0)
-        return {k: v for piece in pieces for k, v in piece.items()} if first else {}
+        return {k: v for piece in pieces for k, v in piece.items()} if pieces is not None else {}
 
     def gather(self, optimizer):
         local = (full_model_state(self.model), named_optimizer_state(optimizer))
         first = dist.get_rank(self.pp_group) == 0
-        pieces = [None] * dist.get_world_size(self.pp_group) if first else None
+        pieces: list[Any] | None = [None] * dist.get_world_size(self.pp_group) if first else None
         dist.gather_object(local, pieces, group=self.pp_group, group_dst=0)
-        if not self.is_main:
+        if not self.is_main or pieces is None:  # rank 0 of the pipeline group holds the pieces
             return None
-        model_state, optim_state = {}, {}
+        model_state: dict[str, Tensor] = {}
+        optim_state: dict[str, dict] = {}
         for m, o in pieces:  # shared (residual) entries are equal on every rank: any copy will do
             model_state.update(m)
             for key, by_name in o.items():

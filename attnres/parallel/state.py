@@ -7,8 +7,13 @@ resume. That is what lets a run resume with another ``--dp`` / ``--pp``.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 NamedOptimizerState = dict[str, dict[str, dict[str, object]]]  # optimizer key -> param name -> state
 
@@ -60,12 +65,24 @@ def load_named_optimizer_state(optimizer, named: NamedOptimizerState, model: nn.
         opt.load_state_dict(sd)
 
 
+def _dtensor(t: Tensor) -> DTensor | None:
+    """``t`` if it is a DTensor (an FSDP2 shard), else None. torch.distributed.tensor is imported only
+    for a tensor with a device mesh."""
+    if not hasattr(t, "device_mesh"):
+        return None
+    from torch.distributed.tensor import DTensor
+
+    return t if isinstance(t, DTensor) else None
+
+
 def _like_param(value, param: Tensor):
-    if not isinstance(value, Tensor) or not hasattr(param, "device_mesh") or value.shape != param.shape:
+    """``value`` sharded as ``param`` is when that is a DTensor of the same shape, else ``value``."""
+    shard = _dtensor(param)
+    if shard is None or not isinstance(value, Tensor) or value.shape != shard.shape:
         return value
     from torch.distributed.tensor import distribute_tensor
 
-    return distribute_tensor(value.to(param.device_mesh.device_type), param.device_mesh, param.placements)
+    return distribute_tensor(value.to(shard.device_mesh.device_type), shard.device_mesh, shard.placements)
 
 
 def full_model_state(model: nn.Module) -> dict[str, Tensor]:
@@ -80,8 +97,8 @@ def load_full_model_state(model: nn.Module, state: dict[str, Tensor]) -> None:
     for name, t in model.state_dict().items():
         if name not in state:
             raise KeyError(f"checkpoint lacks {name}")
-        src = _like_param(state[name], t) if hasattr(t, "device_mesh") else state[name]
-        if hasattr(t, "device_mesh"):
-            t.to_local().copy_(src.to_local())
+        shard = _dtensor(t)
+        if shard is not None:
+            shard.to_local().copy_(_like_param(state[name], shard).to_local())
         else:
-            t.copy_(src)
+            t.copy_(state[name])
