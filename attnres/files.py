@@ -24,7 +24,7 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TextIO
 
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
@@ -106,7 +106,7 @@ class ExclusiveLock:
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
-        self._file = None
+        self._file: TextIO | None = None
 
     def acquire(self, holder: str | None = None) -> str | None:
         try:
@@ -165,8 +165,8 @@ def parse_toml(text: str) -> dict:
     """Parse TOML text with ``tomllib`` (Python 3.11+) or the ``tomli`` package (3.10).
 
     Raises ValueError (both modules' TOMLDecodeError is one) on invalid TOML."""
-    try:
+    if sys.version_info >= (3, 11):
         import tomllib
-    except ModuleNotFoundError:  # Python 3.10: the same parser, as a package
+    else:  # Python 3.10: the same parser, as a package
         import tomli as tomllib
     return tomllib.loads(text)

@@ -84,6 +84,8 @@ class Checkpointer:
     def load(self) -> dict:
         """Load the checkpoint into this rank's model and optimizer (and the RNGs); its state.json."""
         path = find_checkpoint(self.out_dir)
+        if path is None:
+            raise FileNotFoundError(f"no checkpoint to resume from in {self.out_dir}")
         if self.strategy.distributed:  # load the full checkpoint, keep this rank's part
             model, optimizer = self.full_copy()
             state = load_checkpoint(path, model=model, optimizer=optimizer)

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from torch import nn
-
+from attnres.model import AttnResLM
 from attnres.model.compile import compile_backend
 from attnres.parallel.runtime import DataParallel, PipelineParallel, SingleProcess
 from attnres.train.config import TrainConfig
 
 
-def build_layout(model: nn.Module, c: TrainConfig, autocast: Callable):
+def build_layout(model: AttnResLM, c: TrainConfig, autocast: Callable):
     """``model`` laid out over the processes ``c`` asks for; ``autocast()``: the forward's precision."""
     if c.pp > 1:
         return PipelineParallel(

@@ -26,6 +26,8 @@ _FLOAT = 4  # bytes of an fp32 value
 
 def _fixed_and_per_token(model: ModelConfig, seq_len: int, checkpointing: str = "none") -> tuple[int, int]:
     d, ff, layers = model.d_model, model.d_ff, model.n_layers
+    if ff is None:  # ModelConfig sets it from d_model when it is built
+        raise ValueError("ModelConfig.d_ff is unset")
     per_layer = 4 * d * d + 3 * d * ff  # attention and SwiGLU projections (GQA only shrinks K, V)
     params = layers * per_layer + model.vocab_size * d * (1 if model.tie_embeddings else 2)
     fixed = 4 * params * _FLOAT  # weights, gradients, two optimizer moments

@@ -126,8 +126,8 @@ class MetricsLogger:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except Exception:  # tensorboard not installed
-                SummaryWriter = None
-            if SummaryWriter is not None:
+                pass
+            else:
                 purge = None if resume_step is None else resume_step + 1
                 self._tb = SummaryWriter(log_dir=str(self.run_dir / "tb"), purge_step=purge)
         self._wandb = None
@@ -239,8 +239,8 @@ class MetricsLogger:
             if fields is not None and path.exists():
                 if kind in self._csv_files:
                     self._csv_files.pop(kind).close()
-                with open(path, encoding="utf-8", newline="") as f:
-                    old_rows = list(csv.DictReader(f))
+                with open(path, encoding="utf-8", newline="") as old:
+                    old_rows = list(csv.DictReader(old))
             fields = (fields or ["step", "time"]) + [k for k in new if k not in ("step", "time")]
             atomic_write_text(path, _csv_text(fields, old_rows))
             self._csv_fields[kind] = fields

@@ -65,7 +65,8 @@ def group_parameters(model: nn.Module) -> dict[str, list[tuple[str, nn.Parameter
     unknown kind, or marks a non-2-D tensor as ``"matrix"``.
     """
     base = unwrap(model)
-    kinds = dict(base.param_kinds()) if hasattr(base, "param_kinds") else parameter_kinds(base)
+    param_kinds = getattr(base, "param_kinds", None)  # a model's own grouping, else the default rule
+    kinds = dict(param_kinds()) if callable(param_kinds) else parameter_kinds(base)
     named = list(base.named_parameters())
     names = {n for n, _ in named}
 

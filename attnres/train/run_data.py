@@ -5,11 +5,15 @@ fills the tokenizer and token caches and the others then read them."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
 from attnres.files import TOKENIZER_FILE
 from attnres.train.config import TrainConfig
+
+if TYPE_CHECKING:
+    from attnres.data.tokenizer import Tokenizer
 
 
 def prepare_run_data(c: TrainConfig, out_dir: Path, saved: dict | None, world: int, is_main: bool):
@@ -17,7 +21,7 @@ def prepare_run_data(c: TrainConfig, out_dir: Path, saved: dict | None, world: i
     the checkpoint a resumed run continues (None for a new run)."""
     from attnres.data import check_length, load_tokenizer, prepare_data
 
-    tokenizer = c.tokenizer
+    tokenizer: str | Tokenizer = c.tokenizer
     if saved is not None and (out_dir / TOKENIZER_FILE).is_file():
         tokenizer = load_tokenizer(out_dir / TOKENIZER_FILE)  # the run's own, never a retrained one
 

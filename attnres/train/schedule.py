@@ -21,6 +21,7 @@ Usage::
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["SCHEDULE_NAMES", "Schedule", "wsd", "cosine", "constant", "make_schedule", "set_lr"]
@@ -114,7 +115,7 @@ def constant(step: int, total_steps: int, warmup_steps: int) -> float:
     return 1.0 if w is None else w
 
 
-_FUNCS = {"wsd": wsd, "cosine": cosine, "constant": constant}
+_FUNCS: dict[str, Callable[..., float]] = {"wsd": wsd, "cosine": cosine, "constant": constant}
 _OPTIONS = {
     "wsd": ("decay_fraction", "final_lr_frac", "decay_shape"),
     "cosine": ("final_lr_frac",),
