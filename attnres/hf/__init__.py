@@ -10,8 +10,11 @@ no ``trust_remote_code``:
 
 - :class:`AttnResConfig`, :class:`AttnResForCausalLM`: the config and the causal LM
   (``save_pretrained`` / ``from_pretrained`` / ``generate``), wrapping ``attnres.AttnResLM``;
-- :func:`convert_to_attnres`: retrofit a pretrained LLaMA / Mistral / Qwen2 causal LM into
-  AttnRes with the same logits (zero-initialised queries, docs/method.md §3);
+- :func:`retrofit` (``attnres.hf.retrofit``): retrofit a pretrained causal LM of any of 30 decoder families
+  (Llama, Mistral, Qwen2/3, MoEs, Gemma 1-3, Phi, GPT-2, GPT-NeoX, ...) into AttnRes by wrapping its own
+  layers: exact at init, saved under ``model_type = "attnres_retrofit"`` with the source's weight names;
+- :func:`convert_to_attnres`: the same into our own model (:class:`AttnResForCausalLM`, native format)
+  where ``AttnResLM`` can express the source (LLaMA / Mistral / Qwen2 without biases), else the wrapper;
 - :func:`native_to_hf` / :func:`hf_to_native`: the trainer's checkpoints <-> this format;
 - :func:`convert_kimi_linear` / :func:`save_kimi_linear` (``attnres.hf.kimi``): Kimi Linear checkpoints
   (plain, retrofitted; or the released AttnRes layout of docs/method.md §10) <-> our
@@ -20,8 +23,8 @@ no ``trust_remote_code``:
 - :func:`source_kind` / :func:`convert_directory`: what a model directory holds, and converting it
   (the ``attnres convert`` command).
 
-Modules import one way: ``directories`` -> ``kimi`` -> ``convert`` -> ``modeling`` -> ``configuration``,
-``tokenizer``.
+Modules import one way: ``directories`` -> ``kimi`` -> ``convert`` -> ``retrofit``, ``modeling`` ->
+``configuration``, ``tokenizer``, ``errors``.
 """
 import transformers
 
@@ -36,12 +39,15 @@ from attnres.hf.convert import ConversionError, convert_to_attnres  # noqa: E402
 from attnres.hf.directories import SOURCE_KINDS, convert_directory, source_kind  # noqa: E402
 from attnres.hf.kimi import convert_kimi_linear, register_auto_model, save_kimi_linear  # noqa: E402
 from attnres.hf.modeling import AttnResForCausalLM, AttnResPreTrainedModel, hf_to_native, native_to_hf  # noqa: E402
+from attnres.hf.retrofit import register as register_retrofit  # noqa: E402
+from attnres.hf.retrofit import retrofit  # noqa: E402
 from attnres.hf.tokenizer import hf_tokenizer  # noqa: E402
 
 AutoConfig.register(AttnResConfig.model_type, AttnResConfig, exist_ok=True)
 AutoModelForCausalLM.register(AttnResConfig, AttnResForCausalLM, exist_ok=True)
+register_retrofit()  # model_type "attnres_retrofit": the wrapped families of attnres.hf.retrofit
 register_auto_model()  # kimi_linear checkpoints in the released AttnRes layout (docs/method.md §10) load as ours
 
 __all__ = ["AttnResConfig", "AttnResForCausalLM", "AttnResPreTrainedModel", "ConversionError", "SOURCE_KINDS",
            "convert_directory", "convert_kimi_linear", "convert_to_attnres", "hf_to_native", "hf_tokenizer",
-           "native_to_hf", "save_kimi_linear", "source_kind"]
+           "native_to_hf", "retrofit", "save_kimi_linear", "source_kind"]

@@ -30,6 +30,7 @@ from typing import Any, Dict, Iterator, Mapping, Optional, Tuple
 
 import torch
 
+from attnres.hf.errors import ConversionError
 from attnres.hf.modeling import AttnResForCausalLM
 from attnres.model.config import ModelConfig
 from attnres.model.llama import rope_tables
@@ -54,10 +55,6 @@ _LAYER_MAP = {
     "input_layernorm.weight": "attn_norm.weight",
     "post_attention_layernorm.weight": "mlp_norm.weight",
 }
-
-
-class ConversionError(ValueError):
-    """The source model uses something AttnResLM does not have (or the request is inconsistent)."""
 
 
 # ----------------------------------------------------------------------------- source access
