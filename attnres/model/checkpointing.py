@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from attnres.residual import DepthState

@@ -15,8 +15,12 @@ Two granularities:
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
-from torch import nn
+
+if TYPE_CHECKING:
+    from attnres.model.lm import AttnResLM
 
 DEFAULT_BACKEND = "inductor"
 GRANULARITIES = ("model", "sublayer")
@@ -48,8 +52,8 @@ def check_compile_setting(setting, field: str = "TrainConfig.compile") -> None:
 
 
 def compile_model(
-    model: nn.Module, setting: bool | str = True, *, granularity: str = "model", fullgraph: bool = False
-) -> nn.Module:
+    model: AttnResLM, setting: bool | str = True, *, granularity: str = "model", fullgraph: bool = False
+) -> AttnResLM:
     """Compile ``model`` (an AttnResLM) in place and return it; ``setting`` as in
     :func:`compile_backend` (False: leave it eager)."""
     backend = compile_backend(setting)
@@ -60,10 +64,9 @@ def compile_model(
     if granularity == "model":
         model.compile(backend=backend, fullgraph=fullgraph)
     else:
-        for block in model.blocks:
-            if block is None:  # a pipeline rank's model holds only its own stages' blocks
-                continue
-            for sublayer in (block.attn, block.mlp):
+        # children() skips the None entries: a pipeline rank's model holds only its own stages' blocks
+        for block in model.blocks.children():
+            for sublayer in (block.get_submodule("attn"), block.get_submodule("mlp")):
                 # the bound method, not the module: hooks on the module (FSDP2's) stay eager
                 sublayer.forward = torch.compile(sublayer.forward, backend=backend, fullgraph=fullgraph)
     return model

@@ -51,6 +51,7 @@ class Attention(nn.Module):
 
     def __init__(self, config: ModelConfig):
         super().__init__()
+        assert config.n_kv_heads is not None  # ModelConfig.__post_init__ resolves None to n_heads
         self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
         d, kv = config.d_model, config.n_kv_heads * config.head_dim
         self.q_proj = nn.Linear(d, d, bias=False)
@@ -80,6 +81,7 @@ class Attention(nn.Module):
 class SwiGLU(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
+        assert config.d_ff is not None  # ModelConfig.__post_init__ resolves None to about 8d/3
         self.gate_proj = nn.Linear(config.d_model, config.d_ff, bias=False)
         self.up_proj = nn.Linear(config.d_model, config.d_ff, bias=False)
         self.down_proj = nn.Linear(config.d_ff, config.d_model, bias=False)

@@ -95,9 +95,10 @@ class AttnResLM(nn.Module):
                 "its blocks have no per-sublayer checkpointing; use 'block' or 'none'"
             )
         self.activation_checkpointing = mode
+        on = mode == "sublayer"  # transformers' per-layer flag, which TransformerBlock mirrors
         for block in self.blocks:
             if hasattr(block, "gradient_checkpointing"):
-                block.gradient_checkpointing = mode == "sublayer"  # transformers' per-layer flag
+                block.gradient_checkpointing = on  # type: ignore[assignment]  # torch's stub: Tensor | Module only
 
     def reset_parameters(self) -> None:
         """Normal(0, init_std) weights; the two projections that write into the residual

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
+from collections.abc import Mapping
 
 from attnres.model.backbones import BACKBONES
 from attnres.model.config import FIELD_DOCS, ModelConfig
@@ -44,7 +45,8 @@ def readers(name: str) -> tuple[str, str]:
 
 
 def choices(name: str) -> str:
-    registry = {"residual": RESIDUALS, "backbone": BACKBONES}.get(name)
+    registries: dict[str, Mapping[str, object]] = {"residual": RESIDUALS, "backbone": BACKBONES}
+    registry = registries.get(name)
     return "" if registry is None else " (one of: " + ", ".join(f"`{n}`" for n in registry) + ")"
 
 

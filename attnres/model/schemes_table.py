@@ -14,13 +14,14 @@ all rows (``hyper_streams=8`` changes only the ``hyper`` row).
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from attnres.model.backbones import BACKBONES
 from attnres.model.config import ModelConfig
 from attnres.residual import RESIDUALS
 
 # the demo preset's model (attnres.train.config.PRESETS["demo"]): d = 128, 8 Transformer blocks
-DEMO_MODEL = dict(vocab_size=4096, d_model=128, n_layers=8, n_heads=4, max_seq_len=128)
+DEMO_MODEL: dict[str, Any] = dict(vocab_size=4096, d_model=128, n_layers=8, n_heads=4, max_seq_len=128)
 
 
 def scheme_config(config: ModelConfig, name: str) -> ModelConfig:
