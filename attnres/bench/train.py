@@ -87,6 +87,9 @@ class BenchConfig:
     # round-robin rounds of steps_per_repeat steps under torch.profiler for the step breakdown
     # (CPU only; 0: none)
     profile_rounds: int = 3
+    # the forward's precision: "float32", or "bfloat16" / "float16" under torch.autocast (mixed-precision
+    # training: float32 weights and optimizer, 16-bit matrix products)
+    dtype: str = "float32"
 
     @classmethod
     def quick(cls) -> BenchConfig:
@@ -146,8 +149,25 @@ def rows_of(cfg: BenchConfig) -> list[str]:
     return list(cfg.variants) + ([v + COMPILED for v in cfg.variants] if cfg.compile else [])
 
 
+AUTOCAST = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class Autocast(torch.nn.Module):
+    """The model's forward under ``torch.autocast`` at ``dtype``: what mixed-precision training runs."""
+
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype):
+        super().__init__()
+        self.model, self.dtype = model, dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(x.device.type, dtype=self.dtype):
+            return self.model(x)
+
+
 def _setup(cfg: BenchConfig, row: str):
     variant, compiled = split_compiled(row)
+    if cfg.dtype not in AUTOCAST:
+        raise ValueError(f"dtype={cfg.dtype!r} is invalid: choose one of {tuple(AUTOCAST)}")
     torch.manual_seed(cfg.seed)
     device = torch.device(cfg.device)
     model = AttnResLM(model_config(cfg, variant)).to(device)
@@ -159,7 +179,8 @@ def _setup(cfg: BenchConfig, row: str):
     g = torch.Generator().manual_seed(cfg.seed)
     x = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.seq_len), generator=g).to(device)
     y = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.seq_len), generator=g).to(device)
-    return model, opt, x, y
+    half = AUTOCAST[cfg.dtype]
+    return (model if half is None else Autocast(model, half)), opt, x, y
 
 
 def _step(model, opt, x, y) -> None:
