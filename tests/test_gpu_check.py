@@ -14,16 +14,18 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.sh"
 
 def test_dry_run_runs_every_step_and_resumes(tmp_path):
     env = {**os.environ, "PYTHON": sys.executable}
-    run = subprocess.run(["bash", str(SCRIPT), "--dry-run", "--out", str(tmp_path)], env=env, capture_output=True,
-                         text=True, timeout=600)
+    run = subprocess.run(
+        ["bash", str(SCRIPT), "--dry-run", "--out", str(tmp_path)], env=env, capture_output=True, text=True, timeout=600
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     for name in ("env.json", "tests.xml", "op.json", "train.json", "decode.json"):
         assert (tmp_path / name).stat().st_size > 0, name
     assert json.loads((tmp_path / "env.json").read_text())["device"] == "cpu"
     rows = json.loads((tmp_path / "train.json").read_text())["rows"]
     assert {"prenorm", "block", "full"} <= set(rows)
-    again = subprocess.run(["bash", str(SCRIPT), "--dry-run", "--out", str(tmp_path)], env=env, capture_output=True,
-                           text=True, timeout=120)
+    again = subprocess.run(
+        ["bash", str(SCRIPT), "--dry-run", "--out", str(tmp_path)], env=env, capture_output=True, text=True, timeout=120
+    )
     assert again.returncode == 0 and again.stdout.count("done before") == 5, again.stdout
 
 

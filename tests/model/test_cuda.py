@@ -17,8 +17,11 @@ SCHEMES = {"block": {"attnres_blocks": 4}, "full": {}}
 
 def model(residual: str) -> AttnResLM:
     torch.manual_seed(0)
-    m = AttnResLM(ModelConfig(vocab_size=512, d_model=128, n_layers=4, n_heads=4, max_seq_len=256,
-                              residual=residual, **SCHEMES[residual]))
+    m = AttnResLM(
+        ModelConfig(
+            vocab_size=512, d_model=128, n_layers=4, n_heads=4, max_seq_len=256, residual=residual, **SCHEMES[residual]
+        )
+    )
     randomize(m.residual)  # non-uniform depth weights
     return m
 
