@@ -33,11 +33,12 @@ def add_parser(sub) -> None:
     p.add_argument("out", help="output directory")
     p.add_argument(
         "--to",
-        choices=("hf", "native", "kimi_linear", "gguf"),
+        choices=("hf", "native", "kimi_linear", "gguf", "mlx"),
         default=None,
         help="output format (default: hf, or native for an AttnRes HF source); kimi_linear: a Kimi "
         "Linear checkpoint (docs/method.md §10 layout for Block AttnRes); gguf: OUT is a .gguf file for "
-        "llama.cpp's kimi-k3 (Kimi Linear backbone; --dtype float32 default, float16, bfloat16; docs/serving.md)",
+        "llama.cpp's kimi-k3 (Kimi Linear backbone; --dtype float32 default, float16, bfloat16; docs/serving.md); "
+        "mlx: a kimi_k3 directory for mlx-lm",
     )
     p.add_argument(
         "--residual",
@@ -83,8 +84,8 @@ def run(args) -> int:
         import attnres.hf as hf
     except ImportError as e:
         raise CLIError(f"attnres convert needs transformers: pip install 'attnres[hf]' ({e})") from e
-    if args.to == "gguf":
-        return _to_gguf(args)
+    if args.to in ("gguf", "mlx"):
+        return _to_serving(args)
     retrofit = {
         **parse_set(args.set),
         **{key: getattr(args, key) for key in RETROFIT_ARGS if getattr(args, key) is not None},
@@ -101,9 +102,11 @@ def run(args) -> int:
     return 0
 
 
-def _to_gguf(args) -> int:
-    """--to gguf: attnres.serving.gguf.convert_to_gguf (no retrofit options: the source is one model)."""
+def _to_serving(args) -> int:
+    """--to gguf / mlx: attnres.serving's convert_to_gguf / convert_to_mlx (no retrofit options: the
+    source is one model)."""
     from attnres.serving.gguf import ServingError, convert_to_gguf
+    from attnres.serving.mlx import convert_to_mlx
 
     given = [
         flag
@@ -118,11 +121,14 @@ def _to_gguf(args) -> int:
     ]
     if given:
         raise CLIError(
-            f"{', '.join(given)} do not apply to --to gguf: it writes the model as it is; convert or "
+            f"{', '.join(given)} do not apply to --to {args.to}: it writes the model as it is; convert or "
             "retrofit first (attnres convert SOURCE OUT --to hf ...), then export that directory"
         )
     try:
-        convert_to_gguf(args.source, args.out, dtype=args.dtype, force=args.force)
+        if args.to == "gguf":
+            convert_to_gguf(args.source, args.out, dtype=args.dtype, force=args.force)
+        else:
+            convert_to_mlx(args.source, args.out, force=args.force)
     except ServingError as e:
         raise CLIError(str(e)) from None
     return 0

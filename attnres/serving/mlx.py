@@ -13,6 +13,7 @@ Needs ``pip install 'attnres[mlx]'`` (mlx; on Linux its CPU build) only to run, 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -65,6 +66,27 @@ def save_mlx(model, out_dir) -> Path:
         "tie_word_embeddings": False,
     }
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    return out
+
+
+def convert_to_mlx(source, out, *, force: bool = False, log: Callable[[str], None] = print) -> Path:
+    """``attnres convert SOURCE OUT --to mlx``: a run, AttnRes Hugging Face or Kimi Linear directory as
+    a ``kimi_k3`` directory with its tokenizer (``mlx_lm.generate --model OUT`` reads it)."""
+    from attnres.serving.gguf import load_for_serving
+
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
+        raise ServingError(f"{out} exists and is not empty; pass --force to write into it, or choose another directory")
+    model, tokenizer, special = load_for_serving(source)
+    save_mlx(model, out)
+    if tokenizer is not None:
+        from transformers import PreTrainedTokenizerFast
+
+        names = {k.replace("_id", ""): tokenizer.id_to_token(i) for k, i in special.items() if i is not None}
+        PreTrainedTokenizerFast(
+            tokenizer_object=tokenizer, clean_up_tokenization_spaces=False, **names
+        ).save_pretrained(str(out))
+    log(f"written {out}: mlx-lm kimi_k3{'' if tokenizer is not None else ' (no tokenizer: add one for mlx_lm.load)'}")
     return out
 
 

@@ -249,6 +249,9 @@ def test_16_bit_files(tmp_path):
         types = {n: t.tensor_type.name for n, t in tensors.items()}
         assert types["blk.0.ffn_up.weight"] == types["output.weight"] == kind
         assert types["blk.0.ssm_norm.weight"] == types["blk.0.ssm_conv1d_q.weight"] == "F32"
+        up = gguf.quants.dequantize(tensors["blk.0.ffn_up.weight"].data, tensors["blk.0.ffn_up.weight"].tensor_type)
+        want = lm.state_dict()["blocks.0.mlp.up_proj.weight"].numpy()
+        assert np.abs(up.reshape(want.shape) - want).max() <= 2.0**-8 * np.abs(want).max()
 
 
 @pytest.mark.parametrize(

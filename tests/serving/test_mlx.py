@@ -79,3 +79,21 @@ def test_mlx_kimi_k3_matches_ours(tmp_path, overrides):
 def test_full_attnres_is_refused_by_name(tmp_path):
     with pytest.raises(ServingError, match="residual='full'"):
         save_mlx(tiny(0, residual="full"), tmp_path / "k3")
+
+
+def test_cli_writes_a_directory_mlx_lm_loads(tmp_path):
+    from attnres.cli import main
+    from attnres.data import ByteTokenizer
+    from attnres.hf import AttnResForCausalLM
+    from attnres.hf.tokenizer import hf_tokenizer
+
+    lm = tiny(1, vocab_size=256)
+    AttnResForCausalLM.from_attnres_lm(lm).save_pretrained(str(tmp_path / "hf"))
+    hf_tokenizer(ByteTokenizer()).save_pretrained(str(tmp_path / "hf"))
+    assert main(["convert", str(tmp_path / "hf"), str(tmp_path / "mlx"), "--to", "mlx"]) == 0
+    assert (tmp_path / "mlx" / "tokenizer.json").is_file()
+    ids = torch.tensor([list(b"ROMEO: O")])
+    with torch.no_grad():
+        ours = lm(ids)
+    ours = (ours if torch.is_tensor(ours) else ours[0]).numpy()
+    assert np.abs(mlx_logits(tmp_path / "mlx", ids) - ours).max() <= TOLERANCE
