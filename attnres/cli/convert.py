@@ -12,7 +12,7 @@ RETROFIT_ARGS = ("residual", "attnres_blocks", "attnres_block_size", "max_seq_le
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "convert",
-        help="retrofit a HF LLaMA/Mistral/Qwen2/Kimi Linear into AttnRes; native <-> HF",
+        help="retrofit a HF LLaMA/Mistral/Qwen2/Kimi Linear into AttnRes; native <-> HF; GGUF / MLX for serving",
         description=(
             "SOURCE is a Hugging Face LLaMA, Mistral, Qwen2 or Kimi Linear causal-LM directory (retrofitted into "
             "AttnRes with zero-initialised queries, so its logits are unchanged up to RMSNorm eps; a Kimi Linear "

@@ -291,3 +291,29 @@ def test_cli_exports_a_hugging_face_directory(tmp_path, capsys):
     assert "pass --force" in capsys.readouterr().err
     assert main(["convert", str(tmp_path / "hf"), str(tmp_path / "n.gguf"), "--to", "gguf", "--residual", "block"]) == 2
     assert "--residual do not apply to --to gguf" in capsys.readouterr().err
+
+
+def test_every_source_kind_exports(tmp_path):
+    """A native checkpoint (BPE tokenizer: merges and GPT-2's split), a Kimi Linear checkpoint in the
+    released layout and a plain (PreNorm) one give the same tensors as the model they hold."""
+    from attnres.data import train_bpe
+    from attnres.hf import AttnResForCausalLM, hf_to_native, save_kimi_linear
+    from attnres.hf.tokenizer import special_token_ids
+    from attnres.serving.gguf import gguf_tensors, load_for_serving
+
+    texts = ["ROMEO: O Romeo, wherefore art thou Romeo?", "JULIET: the depth attention reads"] * 20
+    bpe = train_bpe(texts, vocab_size=VOCAB, min_frequency=1)
+    lm = tiny(seed=4)
+    hf_to_native(AttnResForCausalLM.from_attnres_lm(lm, **special_token_ids(bpe)), tmp_path / "run", bpe)
+    save_kimi_linear(lm, tmp_path / "k3")
+    plain = tiny(seed=5, residual="prenorm")
+    save_kimi_linear(plain, tmp_path / "kimi")
+    for source, want in (("run", lm), ("k3", lm), ("kimi", plain)):
+        model, tokenizer, special = load_for_serving(tmp_path / source)
+        got, expected = gguf_tensors(model), gguf_tensors(want)
+        assert got.keys() == expected.keys() and all(np.array_equal(got[k], expected[k]) for k in got), source
+    model, tokenizer, special = load_for_serving(tmp_path / "run")
+    fields, _ = read(write_gguf(model, tmp_path / "bpe.gguf", tokenizer=tokenizer, special=special))
+    assert fields["tokenizer.ggml.pre"] == "gpt-2" and len(fields["tokenizer.ggml.merges"]) > 0
+    tokens = fields["tokenizer.ggml.tokens"]
+    assert len(tokens) == VOCAB and tokens == [tokenizer.id_to_token(i) for i in range(VOCAB)]
