@@ -25,19 +25,22 @@ import contextlib
 import copy
 import json
 import os
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, Dict, Iterator, Mapping, Optional, Tuple
+from typing import Any
 
 import torch
 
 from attnres.hf.errors import ConversionError
 from attnres.hf.modeling import AttnResForCausalLM
+from attnres.hf.retrofit import FAMILIES, family_name, retrofit
 from attnres.model.config import ModelConfig
 from attnres.model.llama import rope_tables
 from attnres.model.lm import AttnResLM
 from attnres.residual import build_residual
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")  # the native layout; the wrapped one takes FAMILIES
+LAYOUTS = ("auto", "native", "wrapped")
 # residual schemes whose fresh initialisation computes the PreNorm function
 EQUIVALENT_RESIDUALS = ("block", "full", "prenorm")
 # ModelConfig fields that come from the source model and cannot be overridden
@@ -84,7 +87,7 @@ def _load_error(src: Path, e: Exception) -> ConversionError:
                            "the complete model directory (config.json and every weight file) again")
 
 
-def read_safetensors_dir(path: Path) -> Optional[Dict[str, torch.Tensor]]:
+def read_safetensors_dir(path: Path) -> dict[str, torch.Tensor] | None:
     """Every tensor of a (possibly sharded) safetensors checkpoint, or None if there is none."""
     from safetensors.torch import load_file
 
@@ -95,13 +98,13 @@ def read_safetensors_dir(path: Path) -> Optional[Dict[str, torch.Tensor]]:
         files = ["model.safetensors"]
     else:
         return None
-    tensors: Dict[str, torch.Tensor] = {}
+    tensors: dict[str, torch.Tensor] = {}
     for name in files:
         tensors.update(load_file(str(path / name), device="cpu"))
     return tensors
 
 
-def check_state_fits(state: Dict[str, torch.Tensor], expected: Dict[str, torch.Tensor], what: str) -> None:
+def check_state_fits(state: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], what: str) -> None:
     """One-line errors for a state dict (``what``: "source", "checkpoint") that lacks tensors the
     model's ``expected`` state dict has, or holds them in other shapes."""
     missing = sorted(set(expected) - set(state))
@@ -123,7 +126,7 @@ def read_source_config(path: Path, expected: str):
     return AutoConfig.from_pretrained(str(path), local_files_only=True)
 
 
-def _load_source(model_or_dir, copy_weights: bool) -> Tuple[Any, Dict[str, torch.Tensor]]:
+def _load_source(model_or_dir, copy_weights: bool) -> tuple[Any, dict[str, torch.Tensor]]:
     """(HF config, state dict) of a model object or a local directory."""
     if isinstance(model_or_dir, (str, os.PathLike)):
         path = Path(model_or_dir)
@@ -188,7 +191,7 @@ def _rope_theta(config) -> float:
     return float(theta)
 
 
-def _sliding_window(config) -> Optional[int]:
+def _sliding_window(config) -> int | None:
     """The attention window of the source model, or None when every layer attends to all of the past."""
     model_type = getattr(config, "model_type", "")
     window = getattr(config, "sliding_window", None)
@@ -206,7 +209,7 @@ def _sliding_window(config) -> Optional[int]:
     return window
 
 
-def _check_source(config, tensors: Mapping[str, torch.Tensor], max_seq_len: Optional[int]) -> Dict[str, Any]:
+def _check_source(config, tensors: Mapping[str, torch.Tensor], max_seq_len: int | None) -> dict[str, Any]:
     """Validate the source architecture; return the ModelConfig fields it determines."""
     model_type = getattr(config, "model_type", None)
     if model_type == "qwen3":
@@ -269,9 +272,9 @@ def _check_source(config, tensors: Mapping[str, torch.Tensor], max_seq_len: Opti
 
 
 def _map_weights(tensors: Mapping[str, torch.Tensor], n_layers: int, tie_config: bool
-                 ) -> Tuple[Dict[str, torch.Tensor], bool]:
+                 ) -> tuple[dict[str, torch.Tensor], bool]:
     """Source state dict -> AttnResLM state dict (without the residual scheme); and whether to tie."""
-    out: Dict[str, torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = {}
     unused = []
     for name, t in tensors.items():
         if name.endswith(".bias") or name.endswith("rotary_emb.inv_freq"):
@@ -309,11 +312,20 @@ def _map_weights(tensors: Mapping[str, torch.Tensor], n_layers: int, tie_config:
 # ----------------------------------------------------------------------------- retrofitting
 
 
-def convert_to_attnres(model_or_dir, residual: str = "block", attnres_blocks: Optional[int] = None, *,
-                       attnres_block_size: Optional[int] = None, max_seq_len: Optional[int] = None,
-                       dtype: Optional[torch.dtype] = None, copy_weights: bool = True,
-                       **model_options) -> AttnResForCausalLM:
-    """Retrofit a pretrained LLaMA / Mistral / Qwen2 causal LM into an :class:`AttnResForCausalLM`.
+def convert_to_attnres(model_or_dir, residual: str = "block", attnres_blocks: int | None = None, *,
+                       attnres_block_size: int | None = None, max_seq_len: int | None = None,
+                       dtype: torch.dtype | None = None, copy_weights: bool = True, layout: str = "auto",
+                       **model_options):
+    """Retrofit a pretrained causal LM into AttnRes, exact at init.
+
+    ``layout``: "native" builds our own :class:`AttnResForCausalLM` (``AttnResLM`` inside: the trainer's
+    format, ``to_native`` works) and takes LLaMA / Mistral / Qwen2 without what AttnResLM lacks (below);
+    "wrapped" wraps the source's own layers (:func:`attnres.hf.retrofit.retrofit`: every family of
+    ``attnres.hf.retrofit.FAMILIES``, biases, RoPE scaling, QK-norm, sliding windows and all);
+    "auto" (default): native where AttnResLM expresses the source and no ``max_seq_len`` says
+    otherwise, else wrapped. The rest of this docstring is the native layout.
+
+    Native: retrofit a pretrained LLaMA / Mistral / Qwen2 causal LM into an :class:`AttnResForCausalLM`.
 
     ``model_or_dir``: a transformers model object or a local directory (config.json + weights).
     ``residual``: "block" (Block AttnRes, ``attnres_blocks`` = N or ``attnres_block_size`` = S;
@@ -339,8 +351,22 @@ def convert_to_attnres(model_or_dir, residual: str = "block", attnres_blocks: Op
     if model_options.get("attnres_window") is not None:
         raise ConversionError("attnres_window drops sources, so the converted model would not keep the "
                               "source's outputs; convert without it")
+    if layout not in LAYOUTS:
+        raise ConversionError(f"layout={layout!r}: choose one of {', '.join(LAYOUTS)}")
+    if layout == "wrapped":
+        return _wrapped(model_or_dir, residual, attnres_blocks, attnres_block_size, max_seq_len, dtype,
+                        copy_weights, model_options)
     config, tensors = _load_source(model_or_dir, copy_weights)
-    fields = _check_source(config, tensors, max_seq_len)
+    try:
+        fields = _check_source(config, tensors, max_seq_len)
+    except ConversionError as e:
+        wrappable = family_name(config) in FAMILIES
+        if layout == "native" or max_seq_len is not None or not wrappable:
+            hint = (" (layout='wrapped', attnres convert --to hf: wraps the model's own layers, exact)"
+                    if wrappable else "")
+            raise ConversionError(f"{e}{hint}") from None
+        return _wrapped(model_or_dir, residual, attnres_blocks, attnres_block_size, None, dtype, copy_weights,
+                        model_options)
     weights, tie = _map_weights(tensors, fields["n_layers"], bool(getattr(config, "tie_word_embeddings", False)))
     options = dict(model_options)
     if attnres_blocks is not None:
@@ -375,6 +401,20 @@ def convert_to_attnres(model_or_dir, residual: str = "block", attnres_blocks: Op
     return model.eval()
 
 
+def _wrapped(model_or_dir, residual, attnres_blocks, attnres_block_size, max_seq_len, dtype, copy_weights,
+             model_options):
+    """``layout="wrapped"``: the source's own layers around the depth stream (attnres.hf.retrofit)."""
+    if max_seq_len is not None:
+        raise ConversionError(f"max_seq_len={max_seq_len} applies to the native layout only: the wrapped model "
+                              "keeps the source's own context handling (sliding windows included)")
+    options = dict(model_options)
+    if options.pop("attnres_scale_norm_eps", True) is not True:
+        raise ConversionError("attnres_scale_norm_eps=False: the wrapped layout always scales the pre-norms' eps "
+                              "(that is what keeps it exact); use layout='native' to turn it off")
+    return retrofit(model_or_dir, residual, attnres_blocks, attnres_block_size=attnres_block_size,
+                    copy_weights=copy_weights, dtype=dtype, **options)
+
+
 def _source_generation_config(model_or_dir):
     """The source's generation defaults (eos tokens, sampling settings), if it has any."""
     if isinstance(model_or_dir, (str, os.PathLike)):
@@ -388,7 +428,7 @@ def _source_generation_config(model_or_dir):
 
 
 @torch.no_grad()
-def conversion_error(source, converted: AttnResForCausalLM, input_ids: Optional[torch.Tensor] = None,
+def conversion_error(source, converted: AttnResForCausalLM, input_ids: torch.Tensor | None = None,
                      seed: int = 0) -> float:
     """Max |logit difference| between a source causal LM and its conversion on ``input_ids``
     (default: 2 x 32 random tokens)."""

@@ -20,8 +20,9 @@ Linear checkpoint (``to="kimi_linear"``: §10 layout for Block AttnRes). Its err
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional
+from typing import Any
 
 import torch
 
@@ -29,7 +30,7 @@ from attnres.checkpoint import STATE_FILE
 from attnres.data import load_tokenizer
 from attnres.files import CHECKPOINT_DIR, TOKENIZER_FILE
 from attnres.hf.configuration import AttnResConfig
-from attnres.hf.convert import ConversionError, conversion_error, convert_to_attnres, reading_model
+from attnres.hf.convert import ConversionError, convert_to_attnres, reading_model
 from attnres.hf.modeling import AttnResForCausalLM, hf_to_native, native_to_hf_with_tokenizer
 from attnres.hf.tokenizer import copy_tokenizer_files, hf_tokenizer
 
@@ -65,7 +66,7 @@ def source_kind(path) -> str:
                           f"checkpoint directory of attnres train ({STATE_FILE})")
 
 
-def _check_request(src: Path, out: Path, kind: str, to: str, retrofit: Dict[str, Any], force: bool) -> None:
+def _check_request(src: Path, out: Path, kind: str, to: str, retrofit: dict[str, Any], force: bool) -> None:
     """The combinations ``attnres convert`` refuses, before anything is loaded."""
     if kind not in RETROFIT_KINDS and retrofit:
         flags = [flag for key, flag in RETROFIT_FLAGS.items() if key in retrofit]
@@ -84,8 +85,8 @@ def _check_request(src: Path, out: Path, kind: str, to: str, retrofit: Dict[str,
                               "another output directory")
 
 
-def convert_directory(source, out, *, to: Optional[str] = None, retrofit: Optional[Dict[str, Any]] = None,
-                      dtype: Optional[str] = None, verify: bool = True, force: bool = False,
+def convert_directory(source, out, *, to: str | None = None, retrofit: dict[str, Any] | None = None,
+                      dtype: str | None = None, verify: bool = True, force: bool = False,
                       log: Callable[[str], None] = print) -> Path:
     """Convert the model directory ``source`` into ``out``; returns the directory written.
 
@@ -121,7 +122,7 @@ def convert_directory(source, out, *, to: Optional[str] = None, retrofit: Option
         with reading_model(src):
             model = _convert_kimi_linear(src, retrofit, dtype, verify, log)
     else:
-        model = _retrofit(src, retrofit, dtype, verify, log)
+        model = _retrofit(src, retrofit, dtype, verify, log, to)
 
     if to == "hf":
         model.save_pretrained(str(out))
@@ -149,28 +150,48 @@ def convert_directory(source, out, *, to: Optional[str] = None, retrofit: Option
     return path
 
 
-def _retrofit(src: Path, retrofit: Dict[str, Any], dtype, verify: bool, log) -> AttnResForCausalLM:
-    """A LLaMA / Mistral / Qwen2 directory as AttnRes (``convert_to_attnres``)."""
+def _retrofit(src: Path, retrofit: dict[str, Any], dtype, verify: bool, log, to: str = "hf"):
+    """A pretrained directory as AttnRes (``convert_to_attnres``): wrapped or native (``--set layout=...``;
+    ``--to native`` needs the native layout, our own AttnResLM)."""
     from transformers import AutoModelForCausalLM
 
+    from attnres.hf.retrofit import family_name, max_logit_difference
+
     retrofit.setdefault("residual", DEFAULT_RETROFIT_RESIDUAL)
+    if to == "native":
+        if retrofit.get("layout", "native") != "native":
+            raise ConversionError(f"--to native takes the native layout (our own AttnResLM), not "
+                                  f"--set layout={retrofit['layout']}; write --to hf for the wrapped one")
+        retrofit["layout"] = "native"
     if verify:
         load_kw = {"local_files_only": True, **({} if dtype is None else {"dtype": dtype})}
         with reading_model(src):
             pretrained = AutoModelForCausalLM.from_pretrained(str(src), **load_kw).eval()
         model = convert_to_attnres(pretrained, copy_weights=False, **retrofit)
-        err = conversion_error(pretrained, model)
-        log(f"max |logit difference| source vs AttnRes on random tokens: {err:.3g} "
-            f"({model.dtype}; zero queries make them equal up to RMSNorm eps, see attnres.hf.convert)")
+        err = max_logit_difference(pretrained, model)
+        family = family_name(pretrained.config)
     else:
         model = convert_to_attnres(str(src), dtype=dtype, **retrofit)
+        err, family = None, None
     c = model.config
-    blocks = f", {c.model_config().num_blocks} depth blocks" if c.residual == "block" else ""
-    log(f"{src}: {c.n_layers} layers, d_model={c.d_model} -> residual={c.residual}{blocks}")
+    if isinstance(model, AttnResForCausalLM):
+        blocks = f", {c.model_config().num_blocks} depth blocks" if c.residual == "block" else ""
+        what = f"native layout (AttnResLM), {c.n_layers} layers, d_model={c.d_model} -> residual={c.residual}{blocks}"
+    else:
+        options = c.attnres_retrofit
+        family = options["source_model_type"]
+        scheme = model.attnres
+        blocks = f", {scheme.num_blocks} depth blocks" if options["residual"] == "block" else ""
+        what = (f"wrapped layout (its own layers), {c.num_hidden_layers} layers, {scheme.n_sublayers} sublayers, "
+                f"hidden_size={c.hidden_size} -> residual={options['residual']}{blocks}")
+    log(f"{src}: family {family or c.model_type}, {what}")
+    if err is not None:
+        log(f"max |logit difference| source vs AttnRes on random tokens: {err:.3g} ({model.dtype}; family "
+            f"{family}; zero queries and eps scaled by c_l^2 make them equal to rounding, docs/hf.md)")
     return model
 
 
-def _convert_kimi_linear(src: Path, retrofit: Dict[str, Any], dtype, verify: bool, log) -> AttnResForCausalLM:
+def _convert_kimi_linear(src: Path, retrofit: dict[str, Any], dtype, verify: bool, log) -> AttnResForCausalLM:
     """A Kimi Linear directory: a plain one retrofitted (``residual`` default "block"), a §10 one as is."""
     from transformers import AutoConfig
 

@@ -118,43 +118,53 @@ def test_converted_model_round_trips_and_keeps_special_tokens(tmp_path):
 # ----------------------------------------------------------------------------- rejections
 
 
-def test_qwen3_qk_norm_is_rejected():
-    with pytest.raises(ConversionError, match=r"QK-norm.*model_type='qwen3'"):
-        convert_to_attnres(tiny_source("qwen3", head_dim=16))
+def test_qwen3_qk_norm_is_rejected_by_the_native_layout_and_wrapped_by_default():
+    qwen3 = tiny_source("qwen3", head_dim=16)
+    with pytest.raises(ConversionError, match=r"QK-norm.*model_type='qwen3'.*layout='wrapped'"):
+        convert_to_attnres(qwen3, layout="native")
+    model = convert_to_attnres(qwen3)  # auto: what AttnResLM cannot express is wrapped (attnres.hf.retrofit)
+    assert not isinstance(model, AttnResForCausalLM) and model.config.attnres_retrofit["source_model_type"] == "qwen3"
+    assert max_err(qwen3, model, ids()) < TOL[torch.float32]
+    assert isinstance(convert_to_attnres(tiny_source("llama"), layout="auto"), AttnResForCausalLM)
+    assert not isinstance(convert_to_attnres(tiny_source("llama"), layout="wrapped"), AttnResForCausalLM)
+    with pytest.raises(ConversionError, match=r"max_seq_len=16 applies to the native layout only"):
+        convert_to_attnres(qwen3, layout="wrapped", max_seq_len=16)
+    with pytest.raises(ConversionError, match=r"layout='tree'"):
+        convert_to_attnres(qwen3, layout="tree")
 
 
 def test_biases_only_when_zero():
     qwen2 = tiny_source("qwen2")  # q/k/v biases exist, initialised to zero: dropped exactly
     assert any(n.endswith("q_proj.bias") for n, _ in qwen2.named_parameters())
-    convert_to_attnres(qwen2)
+    convert_to_attnres(qwen2, layout="native")
     with torch.no_grad():
         qwen2.model.layers[1].self_attn.k_proj.bias.fill_(0.1)
     with pytest.raises(ConversionError, match=r"attention projection biases \(qwen2 always has q/k/v biases\).*k_proj\.bias"):
-        convert_to_attnres(qwen2)
+        convert_to_attnres(qwen2, layout="native")
     llama = tiny_source("llama", attention_bias=True, mlp_bias=True)
-    convert_to_attnres(llama)
+    convert_to_attnres(llama, layout="native")
     with torch.no_grad():
         llama.model.layers[0].mlp.up_proj.bias.fill_(0.1)
     with pytest.raises(ConversionError, match=r"MLP biases \(mlp_bias=True\)"):
-        convert_to_attnres(llama)
+        convert_to_attnres(llama, layout="native")
     with torch.no_grad():
         llama.model.layers[0].mlp.up_proj.bias.zero_()
         llama.model.layers[2].self_attn.o_proj.bias.fill_(-0.1)
     with pytest.raises(ConversionError, match=r"attention projection biases \(attention_bias=True\).*o_proj"):
-        convert_to_attnres(llama)
+        convert_to_attnres(llama, layout="native")
 
 
 def test_sliding_window():
     mistral = tiny_source("mistral", sliding_window=16)
     with pytest.raises(ConversionError, match=r"sliding-window attention \(sliding_window=16\).*max_seq_len <= 16"):
-        convert_to_attnres(mistral)
+        convert_to_attnres(mistral, layout="native")
     # within the window both attend to everything: accepted with a short enough max_seq_len
     model = compensate_eps(convert_to_attnres(mistral, max_seq_len=16))
     assert max_err(mistral, model, ids(t=16)) < TOL[torch.float32]
     assert convert_to_attnres(tiny_source("mistral", sliding_window=None)).config.max_seq_len == 48
     qwen2 = tiny_source("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1)
     with pytest.raises(ConversionError, match="sliding_window=8"):
-        convert_to_attnres(qwen2)
+        convert_to_attnres(qwen2, layout="native")
 
 
 @pytest.mark.parametrize("overrides,match", [
@@ -167,7 +177,7 @@ def test_sliding_window():
 ])
 def test_unsupported_architecture_features(overrides, match):
     with pytest.raises(ConversionError, match=match):
-        convert_to_attnres(tiny_source("llama", **overrides))
+        convert_to_attnres(tiny_source("llama", **overrides), layout="native")
 
 
 def test_bad_requests():
@@ -186,7 +196,10 @@ def test_bad_requests():
 
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=50))
     with pytest.raises(ConversionError, match=r"model_type='gpt2'.*llama, mistral, qwen2"):
-        convert_to_attnres(gpt2)
+        convert_to_attnres(gpt2, layout="native")
+    with pytest.raises(ConversionError, match=r"cannot convert model_type='bert'"):
+        convert_to_attnres(transformers.BertForMaskedLM(transformers.BertConfig(
+            hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, vocab_size=50)))
 
 
 def test_a_state_that_does_not_fit_the_model_is_named():

@@ -132,15 +132,28 @@ def test_cli_native_and_hf_directions(tmp_path, capsys):
     assert "neither" in capsys.readouterr().err
     qwen3 = tmp_path / "qwen3"
     tiny_source("qwen3", head_dim=16).save_pretrained(qwen3)
-    assert main(["convert", str(qwen3), str(tmp_path / "z")]) == 2
+    assert main(["convert", str(qwen3), str(tmp_path / "z"), "--to", "native"]) == 2
     assert "QK-norm" in capsys.readouterr().err
+    # to Hugging Face: the wrapped layout (attnres.hf.retrofit), which says the family and the check
+    assert main(["convert", str(qwen3), str(tmp_path / "z"), "--residual", "full"]) == 0
+    printed = capsys.readouterr().out
+    assert "family qwen3, wrapped layout" in printed and "max |logit difference|" in printed
+    assert json.loads((tmp_path / "z" / "config.json").read_text())["model_type"] == "attnres_retrofit"
+    assert type(AutoModelForCausalLM.from_pretrained(tmp_path / "z")).__name__ == "AttnResQwen3ForCausalLM"
 
 
 def test_cli_mistral_with_window(tmp_path, capsys):
     mistral = tiny_source("mistral", sliding_window=16)
     mistral.save_pretrained(tmp_path / "m")
-    assert main(["convert", str(tmp_path / "m"), str(tmp_path / "out")]) == 2
+    assert main(["convert", str(tmp_path / "m"), str(tmp_path / "out"), "--to", "native"]) == 2
     assert "--max-seq-len 16" in capsys.readouterr().err
+    # without --max-seq-len: the wrapped layout, exact beyond the window through Mistral's own attention
+    assert main(["convert", str(tmp_path / "m"), str(tmp_path / "wrapped")]) == 0
+    assert "family mistral, wrapped layout" in capsys.readouterr().out
+    wrapped = AutoModelForCausalLM.from_pretrained(tmp_path / "wrapped")
+    x = torch.randint(0, SMALL["vocab_size"], (1, 40))
+    with torch.no_grad():
+        assert (wrapped(x).logits - mistral(x).logits).abs().max() < 1e-4
     assert main(["convert", str(tmp_path / "m"), str(tmp_path / "out"), "--max-seq-len", "16",
                  "--residual", "full", "--dtype", "float64"]) == 0
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "out")

@@ -358,9 +358,11 @@ def max_logit_difference(source, converted, input_ids: torch.Tensor | None = Non
     2 x ``length`` random tokens, capped at the source's context)."""
     if input_ids is None:
         config = source.config
-        context = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or length
+        for c in (config, converted.config):  # the converted model's max_seq_len, where it has one
+            length = min(length, getattr(c, "max_seq_len", None) or getattr(c, "max_position_embeddings", None)
+                         or length)
         gen = torch.Generator().manual_seed(seed)
-        input_ids = torch.randint(0, config.vocab_size, (2, min(length, context)), generator=gen)
+        input_ids = torch.randint(0, config.vocab_size, (2, length), generator=gen)
     device = next(converted.parameters()).device
     a = source(input_ids.to(next(source.parameters()).device)).logits.double().cpu()
     b = converted(input_ids.to(device)).logits.double().cpu()
