@@ -1,10 +1,12 @@
 """The experiment reports' figures (matplotlib, Agg backend). Every function writes one PNG."""
+
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Sequence, Tuple
+from collections.abc import Mapping
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from attnres.analysis.plots import pyplot
 
@@ -16,7 +18,7 @@ def _save(fig, path: str) -> str:
     return path
 
 
-def scaling_plot(series: Dict[str, dict], path: str, title: str) -> str:
+def scaling_plot(series: dict[str, dict], path: str, title: str) -> str:
     """Figure 4: loss against compute (log-log), mean ± std over seeds, fitted power laws.
     series: scheme -> {"C": [...], "mean": [...], "std": [...], "fit": PowerLaw or None}."""
     plt = pyplot()
@@ -29,8 +31,7 @@ def scaling_plot(series: Dict[str, dict], path: str, title: str) -> str:
         fit = s.get("fit")
         if fit is not None and len(C):
             xs = np.geomspace(C.min() / 1.3, C.max() * 1.3, 50)
-            ax.plot(xs, fit(xs), "-", color=color, alpha=0.8,
-                    label=f"{name}: {fit.A:.3g}·C^-{fit.alpha:.3f}")
+            ax.plot(xs, fit(xs), "-", color=color, alpha=0.8, label=f"{name}: {fit.A:.3g}·C^-{fit.alpha:.3f}")
     ax.set_xscale("log")
     ax.set_yscale("log")
     # losses span less than a decade: plain numbers, not 4.2 x 10^0
@@ -46,8 +47,7 @@ def scaling_plot(series: Dict[str, dict], path: str, title: str) -> str:
     return _save(fig, path)
 
 
-def delta_bars(rows: List[Tuple[str, float, float, Optional[float]]], path: str, title: str,
-               baseline: str) -> str:
+def delta_bars(rows: list[tuple[str, float, float, float | None]], path: str, title: str, baseline: str) -> str:
     """Ablation-style chart: per row our paired Δ vs the baseline (± s.e.) and the paper's Δ.
     rows: (label, our delta, our se, paper delta or None)."""
     plt = pyplot()
@@ -56,8 +56,9 @@ def delta_bars(rows: List[Tuple[str, float, float, Optional[float]]], path: str,
     ours = np.array([r[1] for r in rows], dtype=float)
     se = np.nan_to_num(np.array([r[2] for r in rows], dtype=float))
     paper = np.array([np.nan if r[3] is None else r[3] for r in rows], dtype=float)
-    axes[0].barh(y, np.nan_to_num(ours), xerr=se, color=["C2" if v < 0 else "C3" for v in np.nan_to_num(ours)],
-                 capsize=3)
+    axes[0].barh(
+        y, np.nan_to_num(ours), xerr=se, color=["C2" if v < 0 else "C3" for v in np.nan_to_num(ours)], capsize=3
+    )
     axes[0].set_title(f"this run: Δ loss vs {baseline} (mean over seeds ± s.e.)", fontsize=9)
     axes[1].barh(y, np.nan_to_num(paper), color=["C2" if v < 0 else "C3" for v in np.nan_to_num(paper)])
     axes[1].set_title(f"paper: Δ loss vs {baseline}", fontsize=9)
@@ -71,13 +72,22 @@ def delta_bars(rows: List[Tuple[str, float, float, Optional[float]]], path: str,
     return _save(fig, path)
 
 
-def block_size_plot(S: Sequence[float], mean: Sequence[float], std: Sequence[float], baseline: Optional[float],
-                    paper: Dict[float, float], paper_baseline: Optional[float], path: str, title: str) -> str:
+def block_size_plot(
+    S: ArrayLike,
+    mean: ArrayLike,
+    std: ArrayLike,
+    baseline: float | None,
+    paper: dict[float, float],
+    paper_baseline: float | None,
+    path: str,
+    title: str,
+) -> str:
     """Figure 6: loss against block size S (log2 axis), with the baseline as a line; paper beside."""
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    axes[0].errorbar(S, mean, yerr=np.nan_to_num(np.asarray(std, dtype=float)), fmt="o-", capsize=3,
-                     label="Block AttnRes (this run)")
+    axes[0].errorbar(
+        S, mean, yerr=np.nan_to_num(np.asarray(std, dtype=float)), fmt="o-", capsize=3, label="Block AttnRes (this run)"
+    )
     if baseline is not None and math.isfinite(baseline):
         axes[0].axhline(baseline, color="C3", ls="--", label="prenorm")
     axes[0].set_title("this run (mean ± std over seeds)")
@@ -97,12 +107,11 @@ def block_size_plot(S: Sequence[float], mean: Sequence[float], std: Sequence[flo
     return _save(fig, path)
 
 
-def curves_plot(panels: List[Tuple[str, str, Dict[str, Tuple[np.ndarray, np.ndarray]]]], path: str,
-                title: str) -> str:
+def curves_plot(panels: list[tuple[str, str, dict[str, tuple[np.ndarray, np.ndarray]]]], path: str, title: str) -> str:
     """Side-by-side line plots. panels: (title, xlabel, {label: (x, y)})."""
     plt = pyplot()
     fig, axes = plt.subplots(1, len(panels), figsize=(6.2 * len(panels), 4.4), squeeze=False)
-    for ax, (ptitle, xlabel, lines) in zip(axes[0], panels):
+    for ax, (ptitle, xlabel, lines) in zip(axes[0], panels, strict=True):
         for i, (label, (x, y)) in enumerate(lines.items()):
             ax.plot(x, y, marker="o", ms=3, color=f"C{i % 10}", ls="-" if i < 10 else "--", label=label)
         ax.set_xlabel(xlabel)
@@ -114,13 +123,14 @@ def curves_plot(panels: List[Tuple[str, str, Dict[str, Tuple[np.ndarray, np.ndar
     return _save(fig, path)
 
 
-def depth_profile_plot(panels: List[Tuple[str, str, Dict[str, Tuple[np.ndarray, np.ndarray]]]], path: str,
-                       title: str, log: bool = False) -> str:
+def depth_profile_plot(
+    panels: list[tuple[str, str, dict[str, tuple[np.ndarray, np.ndarray]]]], path: str, title: str, log: bool = False
+) -> str:
     """Figure 5 b/c: a quantity per Transformer block, mean ± std over seeds per scheme.
     panels: (title, ylabel, {scheme: (mean [L_b], std [L_b])})."""
     plt = pyplot()
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
-    for ax, (ptitle, ylabel, lines) in zip(axes[0], panels):
+    for ax, (ptitle, ylabel, lines) in zip(axes[0], panels, strict=True):
         for i, (label, (m, s)) in enumerate(lines.items()):
             x = np.arange(1, len(m) + 1)
             ax.plot(x, m, marker="o", ms=3, color=f"C{i}", label=label)
@@ -136,8 +146,7 @@ def depth_profile_plot(panels: List[Tuple[str, str, Dict[str, Tuple[np.ndarray, 
     return _save(fig, path)
 
 
-def matrices_plot(mats: Dict[str, np.ndarray], path: str, title: str, notes: Optional[Dict[str, str]] = None
-                  ) -> str:
+def matrices_plot(mats: dict[str, np.ndarray], path: str, title: str, notes: dict[str, str] | None = None) -> str:
     """Figure 9: one heatmap per scheme of its depth mixing matrix M (rows: consumers l and the final
     output; columns: sources, 0 = embedding). Each panel has its own colour scale."""
     plt = pyplot()
@@ -147,7 +156,7 @@ def matrices_plot(mats: Dict[str, np.ndarray], path: str, title: str, notes: Opt
     fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols, 3.3 * rows), squeeze=False)
     for ax in axes.flat:
         ax.axis("off")
-    for ax, (name, m) in zip(axes.flat, mats.items()):
+    for ax, (name, m) in zip(axes.flat, mats.items(), strict=False):  # the last grid row may have spare cells
         ax.axis("on")
         lo, hi = np.nanmin(m), np.nanmax(m)
         lo = min(lo, 0.0)
@@ -163,8 +172,12 @@ def matrices_plot(mats: Dict[str, np.ndarray], path: str, title: str, notes: Opt
     return _save(fig, path)
 
 
-def sweep_plot(series: Dict[str, Tuple[np.ndarray, np.ndarray, np.ndarray]], path: str, title: str,
-               optima: Optional[Dict[str, float]] = None) -> str:
+def sweep_plot(
+    series: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]],
+    path: str,
+    title: str,
+    optima: Mapping[str, float | None] | None = None,
+) -> str:
     """Architecture sweep: loss against d_model / L_b (log axis) per scheme, ± std; optima marked."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))

@@ -16,16 +16,19 @@ token, under 1 % of C here) is not counted: every scheme of one size gets the
 prenorm model's C, as in the paper's comparison at equal compute. C is reported
 in FLOPs and in PFLOP/s-days (8.64e19 FLOPs), the unit of the paper's fits.
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 PFLOPS_DAY = 1e15 * 86400
-FLOPS_FORMULA = ("C = (6 N_matmul + 6 L_b T d) x tokens, with N_matmul = L_b (2 d^2 + 2 d d_kv + 3 d d_ff) "
-                 "+ d V (attention projections, SwiGLU, LM head; the embedding lookup, norms and the "
-                 "residual scheme's own O(L d) arithmetic are not counted)")
+FLOPS_FORMULA = (
+    "C = (6 N_matmul + 6 L_b T d) x tokens, with N_matmul = L_b (2 d^2 + 2 d d_kv + 3 d d_ff) "
+    "+ d V (attention projections, SwiGLU, LM head; the embedding lookup, norms and the "
+    "residual scheme's own O(L d) arithmetic are not counted)"
+)
 
 
 def matmul_params(model) -> int:
@@ -62,18 +65,22 @@ class PowerLaw:
 
 
 def fit_power_law(C: Sequence[float], L: Sequence[float]) -> PowerLaw:
-    pairs = [(c, l) for c, l in zip(C, L) if c > 0 and l > 0 and math.isfinite(c) and math.isfinite(l)]
+    pairs = [
+        (c, loss)
+        for c, loss in zip(C, L, strict=True)
+        if c > 0 and loss > 0 and math.isfinite(c) and math.isfinite(loss)
+    ]
     if len(pairs) < 2 or len({c for c, _ in pairs}) < 2:
         raise ValueError("a power-law fit needs at least two distinct compute values")
     xs = [math.log(c) for c, _ in pairs]
-    ys = [math.log(l) for _, l in pairs]
+    ys = [math.log(loss) for _, loss in pairs]
     n = len(xs)
     mx, my = sum(xs) / n, sum(ys) / n
     sxx = sum((x - mx) ** 2 for x in xs)
-    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys))
+    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True))
     slope = sxy / sxx
     intercept = my - slope * mx
-    ss_res = sum((y - (intercept + slope * x)) ** 2 for x, y in zip(xs, ys))
+    ss_res = sum((y - (intercept + slope * x)) ** 2 for x, y in zip(xs, ys, strict=True))
     ss_tot = sum((y - my) ** 2 for y in ys)
     r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0
     return PowerLaw(A=math.exp(intercept), alpha=-slope, r2=r2, n=n)

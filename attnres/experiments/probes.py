@@ -25,10 +25,10 @@ They go to ``probes.json`` so that reports never need a checkpoint:
   best scalar description and ``mixing_r2`` < 1 says how much it leaves out.
   M[l, i] for prenorm is 1 for every i <= l; AttnRes rows sum to 1.
 """
+
 from __future__ import annotations
 
 import math
-from typing import List, Optional
 
 import numpy as np
 import torch
@@ -41,11 +41,13 @@ def _rms(t: torch.Tensor) -> float:
     return t.detach().double().pow(2).mean().sqrt().item()
 
 
-def _nan_to_none(matrix) -> Optional[list]:
+def _nan_to_none(matrix) -> list | None:
     if matrix is None:
         return None
-    return [[None if (v is None or (isinstance(v, float) and math.isnan(v))) else float(v) for v in row]
-            for row in np.asarray(matrix, dtype=float).tolist()]
+    return [
+        [None if (v is None or (isinstance(v, float) and math.isnan(v))) else float(v) for v in row]
+        for row in np.asarray(matrix, dtype=float).tolist()
+    ]
 
 
 def _sublayer_output(output) -> torch.Tensor:
@@ -58,7 +60,7 @@ def gradient_probe(model, x: torch.Tensor, y: torch.Tensor) -> dict:
     """One forward (with the depth record) and backward pass: magnitudes per depth."""
     from attnres.model.llama import lm_loss
 
-    grads: List[Optional[float]] = [None] * (2 * len(model.blocks))
+    grads: list[float | None] = [None] * (2 * len(model.blocks))
     handles = []
 
     def keep_grad(index):
@@ -66,6 +68,7 @@ def gradient_probe(model, x: torch.Tensor, y: torch.Tensor) -> dict:
             output = _sublayer_output(output)
             if output.requires_grad:
                 output.register_hook(lambda g: grads.__setitem__(index, _rms(g)))
+
         return hook
 
     for i, block in enumerate(model.blocks):
@@ -84,21 +87,23 @@ def gradient_probe(model, x: torch.Tensor, y: torch.Tensor) -> dict:
         sq = sum(p.grad.double().pow(2).sum().item() for p in block.parameters() if p.grad is not None)
         block_norms.append(math.sqrt(sq))
     model.zero_grad(set_to_none=True)
-    return {"record": out.record, "loss": loss.item(), "block_grad_norm": block_norms,
-            "output_grad_rms": grads}
+    return {"record": out.record, "loss": loss.item(), "block_grad_norm": block_norms, "output_grad_rms": grads}
 
 
 @torch.no_grad()
 def mixing_matrix(model, x: torch.Tensor, max_tokens: int = MIXING_TOKENS) -> dict:
     """M (see the module docstring) with its per-row R^2, from hooks on the sublayers."""
-    inputs, outputs, emb, final = {}, {}, [], []
-    handles = [model.embed.register_forward_hook(lambda m, i, o: emb.append(o)),
-               model.norm.register_forward_pre_hook(lambda m, i: final.append(i[0]))]
+    inputs: dict[int, torch.Tensor] = {}  # sublayer -> the input of its pre-norm (h_l)
+    outputs: dict[int, torch.Tensor] = {}  # sublayer -> its output (f_l)
+    emb, final = [], []
+    handles = [
+        model.embed.register_forward_hook(lambda m, i, o: emb.append(o)),
+        model.norm.register_forward_pre_hook(lambda m, i: final.append(i[0])),
+    ]
     for i, block in enumerate(model.blocks):
-        for l, norm, sub in ((2 * i, block.attn_norm, block.attn), (2 * i + 1, block.mlp_norm, block.mlp)):
-            handles.append(norm.register_forward_pre_hook(lambda m, a, l=l: inputs.__setitem__(l, a[0])))
-            handles.append(sub.register_forward_hook(
-                lambda m, a, o, l=l: outputs.__setitem__(l, _sublayer_output(o))))
+        for j, norm, sub in ((2 * i, block.attn_norm, block.attn), (2 * i + 1, block.mlp_norm, block.mlp)):
+            handles.append(norm.register_forward_pre_hook(lambda m, a, j=j: inputs.__setitem__(j, a[0])))
+            handles.append(sub.register_forward_hook(lambda m, a, o, j=j: outputs.__setitem__(j, _sublayer_output(o))))
     try:
         model(x)
     finally:
@@ -106,25 +111,33 @@ def mixing_matrix(model, x: torch.Tensor, max_tokens: int = MIXING_TOKENS) -> di
             h.remove()
     L = 2 * len(model.blocks)
     flat = lambda t: t.detach().double().reshape(-1, t.shape[-1])[:max_tokens]  # noqa: E731
-    sources = torch.stack([flat(emb[0])] + [flat(outputs[l]) for l in range(L)], dim=-1)  # [N, d, L+1]
-    targets = [flat(inputs[l]) for l in range(L)] + [flat(final[-1])]
+    sources = torch.stack([flat(emb[0])] + [flat(outputs[j]) for j in range(L)], dim=-1)  # [N, d, L+1]
+    targets = [flat(inputs[j]) for j in range(L)] + [flat(final[-1])]
     d = sources.shape[1]
     M = np.full((L + 1, L + 1), np.nan)
     r2 = []
-    for l, h in enumerate(targets):
-        A = sources[..., : l + 1]
-        coef = torch.linalg.lstsq(A, h.unsqueeze(-1)).solution  # [N, l+1, 1]
+    for j, h in enumerate(targets):
+        A = sources[..., : j + 1]
+        coef = torch.linalg.lstsq(A, h.unsqueeze(-1)).solution  # [N, j+1, 1]
         resid = h - (A @ coef).squeeze(-1)
         denom = h.pow(2).sum().item()
         r2.append(1.0 - resid.pow(2).sum().item() / denom if denom > 0 else float("nan"))
-        M[l, : l + 1] = coef.squeeze(-1).mean(0).numpy()
-    return {"mixing": M, "mixing_r2": r2, "mixing_tokens": int(sources.shape[0]),
-            "mixing_underdetermined": bool(L + 1 > d)}
+        M[j, : j + 1] = coef.squeeze(-1).mean(0).numpy()
+    return {
+        "mixing": M,
+        "mixing_r2": r2,
+        "mixing_tokens": int(sources.shape[0]),
+        "mixing_underdetermined": bool(d < L + 1),
+    }
 
 
 def run_probes(model, val, *, seq_len: int) -> dict:
     """All probes on the first validation window(s); the model is left in eval mode."""
-    from attnres.analysis.depth import depth_weight_matrix, routing_sharpness, source_labels
+    from attnres.analysis.depth import (
+        depth_weight_matrix,
+        routing_sharpness,
+        source_labels,
+    )
     from attnres.data import eval_batches
 
     device = next(model.parameters()).device
@@ -136,13 +149,19 @@ def run_probes(model, val, *, seq_len: int) -> dict:
     weights = depth_weight_matrix(record)
     mix = mixing_matrix(model, x)
     return {
-        "probe_tokens": int(x.numel()), "probe_loss": g["loss"],
-        "n_layers": len(model.blocks), "n_sublayers": 2 * len(model.blocks),
-        "input_rms": list(record.input_rms), "output_rms": list(record.output_rms),
-        "block_grad_norm": g["block_grad_norm"], "output_grad_rms": g["output_grad_rms"],
+        "probe_tokens": int(x.numel()),
+        "probe_loss": g["loss"],
+        "n_layers": len(model.blocks),
+        "n_sublayers": 2 * len(model.blocks),
+        "input_rms": list(record.input_rms),
+        "output_rms": list(record.output_rms),
+        "block_grad_norm": g["block_grad_norm"],
+        "output_grad_rms": g["output_grad_rms"],
         "depth_weights": _nan_to_none(weights),
         "depth_sources": source_labels(record) if weights is not None else None,
         "routing": routing_sharpness(record),
-        "mixing": _nan_to_none(mix["mixing"]), "mixing_r2": mix["mixing_r2"],
-        "mixing_tokens": mix["mixing_tokens"], "mixing_underdetermined": mix["mixing_underdetermined"],
+        "mixing": _nan_to_none(mix["mixing"]),
+        "mixing_r2": mix["mixing_r2"],
+        "mixing_tokens": mix["mixing_tokens"],
+        "mixing_underdetermined": mix["mixing_underdetermined"],
     }

@@ -1,15 +1,22 @@
 """Reading an experiment's finished runs back: summaries, probes, metrics, grouped by labels."""
+
 from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional
 
 import numpy as np
 
-from attnres.experiments.runner import DIVERGED_FILE, PROBES_FILE, RUN_FILE, RunStatus, plan_status
+from attnres.experiments.runner import (
+    DIVERGED_FILE,
+    PROBES_FILE,
+    RUN_FILE,
+    RunStatus,
+    plan_status,
+)
 from attnres.experiments.spec import ExperimentSpec, PlannedRun
 from attnres.files import CONFIG_FILE, SUMMARY_FILE, read_json
 
@@ -21,12 +28,13 @@ class Result:
     run: PlannedRun
     dir: Path
     state: str
-    summary: Optional[dict] = None
-    probes: Optional[dict] = None
-    info: Optional[dict] = None  # run.json
-    config: Optional[dict] = None  # config.json written by the Trainer (actual vocabulary)
-    diverged: Optional[dict] = None
-    _metrics: Optional[dict] = field(default=None, repr=False)
+    # summary.json and probes.json of a finished run; {} for the others (and where a file is missing)
+    summary: dict = field(default_factory=dict)
+    probes: dict = field(default_factory=dict)
+    info: dict | None = None  # run.json
+    config: dict | None = None  # config.json written by the Trainer (actual vocabulary)
+    diverged: dict | None = None
+    _metrics: dict | None = field(default=None, repr=False)
 
     @property
     def done(self) -> bool:
@@ -41,14 +49,14 @@ class Result:
         """The model config as trained (vocabulary from the tokenizer) or as planned."""
         return self.config["model"] if self.config else self.run.model.to_dict()
 
-    def metrics(self) -> Dict[str, List[dict]]:
+    def metrics(self) -> dict[str, list[dict]]:
         if self._metrics is None:
             from attnres.analysis.plots import read_metrics
 
             self._metrics = read_metrics(str(self.dir))
         return self._metrics
 
-    def eval_curve(self) -> Dict[str, np.ndarray]:
+    def eval_curve(self) -> dict[str, np.ndarray]:
         """Validation loss against step, tokens and cumulative training seconds (step times only)."""
         m = self.metrics()
         train = sorted(m.get("train", []), key=lambda r: r["step"])
@@ -61,8 +69,12 @@ class Result:
         if thinned and "train_seconds_at_eval" in thinned[0]:
             at = {int(s): float(x) for s, x in thinned[0]["train_seconds_at_eval"]}
             secs = np.array([at.get(int(s), np.nan) for s in est], dtype=float)
-        return {"step": est, "tokens": np.array([r["tokens"] for r in ev], dtype=float),
-                "seconds": secs, "val_loss": np.array([float(r["val_loss"]) for r in ev], dtype=float)}
+        return {
+            "step": est,
+            "tokens": np.array([r["tokens"] for r in ev], dtype=float),
+            "seconds": secs,
+            "val_loss": np.array([float(r["val_loss"]) for r in ev], dtype=float),
+        }
 
     @property
     def train_seconds(self) -> float:
@@ -78,10 +90,10 @@ class Result:
 @dataclass
 class Collected:
     spec: ExperimentSpec
-    results: List[Result]
+    results: list[Result]
 
     @property
-    def unique(self) -> List[Result]:
+    def unique(self) -> list[Result]:
         seen, out = set(), []
         for r in self.results:
             if r.run.hash not in seen:
@@ -97,14 +109,14 @@ class Collected:
     def complete(self) -> bool:
         return all(r.state in ("done", "diverged") for r in self.unique)
 
-    def select(self, **labels) -> List[Result]:
+    def select(self, **labels) -> list[Result]:
         return [r for r in self.results if all(r.run.labels.get(k) == v for k, v in labels.items())]
 
-    def losses(self, **labels) -> Dict[int, float]:
+    def losses(self, **labels) -> dict[int, float]:
         """seed -> final validation loss of the finished runs with these labels."""
         return {r.run.seed: r.loss for r in self.select(**labels) if r.done}
 
-    def points(self, axis: str) -> List[str]:
+    def points(self, axis: str) -> list[str]:
         for name, points in self.spec.axes:
             if name == axis:
                 return [p.label for p in points]
@@ -132,28 +144,27 @@ def _result(s: RunStatus) -> Result:
     state = "done" if s.state == "reusable" else s.state
     r = Result(run=s.run, dir=d, state=state, info=read_json(d / RUN_FILE), config=read_json(d / CONFIG_FILE))
     if state == "done":
-        r.summary = read_json(d / SUMMARY_FILE)
-        r.probes = read_json(d / PROBES_FILE)
+        r.summary = read_json(d / SUMMARY_FILE) or {}
+        r.probes = read_json(d / PROBES_FILE) or {}
     elif state == "diverged":
         r.diverged = read_json(d / DIVERGED_FILE)
     return r
 
 
-def nan_matrix(rows) -> Optional[np.ndarray]:
-    if rows is None:
-        return None
+def nan_matrix(rows: Sequence[Sequence[float | None]]) -> np.ndarray:
+    """A probe's matrix (JSON rows, null where undefined) as floats with NaN."""
     return np.array([[np.nan if v is None else float(v) for v in row] for row in rows], dtype=float)
 
 
-def mean_matrix(mats: List[Optional[np.ndarray]]) -> Optional[np.ndarray]:
+def mean_matrix(mats: Sequence[np.ndarray | None]) -> np.ndarray | None:
     """Element-wise mean over seeds, NaN where no seed has a value; None when there is none."""
-    mats = [m for m in mats if m is not None]
-    if not mats:
+    present = [m for m in mats if m is not None]
+    if not present:
         return None
-    mats = [m for m in mats if m.shape == mats[0].shape]
+    same = [m for m in present if m.shape == present[0].shape]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN cells stay NaN
-        return np.nanmean(np.stack(mats), axis=0)
+        return np.nanmean(np.stack(same), axis=0)
 
 
 def finite(x: float) -> bool:

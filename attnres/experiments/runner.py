@@ -18,6 +18,7 @@ the same suites side by side: a process trains a config only while it holds that
 (``<runs>/.locks/<hash>``, an flock the kernel releases when the process dies) and skips what
 another process holds.
 """
+
 from __future__ import annotations
 
 import copy
@@ -26,14 +27,28 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
 
 from attnres.checkpoint import STATE_FILE
 from attnres.experiments.env import git_commit, machine
-from attnres.experiments.spec import ExperimentSpec, PlannedRun, expand, hash_payload, payload_compatible
-from attnres.files import CHECKPOINT_DIR, METRICS_FILE, SUMMARY_FILE, atomic_write_json, exclusive_lock, read_json, this_command
+from attnres.experiments.spec import (
+    ExperimentSpec,
+    PlannedRun,
+    expand,
+    hash_payload,
+    payload_compatible,
+)
+from attnres.files import (
+    CHECKPOINT_DIR,
+    METRICS_FILE,
+    SUMMARY_FILE,
+    atomic_write_json,
+    exclusive_lock,
+    read_json,
+    this_command,
+)
 from attnres.train.trainer import TrainingInterrupted
 
 # inside the repository: finished runs (everything but checkpoints and the tokenizer, see .gitignore)
@@ -53,7 +68,7 @@ class RunStatus:
     dir: Path
     state: str
     step: int = 0  # steps done (partial), or steps at divergence
-    source: Optional[Path] = None  # reusable: the finished directory to copy
+    source: Path | None = None  # reusable: the finished directory to copy
 
     @property
     def finished(self) -> bool:
@@ -66,15 +81,15 @@ def experiment_dir(runs_root, name: str) -> Path:
 
 def is_done(run_dir: Path, hash_: str) -> bool:
     summary = read_json(run_dir / SUMMARY_FILE)
-    return bool(summary) and summary.get("config_hash") == hash_ and (run_dir / PROBES_FILE).is_file()
+    return isinstance(summary, dict) and summary.get("config_hash") == hash_ and (run_dir / PROBES_FILE).is_file()
 
 
-def _checkpoint_step(run_dir: Path) -> Optional[int]:
+def _checkpoint_step(run_dir: Path) -> int | None:
     state = read_json(run_dir / CHECKPOINT_DIR / STATE_FILE)
     return state.get("step") if isinstance(state, dict) else None
 
 
-def _finished_index(exp_dir: Path) -> List[tuple]:
+def _finished_index(exp_dir: Path) -> list[tuple]:
     """(hashed payload, directory) of every finished run in an experiment directory."""
     out = []
     if exp_dir.is_dir():
@@ -85,7 +100,7 @@ def _finished_index(exp_dir: Path) -> List[tuple]:
     return out
 
 
-def _compatible_run(exp_dir: Path, payload: dict, skip: str, indexes: Optional[Dict[Path, List[tuple]]]):
+def _compatible_run(exp_dir: Path, payload: dict, skip: str, indexes: dict[Path, list[tuple]] | None):
     """A finished run in ``exp_dir`` (other than directory ``skip``) that computed what ``payload`` asks
     for under an older hash (the library has since added config fields, at their defaults), or None.
     ``indexes`` memoises each directory's index across the runs of one plan."""
@@ -97,8 +112,7 @@ def _compatible_run(exp_dir: Path, payload: dict, skip: str, indexes: Optional[D
     return next((d for stored, d in index if d.name != skip and payload_compatible(stored, payload)), None)
 
 
-def status_of(run: PlannedRun, runs_root, name: str,
-              indexes: Optional[Dict[Path, List[tuple]]] = None) -> RunStatus:
+def status_of(run: PlannedRun, runs_root, name: str, indexes: dict[Path, list[tuple]] | None = None) -> RunStatus:
     """The state of one planned run. A finished run whose hash differs only because the library has
     since added config fields (at their defaults) counts as done, in its own directory; one in another
     experiment is reusable (copied under its own name, which the first rule then finds)."""
@@ -130,13 +144,13 @@ def status_of(run: PlannedRun, runs_root, name: str,
     return RunStatus(run, run_dir, "missing")
 
 
-def plan_status(spec: ExperimentSpec, runs_root=DEFAULT_RUNS_ROOT) -> List[RunStatus]:
+def plan_status(spec: ExperimentSpec, runs_root=DEFAULT_RUNS_ROOT) -> list[RunStatus]:
     """The state of every planned run (entries sharing a hash share a directory)."""
-    indexes: Dict[Path, List[tuple]] = {}  # each experiment directory read once for the whole plan
+    indexes: dict[Path, list[tuple]] = {}  # each experiment directory read once for the whole plan
     return [status_of(run, runs_root, spec.name, indexes) for run in expand(spec)]
 
 
-def matches(run: PlannedRun, pattern: Optional[str]) -> bool:
+def matches(run: PlannedRun, pattern: str | None) -> bool:
     """--only: a glob over ``run.name`` and the hash; plain text matches as a substring."""
     if not pattern:
         return True
@@ -145,7 +159,7 @@ def matches(run: PlannedRun, pattern: Optional[str]) -> bool:
     return fnmatch.fnmatch(run.name, pattern) or fnmatch.fnmatch(run.hash, pattern)
 
 
-def _unique(statuses: List[RunStatus]) -> List[RunStatus]:
+def _unique(statuses: list[RunStatus]) -> list[RunStatus]:
     seen, out = set(), []
     for s in statuses:
         if s.run.hash not in seen:
@@ -160,11 +174,11 @@ def estimated_seconds(s: RunStatus) -> float:
     return s.run.estimated_seconds(s.step)
 
 
-def planned_elsewhere(spec: ExperimentSpec) -> Dict[str, List[str]]:
+def planned_elsewhere(spec: ExperimentSpec) -> dict[str, list[str]]:
     """hash -> the other experiments (specs beside this one) that plan a run with that config."""
     from attnres.experiments.spec import ExperimentError, available, load_spec
 
-    out: Dict[str, List[str]] = {}
+    out: dict[str, list[str]] = {}
     for name in available(spec.path.parent):
         if name == spec.name:
             continue
@@ -179,19 +193,27 @@ def planned_elsewhere(spec: ExperimentSpec) -> Dict[str, List[str]]:
     return out
 
 
-def format_plan(spec: ExperimentSpec, statuses: List[RunStatus], pattern: Optional[str] = None,
-                shared: Optional[Dict[str, List[str]]] = None) -> str:
+def format_plan(
+    spec: ExperimentSpec,
+    statuses: list[RunStatus],
+    pattern: str | None = None,
+    shared: dict[str, list[str]] | None = None,
+) -> str:
     """The --dry-run table: every unique run, its state and the CPU time it still needs. ``shared``
     (from ``planned_elsewhere``) marks missing runs that other experiments plan too."""
     shared = shared or {}
     unique = [s for s in _unique(statuses) if matches(s.run, pattern)]
-    lines = [f"experiment {spec.name}: {spec.description}".rstrip(": "),
-             f"spec {spec.path}; runs in {unique[0].dir.parent if unique else '-'}", ""]
+    lines = [
+        f"experiment {spec.name}: {spec.description}".rstrip(": "),
+        f"spec {spec.path}; runs in {unique[0].dir.parent if unique else '-'}",
+        "",
+    ]
     width = max([len(s.run.name) for s in unique] + [3])
     states = []
     for s in unique:
         state = s.state if s.state != "partial" else f"partial {s.step}/{s.run.train.steps}"
         if s.state == "reusable":
+            assert s.source is not None  # a reusable status names the directory it copies
             state = f"reusable ({s.source.parent.name})"
         elif s.state in ("missing", "partial") and s.run.hash in shared:
             state += f" (also in {', '.join(shared[s.run.hash])})"
@@ -202,33 +224,41 @@ def format_plan(spec: ExperimentSpec, statuses: List[RunStatus], pattern: Option
         states.append(state)
     sw = max([len(x) for x in states] + [5])
     lines.append(f"{'run':<{width}}  {'hash':<12}  {'state':<{sw}}  {'tokens':>10}  {'est. min':>8}")
-    for s, state in zip(unique, states):
-        lines.append(f"{s.run.name:<{width}}  {s.run.hash:<12}  {state:<{sw}}  {s.run.tokens:>10,}  "
-                     f"{estimated_seconds(s) / 60:>8.1f}")
+    for s, state in zip(unique, states, strict=True):
+        lines.append(
+            f"{s.run.name:<{width}}  {s.run.hash:<12}  {state:<{sw}}  {s.run.tokens:>10,}  "
+            f"{estimated_seconds(s) / 60:>8.1f}"
+        )
     counts = {k: sum(1 for s in unique if s.state == k) for k in STATES}
     total = sum(s.run.estimated_seconds(0) for s in unique)
     left = sum(estimated_seconds(s) for s in unique)
-    lines += ["", f"{len(unique)} unique runs ({len(statuses)} planned entries, identical configs share "
-              "a run): " + ", ".join(f"{v} {k}" for k, v in counts.items() if v),
-              f"estimated CPU time: {left / 3600:.2f} h still to run, {total / 3600:.2f} h for the whole "
-              f"experiment" + (f" (stated budget {spec.budget_cpu_hours:g} h)" if spec.budget_cpu_hours
-                               else "")]
+    lines += [
+        "",
+        f"{len(unique)} unique runs ({len(statuses)} planned entries, identical configs share "
+        "a run): " + ", ".join(f"{v} {k}" for k, v in counts.items() if v),
+        f"estimated CPU time: {left / 3600:.2f} h still to run, {total / 3600:.2f} h for the whole "
+        f"experiment" + (f" (stated budget {spec.budget_cpu_hours:g} h)" if spec.budget_cpu_hours else ""),
+    ]
     common = [s for s in unique if s.state in ("missing", "partial") and s.run.hash in shared]
     if common:
         others = sorted({n for s in common for n in shared[s.run.hash]})
-        lines.append(f"{len(common)} of the runs still to run ({sum(estimated_seconds(s) for s in common) / 3600:.2f} h) "
-                     f"are also planned by {', '.join(others)}: whichever experiment trains them first, the "
-                     "others copy them")
+        lines.append(
+            f"{len(common)} of the runs still to run ({sum(estimated_seconds(s) for s in common) / 3600:.2f} h) "
+            f"are also planned by {', '.join(others)}: whichever experiment trains them first, the "
+            "others copy them"
+        )
     factor = _measured_speed_factor(unique)
     if factor is not None and left > 0:
-        lines.append(f"the finished runs trained at {factor:.2f}x the stated throughput: at that pace the "
-                     f"rest takes about {left / factor / 3600:.2f} h")
+        lines.append(
+            f"the finished runs trained at {factor:.2f}x the stated throughput: at that pace the "
+            f"rest takes about {left / factor / 3600:.2f} h"
+        )
     if spec.budget_note:
         lines.append(f"budget: {spec.budget_note}")
     return "\n".join(lines)
 
 
-def _measured_speed_factor(statuses: List[RunStatus]) -> Optional[float]:
+def _measured_speed_factor(statuses: list[RunStatus]) -> float | None:
     """Measured over stated throughput, from the optimizer-step time of the finished runs."""
     stated = measured = 0.0
     for s in statuses:
@@ -252,7 +282,7 @@ def config_lock(runs_root, hash_: str):
     return exclusive_lock(Path(runs_root) / LOCK_DIR / hash_, holder=_command())
 
 
-def lock_holder(runs_root, hash_: str) -> Optional[str]:
+def lock_holder(runs_root, hash_: str) -> str | None:
     """Who trains this config right now, or None. Reads the lock file without taking the lock (a probe
     that took it could make a training process skip the run)."""
     try:
@@ -266,7 +296,7 @@ def lock_holder(runs_root, hash_: str) -> Optional[str]:
     return text
 
 
-def remove_runs(spec: ExperimentSpec, runs_root) -> List[Path]:
+def remove_runs(spec: ExperimentSpec, runs_root) -> list[Path]:
     """Delete the directories of ``spec``'s planned runs in its experiment directory (to train them
     afresh); finished runs of other experiments are left alone. Returns the directories deleted."""
     exp_dir = experiment_dir(runs_root, spec.name)
@@ -278,14 +308,18 @@ def remove_runs(spec: ExperimentSpec, runs_root) -> List[Path]:
     return removed
 
 
-def write_manifest(spec: ExperimentSpec, statuses: List[RunStatus], runs_root) -> Path:
+def write_manifest(spec: ExperimentSpec, statuses: list[RunStatus], runs_root) -> Path:
     d = experiment_dir(runs_root, spec.name)
     d.mkdir(parents=True, exist_ok=True)
     manifest = {
-        "experiment": spec.name, "spec": str(spec.path), "spec_sha256": spec.sha256,
+        "experiment": spec.name,
+        "spec": str(spec.path),
+        "spec_sha256": spec.sha256,
         "updated": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "runs": [{"hash": s.run.hash, "labels": s.run.labels, "seed": s.run.seed, "state": s.state,
-                  "dir": s.dir.name} for s in statuses],
+        "runs": [
+            {"hash": s.run.hash, "labels": s.run.labels, "seed": s.run.seed, "state": s.state, "dir": s.dir.name}
+            for s in statuses
+        ],
     }
     atomic_write_json(d / MANIFEST_FILE, manifest)
     return d / MANIFEST_FILE
@@ -298,8 +332,15 @@ def _command() -> str:
 
 def _record_invocation(run_dir: Path, spec: ExperimentSpec, run: PlannedRun, entry: dict) -> None:
     info = read_json(run_dir / RUN_FILE) or {}
-    info.update({"experiment": spec.name, "labels": run.labels, "seed": run.seed, "config_hash": run.hash,
-                 "hashed_config": hash_payload(run.model, run.train)})
+    info.update(
+        {
+            "experiment": spec.name,
+            "labels": run.labels,
+            "seed": run.seed,
+            "config_hash": run.hash,
+            "hashed_config": hash_payload(run.model, run.train),
+        }
+    )
     info.setdefault("invocations", []).append(entry)
     atomic_write_json(run_dir / RUN_FILE, info)
 
@@ -331,6 +372,7 @@ def train_seconds(run_dir: Path) -> float:
 
 
 def _reuse(s: RunStatus, spec: ExperimentSpec, log, command: str) -> None:
+    assert s.source is not None  # a reusable status names the directory it copies
     if s.dir.exists():
         shutil.rmtree(s.dir)
     shutil.copytree(s.source, s.dir, ignore=shutil.ignore_patterns(CHECKPOINT_DIR, ".*"))
@@ -339,16 +381,27 @@ def _reuse(s: RunStatus, spec: ExperimentSpec, log, command: str) -> None:
     origin = info.get("source_invocations") or [i for i in info.get("invocations", []) if "reused_from" not in i]
     info.update(source_invocations=origin, invocations=[])
     atomic_write_json(s.dir / RUN_FILE, info)
-    _record_invocation(s.dir, spec, s.run, {"reused_from": str(s.source), "command": command,
-                                            "time": time.strftime("%Y-%m-%d %H:%M:%S")})
+    _record_invocation(
+        s.dir,
+        spec,
+        s.run,
+        {"reused_from": str(s.source), "command": command, "time": time.strftime("%Y-%m-%d %H:%M:%S")},
+    )
     log(f"[{s.run.name}] reused the finished run {s.source} (same config)")
 
 
-def execute_one(s: RunStatus, spec: ExperimentSpec, *, progress: bool = True, threads: Optional[int] = None,
-                log: Callable[[str], None] = print, command: Optional[str] = None) -> str:
+def execute_one(
+    s: RunStatus,
+    spec: ExperimentSpec,
+    *,
+    progress: bool = True,
+    threads: int | None = None,
+    log: Callable[[str], None] = print,
+    command: str | None = None,
+) -> str:
     """Train (or resume) one run, probe the final model, write the summary. Returns the new state."""
-    from attnres.experiments.probes import run_probes
     from attnres.checkpoint import CheckpointError
+    from attnres.experiments.probes import run_probes
     from attnres.train.trainer import Trainer, TrainingDiverged
 
     run, run_dir = s.run, s.dir
@@ -360,8 +413,12 @@ def execute_one(s: RunStatus, spec: ExperimentSpec, *, progress: bool = True, th
     if threads:
         train_cfg.threads = threads
     started = time.time()
-    entry = {"command": command or _command(), "commit": git_commit(),
-             "started": time.strftime("%Y-%m-%d %H:%M:%S"), "from_step": 0}
+    entry = {
+        "command": command or _command(),
+        "commit": git_commit(),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "from_step": 0,
+    }
     resume = s.state == "partial"
     if resume:
         try:
@@ -375,9 +432,11 @@ def execute_one(s: RunStatus, spec: ExperimentSpec, *, progress: bool = True, th
         model_cfg, train_cfg = copy.deepcopy(run.model), train_cfg
         trainer = Trainer(model_cfg, train_cfg, resume=False, log=log, name=run.name)
     entry["machine"] = machine()  # only now: the Trainer applies train_cfg.threads
-    log(f"[{run.name}] {trainer.model.num_params():,} parameters, {run.train.steps} steps x "
+    log(
+        f"[{run.name}] {trainer.model.num_params():,} parameters, {run.train.steps} steps x "
         f"{run.train.batch_size}x{run.train.seq_len} tokens -> {run_dir}"
-        + (f" (resuming at step {trainer.step})" if resume else ""))
+        + (f" (resuming at step {trainer.step})" if resume else "")
+    )
     try:
         result = trainer.run()
     except TrainingDiverged as e:
@@ -398,9 +457,15 @@ def execute_one(s: RunStatus, spec: ExperimentSpec, *, progress: bool = True, th
     entry["outcome"] = "done"
     _record_invocation(run_dir, spec, run, entry)
     info = read_json(run_dir / RUN_FILE) or {}
-    summary = {**result.__dict__, "config_hash": run.hash, "experiment": spec.name, "labels": run.labels,
-               "seed": run.seed, "train_seconds": train_seconds(run_dir),
-               "wall_seconds_total": sum(i.get("wall_seconds", 0.0) for i in info.get("invocations", []))}
+    summary = {
+        **result.__dict__,
+        "config_hash": run.hash,
+        "experiment": spec.name,
+        "labels": run.labels,
+        "seed": run.seed,
+        "train_seconds": train_seconds(run_dir),
+        "wall_seconds_total": sum(i.get("wall_seconds", 0.0) for i in info.get("invocations", [])),
+    }
     atomic_write_json(run_dir / SUMMARY_FILE, summary)
     if not spec.keep_checkpoint:
         shutil.rmtree(run_dir / CHECKPOINT_DIR, ignore_errors=True)
@@ -408,10 +473,19 @@ def execute_one(s: RunStatus, spec: ExperimentSpec, *, progress: bool = True, th
     return "done"
 
 
-def run_experiment(spec: ExperimentSpec, runs_root=DEFAULT_RUNS_ROOT, *, max_runs: Optional[int] = None,
-                   only: Optional[str] = None, retry_diverged: bool = False, progress: bool = True,
-                   threads: Optional[int] = None, log: Callable[[str], None] = print,
-                   command: Optional[str] = None, resume_with: Optional[str] = None) -> Dict[str, int]:
+def run_experiment(
+    spec: ExperimentSpec,
+    runs_root=DEFAULT_RUNS_ROOT,
+    *,
+    max_runs: int | None = None,
+    only: str | None = None,
+    retry_diverged: bool = False,
+    progress: bool = True,
+    threads: int | None = None,
+    log: Callable[[str], None] = print,
+    command: str | None = None,
+    resume_with: str | None = None,
+) -> dict[str, int]:
     """Execute the missing runs (sequentially), at most ``max_runs`` trainings. Returns counts of
     what happened: trained, resumed, reused, diverged, skipped (already finished), busy (another process
     holds it), left. ``command`` is recorded with each run; ``resume_with`` is the command an
@@ -430,16 +504,36 @@ def run_experiment(spec: ExperimentSpec, runs_root=DEFAULT_RUNS_ROOT, *, max_run
                 log(f"[{s.run.name}] {holder} is training this config: left to it")
                 counts["busy"] += 1
                 continue
-            outcome = _advance(s, spec, runs_root, may_train=max_runs is None or trained < max_runs,
-                               retry_diverged=retry_diverged, progress=progress, threads=threads, log=log,
-                               command=command, resume_with=resume_with)
+            outcome = _advance(
+                s,
+                spec,
+                runs_root,
+                may_train=max_runs is None or trained < max_runs,
+                retry_diverged=retry_diverged,
+                progress=progress,
+                threads=threads,
+                log=log,
+                command=command,
+                resume_with=resume_with,
+            )
             counts[outcome] += 1
             trained += outcome in ("trained", "resumed", "diverged")
     return counts
 
 
-def _advance(s: RunStatus, spec: ExperimentSpec, runs_root, *, may_train: bool, retry_diverged: bool,
-             progress: bool, threads: Optional[int], log, command: str, resume_with: str) -> str:
+def _advance(
+    s: RunStatus,
+    spec: ExperimentSpec,
+    runs_root,
+    *,
+    may_train: bool,
+    retry_diverged: bool,
+    progress: bool,
+    threads: int | None,
+    log,
+    command: str,
+    resume_with: str,
+) -> str:
     """One planned run, under its config lock: skip, copy or train it. Returns what happened (a key of
     run_experiment's counts)."""
     s = status_of(s.run, runs_root, spec.name)  # fresh: an earlier entry or another process may have made it
@@ -458,7 +552,8 @@ def _advance(s: RunStatus, spec: ExperimentSpec, runs_root, *, may_train: bool, 
     except TrainingInterrupted as e:
         raise TrainingInterrupted(
             f"{s.run.name}: {str(e).split(';')[0]}; its checkpoint is in {s.dir}. Run "
-            f"`{resume_with}` again to resume it and continue the suite") from None
+            f"`{resume_with}` again to resume it and continue the suite"
+        ) from None
     finally:
         write_manifest(spec, plan_status(spec, runs_root), runs_root)
     if outcome == "diverged":

@@ -43,6 +43,7 @@ only together with a point of another axis)::
 Overrides apply in order: preset, ``[base]``, then each point in axis order
 (its own overrides, then its matching ``by`` overrides), then the seed.
 """
+
 from __future__ import annotations
 
 import copy
@@ -53,24 +54,48 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 from attnres.files import parse_toml
 from attnres.model.config import ModelConfig
-from attnres.train.config import PARALLEL_FIELDS, TrainConfig, build_configs, split_overrides
+from attnres.train.config import (
+    PARALLEL_FIELDS,
+    TrainConfig,
+    build_configs,
+    split_overrides,
+)
 
 HASH_VERSION = 1
 # TrainConfig fields that cannot change what a run computes; everything else is hashed.
-UNHASHED_TRAIN_FIELDS = frozenset({"out_dir", "progress", "threads", "cache_dir", "checkpoint_every"}) \
-    | PARALLEL_FIELDS
+UNHASHED_TRAIN_FIELDS = frozenset({"out_dir", "progress", "threads", "cache_dir", "checkpoint_every"}) | PARALLEL_FIELDS
 RESERVED_POINT_KEYS = frozenset({"label", "seeds", "tags", "paper_loss", "tokens_per_second", "speed", "by"})
-EXPERIMENT_KEYS = frozenset({"name", "description", "report", "seeds", "budget_cpu_hours", "budget_note",
-                             "tokens_per_second", "keep_checkpoint", "baseline", "headline"})
+EXPERIMENT_KEYS = frozenset(
+    {
+        "name",
+        "description",
+        "report",
+        "seeds",
+        "budget_cpu_hours",
+        "budget_note",
+        "tokens_per_second",
+        "keep_checkpoint",
+        "baseline",
+        "headline",
+    }
+)
 TOP_LEVEL_KEYS = ("experiment", "base", "grid", "axis", "runs")
 # report kind -> the axes its sections read (attnres.experiments.reports)
-REPORT_AXES = {"scaling": ("size", "scheme"), "ablations": (), "block-size": (), "arena": ("scheme", "budget"),
-               "dynamics": ("scheme",), "arch-sweep": ("shape", "scheme"), "demo": ("scheme",),
-               "kimi-linear": ("backbone", "scheme"), "generic": ()}
+REPORT_AXES = {
+    "scaling": ("size", "scheme"),
+    "ablations": (),
+    "block-size": (),
+    "arena": ("scheme", "budget"),
+    "dynamics": ("scheme",),
+    "arch-sweep": ("shape", "scheme"),
+    "demo": ("scheme",),
+    "kimi-linear": ("backbone", "scheme"),
+    "generic": (),
+}
 DEFAULT_TOKENS_PER_SECOND = 6000.0
 SPECS_ENV = "ATTNRES_EXPERIMENTS"
 # the specs of this checkout (attnres demo reads its spec here, wherever it is run from)
@@ -90,29 +115,29 @@ class Point:
 
     axis: str
     label: str
-    overrides: Dict[str, Any]
-    seeds: Optional[List[int]] = None
-    tags: Dict[str, Any] = field(default_factory=dict)
-    paper_loss: Optional[float] = None
-    tokens_per_second: Optional[float] = None
+    overrides: dict[str, Any]
+    seeds: list[int] | None = None
+    tags: dict[str, Any] = field(default_factory=dict)
+    paper_loss: float | None = None
+    tokens_per_second: float | None = None
     speed: float = 1.0
-    by: Dict[str, Dict[str, Dict[str, Any]]] = field(default_factory=dict)
+    by: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
 
 
 @dataclass
 class PlannedRun:
     """One fully resolved run of an experiment."""
 
-    labels: Dict[str, str]  # axis -> point label, plus tags
+    labels: dict[str, str]  # axis -> point label, plus tags
     seed: int
     model: ModelConfig
     train: TrainConfig
     hash: str
-    paper_loss: Optional[float] = None
+    paper_loss: float | None = None
     tokens_per_second: float = DEFAULT_TOKENS_PER_SECOND
 
     @property
-    def group(self) -> Tuple[Tuple[str, str], ...]:
+    def group(self) -> tuple[tuple[str, str], ...]:
         """The labels without the seed: runs of one group differ by seed only."""
         return tuple(sorted(self.labels.items()))
 
@@ -142,15 +167,15 @@ class ExperimentSpec:
     path: Path
     description: str
     report: str
-    seeds: List[int]
-    base: Dict[str, Any]
-    axes: List[Tuple[str, List[Point]]]
-    budget_cpu_hours: Optional[float] = None
+    seeds: list[int]
+    base: dict[str, Any]
+    axes: list[tuple[str, list[Point]]]
+    budget_cpu_hours: float | None = None
     budget_note: str = ""
     tokens_per_second: float = DEFAULT_TOKENS_PER_SECOND
     keep_checkpoint: bool = False
-    baseline: Optional[str] = None  # label of the reference point of paired comparisons
-    headline: List[str] = field(default_factory=list)  # labels of the headline rows
+    baseline: str | None = None  # label of the reference point of paired comparisons
+    headline: list[str] = field(default_factory=list)  # labels of the headline rows
     text: str = ""  # the file as read, for the report and the manifest
 
     @property
@@ -172,12 +197,12 @@ def default_specs_dir() -> Path:
     return CHECKOUT_SPECS_DIR
 
 
-def available(specs_dir: Optional[Path] = None) -> List[str]:
+def available(specs_dir: Path | None = None) -> list[str]:
     d = Path(specs_dir) if specs_dir is not None else default_specs_dir()
     return sorted(p.stem for p in d.glob("*.toml")) if d.is_dir() else []
 
 
-def find_spec(name: str, specs_dir: Optional[Path] = None) -> Path:
+def find_spec(name: str, specs_dir: Path | None = None) -> Path:
     """An experiment name (a spec in the specs directory) or a path to a .toml file."""
     d = Path(specs_dir) if specs_dir is not None else default_specs_dir()
     p = Path(name)
@@ -200,9 +225,12 @@ def _err(path: Path, where: str, message: str) -> ExperimentError:
     return ExperimentError(f"{path}: {where}: {message}")
 
 
-def _seed_list(value: Any, path: Path, where: str) -> List[int]:
-    if (not isinstance(value, list) or not value
-            or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in value)):
+def _seed_list(value: Any, path: Path, where: str) -> list[int]:
+    if (
+        not isinstance(value, list)
+        or not value
+        or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in value)
+    ):
         raise _err(path, where, f"must be a non-empty list of non-negative integers, got {value!r}")
     if len(set(value)) != len(value):
         raise _err(path, where, f"repeats a seed: {value!r}")
@@ -215,19 +243,25 @@ def _number(value: Any, path: Path, where: str, positive: bool = True) -> float:
     return float(value)
 
 
-def _check_overrides(overrides: Dict[str, Any], path: Path, where: str) -> None:
+def _check_overrides(overrides: dict[str, Any], path: Path, where: str) -> None:
     for key in overrides:
         if key == "preset":
             continue
         try:
             split_overrides({key: overrides[key]})
         except ValueError:
-            raise _err(path, f"{where} {key}", "unknown option: not a ModelConfig or TrainConfig "
-                                               "field (see `attnres train --help` and ModelConfig)") from None
+            raise _err(
+                path,
+                f"{where} {key}",
+                "unknown option: not a ModelConfig or TrainConfig field (see `attnres train --help` and ModelConfig)",
+            ) from None
     for key in ("out_dir", "seed"):
         if key in overrides:
-            raise _err(path, f"{where} {key}",
-                       "is set by the runner (experiments/runs/NAME/<hash>/ and the seeds list); drop it")
+            raise _err(
+                path,
+                f"{where} {key}",
+                "is set by the runner (experiments/runs/NAME/<hash>/ and the seeds list); drop it",
+            )
 
 
 def _point(raw: Any, axis: str, index: int, path: Path) -> Point:
@@ -245,12 +279,12 @@ def _point(raw: Any, axis: str, index: int, path: Path) -> Point:
     if not isinstance(tags, dict) or any(not isinstance(v, (str, int, float)) for v in tags.values()):
         raise _err(path, f"{where} tags", "must be a table of strings or numbers")
     paper = _number(raw["paper_loss"], path, f"{where} paper_loss") if "paper_loss" in raw else None
-    tps = (_number(raw["tokens_per_second"], path, f"{where} tokens_per_second")
-           if "tokens_per_second" in raw else None)
+    tps = _number(raw["tokens_per_second"], path, f"{where} tokens_per_second") if "tokens_per_second" in raw else None
     speed = _number(raw["speed"], path, f"{where} speed") if "speed" in raw else 1.0
     by = raw.get("by", {})
-    if not isinstance(by, dict) or any(not isinstance(t, dict) or any(not isinstance(o, dict) for o in t.values())
-                                       for t in by.values()):
+    if not isinstance(by, dict) or any(
+        not isinstance(t, dict) or any(not isinstance(o, dict) for o in t.values()) for t in by.values()
+    ):
         raise _err(path, f"{where} by", "must be tables by.AXIS.LABEL = { overrides }")
     for other, table in by.items():
         for other_label, extra in table.items():
@@ -258,7 +292,7 @@ def _point(raw: Any, axis: str, index: int, path: Path) -> Point:
     return Point(axis, label, overrides, seeds, {k: str(v) for k, v in tags.items()}, paper, tps, speed, by)
 
 
-def parse_spec(path: Path, text: Optional[str] = None) -> ExperimentSpec:
+def parse_spec(path: Path, text: str | None = None) -> ExperimentSpec:
     """Read and validate a spec file (no run configs built yet; see ``expand``)."""
     path = Path(path)
     if text is None:
@@ -291,13 +325,17 @@ def parse_spec(path: Path, text: Optional[str] = None) -> ExperimentSpec:
     if not isinstance(report, str):
         raise _err(path, "[experiment] report", "must be a string (a report kind)")
     seeds = _seed_list(exp.get("seeds", [0]), path, "[experiment] seeds")
-    budget = (_number(exp["budget_cpu_hours"], path, "[experiment] budget_cpu_hours")
-              if "budget_cpu_hours" in exp else None)
+    budget = (
+        _number(exp["budget_cpu_hours"], path, "[experiment] budget_cpu_hours") if "budget_cpu_hours" in exp else None
+    )
     note = exp.get("budget_note", "")
     if not isinstance(note, str):
         raise _err(path, "[experiment] budget_note", "must be a string")
-    tps = (_number(exp["tokens_per_second"], path, "[experiment] tokens_per_second")
-           if "tokens_per_second" in exp else DEFAULT_TOKENS_PER_SECOND)
+    tps = (
+        _number(exp["tokens_per_second"], path, "[experiment] tokens_per_second")
+        if "tokens_per_second" in exp
+        else DEFAULT_TOKENS_PER_SECOND
+    )
     keep = exp.get("keep_checkpoint", False)
     if not isinstance(keep, bool):
         raise _err(path, "[experiment] keep_checkpoint", "must be true or false")
@@ -313,7 +351,7 @@ def parse_spec(path: Path, text: Optional[str] = None) -> ExperimentSpec:
         raise _err(path, "[base]", "must be a table of ModelConfig / TrainConfig overrides")
     _check_overrides(base, path, "[base]")
 
-    axes: List[Tuple[str, List[Point]]] = []
+    axes: list[tuple[str, list[Point]]] = []
     grid = data.get("grid", {})
     if not isinstance(grid, dict):
         raise _err(path, "[grid]", "must be a table of lists")
@@ -340,45 +378,66 @@ def parse_spec(path: Path, text: Optional[str] = None) -> ExperimentSpec:
             raise _err(path, axis, "this axis is defined twice (in [grid] and [[axis.*]])")
         seen.add(axis)
         labels = [p.label for p in points]
-        dup = {l for l in labels if labels.count(l) > 1}
+        dup = {label for label in labels if labels.count(label) > 1}
         if dup:
             raise _err(path, f"axis {axis!r}", f"repeated labels {sorted(dup)}")
     if report not in REPORT_AXES:
-        raise _err(path, "[experiment] report", f"unknown report kind {report!r}; choose one of "
-                                                f"{sorted(REPORT_AXES)}")
+        raise _err(path, "[experiment] report", f"unknown report kind {report!r}; choose one of {sorted(REPORT_AXES)}")
     names = [a for a, _ in axes]
     for needed in REPORT_AXES[report]:
         if needed not in names:
-            raise _err(path, f"axis {needed!r}", f"the {report!r} report needs an axis named {needed!r} "
-                                                 f"([[axis.{needed}]] or [grid] {needed}); found {names}")
+            raise _err(
+                path,
+                f"axis {needed!r}",
+                f"the {report!r} report needs an axis named {needed!r} "
+                f"([[axis.{needed}]] or [grid] {needed}); found {names}",
+            )
     labels_of = {a: {p.label for p in points} for a, points in axes}
     for axis, points in axes:
         for p in points:
             for other, table in p.by.items():
                 if other not in labels_of or other == axis:
-                    raise _err(path, f"axis {axis!r} point {p.label!r} by.{other}",
-                               f"not another axis of this spec; axes: {sorted(labels_of)}")
+                    raise _err(
+                        path,
+                        f"axis {axis!r} point {p.label!r} by.{other}",
+                        f"not another axis of this spec; axes: {sorted(labels_of)}",
+                    )
                 unknown = sorted(set(table) - labels_of[other])
                 if unknown:
-                    raise _err(path, f"axis {axis!r} point {p.label!r} by.{other}",
-                               f"labels {unknown} are not points of axis {other!r}")
+                    raise _err(
+                        path,
+                        f"axis {axis!r} point {p.label!r} by.{other}",
+                        f"labels {unknown} are not points of axis {other!r}",
+                    )
     all_labels = {p.label for _, points in axes for p in points}
     if baseline is not None and baseline not in all_labels:
         raise _err(path, "[experiment] baseline", f"{baseline!r} is not the label of any point")
     for h in headline:
         if h not in all_labels:
             raise _err(path, "[experiment] headline", f"{h!r} is not the label of any point")
-    return ExperimentSpec(name=name, path=path, description=description, report=report, seeds=seeds,
-                          base=dict(base), axes=axes, budget_cpu_hours=budget, budget_note=note,
-                          tokens_per_second=tps, keep_checkpoint=keep, baseline=baseline,
-                          headline=list(headline), text=text)
+    return ExperimentSpec(
+        name=name,
+        path=path,
+        description=description,
+        report=report,
+        seeds=seeds,
+        base=dict(base),
+        axes=axes,
+        budget_cpu_hours=budget,
+        budget_note=note,
+        tokens_per_second=tps,
+        keep_checkpoint=keep,
+        baseline=baseline,
+        headline=list(headline),
+        text=text,
+    )
 
 
-def load_spec(name: str, specs_dir: Optional[Path] = None) -> ExperimentSpec:
+def load_spec(name: str, specs_dir: Path | None = None) -> ExperimentSpec:
     return parse_spec(find_spec(name, specs_dir))
 
 
-def with_overrides(spec: ExperimentSpec, overrides: Dict[str, Any]) -> ExperimentSpec:
+def with_overrides(spec: ExperimentSpec, overrides: dict[str, Any]) -> ExperimentSpec:
     """A copy of ``spec`` whose ``[base]`` also applies ``overrides`` (``preset`` and ModelConfig /
     TrainConfig fields, e.g. from command-line flags); ``seed`` replaces the default seeds. The
     overrides enter every run's config and so its hash: such runs never mix with the spec's own."""
@@ -401,25 +460,30 @@ _MODEL_FLOATS = _float_fields(ModelConfig)
 _TRAIN_FLOATS = _float_fields(TrainConfig)
 
 
-def _normalised(values: Dict[str, Any], floats: set) -> Dict[str, Any]:
+def _normalised(values: dict[str, Any], floats: set) -> dict[str, Any]:
     """Ints given for float fields become floats, so lr=1 and lr=1.0 hash alike."""
-    return {k: float(v) if k in floats and isinstance(v, int) and not isinstance(v, bool) else v
-            for k, v in values.items()}
+    return {
+        k: float(v) if k in floats and isinstance(v, int) and not isinstance(v, bool) else v for k, v in values.items()
+    }
 
 
-def hash_payload(model: ModelConfig, train: TrainConfig) -> Dict[str, Any]:
+def hash_payload(model: ModelConfig, train: TrainConfig) -> dict[str, Any]:
     """What a run's identity is made of: every result-changing field of both configs."""
     t = {k: v for k, v in train.to_dict().items() if k not in UNHASHED_TRAIN_FIELDS}
-    return {"version": HASH_VERSION, "model": _normalised(model.to_dict(), _MODEL_FLOATS),
-            "train": _normalised(t, _TRAIN_FLOATS)}
+    return {
+        "version": HASH_VERSION,
+        "model": _normalised(model.to_dict(), _MODEL_FLOATS),
+        "train": _normalised(t, _TRAIN_FLOATS),
+    }
 
 
-def _defaults(cls, floats: set) -> Dict[str, Any]:
-    return _normalised({f.name: f.default for f in dataclasses.fields(cls)
-                        if f.default is not dataclasses.MISSING}, floats)
+def _defaults(cls, floats: set) -> dict[str, Any]:
+    return _normalised(
+        {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}, floats
+    )
 
 
-def payload_compatible(stored: Dict[str, Any], current: Dict[str, Any]) -> bool:
+def payload_compatible(stored: dict[str, Any], current: dict[str, Any]) -> bool:
     """Whether a run hashed from ``stored`` computed what ``current`` asks for, across a library update
     that only added config fields: every stored field is unchanged, and every field the stored
     payload lacks is at its default (new options default to the old behaviour)."""
@@ -447,14 +511,14 @@ def config_hash(model: ModelConfig, train: TrainConfig) -> str:
 # ----------------------------------------------------------------------------- expansion
 
 
-def expand(spec: ExperimentSpec) -> List[PlannedRun]:
+def expand(spec: ExperimentSpec) -> list[PlannedRun]:
     """Every planned run, in axis order then seed order. Runs with identical configs (the same
     hash) are kept as separate entries: they share one run directory."""
     axes = spec.axes or [("run", [Point("run", "base", {})])]
-    planned: List[PlannedRun] = []
+    planned: list[PlannedRun] = []
     for combo in itertools.product(*(points for _, points in axes)):
-        overrides: Dict[str, Any] = dict(spec.base)
-        labels: Dict[str, str] = {}
+        overrides: dict[str, Any] = dict(spec.base)
+        labels: dict[str, str] = {}
         seeds, tps, speed, paper = spec.seeds, spec.tokens_per_second, 1.0, None
         for point in combo:
             labels[point.axis] = point.label
@@ -473,7 +537,15 @@ def expand(spec: ExperimentSpec) -> List[PlannedRun]:
                 model, train = build_configs(None, {**copy.deepcopy(overrides), "seed": seed})
             except (ValueError, TypeError) as e:
                 raise ExperimentError(f"{spec.path}: run {where}: {e}") from e
-            planned.append(PlannedRun(labels=labels, seed=seed, model=model, train=train,
-                                      hash=config_hash(model, train), paper_loss=paper,
-                                      tokens_per_second=tps * speed))
+            planned.append(
+                PlannedRun(
+                    labels=labels,
+                    seed=seed,
+                    model=model,
+                    train=train,
+                    hash=config_hash(model, train),
+                    paper_loss=paper,
+                    tokens_per_second=tps * speed,
+                )
+            )
     return planned

@@ -15,20 +15,23 @@ A two-sided paired t-test p-value is printed too: with 2-3 seeds the |t| >= 2
 threshold is lenient (p is about 0.30 at n = 2 and 0.18 at n = 3), which is why
 the rule also asks for a unanimous sign.
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Dict, Iterable, Optional, Sequence
 
 T_THRESHOLD = 2.0
-NOISE_RULE = ("a difference exceeds seed noise when the paired t-statistic over seeds satisfies |t| >= 2 "
-              "and every seed agrees on its sign; otherwise it is reported as within noise "
-              "(t = mean of the per-seed differences / its standard error; same seed = same data order "
-              "and same sublayer initialisation)")
+NOISE_RULE = (
+    "a difference exceeds seed noise when the paired t-statistic over seeds satisfies |t| >= 2 "
+    "and every seed agrees on its sign; otherwise it is reported as within noise "
+    "(t = mean of the per-seed differences / its standard error; same seed = same data order "
+    "and same sublayer initialisation)"
+)
 
 
-def mean_std(values: Iterable[float]) -> tuple:
+def mean_std(values: Iterable[float | None]) -> tuple[float, float, int]:
     """(mean, sample std with n - 1, n); std is nan for n < 2, both nan for n = 0."""
     xs = [float(v) for v in values if v is not None and not math.isnan(float(v))]
     n = len(xs)
@@ -40,7 +43,7 @@ def mean_std(values: Iterable[float]) -> tuple:
     return m, math.sqrt(sum((x - m) ** 2 for x in xs) / (n - 1)), n
 
 
-def fmt_mean_std(values: Sequence[float], digits: int = 4) -> str:
+def fmt_mean_std(values: Sequence[float | None], digits: int = 4) -> str:
     m, s, n = mean_std(values)
     if n == 0:
         return "—"
@@ -60,8 +63,10 @@ def _betacf(a: float, b: float, x: float) -> float:
     h = d
     for m in range(1, 400):
         m2 = 2 * m
-        for num in (m * (b - m) * x / ((a + m2 - 1) * (a + m2)),
-                    -(a + m) * (a + b + m) * x / ((a + m2) * (a + m2 + 1))):
+        for num in (
+            m * (b - m) * x / ((a + m2 - 1) * (a + m2)),
+            -(a + m) * (a + b + m) * x / ((a + m2) * (a + m2 + 1)),
+        ):
             d = 1.0 + num * d
             d = 1.0 / (d if abs(d) > tiny else tiny)
             c = 1.0 + num / c
@@ -78,8 +83,7 @@ def betainc(a: float, b: float, x: float) -> float:
         return 0.0
     if x >= 1:
         return 1.0
-    log_front = (math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b)
-                 + a * math.log(x) + b * math.log1p(-x))
+    log_front = math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
     if x < (a + 1) / (a + b + 2):
         return math.exp(log_front) * _betacf(a, b, x) / a
     return 1.0 - math.exp(log_front) * _betacf(b, a, 1 - x) / b
@@ -119,16 +123,22 @@ class Paired:
         if self.n == 1:
             return f"{self.mean:+.{digits}f} (1 seed: no noise estimate)"
         t = "inf" if math.isinf(self.t) else f"{self.t:+.1f}"
-        return (f"{self.mean:+.{digits}f} ± {self.se:.{digits}f} (t = {t}, {self.lower}/{self.n} seeds lower): "
-                f"{self.verdict}")
+        return (
+            f"{self.mean:+.{digits}f} ± {self.se:.{digits}f} (t = {t}, {self.lower}/{self.n} seeds lower): "
+            f"{self.verdict}"
+        )
 
 
-def paired(variant: Dict[int, float], baseline: Dict[int, float], threshold: float = T_THRESHOLD) -> Paired:
-    """Paired comparison over the seeds present in both (dicts seed -> loss); see NOISE_RULE."""
-    seeds = sorted(s for s in variant if s in baseline
-                   and variant[s] is not None and baseline[s] is not None
-                   and not math.isnan(variant[s]) and not math.isnan(baseline[s]))
-    diffs = [variant[s] - baseline[s] for s in seeds]
+def paired(
+    variant: Mapping[int, float | None], baseline: Mapping[int, float | None], threshold: float = T_THRESHOLD
+) -> Paired:
+    """Paired comparison over the seeds with a value (not None, not NaN) in both (dicts seed -> loss);
+    see NOISE_RULE."""
+    diffs: list[float] = []
+    for seed in sorted(variant):
+        v, b = variant[seed], baseline.get(seed)
+        if v is not None and b is not None and not math.isnan(v) and not math.isnan(b):
+            diffs.append(v - b)
     n = len(diffs)
     if n == 0:
         nan = float("nan")
@@ -137,31 +147,27 @@ def paired(variant: Dict[int, float], baseline: Dict[int, float], threshold: flo
     higher = sum(1 for d in diffs if d > 0)
     m, s, _ = mean_std(diffs)
     if n == 1:
-        return Paired(1, m, float("nan"), float("nan"), float("nan"), float("nan"), lower, higher,
-                      "single seed")
+        return Paired(1, m, float("nan"), float("nan"), float("nan"), float("nan"), lower, higher, "single seed")
     se = s / math.sqrt(n)
-    if se == 0:
-        t = 0.0 if m == 0 else math.copysign(math.inf, m)
-    else:
-        t = m / se
+    t = m / se if se != 0 else (0.0 if m == 0 else math.copysign(math.inf, m))
     p = t_pvalue(t, n - 1)
     unanimous = lower == n or higher == n
-    if abs(t) >= threshold and unanimous:
-        verdict = "better" if m < 0 else "worse"
-    else:
-        verdict = "within noise"
+    verdict = ("better" if m < 0 else "worse") if abs(t) >= threshold and unanimous else "within noise"
     return Paired(n, m, s, se, t, p, lower, higher, verdict)
 
 
-def spearman(a: Sequence[float], b: Sequence[float]) -> Optional[float]:
+def spearman(a: Sequence[float], b: Sequence[float]) -> float | None:
     """Spearman rank correlation (average ranks for ties); None with fewer than 3 pairs."""
-    pairs = [(x, y) for x, y in zip(a, b) if x is not None and y is not None
-             and not math.isnan(x) and not math.isnan(y)]
+    pairs = [
+        (x, y)
+        for x, y in zip(a, b, strict=True)
+        if x is not None and y is not None and not math.isnan(x) and not math.isnan(y)
+    ]
     if len(pairs) < 3:
         return None
     ra, rb = ranks([p[0] for p in pairs]), ranks([p[1] for p in pairs])
     ma, mb = sum(ra) / len(ra), sum(rb) / len(rb)
-    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb, strict=True))
     va = math.sqrt(sum((x - ma) ** 2 for x in ra))
     vb = math.sqrt(sum((y - mb) ** 2 for y in rb))
     return cov / (va * vb) if va > 0 and vb > 0 else None

@@ -29,8 +29,13 @@ One module per report kind (``scaling``, ``ablations``, ``block_size``, ``arena`
 ``Report`` page, tables, numbers) and ``sections`` (status, provenance, statistics, all runs);
 ``page.write_report`` picks the sections of a spec's kind.
 """
+
 from attnres.experiments.reports.common import shares_sublayer_init
 from attnres.experiments.reports.demo import demo_table
-from attnres.experiments.reports.page import DEFAULT_REPORTS_ROOT, REPORT_FILE, write_report
+from attnres.experiments.reports.page import (
+    DEFAULT_REPORTS_ROOT,
+    REPORT_FILE,
+    write_report,
+)
 
 __all__ = ["DEFAULT_REPORTS_ROOT", "REPORT_FILE", "demo_table", "shares_sublayer_init", "write_report"]

@@ -1,9 +1,16 @@
-"""The ablations report (axis variant): Table 4 beside the paper, Δ vs the baseline and ranks.
-"""
+"""The ablations report (axis variant): Table 4 beside the paper, Δ vs the baseline and ranks."""
+
 from __future__ import annotations
 
 from attnres.experiments import figures
-from attnres.experiments.reports.common import Report, fmt, md_table, model_of, shares_sublayer_init, variant_rows
+from attnres.experiments.reports.common import (
+    Report,
+    fmt,
+    md_table,
+    model_of,
+    shares_sublayer_init,
+    variant_rows,
+)
 from attnres.experiments.results import finite
 from attnres.experiments.stats import fmt_mean_std, mean_std, paired, ranks, spearman
 
@@ -15,44 +22,80 @@ def ablations_report(rep: Report) -> None:
     ref = col.losses(**{axis: base})
     base_model = model_of(col, **{axis: base})
     paper_base = col.point(axis, base).paper_loss
-    means = {l: mean_std(col.losses(**{axis: l}).values())[0] for l in labels}
-    paper = {l: col.point(axis, l).paper_loss for l in labels}
-    ours_rank = dict(zip([l for l in labels if finite(means[l])],
-                         ranks([means[l] for l in labels if finite(means[l])])))
-    paper_rank = dict(zip([l for l in labels if paper[l] is not None],
-                          ranks([paper[l] for l in labels if paper[l] is not None])))
+    means = {label: mean_std(col.losses(**{axis: label}).values())[0] for label in labels}
+    paper = {label: col.point(axis, label).paper_loss for label in labels}
+    ours_rank = dict(
+        zip(
+            [label for label in labels if finite(means[label])],
+            ranks([means[label] for label in labels if finite(means[label])]),
+            strict=True,
+        )
+    )
+    paper_rank = dict(
+        zip(
+            [label for label in labels if paper[label] is not None],
+            ranks([paper[label] for label in labels if paper[label] is not None]),
+            strict=True,
+        )
+    )
     rows, bars = [], []
-    for l in labels:
-        losses = col.losses(**{axis: l})
-        div = [r for r in col.select(**{axis: l}) if r.state == "diverged"]
+    for label in labels:
+        losses = col.losses(**{axis: label})
+        div = [r for r in col.select(**{axis: label}) if r.state == "diverged"]
         p = paired(losses, ref)
-        model = model_of(col, **{axis: l})
-        ok = True if (model is None or base_model is None or l == base) else shares_sublayer_init(model, base_model)
-        pd = None if paper[l] is None or paper_base is None else paper[l] - paper_base
-        rows.append([l + (" (headline)" if l in col.spec.headline else ""),
-                     fmt(paper[l], 3), fmt(pd, 3, sign=True) if l != base else "—",
-                     f"{paper_rank[l]:g}" if l in paper_rank else "—",
-                     fmt_mean_std(list(losses.values())) + (f" ({len(div)} diverged)" if div else ""),
-                     "—" if l == base else rep.paired_cell(losses, ref, ok),
-                     f"{ours_rank[l]:g}" if l in ours_rank else "—"])
-        if l != base:
-            bars.append((l, p.mean, p.se, pd))
-    rep.add("## Results beside the paper", "",
-            "The paper's absolute losses come from a 16-layer MoE model trained on far more tokens; compare "
-            "the deltas to the baseline and the ranks, not the absolute values. Rank 1 = lowest loss.", "",
-            md_table(["variant", "paper loss", "paper Δ", "paper rank", "our loss", f"our Δ vs {base} (paired)",
-                      "our rank"], rows, "lrrrrlr"), "")
-    both = [l for l in labels if l in ours_rank and l in paper_rank]
-    rho = spearman([means[l] for l in both], [paper[l] for l in both])
-    agree = [l for l in labels if l != base and l in ours_rank and paper[l] is not None and paper_base is not None
-             and finite(means[l]) and finite(means.get(base, float("nan")))
-             and (means[l] < means[base]) == (paper[l] < paper_base)]
-    n_cmp = sum(1 for l in labels if l != base and l in ours_rank and paper[l] is not None)
-    rep.add(f"Rank agreement with the paper over {len(both)} rows: Spearman ρ = "
-            f"{'—' if rho is None else f'{rho:+.2f}'}. Sign of Δ vs {base} agrees with the paper for "
-            f"{len(agree)} of {n_cmp} variants (by mean; see the verdicts for which differences exceed "
-            "seed noise).", "")
+        model = model_of(col, **{axis: label})
+        ok = True if (model is None or base_model is None or label == base) else shares_sublayer_init(model, base_model)
+        pd = None if paper[label] is None or paper_base is None else paper[label] - paper_base
+        rows.append(
+            [
+                label + (" (headline)" if label in col.spec.headline else ""),
+                fmt(paper[label], 3),
+                fmt(pd, 3, sign=True) if label != base else "—",
+                f"{paper_rank[label]:g}" if label in paper_rank else "—",
+                fmt_mean_std(list(losses.values())) + (f" ({len(div)} diverged)" if div else ""),
+                "—" if label == base else rep.paired_cell(losses, ref, ok),
+                f"{ours_rank[label]:g}" if label in ours_rank else "—",
+            ]
+        )
+        if label != base:
+            bars.append((label, p.mean, p.se, pd))
+    rep.add(
+        "## Results beside the paper",
+        "",
+        "The paper's absolute losses come from a 16-layer MoE model trained on far more tokens; compare "
+        "the deltas to the baseline and the ranks, not the absolute values. Rank 1 = lowest loss.",
+        "",
+        md_table(
+            ["variant", "paper loss", "paper Δ", "paper rank", "our loss", f"our Δ vs {base} (paired)", "our rank"],
+            rows,
+            "lrrrrlr",
+        ),
+        "",
+    )
+    both = [label for label in labels if label in ours_rank and label in paper_rank]
+    rho = spearman([means[label] for label in both], [paper[label] for label in both])
+    agree = [
+        label
+        for label in labels
+        if label != base
+        and label in ours_rank
+        and paper[label] is not None
+        and paper_base is not None
+        and finite(means[label])
+        and finite(means.get(base, float("nan")))
+        and (means[label] < means[base]) == (paper[label] < paper_base)
+    ]
+    n_cmp = sum(1 for label in labels if label != base and label in ours_rank and paper[label] is not None)
+    rep.add(
+        f"Rank agreement with the paper over {len(both)} rows: Spearman ρ = "
+        f"{'—' if rho is None else f'{rho:+.2f}'}. Sign of Δ vs {base} agrees with the paper for "
+        f"{len(agree)} of {n_cmp} variants (by mean; see the verdicts for which differences exceed "
+        "seed noise).",
+        "",
+    )
     if bars:
-        rep.figure("ablations.png", f"Δ validation loss vs {base}: this run (left, ± s.e. over seeds) and the "
-                   "paper's Table 4 (right).",
-                   lambda pth: figures.delta_bars(bars, pth, col.spec.name, base))
+        rep.figure(
+            "ablations.png",
+            f"Δ validation loss vs {base}: this run (left, ± s.e. over seeds) and the paper's Table 4 (right).",
+            lambda pth: figures.delta_bars(bars, pth, col.spec.name, base),
+        )

@@ -1,11 +1,12 @@
 """What the reports share: the ``Report`` page being built, markdown tables and numbers, the
 runs of one group, mean curves, depth-weight statistics, and whether two runs share their initialisation.
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -13,7 +14,7 @@ from attnres.experiments.results import Collected, Result, finite
 from attnres.experiments.stats import paired
 
 
-def md_table(headers: List[str], rows: List[List[str]], align: Optional[str] = None) -> str:
+def md_table(headers: list[str], rows: list[list[str]], align: str | None = None) -> str:
     align = align or "l" + "r" * (len(headers) - 1)
     sep = ["---:" if a == "r" else "---" for a in align]
     out = ["| " + " | ".join(headers) + " |", "| " + " | ".join(sep) + " |"]
@@ -27,11 +28,11 @@ def fmt(x, digits: int = 4, sign: bool = False) -> str:
     return f"{x:+.{digits}f}" if sign else f"{x:.{digits}f}"
 
 
-def group_label(labels: Dict[str, str], axes: List[str]) -> str:
+def group_label(labels: dict[str, str], axes: list[str]) -> str:
     return ", ".join(labels[a] for a in axes if a in labels)
 
 
-_INIT_CACHE: Dict[Tuple[str, str], bool] = {}
+_INIT_CACHE: dict[tuple[str, str], bool] = {}
 
 
 def shares_sublayer_init(a: dict, b: dict) -> bool:
@@ -51,12 +52,11 @@ def shares_sublayer_init(a: dict, b: dict) -> bool:
             states.append(AttnResLM(ModelConfig.from_dict(dict(cfg))).state_dict())
         sa, sb = states
         keys = [k for k in sa if not k.startswith("residual.")]
-        _INIT_CACHE[key] = all(k in sb and sa[k].shape == sb[k].shape and torch.equal(sa[k], sb[k])
-                               for k in keys)
+        _INIT_CACHE[key] = all(k in sb and sa[k].shape == sb[k].shape and torch.equal(sa[k], sb[k]) for k in keys)
     return _INIT_CACHE[key]
 
 
-def model_of(col: Collected, **labels) -> Optional[dict]:
+def model_of(col: Collected, **labels) -> dict | None:
     for r in col.select(**labels):
         return r.model
     return None
@@ -69,7 +69,7 @@ def planned_model(col: Collected, axis: str, label: str):
     return None
 
 
-def variant_rows(col: Collected) -> Tuple[str, List[str]]:
+def variant_rows(col: Collected) -> tuple[str, list[str]]:
     axis = col.spec.axes[0][0] if col.spec.axes else "run"
     return axis, col.points(axis)
 
@@ -80,9 +80,9 @@ class Report:
     def __init__(self, col: Collected, out_dir: Path):
         self.col = col
         self.out = out_dir
-        self.lines: List[str] = []
-        self.figures: List[str] = []
-        self.notes: List[str] = []
+        self.lines: list[str] = []
+        self.figures: list[str] = []
+        self.notes: list[str] = []
 
     def add(self, *lines: str) -> None:
         self.lines.extend(lines)
@@ -96,12 +96,14 @@ class Report:
         self.figures.append(name)
         self.add(f"![{caption}]({name})", "", f"*{caption}*", "")
 
-    def paired_cell(self, variant: Dict[int, float], base: Dict[int, float], init_ok: bool = True) -> str:
+    def paired_cell(
+        self, variant: Mapping[int, float | None], base: Mapping[int, float | None], init_ok: bool = True
+    ) -> str:
         p = paired(variant, base)
         return p.describe() + ("" if init_ok else " †")
 
 
-def mean_curve(results: List[Result], x: str) -> Optional[Tuple[np.ndarray, np.ndarray]]:
+def mean_curve(results: list[Result], x: str) -> tuple[np.ndarray, np.ndarray] | None:
     """Validation loss against ``x`` (tokens | seconds | step), averaged over seeds at common steps."""
     curves = [r.eval_curve() for r in results if r.done]
     curves = [c for c in curves if len(c["step"])]
@@ -117,15 +119,15 @@ def mean_curve(results: List[Result], x: str) -> Optional[Tuple[np.ndarray, np.n
     return np.array(xs), np.array(ys)
 
 
-def depth_weight_stats(scheme: str, M: np.ndarray, seeds: int) -> List[str]:
+def depth_weight_stats(scheme: str, M: np.ndarray, seeds: int) -> list[str]:
     """Embedding weight, locality and width of the mean depth weights (rows reading >= 2 sources).
     Width = entropy of a row divided by log(number of sources): 1 = uniform, 0 = one source; split
     into pre-attention (even sublayers) and pre-MLP (odd) rows."""
     emb, recent, uniform, top = [], [], [], 0
-    width: Dict[str, List[float]] = {"attn": [], "mlp": []}
+    width: dict[str, list[float]] = {"attn": [], "mlp": []}
     rows = 0
     n_sub = M.shape[0] - 1
-    for l, row in enumerate(M):
+    for j, row in enumerate(M):
         idx = np.where(~np.isnan(row))[0]
         if len(idx) < 2:
             continue
@@ -135,10 +137,17 @@ def depth_weight_stats(scheme: str, M: np.ndarray, seeds: int) -> List[str]:
         recent.append(w[-1])
         uniform.append(1.0 / len(idx))
         top += int(np.argmax(w) == len(idx) - 1)
-        if l < n_sub and np.all(w >= 0) and w.sum() > 0:
+        if j < n_sub and np.all(w >= 0) and w.sum() > 0:
             p = w / w.sum()
             h = -sum(x * math.log(x) for x in p if x > 0) / math.log(len(p))
-            width["attn" if l % 2 == 0 else "mlp"].append(h)
-    return [scheme, str(seeds), fmt(np.mean(emb), 3), fmt(np.mean(uniform), 3), fmt(np.mean(recent), 3),
-            f"{top}/{rows}", fmt(np.mean(width["attn"]) if width["attn"] else float("nan"), 3),
-            fmt(np.mean(width["mlp"]) if width["mlp"] else float("nan"), 3)]
+            width["attn" if j % 2 == 0 else "mlp"].append(h)
+    return [
+        scheme,
+        str(seeds),
+        fmt(np.mean(emb), 3),
+        fmt(np.mean(uniform), 3),
+        fmt(np.mean(recent), 3),
+        f"{top}/{rows}",
+        fmt(np.mean(width["attn"]) if width["attn"] else float("nan"), 3),
+        fmt(np.mean(width["mlp"]) if width["mlp"] else float("nan"), 3),
+    ]

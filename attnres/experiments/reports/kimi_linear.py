@@ -1,9 +1,10 @@
 """The kimi-linear report (axes backbone, scheme): per backbone loss, paired Δ and step-time ratio
 vs the baseline, MoE load balance, depth-weight heatmaps; the two backbones' verdicts side by side.
 """
+
 from __future__ import annotations
 
-from typing import Dict, Optional
+from functools import partial
 
 import numpy as np
 
@@ -11,11 +12,10 @@ from attnres.experiments.reports.common import Report, depth_weight_stats, fmt, 
 from attnres.experiments.results import Result, finite, mean_matrix, nan_matrix
 from attnres.experiments.stats import Paired, fmt_mean_std, paired
 
-
 BACKBONE_NAMES = {"kimi_linear": "Kimi Linear (KDA + MLA, MoE)", "llama": "LLaMA (GQA + RoPE, SwiGLU)"}
 
 
-def _final_moe_imbalance(r: Result) -> Optional[float]:
+def _final_moe_imbalance(r: Result) -> float | None:
     """Mean over MoE layers of max load / mean load - 1 at the last training step (None: no experts)."""
     train = r.metrics().get("train", [])
     if not train:
@@ -37,7 +37,7 @@ def kimi_linear_report(rep: Report) -> None:
     col = rep.col
     base = col.spec.baseline or "prenorm"
     backbones, schemes = col.points("backbone"), col.points("scheme")
-    verdicts: Dict[str, Dict[str, Paired]] = {}
+    verdicts: dict[str, dict[str, Paired]] = {}
     for bb in backbones:
         ref = col.losses(backbone=bb, scheme=base)
         base_runs = [r for r in col.select(backbone=bb, scheme=base) if r.done]
@@ -49,37 +49,78 @@ def kimi_linear_report(rep: Report) -> None:
             step = float(np.mean([_median_step_seconds(r) for r in done])) if done else float("nan")
             moe = [v for v in (_final_moe_imbalance(r) for r in done) if v is not None]
             params = done[0].summary.get("params") if done else None
-            rows.append([s, f"{params:,}" if params else "—", str(len(done)), fmt_mean_std(list(losses.values())),
-                         "—" if s == base else rep.paired_cell(losses, ref),
-                         fmt(step, 3), "—" if not (finite(step) and finite(base_step)) else f"{step / base_step:.2f}",
-                         fmt_mean_std(moe, 3) if moe else "—"])
+            rows.append(
+                [
+                    s,
+                    f"{params:,}" if params else "—",
+                    str(len(done)),
+                    fmt_mean_std(list(losses.values())),
+                    "—" if s == base else rep.paired_cell(losses, ref),
+                    fmt(step, 3),
+                    "—" if not (finite(step) and finite(base_step)) else f"{step / base_step:.2f}",
+                    fmt_mean_std(moe, 3) if moe else "—",
+                ]
+            )
             if s != base:
                 verdicts.setdefault(s, {})[bb] = paired(losses, ref)
-        rep.add(f"## {BACKBONE_NAMES.get(bb, bb)}", "",
-                md_table(["scheme", "params", "seeds", "val loss", f"Δ vs {base} (paired)", "step s (median)",
-                          f"step time / {base}", "MoE max load / mean − 1 (last step)"], rows, "lrrrlrrr"), "")
+        rep.add(
+            f"## {BACKBONE_NAMES.get(bb, bb)}",
+            "",
+            md_table(
+                [
+                    "scheme",
+                    "params",
+                    "seeds",
+                    "val loss",
+                    f"Δ vs {base} (paired)",
+                    "step s (median)",
+                    f"step time / {base}",
+                    "MoE max load / mean − 1 (last step)",
+                ],
+                rows,
+                "lrrrlrrr",
+            ),
+            "",
+        )
         heat_rows = []
         for s in schemes:
-            done = [r for r in col.select(backbone=bb, scheme=s) if r.done and r.probes
-                    and r.probes.get("depth_weights")]
+            done = [
+                r for r in col.select(backbone=bb, scheme=s) if r.done and r.probes and r.probes.get("depth_weights")
+            ]
             if not done or s not in ("block", "full"):
                 continue
             M = mean_matrix([nan_matrix(r.probes["depth_weights"]) for r in done])
+            assert M is not None  # done is not empty
             labels = done[0].probes["depth_sources"]
             heat_rows.append(depth_weight_stats(s, M, len(done)))
             from attnres.analysis.plots import plot_depth_heatmaps
 
-            rep.figure(f"depth_weights_{bb}_{s}.png",
-                       f"{bb}, {s}: mean depth weights (over {len(done)} seeds, one validation batch) of the "
-                       "pre-attention and pre-MLP inputs; the last row is the final aggregation.",
-                       lambda p, M=M, labels=labels, s=s, bb=bb: plot_depth_heatmaps(
-                           M, labels, p, f"{bb}, {s}: mean depth weights"))
+            rep.figure(
+                f"depth_weights_{bb}_{s}.png",
+                f"{bb}, {s}: mean depth weights (over {len(done)} seeds, one validation batch) of the "
+                "pre-attention and pre-MLP inputs; the last row is the final aggregation.",
+                partial(plot_depth_heatmaps, M, labels, title=f"{bb}, {s}: mean depth weights"),
+            )
         if heat_rows:
-            rep.add("Depth-weight structure (rows = consumers reading more than one source; columns as in the "
-                    "dynamics report):", "",
-                    md_table(["scheme", "seeds", "mean weight on embedding", "uniform would give",
-                              "mean weight on most recent", "rows where most recent is largest",
-                              "width pre-attention", "width pre-MLP"], heat_rows), "")
+            rep.add(
+                "Depth-weight structure (rows = consumers reading more than one source; columns as in the "
+                "dynamics report):",
+                "",
+                md_table(
+                    [
+                        "scheme",
+                        "seeds",
+                        "mean weight on embedding",
+                        "uniform would give",
+                        "mean weight on most recent",
+                        "rows where most recent is largest",
+                        "width pre-attention",
+                        "width pre-MLP",
+                    ],
+                    heat_rows,
+                ),
+                "",
+            )
     if len(backbones) > 1 and verdicts:
         rows, sentences = [], []
         for s, by in verdicts.items():
@@ -87,12 +128,23 @@ def kimi_linear_report(rep: Report) -> None:
             known = {bb: p.verdict for bb, p in by.items() if p.n > 1}
             if len(known) == len(backbones):
                 same = len(set(known.values())) == 1
-                sentences.append(f"{s}: " + ", ".join(f"{known[bb]} on {bb}" for bb in backbones)
-                                 + (" — the backbone does not change the verdict." if same
-                                    else " — the verdict differs between the backbones."))
-        rep.add("## Does the backbone change the verdict?", "",
-                f"Paired Δ of the final validation loss against {base} of the same backbone (same seeds, data "
-                "order, size and tokens; the verdict follows the noise rule above).", "",
-                md_table(["scheme"] + [f"Δ on {bb}" for bb in backbones], rows), "")
+                sentences.append(
+                    f"{s}: "
+                    + ", ".join(f"{known[bb]} on {bb}" for bb in backbones)
+                    + (
+                        " — the backbone does not change the verdict."
+                        if same
+                        else " — the verdict differs between the backbones."
+                    )
+                )
+        rep.add(
+            "## Does the backbone change the verdict?",
+            "",
+            f"Paired Δ of the final validation loss against {base} of the same backbone (same seeds, data "
+            "order, size and tokens; the verdict follows the noise rule above).",
+            "",
+            md_table(["scheme"] + [f"Δ on {bb}" for bb in backbones], rows),
+            "",
+        )
         if sentences:
             rep.add(*[f"- {line}" for line in sentences], "")

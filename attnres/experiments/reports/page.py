@@ -1,10 +1,10 @@
-"""``write_report``: REPORT.md and PNG figures of one experiment, the sections its report kind picks.
-"""
+"""``write_report``: REPORT.md and PNG figures of one experiment, the sections its report kind picks."""
+
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Dict, Optional
 
 from attnres.experiments.reports.ablations import ablations_report
 from attnres.experiments.reports.arch_sweep import arch_sweep_report
@@ -16,24 +16,34 @@ from attnres.experiments.reports.dynamics import dynamics_report
 from attnres.experiments.reports.generic import generic_report
 from attnres.experiments.reports.kimi_linear import kimi_linear_report
 from attnres.experiments.reports.scaling import scaling_report
-from attnres.experiments.reports.sections import provenance, runs_table, stats_rule, status
+from attnres.experiments.reports.sections import (
+    provenance,
+    runs_table,
+    stats_rule,
+    status,
+)
 from attnres.experiments.results import collect
 from attnres.experiments.spec import ExperimentSpec
-
 
 REPORT_FILE = "REPORT.md"
 DEFAULT_REPORTS_ROOT = "reports"
 
 
-BUILDERS: Dict[str, Callable[[Report], None]] = {
-    "scaling": scaling_report, "ablations": ablations_report, "block-size": block_size_report,
-    "arena": arena_report, "dynamics": dynamics_report, "arch-sweep": arch_sweep_report,
-    "kimi-linear": kimi_linear_report, "generic": generic_report,
+BUILDERS: dict[str, Callable[[Report], None]] = {
+    "scaling": scaling_report,
+    "ablations": ablations_report,
+    "block-size": block_size_report,
+    "arena": arena_report,
+    "dynamics": dynamics_report,
+    "arch-sweep": arch_sweep_report,
+    "kimi-linear": kimi_linear_report,
+    "generic": generic_report,
 }
 
 
-def write_report(spec: ExperimentSpec, runs_root, out_dir=None, command: Optional[str] = None,
-                 wall_seconds: Optional[float] = None) -> Path:
+def write_report(
+    spec: ExperimentSpec, runs_root, out_dir=None, command: str | None = None, wall_seconds: float | None = None
+) -> Path:
     """Build ``<out_dir>/REPORT.md`` (default ``reports/NAME/``) and its PNGs; returns the path.
     ``wall_seconds``: the demo page states the wall time of the invocation that trained the runs and
     wrote it (``attnres demo``); without it, the runs' own."""
@@ -42,7 +52,8 @@ def write_report(spec: ExperimentSpec, runs_root, out_dir=None, command: Optiona
         raise FileNotFoundError(
             f"runs directory {runs_root} does not exist; a report reads finished runs from there "
             f"(experiments/runs in a clone of the repository): pass --runs DIR, or run "
-            f"`attnres experiment {spec.name}` first")
+            f"`attnres experiment {spec.name}` first"
+        )
     out = Path(out_dir) if out_dir is not None else Path(DEFAULT_REPORTS_ROOT) / spec.name
     out.mkdir(parents=True, exist_ok=True)
     col = collect(spec, runs_root)
@@ -58,8 +69,12 @@ def write_report(spec: ExperimentSpec, runs_root, out_dir=None, command: Optiona
     else:
         rep.add("## Results", "", "No run has finished yet: nothing to report.", "")
     body = rep.lines
-    head = ([f"# Experiment `{spec.name}`", ""] + ([spec.description, ""] if spec.description else [])
-            + status(col)
-            + provenance(col, command, time.time() - started) + stats_rule(col, axes))
+    head = (
+        [f"# Experiment `{spec.name}`", ""]
+        + ([spec.description, ""] if spec.description else [])
+        + status(col)
+        + provenance(col, command, time.time() - started)
+        + stats_rule(col, axes)
+    )
     (out / REPORT_FILE).write_text("\n".join(head + body + runs_table(col)) + "\n")
     return out / REPORT_FILE

@@ -1,10 +1,10 @@
 """The sections every report page has: its status (complete or partial), provenance, statistics rule
 and the table of all runs.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Dict, List
 
 from attnres.experiments.env import git_commit, machine
 from attnres.experiments.reports.common import fmt, group_label, md_table
@@ -12,16 +12,16 @@ from attnres.experiments.results import Collected, Result, finite
 from attnres.experiments.stats import NOISE_RULE
 
 
-def _seed_statement(col: Collected, axes: List[str]) -> str:
+def _seed_statement(col: Collected, axes: list[str]) -> str:
     """'3 seeds for a, b (headline); 2 seeds for the other rows'."""
-    per: Dict[str, set] = {}
+    per: dict[str, set] = {}
     for r in col.results:
         per.setdefault(group_label(r.run.labels, axes), set()).add(r.run.seed)
-    by_n: Dict[int, List[str]] = {}
+    by_n: dict[int, list[str]] = {}
     for g, seeds in per.items():
         by_n.setdefault(len(seeds), []).append(g)
     if len(by_n) == 1:
-        (n, _), = by_n.items()
+        ((n, _),) = by_n.items()
         return f"every row runs {n} seed{'s' if n > 1 else ''}"
     parts = []
     for n in sorted(by_n, reverse=True):
@@ -32,29 +32,39 @@ def _seed_statement(col: Collected, axes: List[str]) -> str:
     return "; ".join(parts) + head
 
 
-def status(col: Collected) -> List[str]:
+def status(col: Collected) -> list[str]:
     uniq = col.unique
-    counts: Dict[str, int] = {}
+    counts: dict[str, int] = {}
     for r in uniq:
         counts[r.state] = counts.get(r.state, 0) + 1
     finished = col.n_done + counts.get("diverged", 0)
     if col.complete:
-        head = (f"**Status: complete.** All {len(uniq)} planned runs finished"
-                + (f" ({counts['diverged']} diverged)" if counts.get("diverged") else "") + ".")
+        head = (
+            f"**Status: complete.** All {len(uniq)} planned runs finished"
+            + (f" ({counts['diverged']} diverged)" if counts.get("diverged") else "")
+            + "."
+        )
         return [head, ""]
     missing = [r for r in uniq if r.state not in ("done", "diverged")]
     names = ", ".join(f"`{r.run.name}`" for r in missing[:15])
     more = f" and {len(missing) - 15} more" if len(missing) > 15 else ""
-    return [f"> **PARTIAL REPORT: {finished} of {len(uniq)} planned runs finished** "
-            f"({', '.join(f'{v} {k}' for k, v in sorted(counts.items()))}). Every number below comes from "
-            "the finished runs only; rows and fits with missing runs are incomplete. "
-            f"Continue with `attnres experiment {col.spec.name}`.", ">",
-            f"> Not finished: {names}{more}.", ""]
+    return [
+        f"> **PARTIAL REPORT: {finished} of {len(uniq)} planned runs finished** "
+        f"({', '.join(f'{v} {k}' for k, v in sorted(counts.items()))}). Every number below comes from "
+        "the finished runs only; rows and fits with missing runs are incomplete. "
+        f"Continue with `attnres experiment {col.spec.name}`.",
+        ">",
+        f"> Not finished: {names}{more}.",
+        "",
+    ]
 
 
-def provenance(col: Collected, command: str, report_seconds: float) -> List[str]:
+def provenance(col: Collected, command: str, report_seconds: float) -> list[str]:
     spec = col.spec
-    commands, machines, commits = [], [], []
+    # each distinct value, in order of first appearance, over the runs' invocations (run.json)
+    commands: list[str] = []
+    machines: list[str] = []
+    commits: list[str] = []
     wall = train = 0.0
     reused = 0
     sources = set()
@@ -79,39 +89,52 @@ def provenance(col: Collected, command: str, report_seconds: float) -> List[str]
             wall += r.wall_seconds
             train += r.train_seconds if finite(r.train_seconds) else 0.0
     plural = reused > 1
-    copied = (f"; {reused} run{'s' if plural else ''} come{'' if plural else 's'} from identical runs of "
-              f"{', '.join(sorted(sources))} (their time counts there)") if reused else ""
-    lines = ["## Provenance", "",
-             f"- Report: `{command}` (regenerates every number from the cached runs; no training)",
-             "- Runs produced by: " + ("; ".join(f"`{c}`" for c in commands) if commands
-                                       else f"`attnres experiment {spec.name}` (no runs yet)"),
-             "- Machine: " + ("; ".join(machines) if machines else machine()),
-             f"- Code: runs at commit {', '.join(f'`{c}`' for c in commits) or '—'}; report written at "
-             f"`{git_commit()}`",
-             f"- Spec: `{spec.path}` (sha256 `{spec.sha256[:16]}`)",
-             f"- Wall time of the finished runs: {wall / 3600:.2f} h in all "
-             f"({train / 3600:.2f} h in optimizer steps; the rest is evaluation, data preparation and "
-             f"probes){copied}",
-             ]
+    copied = (
+        (
+            f"; {reused} run{'s' if plural else ''} come{'' if plural else 's'} from identical runs of "
+            f"{', '.join(sorted(sources))} (their time counts there)"
+        )
+        if reused
+        else ""
+    )
+    lines = [
+        "## Provenance",
+        "",
+        f"- Report: `{command}` (regenerates every number from the cached runs; no training)",
+        "- Runs produced by: "
+        + ("; ".join(f"`{c}`" for c in commands) if commands else f"`attnres experiment {spec.name}` (no runs yet)"),
+        "- Machine: " + ("; ".join(machines) if machines else machine()),
+        f"- Code: runs at commit {', '.join(f'`{c}`' for c in commits) or '—'}; report written at `{git_commit()}`",
+        f"- Spec: `{spec.path}` (sha256 `{spec.sha256[:16]}`)",
+        f"- Wall time of the finished runs: {wall / 3600:.2f} h in all "
+        f"({train / 3600:.2f} h in optimizer steps; the rest is evaluation, data preparation and "
+        f"probes){copied}",
+    ]
     if spec.budget_cpu_hours:
-        lines.append(f"- Planned budget: {spec.budget_cpu_hours:g} CPU-hours"
-                     + (f" ({spec.budget_note})" if spec.budget_note else ""))
+        lines.append(
+            f"- Planned budget: {spec.budget_cpu_hours:g} CPU-hours"
+            + (f" ({spec.budget_note})" if spec.budget_note else "")
+        )
     lines += [f"- Report generation: {report_seconds:.1f} s", ""]
     return lines
 
 
-def stats_rule(col: Collected, axes: List[str]) -> List[str]:
-    return ["## Statistics", "",
-            f"Seeds: {_seed_statement(col, axes)}. Values are the final validation loss (nats/token, "
-            "held-out works) as mean ± sample std over seeds. Paired differences: " + NOISE_RULE + ". "
-            "A cell reads `Δ ± s.e. (t, k/n seeds lower): verdict`. "
-            "† marks pairs whose sublayer initialisation differs although the seed is the same (the "
-            "scheme's constructor draws random numbers), so only the data order is shared.", ""]
+def stats_rule(col: Collected, axes: list[str]) -> list[str]:
+    return [
+        "## Statistics",
+        "",
+        f"Seeds: {_seed_statement(col, axes)}. Values are the final validation loss (nats/token, "
+        "held-out works) as mean ± sample std over seeds. Paired differences: " + NOISE_RULE + ". "
+        "A cell reads `Δ ± s.e. (t, k/n seeds lower): verdict`. "
+        "† marks pairs whose sublayer initialisation differs although the seed is the same (the "
+        "scheme's constructor draws random numbers), so only the data order is shared.",
+        "",
+    ]
 
 
-def runs_table(col: Collected) -> List[str]:
+def runs_table(col: Collected) -> list[str]:
     rows = []
-    by_hash: Dict[str, List[Result]] = {}
+    by_hash: dict[str, list[Result]] = {}
     for r in col.results:
         by_hash.setdefault(r.run.hash, []).append(r)
     for h, rs in by_hash.items():
@@ -122,8 +145,20 @@ def runs_table(col: Collected) -> List[str]:
             state = f"done (in {r.dir.parent.name})"
         if r.diverged:
             state = f"diverged at step {r.diverged.get('step')}"
-        rows.append([names, f"`{h}`", state, fmt(r.loss) if r.done else "—",
-                     f"{r.run.tokens:,}", fmt(r.train_seconds, 0) if r.done else "—",
-                     f"{r.summary['params']:,}" if r.done else "—"])
-    return ["## All runs", "", md_table(["run", "hash", "state", "val loss", "tokens", "train s", "params"],
-                                        rows, "llllrrr"), ""]
+        rows.append(
+            [
+                names,
+                f"`{h}`",
+                state,
+                fmt(r.loss) if r.done else "—",
+                f"{r.run.tokens:,}",
+                fmt(r.train_seconds, 0) if r.done else "—",
+                f"{r.summary['params']:,}" if r.done else "—",
+            ]
+        )
+    return [
+        "## All runs",
+        "",
+        md_table(["run", "hash", "state", "val loss", "tokens", "train s", "params"], rows, "llllrrr"),
+        "",
+    ]
