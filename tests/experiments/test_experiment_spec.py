@@ -314,6 +314,7 @@ def test_specs_parse_without_tomllib_through_tomli(tmp_path, write_spec, tiny_ba
     tomli = types.ModuleType("tomli")  # a stand-in that counts its calls
     tomli.loads = lambda text: calls.append(text) or parser.loads(text)
     tomli.TOMLDecodeError = parser.TOMLDecodeError
+    monkeypatch.setattr(sys, "version_info", (3, 10, 14, "final", 0))  # what attnres.files asks
     monkeypatch.setitem(sys.modules, "tomllib", None)  # `import tomllib` raises ModuleNotFoundError
     monkeypatch.setitem(sys.modules, "tomli", tomli)
     path = write_spec(tmp_path, "old", f"""
