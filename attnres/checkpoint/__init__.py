@@ -37,9 +37,17 @@ overlap another tensor's storage are saved as independent copies.
 Modules: ``format`` (file names, ``state.json``, the file-system steps), ``save``, ``load``,
 ``discovery`` (``latest_checkpoint``, ``find_checkpoint``) and ``trained`` (``load_model``).
 """
+
 from attnres.checkpoint.discovery import find_checkpoint, latest_checkpoint
-from attnres.checkpoint.format import (FORMAT_VERSION, MODEL_FILE, OPTIM_FILE, RNG_FILE, STATE_FILE, CheckpointError,
-                                       read_checkpoint_state)
+from attnres.checkpoint.format import (
+    FORMAT_VERSION,
+    MODEL_FILE,
+    OPTIM_FILE,
+    RNG_FILE,
+    STATE_FILE,
+    CheckpointError,
+    read_checkpoint_state,
+)
 from attnres.checkpoint.load import load_checkpoint
 from attnres.checkpoint.save import save_checkpoint
 from attnres.checkpoint.trained import load_model, resolve_device

@@ -1,6 +1,7 @@
 """Finding checkpoints: the one to resume from in a run directory (``latest_checkpoint``), and the
 checkpoint of a run or checkpoint directory (``find_checkpoint``).
 """
+
 from __future__ import annotations
 
 import math
@@ -8,7 +9,13 @@ import os
 import warnings
 from pathlib import Path
 
-from attnres.checkpoint.format import OLD_TAG, STATE_FILE, CheckpointError, read_checkpoint_state, resolve
+from attnres.checkpoint.format import (
+    OLD_TAG,
+    STATE_FILE,
+    CheckpointError,
+    read_checkpoint_state,
+    resolve,
+)
 from attnres.files import CHECKPOINT_DIR
 
 

@@ -1,6 +1,7 @@
 """The checkpoint directory's file names, its ``state.json`` and the file-system steps every reader
 and writer shares (fsync, sha256, the hidden temp / backup directories of a save).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -8,7 +9,6 @@ import json
 import os
 from pathlib import Path
 from typing import Any
-
 
 FORMAT_VERSION = 1
 MODEL_FILE = "model.safetensors"
@@ -26,8 +26,10 @@ class CheckpointError(ValueError):
 
 
 def unparsable(fpath, error: Exception) -> CheckpointError:
-    return CheckpointError(f"{fpath} cannot be parsed as safetensors ({type(error).__name__}: {error}). "
-                           "Fix: copy the file again or resume from an older checkpoint")
+    return CheckpointError(
+        f"{fpath} cannot be parsed as safetensors ({type(error).__name__}: {error}). "
+        "Fix: copy the file again or resume from an older checkpoint"
+    )
 
 
 def fsync_file(path: Path) -> None:

@@ -1,5 +1,5 @@
-"""``load_checkpoint``: verify every file against ``state.json``, parse everything, then load it.
-"""
+"""``load_checkpoint``: verify every file against ``state.json``, parse everything, then load it."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -15,8 +15,19 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
 
-from attnres.checkpoint.format import (ALIAS_KEY, MODEL_FILE, OPTIM_FILE, RNG_FILE, STATE_FILE, CheckpointError,
-                                       jsonable, read_checkpoint_state, resolve, sha256, unparsable)
+from attnres.checkpoint.format import (
+    ALIAS_KEY,
+    MODEL_FILE,
+    OPTIM_FILE,
+    RNG_FILE,
+    STATE_FILE,
+    CheckpointError,
+    jsonable,
+    read_checkpoint_state,
+    resolve,
+    sha256,
+    unparsable,
+)
 from attnres.parallel.state import unwrap
 
 
@@ -47,8 +58,9 @@ def _check_file(path: Path, name: str, state: dict, verify: bool) -> Path:
     info = state["files"].get(name)
     fpath = path / name
     if info is None:
-        raise CheckpointError(f"checkpoint {path} has no {name} (it was saved without it); "
-                              "load with that part disabled")
+        raise CheckpointError(
+            f"checkpoint {path} has no {name} (it was saved without it); load with that part disabled"
+        )
     if not fpath.is_file():
         raise CheckpointError(
             f"{fpath} is missing: the checkpoint is incomplete (partially copied?). "
@@ -164,9 +176,9 @@ def load_checkpoint(
         if not isinstance(rng, dict) or not {"torch_cpu", "numpy", "python"} <= set(rng):
             raise CheckpointError(f"{path / RNG_FILE} does not hold RNG states. Fix: resume from another checkpoint")
 
-    if weights is not None:
+    if model is not None and weights is not None:
         unwrap(model).load_state_dict(weights, strict=True)
-    if optim_state is not None:
+    if optimizer is not None and optim_state is not None:
         try:
             optimizer.load_state_dict(optim_state)
         except (ValueError, KeyError, RuntimeError) as e:

@@ -1,5 +1,5 @@
-"""``save_checkpoint``: write every file into a hidden temp directory, fsync, swap it into place.
-"""
+"""``save_checkpoint``: write every file into a hidden temp directory, fsync, swap it into place."""
+
 from __future__ import annotations
 
 import json
@@ -16,9 +16,23 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from attnres.checkpoint.format import (ALIAS_KEY, FORMAT_VERSION, MODEL_FILE, OLD_TAG, OPTIM_FILE, RNG_FILE,
-                                       STATE_FILE, TMP_TAG, CheckpointError, fsync_dir, fsync_file, hidden_prefix,
-                                       jsonable, sha256, siblings)
+from attnres.checkpoint.format import (
+    ALIAS_KEY,
+    FORMAT_VERSION,
+    MODEL_FILE,
+    OLD_TAG,
+    OPTIM_FILE,
+    RNG_FILE,
+    STATE_FILE,
+    TMP_TAG,
+    CheckpointError,
+    fsync_dir,
+    fsync_file,
+    hidden_prefix,
+    jsonable,
+    sha256,
+    siblings,
+)
 from attnres.parallel.state import unwrap
 
 
@@ -145,12 +159,11 @@ def save_checkpoint(
         "model_config": jsonable(model_config, "model_config"),
         "train_config": jsonable(train_config, "train_config"),
     }
-    if target.exists() and not (target / STATE_FILE).is_file():
-        if not target.is_dir() or any(target.iterdir()):
-            raise CheckpointError(
-                f"{target} exists and is not a checkpoint (no {STATE_FILE}); refusing to replace it. "
-                "Fix: pass a dedicated checkpoint directory path, e.g. <run_dir>/ckpt_last"
-            )
+    if target.exists() and not (target / STATE_FILE).is_file() and (not target.is_dir() or any(target.iterdir())):
+        raise CheckpointError(
+            f"{target} exists and is not a checkpoint (no {STATE_FILE}); refusing to replace it. "
+            "Fix: pass a dedicated checkpoint directory path, e.g. <run_dir>/ckpt_last"
+        )
     target.parent.mkdir(parents=True, exist_ok=True)
     _repair(target)
 

@@ -1,5 +1,5 @@
-"""``load_model``: a trained model (and its run's tokenizer) rebuilt from a run or checkpoint directory.
-"""
+"""``load_model``: a trained model (and its run's tokenizer) rebuilt from a run or checkpoint directory."""
+
 from __future__ import annotations
 
 import json
@@ -10,8 +10,15 @@ import torch
 from safetensors import safe_open
 
 from attnres.checkpoint.discovery import find_checkpoint
-from attnres.checkpoint.format import (ALIAS_KEY, MODEL_FILE, STATE_FILE, CheckpointError, read_checkpoint_state,
-                                       resolve, unparsable)
+from attnres.checkpoint.format import (
+    ALIAS_KEY,
+    MODEL_FILE,
+    STATE_FILE,
+    CheckpointError,
+    read_checkpoint_state,
+    resolve,
+    unparsable,
+)
 from attnres.checkpoint.load import load_checkpoint
 from attnres.files import CHECKPOINT_DIR, TOKENIZER_FILE
 from attnres.model import AttnResLM, ModelConfig
@@ -33,7 +40,7 @@ def _check_config_fits_weights(ckpt: Path, config: ModelConfig) -> None:
     fpath = resolve(ckpt) / MODEL_FILE
     try:
         with safe_open(str(fpath), framework="pt") as f:
-            saved = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+            saved = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118  # a safe_open handle, not a dict
             aliases = json.loads((f.metadata() or {}).get(ALIAS_KEY, "{}"))
     except Exception as e:  # safetensors raises its own error types
         raise unparsable(fpath, e) from e
@@ -62,8 +69,7 @@ def load_model(run_or_checkpoint: str | os.PathLike, device: str = "cpu"):
     ckpt = find_checkpoint(path)
     if ckpt is None:
         raise FileNotFoundError(
-            f"no checkpoint found at {path}; pass a run directory (holding {CHECKPOINT_DIR}/) or a "
-            "checkpoint directory"
+            f"no checkpoint found at {path}; pass a run directory (holding {CHECKPOINT_DIR}/) or a checkpoint directory"
         )
     state = read_checkpoint_state(ckpt)
     try:

@@ -83,7 +83,7 @@ class AttnResLM(nn.Module):
         self.activation_checkpointing = "none"  # a training setting, not part of the model's function
         self.reset_parameters()
 
-    def set_activation_checkpointing(self, mode: str) -> None:
+    def set_activation_checkpointing(self, mode: str | None) -> None:
         """What backward recomputes instead of keeping (``attnres.model.checkpointing``): "none",
         "block" (keep only the embedding and completed depth-block representations between depth
         blocks) or "sublayer" (recompute inside each attention and MLP sublayer). Results are unchanged."""

@@ -19,11 +19,13 @@ Gradient flow relies on full backward accumulating into ``.grad``; split
 backward schedules (InterleavedZeroBubble, ZBV, DualPipeV) compute input
 gradients with ``autograd.grad`` instead, so they are rejected.
 """
+
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -31,8 +33,17 @@ from torch import Tensor, nn
 
 from attnres.model.llama import lm_loss, output_logits, run_blocks
 from attnres.model.lm import AttnResLM
-from attnres.residual import DepthState
 from attnres.parallel import PIPELINE_SCHEDULES as SCHEDULES
+from attnres.residual import DepthState
+
+if TYPE_CHECKING:  # torch.distributed.pipelining is imported when a pipeline is built
+    from torch.distributed.pipelining import PipelineStage as _StageBase
+    from torch.distributed.pipelining.schedules import (
+        PipelineScheduleMulti,
+        PipelineScheduleSingle,
+    )
+else:
+    _StageBase = object  # CountingStage is mixed into PipelineStage by _stage_class
 
 SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
 SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
@@ -41,15 +52,26 @@ SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV
 def _schedule_class(name: str):
     from torch.distributed.pipelining import schedules
 
-    return {"GPipe": schedules.ScheduleGPipe, "1F1B": schedules.Schedule1F1B,
-            "Interleaved1F1B": schedules.ScheduleInterleaved1F1B,
-            "LoopedBFS": schedules.ScheduleLoopedBFS}[name]
+    return {
+        "GPipe": schedules.ScheduleGPipe,
+        "1F1B": schedules.Schedule1F1B,
+        "Interleaved1F1B": schedules.ScheduleInterleaved1F1B,
+        "LoopedBFS": schedules.ScheduleLoopedBFS,
+    }[name]
 
 
-def check_pipeline_options(pp: int, vpp: int, schedule: str, microbatches: int, n_layers: Optional[int],
-                           batch_size: int, where: str = "TrainConfig") -> None:
+def check_pipeline_options(
+    pp: int,
+    vpp: int,
+    schedule: str,
+    microbatches: int,
+    n_layers: int | None,
+    batch_size: int,
+    where: str = "TrainConfig",
+) -> None:
     """Every way a pipeline request can be wrong, as one clear error before any process group work
     (``n_layers`` None: the model is not known yet)."""
+
     def bad(name, value, fix):
         return ValueError(f"{where}.{name}={value!r} is invalid: {fix}")
 
@@ -57,18 +79,26 @@ def check_pipeline_options(pp: int, vpp: int, schedule: str, microbatches: int, 
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise bad(name, value, "must be a positive integer")
     if schedule in SPLIT_BACKWARD_SCHEDULES:
-        raise bad("pp_schedule", schedule,
-                  "split-backward schedules compute input gradients with autograd.grad, which bypasses the "
-                  "gradient accumulation that cross-stage caching relies on; choose one of "
-                  f"{SCHEDULES}")
+        raise bad(
+            "pp_schedule",
+            schedule,
+            "split-backward schedules compute input gradients with autograd.grad, which bypasses the "
+            "gradient accumulation that cross-stage caching relies on; choose one of "
+            f"{SCHEDULES}",
+        )
     if schedule not in SCHEDULES:
         raise bad("pp_schedule", schedule, f"choose one of {SCHEDULES}")
     if schedule in SINGLE_STAGE_SCHEDULES and vpp != 1:
-        raise bad("vpp", vpp, f"{schedule} runs one stage per rank; use vpp=1 or the Interleaved1F1B / "
-                  "LoopedBFS schedule")
+        raise bad(
+            "vpp", vpp, f"{schedule} runs one stage per rank; use vpp=1 or the Interleaved1F1B / LoopedBFS schedule"
+        )
     if n_layers is not None and pp * vpp > n_layers:
-        raise bad("pp", pp, f"pp * vpp = {pp * vpp} chunks but the model has only n_layers={n_layers} "
-                  "Transformer blocks; lower pp or vpp")
+        raise bad(
+            "pp",
+            pp,
+            f"pp * vpp = {pp * vpp} chunks but the model has only n_layers={n_layers} "
+            "Transformer blocks; lower pp or vpp",
+        )
     if batch_size % microbatches:
         raise bad("microbatches", microbatches, f"must divide the batch size {batch_size}")
     if schedule not in SINGLE_STAGE_SCHEDULES and microbatches % pp:
@@ -78,7 +108,7 @@ def check_pipeline_options(pp: int, vpp: int, schedule: str, microbatches: int, 
 # ----------------------------------------------------------------------------- layout
 
 
-def split_layers(n_layers: int, n_chunks: int) -> List[range]:
+def split_layers(n_layers: int, n_chunks: int) -> list[range]:
     """Contiguous Transformer-block ranges, sizes differing by at most one (larger ones first)."""
     base, extra = divmod(n_layers, n_chunks)
     out, start = [], 0
@@ -91,7 +121,7 @@ def split_layers(n_layers: int, n_chunks: int) -> List[range]:
 
 @dataclass
 class TensorSpec:
-    shape: Tuple[int, ...]
+    shape: tuple[int, ...]
     dtype: torch.dtype
 
     @property
@@ -102,8 +132,7 @@ class TensorSpec:
         return n * torch.empty((), dtype=self.dtype).element_size()
 
     def meta(self) -> Tensor:
-        return torch.empty(self.shape, dtype=self.dtype, device="meta",
-                           requires_grad=self.dtype.is_floating_point)
+        return torch.empty(self.shape, dtype=self.dtype, device="meta", requires_grad=self.dtype.is_floating_point)
 
 
 @dataclass
@@ -116,9 +145,9 @@ class PipelineLayout:
     pp: int
     vpp: int
     cache: bool
-    layers: List[range]
-    history: List[List[TensorSpec]]
-    state: List[List[TensorSpec]]
+    layers: list[range]
+    history: list[list[TensorSpec]]
+    state: list[list[TensorSpec]]
 
     @property
     def n_chunks(self) -> int:
@@ -127,7 +156,7 @@ class PipelineLayout:
     def rank_of(self, chunk: int) -> int:
         return chunk % self.pp
 
-    def chunks_of(self, rank: int) -> List[int]:
+    def chunks_of(self, rank: int) -> list[int]:
         return list(range(rank, self.n_chunks, self.pp))
 
     def held(self, chunk: int) -> int:
@@ -142,19 +171,24 @@ class PipelineLayout:
         """History indices carried by the transition chunk -> chunk + 1."""
         return range(self.held(chunk + 1), len(self.history[chunk]))
 
-    def inputs(self, chunk: int) -> List[TensorSpec]:
+    def inputs(self, chunk: int) -> list[TensorSpec]:
         prev = chunk - 1
         return [self.history[prev][i] for i in self.sent_history(prev)] + self.state[prev]
 
-    def traffic(self) -> List[Dict[str, int]]:
+    def traffic(self) -> list[dict[str, int]]:
         """Per transition c -> c+1: history entries and bytes sent, split into the embedding (history
         entry 0), block representations and running state, per microbatch."""
         rows = []
         for c in range(self.n_chunks - 1):
             sent = self.sent_history(c)
-            row = {"transition": c, "src_rank": self.rank_of(c), "dst_rank": self.rank_of(c + 1),
-                   "embedding": int(0 in sent), "blocks": sum(1 for i in sent if i > 0),
-                   "state": len(self.state[c])}
+            row = {
+                "transition": c,
+                "src_rank": self.rank_of(c),
+                "dst_rank": self.rank_of(c + 1),
+                "embedding": int(0 in sent),
+                "blocks": sum(1 for i in sent if i > 0),
+                "state": len(self.state[c]),
+            }
             row["embedding_bytes"] = self.history[c][0].bytes if 0 in sent else 0
             row["block_bytes"] = sum(self.history[c][i].bytes for i in sent if i > 0)
             row["state_bytes"] = sum(s.bytes for s in self.state[c])
@@ -163,7 +197,7 @@ class PipelineLayout:
         return rows
 
 
-def spec_block_traffic(pp: int, vpp: int, blocks_per_chunk: float) -> Tuple[float, float]:
+def spec_block_traffic(pp: int, vpp: int, blocks_per_chunk: float) -> tuple[float, float]:
     """docs/method.md §7, in block representations per token (multiply by d for d-vectors):
     naive C(C-1)/2 · N_p, cached P(P-1)/2 · N_p + (V-1) · P² · N_p."""
     c = pp * vpp
@@ -173,8 +207,16 @@ def spec_block_traffic(pp: int, vpp: int, blocks_per_chunk: float) -> Tuple[floa
 
 
 @torch.no_grad()
-def probe_layout(model: AttnResLM, pp: int, vpp: int, microbatch: int, seq_len: int, *, cache: bool,
-                 autocast: Callable = contextlib.nullcontext) -> PipelineLayout:
+def probe_layout(
+    model: AttnResLM,
+    pp: int,
+    vpp: int,
+    microbatch: int,
+    seq_len: int,
+    *,
+    cache: bool,
+    autocast: Callable = contextlib.nullcontext,
+) -> PipelineLayout:
     """Run the full model once on a dummy microbatch and record what each chunk boundary exports."""
     layers = split_layers(model.config.n_layers, pp * vpp)
     device = next(model.parameters()).device
@@ -198,12 +240,12 @@ class HistoryCache:
     chunk too, never by microbatch alone: every local chunk stores its own entry."""
 
     def __init__(self):
-        self._held: Dict[Tuple[int, int], List[Tensor]] = {}
+        self._held: dict[tuple[int, int], list[Tensor]] = {}
 
-    def put(self, chunk: int, microbatch: int, history: List[Tensor]) -> None:
+    def put(self, chunk: int, microbatch: int, history: list[Tensor]) -> None:
         self._held[(chunk, microbatch)] = history
 
-    def take(self, chunk: int, microbatch: int) -> List[Tensor]:
+    def take(self, chunk: int, microbatch: int) -> list[Tensor]:
         try:
             return self._held.pop((chunk, microbatch))
         except KeyError:
@@ -220,8 +262,18 @@ class PipelineChunk(nn.Module):
     """One chunk of AttnResLM: its Transformer blocks, the shared residual scheme, and the embedding
     (first chunk) or the final norm and head (last chunk). Parameter names match the full model's."""
 
-    def __init__(self, model: AttnResLM, chunk: int, layout: PipelineLayout, cache: HistoryCache,
-                 autocast: Callable = contextlib.nullcontext):
+    embed: nn.Embedding | None  # the first chunk's
+    norm: nn.Module | None  # the last chunk's, with lm_head
+    lm_head: nn.Linear | None
+
+    def __init__(
+        self,
+        model: AttnResLM,
+        chunk: int,
+        layout: PipelineLayout,
+        cache: HistoryCache,
+        autocast: Callable = contextlib.nullcontext,
+    ):
         super().__init__()
         self.chunk, self.layout, self.cache, self.autocast = chunk, layout, cache, autocast
         self.is_first, self.is_last = chunk == 0, chunk == layout.n_chunks - 1
@@ -238,6 +290,7 @@ class PipelineChunk(nn.Module):
         layout, c = self.layout, self.chunk
         with self.autocast():
             if self.is_first:
+                assert self.embed is not None
                 (ids,) = inputs
                 depth = self.residual.start(self.embed(ids))
                 seq_len = ids.shape[1]
@@ -252,9 +305,9 @@ class PipelineChunk(nn.Module):
             cos, sin = self.rope[0][:seq_len], self.rope[1][:seq_len]
             depth = run_blocks(depth, self.residual, ((i, self.blocks[str(i)]) for i in self.layer_ids), cos, sin)
             if self.is_last:
+                assert self.norm is not None and self.lm_head is not None
                 return output_logits(self.norm, self.lm_head, self.residual.finish(depth))
-            history, state = depth.history, depth.state
-        sent = [history[i] for i in layout.sent_history(c)] + list(state)
+        sent = [depth.history[i] for i in layout.sent_history(c)] + list(depth.state)
         # gloo sends only contiguous buffers (a multi-stream state may be an expanded view)
         return tuple(t.contiguous() for t in sent)
 
@@ -263,8 +316,7 @@ class PipelineChunk(nn.Module):
 
 
 @torch.no_grad()
-def all_reduce_gradients(params: List[nn.Parameter], group: Optional[dist.ProcessGroup],
-                         divide: int = 1) -> None:
+def all_reduce_gradients(params: list[nn.Parameter], group: dist.ProcessGroup | None, divide: int = 1) -> None:
     """Sum (then divide) the gradients of ``params`` over ``group`` in one flat all-reduce; a missing
     gradient takes part as zeros."""
     if not params:
@@ -275,12 +327,14 @@ def all_reduce_gradients(params: List[nn.Parameter], group: Optional[dist.Proces
         flat /= divide
     offset = 0
     for p in params:
-        p.grad = flat[offset:offset + p.numel()].view_as(p).clone()
+        p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
         offset += p.numel()
 
 
-class CountingStage:
+class CountingStage(_StageBase):
     """Mixin over PipelineStage: tallies the bytes of every P2P send, per transition and direction."""
+
+    bytes_sent: dict[tuple[int, str], int]  # (transition, direction) -> bytes; build_pipeline sets it
 
     def _tally(self, ops, direction: str, transition: int):
         if not ops:
@@ -309,12 +363,12 @@ class Pipeline:
 
     model: AttnResLM  # pruned: only this rank's blocks (others are None), embedding/head where local
     layout: PipelineLayout
-    chunks: List[PipelineChunk]
-    schedule: object
+    chunks: list[PipelineChunk]
+    schedule: PipelineScheduleSingle | PipelineScheduleMulti | None  # None until build_pipeline sets it
     microbatches: int
     cache: HistoryCache
-    group: Optional[dist.ProcessGroup] = None
-    stages: List[object] = field(default_factory=list)
+    group: dist.ProcessGroup | None = None
+    stages: list[CountingStage] = field(default_factory=list)
 
     @property
     def rank(self) -> int:
@@ -339,10 +393,11 @@ class Pipeline:
     def _run(self, x: Tensor, y: Tensor, train: bool, scale: float = 1.0) -> float:
         self.cache.clear()
         self.loss_scale = scale
-        losses: List[Tensor] = []
+        losses: list[Tensor] = []
         args = (x,) if self.has_first else ()
-        kwargs = {"target": y, "losses": losses} if self.has_last else {}
+        kwargs: dict[str, Any] = {"target": y, "losses": losses} if self.has_last else {}
         mb_ids = torch.arange(self.microbatches, device=x.device)
+        assert self.schedule is not None  # set by build_pipeline
         try:
             (self.schedule.step if train else self.schedule.eval)(*args, microbatch=mb_ids, **kwargs)
         finally:
@@ -350,7 +405,7 @@ class Pipeline:
             self.loss_scale = 1.0
         total = torch.zeros((), dtype=torch.float64, device=x.device)
         if self.has_last:
-            total += sum(float(l.detach()) for l in losses) / scale
+            total += sum(float(loss.detach()) for loss in losses) / scale
         # the last rank knows the loss: share it (a sum, since only one rank contributes)
         dist.all_reduce(total, group=self.group)
         return float(total)
@@ -368,10 +423,10 @@ class Pipeline:
         try:
             return self._run(x, y, train=False)
         finally:
-            for stage, saved in zip(self.stages, counts):
+            for stage, saved in zip(self.stages, counts, strict=True):
                 stage.bytes_sent = saved
 
-    def shared_parameters(self) -> List[nn.Parameter]:
+    def shared_parameters(self) -> list[nn.Parameter]:
         """Parameters every rank holds: the residual scheme's (each rank trains its sublayers' rows)."""
         return list(self.model.residual.parameters())
 
@@ -385,22 +440,24 @@ class Pipeline:
         """Clip by the norm over the whole model's gradient (shared parameters counted once); call after
         ``reduce_shared_gradients``. Returns the norm before clipping."""
         shared = {id(p) for p in self.shared_parameters()}
-        with_grad = [p for p in self.model.parameters() if p.grad is not None]
-        device = with_grad[0].device
-        own = sum((p.grad.double().pow(2).sum() for p in with_grad if id(p) not in shared),
-                  torch.zeros((), dtype=torch.float64, device=device))
+        with_grad = [(p.grad, id(p) in shared) for p in self.model.parameters() if p.grad is not None]
+        device = with_grad[0][0].device
+        own = sum(
+            (g.double().pow(2).sum() for g, is_shared in with_grad if not is_shared),
+            torch.zeros((), dtype=torch.float64, device=device),
+        )
         dist.all_reduce(own, group=self.group)
         common = sum(p.grad.double().pow(2).sum() for p in self.shared_parameters() if p.grad is not None)
         norm = float((own + common).sqrt())
         coef = max_norm / (norm + 1e-6)
         if coef < 1:
-            for p in with_grad:
-                p.grad.mul_(coef)
+            for g, _ in with_grad:
+                g.mul_(coef)
         return norm
 
-    def bytes_sent(self) -> Dict[Tuple[int, str], int]:
+    def bytes_sent(self) -> dict[tuple[int, str], int]:
         """(transition, direction) -> bytes this rank sent, summed over its stages."""
-        out: Dict[Tuple[int, str], int] = {}
+        out: dict[tuple[int, str], int] = {}
         for stage in self.stages:
             for k, v in stage.bytes_sent.items():
                 out[k] = out.get(k, 0) + v
@@ -417,31 +474,45 @@ def prune_to_chunks(model: AttnResLM, layout: PipelineLayout, rank: int) -> Attn
     stays only with chunk 0 and the norm and head only with the last chunk."""
     mine = layout.chunks_of(rank)
     keep = {i for c in mine for i in layout.layers[c]}
+    # register_module(name, None) keeps the slot, so every kept module keeps its full-model name
     for i in range(len(model.blocks)):
         if i not in keep:
-            model.blocks[i] = None
+            model.blocks.register_module(str(i), None)
     if 0 not in mine:
-        model.embed = None
+        model.register_module("embed", None)
     if layout.n_chunks - 1 not in mine:
-        model.norm = None
-        model.lm_head = None
+        model.register_module("norm", None)
+        model.register_module("lm_head", None)
     return model
 
 
-def build_pipeline(model: AttnResLM, *, pp: int, vpp: int, schedule: str, microbatches: int,
-                   batch_size: int, seq_len: int, cache: bool = True,
-                   group: Optional[dist.ProcessGroup] = None,
-                   autocast: Callable = contextlib.nullcontext) -> Pipeline:
+def build_pipeline(
+    model: AttnResLM,
+    *,
+    pp: int,
+    vpp: int,
+    schedule: str,
+    microbatches: int,
+    batch_size: int,
+    seq_len: int,
+    cache: bool = True,
+    group: dist.ProcessGroup | None = None,
+    autocast: Callable = contextlib.nullcontext,
+) -> Pipeline:
     """Split ``model`` (identical on every rank of ``group``, which has ``pp`` ranks) into chunks,
     keep this rank's and wire them into a pipeline schedule. Modifies ``model`` in place."""
     check_pipeline_options(pp, vpp, schedule, microbatches, model.config.n_layers, batch_size)
     if model.config.tie_embeddings:
-        raise ValueError("ModelConfig.tie_embeddings=True is not supported with pipeline parallelism: the "
-                         "embedding and the head live on different ranks; use tie_embeddings=False")
+        raise ValueError(
+            "ModelConfig.tie_embeddings=True is not supported with pipeline parallelism: the "
+            "embedding and the head live on different ranks; use tie_embeddings=False"
+        )
     world = dist.get_world_size(group)
     if world != pp:
-        raise ValueError(f"pipeline parallelism with pp={pp} needs a process group of {pp} ranks, got "
-                         f"{world}; launch with torchrun --nproc-per-node {pp}")
+        raise ValueError(
+            f"pipeline parallelism with pp={pp} needs a process group of {pp} ranks, got "
+            f"{world}; launch with torchrun --nproc-per-node {pp}"
+        )
     rank = dist.get_rank(group)
     device = next(model.parameters()).device
     mb = batch_size // microbatches
@@ -453,24 +524,29 @@ def build_pipeline(model: AttnResLM, *, pp: int, vpp: int, schedule: str, microb
     vocab = model.config.vocab_size
     for c in layout.chunks_of(rank):
         chunk = PipelineChunk(model, c, layout, history_cache, autocast)
+        inputs: tuple[Tensor, ...]
+        outputs: tuple[Tensor, ...]
         if c == 0:
             inputs = (torch.empty(mb, seq_len, dtype=torch.long, device="meta"),)
         else:
             inputs = tuple(s.meta() for s in layout.inputs(c))
         if c == layout.n_chunks - 1:
-            outputs = (torch.empty(mb, seq_len, vocab, dtype=torch.float32, device="meta",
-                                   requires_grad=True),)
+            outputs = (torch.empty(mb, seq_len, vocab, dtype=torch.float32, device="meta", requires_grad=True),)
         else:
-            outputs = tuple(layout.history[c][i].meta() for i in layout.sent_history(c)) \
-                + tuple(s.meta() for s in layout.state[c])
-        stage = stage_cls(chunk, c, layout.n_chunks, device, input_args=inputs, output_args=outputs,
-                          group=group)
+            outputs = tuple(layout.history[c][i].meta() for i in layout.sent_history(c)) + tuple(
+                s.meta() for s in layout.state[c]
+            )
+        stage = stage_cls(chunk, c, layout.n_chunks, device, input_args=inputs, output_args=outputs, group=group)
         stage.bytes_sent = {}
         chunks.append(chunk)
         stages.append(stage)
 
     pipe = Pipeline(model, layout, chunks, None, microbatches, history_cache, group, stages)
     cls = _schedule_class(schedule)
-    pipe.schedule = cls(stages[0] if schedule in SINGLE_STAGE_SCHEDULES else stages, microbatches,
-                        loss_fn=pipe.loss_fn, scale_grads=False)
+    pipe.schedule = cls(
+        stages[0] if schedule in SINGLE_STAGE_SCHEDULES else stages,
+        microbatches,
+        loss_fn=pipe.loss_fn,
+        scale_grads=False,
+    )
     return pipe

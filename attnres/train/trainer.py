@@ -16,6 +16,7 @@ checkpoint is written only from a state whose parameters and next loss are finit
 run keeps its last good checkpoint; a resumed run encodes with its saved tokenizer and refuses
 data that changed since it started; resuming a finished run trains nothing and keeps its summary.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,9 +24,9 @@ import math
 import os
 import signal
 import time
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Callable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -45,7 +46,12 @@ from attnres.train.progress import StepProgress
 from attnres.train.run_data import prepare_run_data
 from attnres.train.run_dir import claim_run_directory
 from attnres.train.schedule import make_schedule, set_lr
-from attnres.train.summary import TrainResult, read_summary, summary_from_state, write_summary
+from attnres.train.summary import (
+    TrainResult,
+    read_summary,
+    summary_from_state,
+    write_summary,
+)
 
 
 class TrainingDiverged(RuntimeError):
@@ -77,8 +83,7 @@ class _GracefulInterrupt:
         if self.requested:
             raise KeyboardInterrupt
         self.requested = True
-        print("\nCtrl-C: finishing this step and writing a checkpoint (press again to stop at once)",
-              flush=True)
+        print("\nCtrl-C: finishing this step and writing a checkpoint (press again to stop at once)", flush=True)
 
     def __exit__(self, *exc):
         if self._previous is not None:
@@ -87,9 +92,17 @@ class _GracefulInterrupt:
 
 
 class Trainer:
-    def __init__(self, model_config: ModelConfig, train_config: TrainConfig, *, resume: bool = False,
-                 force: bool = False, log: Callable[[str], None] = print, trackers: Sequence[str] = (),
-                 name: Optional[str] = None):
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        train_config: TrainConfig,
+        *,
+        resume: bool = False,
+        force: bool = False,
+        log: Callable[[str], None] = print,
+        trackers: Sequence[str] = (),
+        name: str | None = None,
+    ):
         """``resume``: continue the run in ``train_config.out_dir``; ``force``: delete the run there and
         start over; with neither, a directory that holds a run is refused. The run directory stays
         locked to this trainer until :meth:`run` returns (or :meth:`close`). ``trackers``: where the
@@ -145,33 +158,35 @@ class Trainer:
         self.compiled = self.strategy.compile(c.compile) if c.compile else None  # in place: names unchanged
         self.model = self.strategy.model  # this rank's parameters, under their full-model names
         self.optimizer = self._build_optimizer(self.model)
-        self.checkpointer = Checkpointer(self.out_dir, c, model_config, self.strategy, self.optimizer,
-                                         self._build_optimizer, self.is_main)
+        self.checkpointer = Checkpointer(
+            self.out_dir, c, model_config, self.strategy, self.optimizer, self._build_optimizer, self.is_main
+        )
         options = {"decay_fraction": c.decay_fraction} if c.schedule == "wsd" else {}
-        self.schedule = make_schedule(c.schedule, total_steps=c.steps, warmup_steps=c.warmup_steps,
-                                      **options)
+        self.schedule = make_schedule(c.schedule, total_steps=c.steps, warmup_steps=c.warmup_steps, **options)
         self.step = 0
-        self.step_report = {}  # what the model reports after each step (MoE expert loads)
-        self.state = {"tokens": 0, "elapsed": 0.0, "train_loss": float("nan"),
-                      "data_digest": self.data.data_digest}
+        self.step_report: dict[str, object] = {}  # what the model reports after each step (MoE expert loads)
+        self.state = {"tokens": 0, "elapsed": 0.0, "train_loss": float("nan"), "data_digest": self.data.data_digest}
         if self.resume:
             self._resume()
 
     def describe(self) -> str:
         """One line: the model, the data and, for parallel runs, the layout."""
         m, layout = self.model_config, describe_layout(self.cfg, self.compiled)
-        return (f"model: {m.residual}, {self.n_params:,} parameters, {m.n_layers} blocks x d={m.d_model}; data: "
-                f"{len(self.data.train_names)} train / {len(self.data.val_names)} validation documents{layout}")
+        return (
+            f"model: {m.residual}, {self.n_params:,} parameters, {m.n_layers} blocks x d={m.d_model}; data: "
+            f"{len(self.data.train_names)} train / {len(self.data.val_names)} validation documents{layout}"
+        )
 
-    def pipeline_traffic(self) -> Optional[str]:
+    def pipeline_traffic(self) -> str | None:
         """The pipeline's bytes on the wire next to docs/method.md §7 (``attnres.parallel.report``); None without a
         pipeline or before any step. Collective: every rank of a pipeline run calls it."""
         return pipeline_traffic(self.strategy, self.cfg)
 
     def _build_optimizer(self, model):
         c = self.cfg
-        return build_optimizer(model, c.optimizer, lr=c.lr, weight_decay=c.weight_decay,
-                               betas=(c.beta1, c.beta2), muon_lr=c.muon_lr)
+        return build_optimizer(
+            model, c.optimizer, lr=c.lr, weight_decay=c.weight_decay, betas=(c.beta1, c.beta2), muon_lr=c.muon_lr
+        )
 
     # ------------------------------------------------------------------ checkpoints
     def _resume(self) -> None:
@@ -189,12 +204,11 @@ class Trainer:
         checkpoint on disk is kept and :class:`TrainingDiverged` says which step it holds."""
         problem = self._unfit_to_save()
         if problem is not None:
-            raise TrainingDiverged(f"{problem} after step {self.step}; {self.checkpointer.kept()}. "
-                                   f"{_DIVERGED_FIX}")
+            raise TrainingDiverged(f"{problem} after step {self.step}; {self.checkpointer.kept()}. {_DIVERGED_FIX}")
         return self.checkpointer.save(self.step, self.state)
 
     @torch.no_grad()
-    def _unfit_to_save(self) -> Optional[str]:
+    def _unfit_to_save(self) -> str | None:
         """None when the current state may be checkpointed, else what is wrong with it (collective)."""
         from attnres.data import batch_seed, sample_batch
 
@@ -221,9 +235,14 @@ class Trainer:
         return nullcontext()
 
     def evaluate(self) -> dict:
-        return evaluate(self.model, self.data.val, batch_size=self.cfg.batch_size,
-                        seq_len=self.cfg.seq_len, max_batches=self.cfg.eval_batches,
-                        loss_of=self.strategy.eval_loss)
+        return evaluate(
+            self.model,
+            self.data.val,
+            batch_size=self.cfg.batch_size,
+            seq_len=self.cfg.seq_len,
+            max_batches=self.cfg.eval_batches,
+            loss_of=self.strategy.eval_loss,
+        )
 
     # ------------------------------------------------------------------ training
     def train_step(self) -> float:
@@ -233,13 +252,15 @@ class Trainer:
         lr = set_lr(self.optimizer, self.schedule(self.step))
         loss_sum = 0.0
         for micro in range(c.grad_accum):
-            x, y = sample_batch(self.data.train.tokens, c.batch_size, c.seq_len,
-                                seed=batch_seed(c.seed, self.step, micro))
+            x, y = sample_batch(
+                self.data.train.tokens, c.batch_size, c.seq_len, seed=batch_seed(c.seed, self.step, micro)
+            )
             loss = self.strategy.forward_backward(x.to(self.device), y.to(self.device), 1.0 / c.grad_accum)
             if not math.isfinite(loss):
                 raise TrainingDiverged(
                     f"loss is {loss} at step {self.step} (micro-batch {micro}); {self.checkpointer.kept()}. "
-                    f"{_DIVERGED_FIX}")
+                    f"{_DIVERGED_FIX}"
+                )
             loss_sum += loss
         self.strategy.reduce_gradients()
         if c.grad_clip > 0:
@@ -263,8 +284,10 @@ class Trainer:
     def _already_complete(self) -> TrainResult:
         """A resumed run that has reached its steps: nothing is trained, its summary stays as it is."""
         if self.is_main:
-            self.log(f"the run in {self.out_dir} is already complete at step {self.step} (steps={self.cfg.steps}); "
-                     f"nothing to train. Pass --steps above {self.step} to train it further")
+            self.log(
+                f"the run in {self.out_dir} is already complete at step {self.step} (steps={self.cfg.steps}); "
+                f"nothing to train. Pass --steps above {self.step} to train it further"
+            )
         result = read_summary(self.out_dir)
         if result is not None:
             return result
@@ -281,16 +304,20 @@ class Trainer:
     def _train(self) -> TrainResult:
         c = self.cfg
         if self.is_main:  # one writer: rank 0 owns (and has locked) the run directory
-            atomic_write_text(self.out_dir / CONFIG_FILE, json.dumps(
-                {"model": self.model_config.to_dict(), "train": c.to_dict()}, indent=2))
+            atomic_write_text(
+                self.out_dir / CONFIG_FILE,
+                json.dumps({"model": self.model_config.to_dict(), "train": c.to_dict()}, indent=2),
+            )
             if not (self.resume and (self.out_dir / TOKENIZER_FILE).is_file()):  # a resumed run's stays
                 self.data.tokenizer.save(str(self.out_dir / TOKENIZER_FILE))
         tokens_per_step = c.batch_size * c.seq_len * c.grad_accum
         # from the checkpoint's step (0 for a new run): rows of an interrupted attempt beyond it go
-        wandb_config = {"model": self.model_config.to_dict(), "train": c.to_dict()} \
-            if "wandb" in self.trackers else None
-        metrics = MetricsLogger(self.out_dir, resume_step=self.step, wandb_config=wandb_config) \
-            if self.is_main else None
+        wandb_config = (
+            {"model": self.model_config.to_dict(), "train": c.to_dict()} if "wandb" in self.trackers else None
+        )
+        metrics = (
+            MetricsLogger(self.out_dir, resume_step=self.step, wandb_config=wandb_config) if self.is_main else None
+        )
         step_times = []
         # a bar on a terminal, plain lines in a log (attnres.train.progress)
         progress = StepProgress(c.steps, self.step, self.name) if c.progress and self.is_main else None
@@ -305,8 +332,14 @@ class Trainer:
                     self.state["tokens"] += tokens_per_step
                     self.state["elapsed"] += dt
                     self.state["train_loss"] = loss
-                    row = {"loss": loss, "lr": self._last_lr, "tokens": self.state["tokens"],
-                           "step_seconds": dt, "tokens_per_second": tokens_per_step / dt, **self.step_report}
+                    row = {
+                        "loss": loss,
+                        "lr": self._last_lr,
+                        "tokens": self.state["tokens"],
+                        "step_seconds": dt,
+                        "tokens_per_second": tokens_per_step / dt,
+                        **self.step_report,
+                    }
                     evaluated = self.step % c.eval_every == 0 or self.step == c.steps
                     if evaluated:
                         ev = self.evaluate()
@@ -316,8 +349,7 @@ class Trainer:
                     if metrics is not None:
                         metrics.log(row, step=self.step, kind="train")
                     if progress is not None:
-                        progress.update(self.step, loss, tokens_per_step / dt, self.state.get("val_loss"),
-                                        evaluated)
+                        progress.update(self.step, loss, tokens_per_step / dt, self.state.get("val_loss"), evaluated)
                     if self.step % c.checkpoint_every == 0 or self.step == c.steps:
                         self.save()
                     if self.strategy.any_rank(interrupt.requested):  # all ranks stop at the same step
@@ -334,15 +366,20 @@ class Trainer:
 
         median = sorted(step_times)[len(step_times) // 2] if step_times else float("nan")
         result = TrainResult(
-            steps=self.step, tokens=self.state["tokens"], val_loss=self.state["val_loss"],
-            val_bpb=self.state["val_bpb"], train_loss=self.state["train_loss"],
-            params=self.n_params, wall_seconds=time.perf_counter() - start_wall,
-            step_seconds=median, tokens_per_second=tokens_per_step / median if step_times else float("nan"),
+            steps=self.step,
+            tokens=self.state["tokens"],
+            val_loss=self.state["val_loss"],
+            val_bpb=self.state["val_bpb"],
+            train_loss=self.state["train_loss"],
+            params=self.n_params,
+            wall_seconds=time.perf_counter() - start_wall,
+            step_seconds=median,
+            tokens_per_second=tokens_per_step / median if step_times else float("nan"),
             out_dir=str(self.out_dir),
         )
         return self._write_summary(result)
 
-    def write_figures(self) -> List[Path]:
+    def write_figures(self) -> list[Path]:
         """Draw the run's figures into its directory (``attnres.analysis.plots.plot_run``): loss.png and,
         for depth-attention schemes, depth_weights.png of the model now on the first validation batch.
         Rank 0 draws; the depth weights need the whole model in one process (no DDP, FSDP2, pipeline)."""
@@ -353,9 +390,7 @@ class Trainer:
         from attnres.data import eval_batches
 
         if not self.strategy.distributed:
-            x, _ = next(iter(eval_batches(self.data.val.tokens, self.cfg.batch_size, self.cfg.seq_len,
-                                          max_batches=1)))
+            x, _ = next(iter(eval_batches(self.data.val.tokens, self.cfg.batch_size, self.cfg.seq_len, max_batches=1)))
             with self._autocast():
                 write_depth_weights(self.model, x.to(self.device), self.out_dir)
         return plot_run(self.out_dir)
-
