@@ -92,7 +92,7 @@ class KimiLinearBlock(nn.Module):
         self.is_moe = moe_layers(config)[index]
         self.mlp = kimi.KimiLinearMoE(hf) if self.is_moe else kimi.KimiLinearMLP(hf)
         self.expert_load: Optional[Tensor] = None
-        if self.is_moe:
+        if isinstance(self.mlp, kimi.KimiLinearMoE):
             self.mlp.gate.register_forward_hook(self._count_routed_tokens)
 
     def forward(self, depth, residual, index: int, cos: Tensor, sin: Tensor, cache=None):
@@ -111,7 +111,7 @@ class KimiLinearBlock(nn.Module):
         mask = cache.attention_mask(x.shape[1], x.device) if cache is not None else None
         return self.attn(x, attention_mask=mask, cache=layers)[0]
 
-    def _count_routed_tokens(self, router: nn.Module, inputs, outputs) -> None:
+    def _count_routed_tokens(self, router: kimi.KimiLinearTopkRouter, inputs, outputs) -> None:
         if not (self.training and torch.is_grad_enabled()):
             return  # evaluation and shape probes leave the balancing alone
         with torch.no_grad():
