@@ -92,7 +92,7 @@ def test_every_python_block_is_accounted_for():
     or not, at least compiles."""
     assert len(blocks(ROOT / "README.md")) == 4, "a new ```python block in README.md: give it its inputs here"
     assert len(blocks(ROOT / "docs" / "inference.md")) == 1
-    assert len(blocks(ROOT / "docs" / "hf.md")) == 2
+    assert len(blocks(ROOT / "docs" / "hf.md")) == 3
     for path in FILES:
         for info, code in fenced(path, "python"):
             compile(code, f"{rel(path)} ({info or 'python'})", "exec")
@@ -169,6 +169,9 @@ def hf_directories(transformers):
     transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
         max_position_embeddings=32)).save_pretrained("path/to/llama")
+    transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=32)).save_pretrained("path/to/qwen3")
     Path("corpus").mkdir()
     for i in range(5):
         Path(f"corpus/work{i}.txt").write_text(f"ROMEO: work {i}, " + "soft light breaks. " * (10 + i))
@@ -197,6 +200,9 @@ def test_the_hugging_face_snippets_run(tmp_path, monkeypatch):
     assert len(namespace["texts"]) == 2
     assert len(namespace["hidden"]) == 2 * lm.config.n_layers + 1
     assert Path("runs/block-native/state.json").is_file() and Path("runs/block-native/tokenizer.json").is_file()
+    namespace = {"input_ids": torch.randint(0, 96, (1, 5))}
+    exec(blocks(ROOT / "docs" / "hf.md")[2], namespace)  # the wrapped layout: a Qwen3
+    assert namespace["out"].shape == (1, 25) and type(namespace["model"]).__name__ == "AttnResQwen3ForCausalLM"
 
 
 def test_the_harness_snippet_runs(tmp_path, monkeypatch):
