@@ -196,9 +196,11 @@ def _convert_kimi_linear(src: Path, retrofit: dict[str, Any], dtype, verify: boo
     from transformers import AutoConfig
 
     from attnres.hf.kimi import attn_res_block_size, convert_kimi_linear, kimi_conversion_error
+    from attnres.hf.kimi.k3 import read_k3_config
     from attnres.model.backbones import layer_kinds
 
-    released = attn_res_block_size(AutoConfig.from_pretrained(str(src), local_files_only=True)) is not None
+    config = read_k3_config(src) or AutoConfig.from_pretrained(str(src), local_files_only=True)
+    released = attn_res_block_size(config) is not None
     if not released:
         retrofit.setdefault("residual", DEFAULT_RETROFIT_RESIDUAL)
     residual = retrofit.pop("residual", None)

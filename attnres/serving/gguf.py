@@ -332,8 +332,9 @@ def load_for_serving(source):
     elif kind == "kimi_linear":
         from attnres.hf.convert import read_source_config
         from attnres.hf.kimi import attn_res_block_size, convert_kimi_linear
+        from attnres.hf.kimi.k3 import read_k3_config
 
-        config = read_source_config(src, "a kimi_linear checkpoint directory")
+        config = read_k3_config(src) or read_source_config(src, "a kimi_linear checkpoint directory")
         plain = attn_res_block_size(config) is None
         with reading_model(src):
             model = convert_kimi_linear(src, residual="prenorm" if plain else None)

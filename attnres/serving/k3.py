@@ -101,6 +101,9 @@ def k3_text_config(config) -> dict[str, Any]:
         "rms_norm_eps": config.norm_eps,
         "max_position_embeddings": config.max_seq_len,
         "tie_word_embeddings": False,
+        "pad_token_id": None,  # the tokenizer's files name the special tokens
+        "bos_token_id": None,
+        "eos_token_id": None,
         "linear_attn_config": {
             "num_heads": s["kda_heads"],
             "head_dim": s["kda_head_dim"],

@@ -9,6 +9,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 import torch
 
 from attnres.hf.convert import ConversionError
+from attnres.hf.kimi.k3 import check_k3_features
 from attnres.model.backbones import KDA, MLA
 
 
@@ -47,6 +48,7 @@ def kimi_model_fields(config, max_seq_len: Optional[int] = None) -> Dict[str, An
     """The ModelConfig fields (backbone and sizes) of a ``KimiLinearConfig``; what our Kimi Linear
     blocks cannot express is a :class:`ConversionError` naming the config field."""
     c = text_config(config)
+    check_k3_features(c)  # Kimi K3's additions, by name (attnres.hf.kimi.k3)
     if getattr(c, "hidden_act", "silu") != "silu":
         raise _source_error(f"activation '{c.hidden_act}'", "hidden_act", c.hidden_act,
                             "the Kimi Linear backbone here uses SiLU (SwiGLU experts and MLPs, KDA gates)")

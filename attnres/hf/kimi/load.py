@@ -10,6 +10,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 import torch
 
 from attnres.hf.convert import ConversionError, check_state_fits, read_safetensors_dir, read_source_config
+from attnres.hf.kimi.k3 import read_k3_config
 from attnres.hf.kimi.layout import (MULTIMODAL_PREFIX, attn_res_block_size, kimi_model_fields, layout_residual,
                                     map_weights, strip_prefix, text_config)
 from attnres.hf.modeling import AttnResForCausalLM
@@ -85,7 +86,8 @@ def _load_source(source) -> Tuple[Any, Dict[str, torch.Tensor]]:
     model object."""
     if isinstance(source, (str, os.PathLike)):
         path = Path(source)
-        config = read_source_config(path, "a kimi_linear checkpoint directory (config.json + safetensors)")
+        config = read_k3_config(path) or read_source_config(
+            path, "a kimi_linear checkpoint directory (config.json + safetensors)")
         kimi_model_fields(config)  # what the backbone cannot express fails before anything is loaded
         return config, _load_directory(path, config)
     config = getattr(source, "config", None)
