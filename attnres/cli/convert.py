@@ -1,4 +1,4 @@
-"""attnres convert: retrofit a Hugging Face LLaMA-family model into AttnRes, or native <-> HF
+"""attnres convert: retrofit a Hugging Face causal LM into AttnRes, or native <-> HF
 (attnres.hf.convert_directory)."""
 
 from __future__ import annotations
@@ -14,8 +14,11 @@ def add_parser(sub) -> None:
         "convert",
         help="retrofit a HF LLaMA/Mistral/Qwen2/Kimi Linear into AttnRes; native <-> HF; GGUF / MLX for serving",
         description=(
-            "SOURCE is a Hugging Face LLaMA, Mistral, Qwen2 or Kimi Linear causal-LM directory (retrofitted into "
-            "AttnRes with zero-initialised queries, so its logits are unchanged up to RMSNorm eps; a Kimi Linear "
+            "SOURCE is a Hugging Face causal-LM directory of any family docs/hf.md lists (Llama, Mistral, Qwen, "
+            "Gemma, Phi, GPT-2, GPT-NeoX, MoEs, ...) or Kimi Linear, retrofitted into AttnRes with zero-initialised "
+            "queries and eps scaled so that its logits are unchanged (the family and the measured difference are "
+            "printed; LLaMA / Mistral / Qwen2 that AttnResLM expresses become our own model, the rest wrap their own "
+            "layers: --set layout=native|wrapped|auto, --set rescale_reads=true for OLMo/OLMo-2; a Kimi Linear "
             "checkpoint in the released AttnRes layout, docs/method.md §10, loads as the Block AttnRes it is), an "
             "AttnRes Hugging Face directory, or a run/checkpoint directory of attnres train. --to kimi_linear "
             "writes a model with the Kimi Linear backbone as a Kimi Linear checkpoint (the §10 layout for Block "

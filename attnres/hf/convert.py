@@ -357,6 +357,9 @@ def convert_to_attnres(model_or_dir, residual: str = "block", attnres_blocks: in
         return _wrapped(model_or_dir, residual, attnres_blocks, attnres_block_size, max_seq_len, dtype,
                         copy_weights, model_options)
     config, tensors = _load_source(model_or_dir, copy_weights)
+    if getattr(config, "attnres_retrofit", None) is not None:
+        raise ConversionError("the source is already retrofitted (model_type 'attnres_retrofit', the wrapped layout): "
+                              "load it with AutoModelForCausalLM and keep training it; it has no native layout")
     try:
         fields = _check_source(config, tensors, max_seq_len)
     except ConversionError as e:

@@ -10,8 +10,15 @@ from attnres import AttnResLM, ModelConfig
 from attnres.checkpoint import load_model, read_checkpoint_state, save_checkpoint
 from attnres.cli import main
 from attnres.data import ByteTokenizer, train_bpe
-from attnres.hf import (AttnResForCausalLM, ConversionError, convert_directory, hf_to_native, hf_tokenizer,
-                        native_to_hf, source_kind)
+from attnres.hf import (
+    AttnResForCausalLM,
+    ConversionError,
+    convert_directory,
+    hf_to_native,
+    hf_tokenizer,
+    native_to_hf,
+    source_kind,
+)
 
 TEXT = "ROMEO: But soft, what light through yonder window breaks?\n\tÜber naïve café — 東京 ✓\n"
 
@@ -140,6 +147,8 @@ def test_cli_native_and_hf_directions(tmp_path, capsys):
     assert "family qwen3, wrapped layout" in printed and "max |logit difference|" in printed
     assert json.loads((tmp_path / "z" / "config.json").read_text())["model_type"] == "attnres_retrofit"
     assert type(AutoModelForCausalLM.from_pretrained(tmp_path / "z")).__name__ == "AttnResQwen3ForCausalLM"
+    assert main(["convert", str(tmp_path / "z"), str(tmp_path / "zz")]) == 2
+    assert "already retrofitted" in capsys.readouterr().err
 
 
 def test_cli_mistral_with_window(tmp_path, capsys):
