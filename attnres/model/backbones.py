@@ -15,14 +15,21 @@ parameters the PreNorm model has, and what the backbone needs beyond the generic
 
 Every field of one backbone is rejected, with a one-line error, when set for another.
 """
+
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Mapping, Optional
 
 from attnres.model.kimi_layout import KDA, MLA, kimi_sizes, layer_kinds, moe_layers
-from attnres.residual.options import Option, bad_option, boolean, check_scheme_options, is_positive_int
+from attnres.residual.options import (
+    Option,
+    bad_option,
+    boolean,
+    check_scheme_options,
+    is_positive_int,
+)
 
 
 def _lazy(module: str, name: str) -> Callable:
@@ -39,15 +46,15 @@ def _nothing(*args, **kwargs):
     return None
 
 
-def _no_report(model) -> Dict[str, float]:
+def _no_report(model) -> dict[str, float]:
     return {}
 
 
-def _no_counters(model) -> List:
+def _no_counters(model) -> list:
     return []
 
 
-def _no_stacks(model) -> List[str]:
+def _no_stacks(model) -> list[str]:
     return []
 
 
@@ -92,14 +99,17 @@ class BackboneInfo:
 
 def _llama_check(config) -> None:
     if config.d_model % config.n_heads:
-        raise bad_option("n_heads", config.n_heads,
-                         f"must divide d_model={config.d_model}; pick a divisor of {config.d_model}")
+        raise bad_option(
+            "n_heads", config.n_heads, f"must divide d_model={config.d_model}; pick a divisor of {config.d_model}"
+        )
     if config.head_dim % 2:
-        raise bad_option("n_heads", config.n_heads,
-                         f"gives odd head_dim={config.head_dim}; RoPE needs an even head dimension")
+        raise bad_option(
+            "n_heads", config.n_heads, f"gives odd head_dim={config.head_dim}; RoPE needs an even head dimension"
+        )
     if config.n_heads % config.n_kv_heads:
-        raise bad_option("n_kv_heads", config.n_kv_heads,
-                         f"must divide n_heads={config.n_heads} (grouped-query attention)")
+        raise bad_option(
+            "n_kv_heads", config.n_kv_heads, f"must divide n_heads={config.n_heads} (grouped-query attention)"
+        )
 
 
 def _llama_params(config) -> int:
@@ -126,10 +136,13 @@ def _llama_norm(config):
 
 # ----------------------------------------------------------------------------- kimi_linear
 
-def _pattern(value, config) -> Optional[str]:
+
+def _pattern(value, config) -> str | None:
     if not isinstance(value, str) or not value or set(value) - {KDA, MLA}:
-        return (f"must be a non-empty string of {KDA!r} (KDA) and {MLA!r} (MLA) layers, repeated over the "
-                "layers, e.g. 'KKKM' (3:1, the paper's) or 'KM'")
+        return (
+            f"must be a non-empty string of {KDA!r} (KDA) and {MLA!r} (MLA) layers, repeated over the "
+            "layers, e.g. 'KKKM' (3:1, the paper's) or 'KM'"
+        )
     if len(value) > config.n_layers:
         return f"is longer than n_layers={config.n_layers}; give at most one letter per layer"
     return None
@@ -151,8 +164,7 @@ def _positive(what: str) -> Callable:
 
 def _experts(value, config):
     if isinstance(value, bool) or not isinstance(value, int) or value < 0 or value == 1:
-        return ("must be 0 (a dense MLP in every layer) or at least 2 (transformers' router scores "
-                "experts in pairs)")
+        return "must be 0 (a dense MLP in every layer) or at least 2 (transformers' router scores experts in pairs)"
     return None
 
 
@@ -193,8 +205,15 @@ KIMI_OPTIONS = {
     "moe_renormalize": Option(boolean),
     "moe_bias_update_rate": Option(_non_negative_number),
 }
-_MOE_ONLY = ("moe_top_k", "moe_shared_experts", "moe_d_ff", "moe_dense_layers", "moe_routed_scale",
-             "moe_renormalize", "moe_bias_update_rate")
+_MOE_ONLY = (
+    "moe_top_k",
+    "moe_shared_experts",
+    "moe_d_ff",
+    "moe_dense_layers",
+    "moe_routed_scale",
+    "moe_renormalize",
+    "moe_bias_update_rate",
+)
 
 
 def _kimi_check(config) -> None:
@@ -202,22 +221,30 @@ def _kimi_check(config) -> None:
 
     defaults = {f.name: f.default for f in dataclasses.fields(config)}
     if config.n_kv_heads != config.n_heads:
-        raise bad_option("n_kv_heads", config.n_kv_heads,
-                         f"must equal n_heads={config.n_heads} for backbone='kimi_linear' (MLA expands one "
-                         "latent into keys and values for every head)")
+        raise bad_option(
+            "n_kv_heads",
+            config.n_kv_heads,
+            f"must equal n_heads={config.n_heads} for backbone='kimi_linear' (MLA expands one "
+            "latent into keys and values for every head)",
+        )
     if config.rope_theta != defaults["rope_theta"]:
-        raise bad_option("rope_theta", config.rope_theta,
-                         "applies to backbone='llama' only: Kimi Linear's MLA has no positional encoding "
-                         "(KDA carries position); drop it")
+        raise bad_option(
+            "rope_theta",
+            config.rope_theta,
+            "applies to backbone='llama' only: Kimi Linear's MLA has no positional encoding "
+            "(KDA carries position); drop it",
+        )
     if config.moe_experts == 0:
         for name in _MOE_ONLY:
             if getattr(config, name) != defaults[name]:
-                raise bad_option(name, getattr(config, name),
-                                 "applies to the mixture of experts only; set moe_experts >= 2 or drop it")
+                raise bad_option(
+                    name,
+                    getattr(config, name),
+                    "applies to the mixture of experts only; set moe_experts >= 2 or drop it",
+                )
         return
     if config.moe_top_k > config.moe_experts:
-        raise bad_option("moe_top_k", config.moe_top_k,
-                         f"must be at most moe_experts={config.moe_experts}")
+        raise bad_option("moe_top_k", config.moe_top_k, f"must be at most moe_experts={config.moe_experts}")
 
 
 def kimi_params(config) -> int:
@@ -226,41 +253,65 @@ def kimi_params(config) -> int:
     s = kimi_sizes(config)
     heads, hd, k = s["kda_heads"], s["kda_head_dim"], config.kda_conv_kernel
     inner = heads * hd
-    kda = (3 * d * inner + 3 * inner * k  # q/k/v projections, depthwise short convolution
-           + d * hd + hd * inner + inner + heads  # forget gate: low-rank projection, dt bias, A_log
-           + d * heads  # beta
-           + d * hd + hd * inner + hd  # output gate (low rank) and its gated norm
-           + inner * d)  # output projection
-    nh, nope, rope, v, rank = config.n_heads, s["mla_qk_nope_dim"], s["mla_qk_rope_dim"], s["mla_v_dim"], \
-        s["mla_kv_rank"]
-    q = d * nh * (nope + rope) if config.mla_q_rank is None else \
-        d * config.mla_q_rank + config.mla_q_rank + config.mla_q_rank * nh * (nope + rope)
+    kda = (
+        3 * d * inner
+        + 3 * inner * k  # q/k/v projections, depthwise short convolution
+        + d * hd
+        + hd * inner
+        + inner
+        + heads  # forget gate: low-rank projection, dt bias, A_log
+        + d * heads  # beta
+        + d * hd
+        + hd * inner
+        + hd  # output gate (low rank) and its gated norm
+        + inner * d
+    )  # output projection
+    nh, nope, rope, v, rank = (
+        config.n_heads,
+        s["mla_qk_nope_dim"],
+        s["mla_qk_rope_dim"],
+        s["mla_v_dim"],
+        s["mla_kv_rank"],
+    )
+    q = (
+        d * nh * (nope + rope)
+        if config.mla_q_rank is None
+        else d * config.mla_q_rank + config.mla_q_rank + config.mla_q_rank * nh * (nope + rope)
+    )
     mla = q + d * (rank + rope) + rank + rank * nh * (nope + v) + nh * v * d
     dense = 3 * d * config.d_ff
     w, e = s["moe_d_ff"], config.moe_experts
     moe = 3 * e * w * d + e * d + 3 * d * w * config.moe_shared_experts
     total = V * d + (0 if config.tie_embeddings else V * d) + d
-    for kind, sparse in zip(layer_kinds(config), moe_layers(config)):
+    for kind, sparse in zip(layer_kinds(config), moe_layers(config), strict=True):
         total += 2 * d + (kda if kind == KDA else mla) + (moe if sparse else dense)
     return total
 
 
 # ----------------------------------------------------------------------------- registry
 
-BACKBONES: Dict[str, BackboneInfo] = {
+BACKBONES: dict[str, BackboneInfo] = {
     "llama": BackboneInfo(
-        "llama", "LLaMA-style decoder: GQA attention with RoPE, SwiGLU MLP (attnres.model.llama)",
-        block=_llama_block, norm=_llama_norm, params=_llama_params,
+        "llama",
+        "LLaMA-style decoder: GQA attention with RoPE, SwiGLU MLP (attnres.model.llama)",
+        block=_llama_block,
+        norm=_llama_norm,
+        params=_llama_params,
         cache="kv",
-        rope_dim=lambda config: config.head_dim, check=_llama_check,
+        rope_dim=lambda config: config.head_dim,
+        check=_llama_check,
     ),
     "kimi_linear": BackboneInfo(
-        "kimi_linear", "Kimi Linear: transformers' KDA and MLA sublayers (3:1 by default), dense MLP in "
+        "kimi_linear",
+        "Kimi Linear: transformers' KDA and MLA sublayers (3:1 by default), dense MLP in "
         "the first layers, then a mixture of experts with shared experts (attnres.model.kimi_linear)",
         block=_lazy("attnres.model.kimi_linear", "KimiLinearBlock"),
-        norm=_lazy("attnres.model.kimi_linear", "final_norm"), params=kimi_params,
+        norm=_lazy("attnres.model.kimi_linear", "final_norm"),
+        params=kimi_params,
         cache="hybrid",
-        rope_dim=lambda config: 0, options=KIMI_OPTIONS, check=_kimi_check,
+        rope_dim=lambda config: 0,
+        options=KIMI_OPTIONS,
+        check=_kimi_check,
         init_weights=_lazy("attnres.model.kimi_linear", "init_kimi_weights"),
         matrix_stacks=_lazy("attnres.model.kimi_linear", "matrix_stacks"),
         step_counters=_lazy("attnres.model.kimi_linear", "expert_load_counters"),

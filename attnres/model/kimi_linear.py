@@ -18,10 +18,10 @@ Module names follow transformers' decoder layer (``attn`` = ``self_attn``, ``mlp
 ``attn_norm`` = ``input_layernorm``, ``mlp_norm`` = ``post_attention_layernorm``), so weights map
 one to one (``attnres.hf.kimi``).
 """
+
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional
 
 import torch
 from torch import Tensor, nn
@@ -30,11 +30,12 @@ try:
     from transformers import KimiLinearConfig
     from transformers.models.kimi_linear import modeling_kimi_linear as kimi
 except ImportError as e:  # the optional extra is missing
-    raise ImportError("backbone='kimi_linear' uses transformers' Kimi Linear modules: "
-                      f"pip install 'attnres[hf]' (transformers>=5) ({e})") from e
+    raise ImportError(
+        "backbone='kimi_linear' uses transformers' Kimi Linear modules: "
+        f"pip install 'attnres[hf]' (transformers>=5) ({e})"
+    ) from e
 
 from attnres.model.kimi_layout import KDA, kimi_sizes, layer_kinds, moe_layers
-
 
 # ----------------------------------------------------------------------------- transformers' config
 
@@ -47,20 +48,39 @@ def kimi_linear_config(config, **extra) -> KimiLinearConfig:
     kinds, sparse = layer_kinds(config), moe_layers(config)
     extra = {"tie_word_embeddings": config.tie_embeddings, **extra}
     hf = KimiLinearConfig(
-        vocab_size=config.vocab_size, hidden_size=config.d_model, intermediate_size=config.d_ff,
-        num_hidden_layers=config.n_layers, num_attention_heads=config.n_heads,
-        num_key_value_heads=config.n_heads, rms_norm_eps=config.norm_eps, hidden_act="silu",
-        max_position_embeddings=config.max_seq_len, initializer_range=config.init_std,
+        vocab_size=config.vocab_size,
+        hidden_size=config.d_model,
+        intermediate_size=config.d_ff,
+        num_hidden_layers=config.n_layers,
+        num_attention_heads=config.n_heads,
+        num_key_value_heads=config.n_heads,
+        rms_norm_eps=config.norm_eps,
+        hidden_act="silu",
+        max_position_embeddings=config.max_seq_len,
+        initializer_range=config.init_std,
         layer_types=["linear_attention" if k == KDA else "full_attention" for k in kinds],
         mlp_layer_types=["sparse" if m else "dense" for m in sparse],
-        linear_num_heads=s["kda_heads"], linear_head_dim=s["kda_head_dim"],
+        linear_num_heads=s["kda_heads"],
+        linear_head_dim=s["kda_head_dim"],
         linear_conv_kernel_dim=config.kda_conv_kernel,
-        kv_lora_rank=s["mla_kv_rank"], q_lora_rank=config.mla_q_rank, qk_nope_head_dim=s["mla_qk_nope_dim"],
-        qk_rope_head_dim=s["mla_qk_rope_dim"], v_head_dim=s["mla_v_dim"],
-        num_local_experts=max(config.moe_experts, 2), num_experts_per_tok=config.moe_top_k,
-        n_shared_experts=config.moe_shared_experts, moe_intermediate_size=s["moe_d_ff"],
-        routed_scaling_factor=float(config.moe_routed_scale), norm_topk_prob=config.moe_renormalize,
-        n_group=1, topk_group=1, pad_token_id=None, bos_token_id=None, eos_token_id=None, **extra)
+        kv_lora_rank=s["mla_kv_rank"],
+        q_lora_rank=config.mla_q_rank,
+        qk_nope_head_dim=s["mla_qk_nope_dim"],
+        qk_rope_head_dim=s["mla_qk_rope_dim"],
+        v_head_dim=s["mla_v_dim"],
+        num_local_experts=max(config.moe_experts, 2),
+        num_experts_per_tok=config.moe_top_k,
+        n_shared_experts=config.moe_shared_experts,
+        moe_intermediate_size=s["moe_d_ff"],
+        routed_scaling_factor=float(config.moe_routed_scale),
+        norm_topk_prob=config.moe_renormalize,
+        n_group=1,
+        topk_group=1,
+        pad_token_id=None,
+        bos_token_id=None,
+        eos_token_id=None,
+        **extra,
+    )
     hf._attn_implementation = "sdpa"
     hf._experts_implementation = "eager"
     return hf
@@ -86,12 +106,13 @@ class KimiLinearBlock(nn.Module):
         hf = kimi_linear_config(config)
         self.kind = layer_kinds(config)[index]
         self.attn_norm = kimi.KimiLinearRMSNorm(config.d_model, eps=config.norm_eps)
-        self.attn = (kimi.KimiLinearDeltaAttention(hf, index) if self.kind == KDA
-                     else kimi.KimiLinearAttention(hf, index))
+        self.attn = (
+            kimi.KimiLinearDeltaAttention(hf, index) if self.kind == KDA else kimi.KimiLinearAttention(hf, index)
+        )
         self.mlp_norm = kimi.KimiLinearRMSNorm(config.d_model, eps=config.norm_eps)
         self.is_moe = moe_layers(config)[index]
         self.mlp = kimi.KimiLinearMoE(hf) if self.is_moe else kimi.KimiLinearMLP(hf)
-        self.expert_load: Optional[Tensor] = None
+        self.expert_load: Tensor | None = None
         if isinstance(self.mlp, kimi.KimiLinearMoE):
             self.mlp.gate.register_forward_hook(self._count_routed_tokens)
 
@@ -148,10 +169,14 @@ def init_kimi_weights(model) -> None:
             module.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus(dt_bias) = dt
 
 
-def matrix_stacks(model) -> List[str]:
+def matrix_stacks(model) -> list[str]:
     """Expert weights [experts, rows, cols]: one matrix per expert (Muon orthogonalises each)."""
-    return [f"{name}.{p}" for name, module in model.named_modules()
-            if isinstance(module, kimi.KimiLinearExperts) for p, _ in module.named_parameters(recurse=False)]
+    return [
+        f"{name}.{p}"
+        for name, module in model.named_modules()
+        if isinstance(module, kimi.KimiLinearExperts)
+        for p, _ in module.named_parameters(recurse=False)
+    ]
 
 
 # ----------------------------------------------------------------------------- the MoE step
@@ -161,7 +186,7 @@ def _moe_blocks(model):
     return [(i, block) for i, block in enumerate(model.blocks) if block is not None and block.is_moe]
 
 
-def expert_load_counters(model) -> List[Tensor]:
+def expert_load_counters(model) -> list[Tensor]:
     """Each MoE layer's per-expert token counts of the current step (zeros where none were routed)."""
     counters = []
     for _, block in _moe_blocks(model):
@@ -173,7 +198,7 @@ def expert_load_counters(model) -> List[Tensor]:
 
 
 @torch.no_grad()
-def end_step(model) -> Dict[str, object]:
+def end_step(model) -> dict[str, object]:
     """Aux-loss-free balancing (DeepSeek-V3, as Kimi Linear's router bias is meant to be trained):
     after each step, every expert's routing bias moves by ``moe_bias_update_rate`` up if the expert
     received fewer tokens than the mean, down if more; the bias only steers the top-k choice, never
@@ -181,7 +206,7 @@ def end_step(model) -> Dict[str, object]:
     (each expert's share of the routed tokens) and ``moe_maxvio.i`` (max load / mean load - 1, 0 when
     balanced); then resets the counts."""
     rate = model.config.moe_bias_update_rate
-    report: Dict[str, object] = {}
+    report: dict[str, object] = {}
     for i, block in _moe_blocks(model):
         load, block.expert_load = block.expert_load, None
         if load is None or not load.sum() > 0:
