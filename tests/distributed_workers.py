@@ -3,6 +3,7 @@
 Each worker joins a gloo group, runs its cases and writes its results with torch.save;
 the test process compares them against a single-process float64 reference.
 """
+
 import os
 import socket
 import sys
@@ -30,8 +31,9 @@ def spawn(fn, world: int, *args) -> None:
 
 def _entry(rank, fn, world, port, args):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}",
-                            timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}", timeout=timedelta(seconds=60)
+    )
     try:
         fn(rank, world, *args)
     finally:
@@ -52,8 +54,9 @@ def model_config(residual: str, n_layers: int, options=None):
 
     if options is None:
         options = {"attnres_block_size": 4} if residual == "block" else {}
-    return ModelConfig(vocab_size=VOCAB, d_model=16, n_layers=n_layers, n_heads=2, max_seq_len=16,
-                       residual=residual, **options)
+    return ModelConfig(
+        vocab_size=VOCAB, d_model=16, n_layers=n_layers, n_heads=2, max_seq_len=16, residual=residual, **options
+    )
 
 
 def reference_model(residual: str, n_layers: int, options=None):
@@ -68,8 +71,7 @@ def reference_model(residual: str, n_layers: int, options=None):
 
 def batch():
     g = torch.Generator().manual_seed(1)
-    return (torch.randint(0, VOCAB, (BATCH, SEQ), generator=g),
-            torch.randint(0, VOCAB, (BATCH, SEQ), generator=g))
+    return (torch.randint(0, VOCAB, (BATCH, SEQ), generator=g), torch.randint(0, VOCAB, (BATCH, SEQ), generator=g))
 
 
 def pipeline_cases(rank, world, cases, out_dir):
@@ -82,17 +84,31 @@ def pipeline_cases(rank, world, cases, out_dir):
     for case in cases:
         model = reference_model(case["residual"], case["n_layers"], case.get("options"))
         x, y = batch()
-        pipe = build_pipeline(model, pp=world, vpp=case["vpp"], schedule=case["schedule"],
-                              microbatches=case["microbatches"], batch_size=BATCH, seq_len=SEQ,
-                              cache=case["cache"])
+        pipe = build_pipeline(
+            model,
+            pp=world,
+            vpp=case["vpp"],
+            schedule=case["schedule"],
+            microbatches=case["microbatches"],
+            batch_size=BATCH,
+            seq_len=SEQ,
+            cache=case["cache"],
+        )
         loss = pipe.train_step(x, y)
         pipe.reduce_shared_gradients()
         norm = pipe.clip_grad_norm_(case["clip"]) if case.get("clip") else None
         eval_loss = pipe.eval_loss(x, y)
         traffic = gather_traffic(pipe)
-        results.append({"loss": loss, "eval_loss": eval_loss, "norm": norm, "traffic": traffic,
-                        "layout": pipe.layout,
-                        "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}})
+        results.append(
+            {
+                "loss": loss,
+                "eval_loss": eval_loss,
+                "norm": norm,
+                "traffic": traffic,
+                "layout": pipe.layout,
+                "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+            }
+        )
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
 
 

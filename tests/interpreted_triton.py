@@ -8,6 +8,7 @@ TRITON_INTERPRET not set) the same tests run the compiled kernels on CUDA. Call
 ``import_kernels`` at the top of a test module: it skips the module where triton is missing, or
 was imported (by an earlier test) before the interpreter could be switched on.
 """
+
 import importlib
 import os
 import sys
@@ -26,6 +27,7 @@ def import_kernels(name: str):
     module = importlib.import_module(name)
     interpreted = importlib.import_module("attnres.ops.depth_attention.triton").INTERPRETED
     if not ON_GPU and not interpreted:
-        pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set; run this file alone",
-                    allow_module_level=True)
+        pytest.skip(
+            "triton was imported before TRITON_INTERPRET=1 could be set; run this file alone", allow_module_level=True
+        )
     return module

@@ -117,4 +117,3 @@ def save(path, model, opt, step, **extra):
         model_config=dataclasses.asdict(model.config),
         train_config={"lr": 1e-2, "optimizer": "muon"},
     )
-

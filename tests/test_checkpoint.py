@@ -14,10 +14,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
-from attnres.checkpoint import save as ckpt_mod
-from attnres.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, read_checkpoint_state
 from stand_in import make_model, muon_opt, params_equal, save, train
+
+from attnres.checkpoint import (
+    CheckpointError,
+    latest_checkpoint,
+    load_checkpoint,
+    read_checkpoint_state,
+)
+from attnres.checkpoint import save as ckpt_mod
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TESTS_DIR = Path(__file__).resolve().parent
@@ -242,4 +247,3 @@ def test_config_mismatch_names_fields(tmp_path):
     assert "vocab_size" not in msg
     with pytest.raises(CheckpointError, match="saved without it"):
         load_checkpoint(target, model=make_model(), optimizer=muon_opt(make_model()))
-

@@ -1,7 +1,14 @@
 """attnres.files: atomic writes leave the old file or the whole new one, never a part."""
+
 import pytest
 
-from attnres.files import atomic_write_json, atomic_write_text, atomic_writer, parse_toml, read_json
+from attnres.files import (
+    atomic_write_json,
+    atomic_write_text,
+    atomic_writer,
+    parse_toml,
+    read_json,
+)
 
 
 def test_atomic_writes_replace_whole_files_and_leave_no_temp(tmp_path):
@@ -17,10 +24,9 @@ def test_atomic_writes_replace_whole_files_and_leave_no_temp(tmp_path):
 def test_a_failed_write_keeps_the_old_file(tmp_path):
     path = tmp_path / "x.txt"
     atomic_write_text(path, "old")
-    with pytest.raises(RuntimeError):
-        with atomic_writer(path) as fh:
-            fh.write(b"half of the new")
-            raise RuntimeError("crash mid-write")
+    with pytest.raises(RuntimeError), atomic_writer(path) as fh:
+        fh.write(b"half of the new")
+        raise RuntimeError("crash mid-write")
     assert path.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["x.txt"]
 
 

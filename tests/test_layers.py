@@ -2,6 +2,7 @@
 level or inside a function, goes to a lower layer or within its own package, so the packages form
 no import circle and a low layer can be read and used without the ones above it; and no import circle
 between modules either, inside one package included."""
+
 import ast
 import sys
 from pathlib import Path
@@ -12,18 +13,21 @@ PACKAGE = Path(__file__).resolve().parents[1] / "attnres"
 
 # lower number = lower layer; a package may import only packages of a strictly lower layer
 LAYER = {
-    "files": 0,                    # atomic writes, run-directory names, TOML
-    "ops": 1, "data": 1,           # pure tensor functions; corpus and tokenizers
-    "residual": 2,                 # the schemes, behind one interface
-    "model": 3,                    # ModelConfig, AttnResLM
-    "parallel": 4,                 # process groups, DDP/FSDP2, pipeline stages
-    "checkpoint": 5,               # save / load / load_model
-    "inference": 6, "analysis": 6, # caches, prefill, sampling; depth-weight analysis
-    "train": 7,                    # optimizer, schedules, metrics, the trainer
-    "hf": 8, "experiments": 8,     # transformers integration; specs, runner, reports
-    "bench": 9,                    # timing and traffic measurements
-    "serving": 9,                  # GGUF (llama.cpp) and mlx-lm exports of Kimi Linear models
-    "cli": 10,                     # argument parsing only
+    "files": 0,  # atomic writes, run-directory names, TOML
+    "ops": 1,
+    "data": 1,  # pure tensor functions; corpus and tokenizers
+    "residual": 2,  # the schemes, behind one interface
+    "model": 3,  # ModelConfig, AttnResLM
+    "parallel": 4,  # process groups, DDP/FSDP2, pipeline stages
+    "checkpoint": 5,  # save / load / load_model
+    "inference": 6,
+    "analysis": 6,  # caches, prefill, sampling; depth-weight analysis
+    "train": 7,  # optimizer, schedules, metrics, the trainer
+    "hf": 8,
+    "experiments": 8,  # transformers integration; specs, runner, reports
+    "bench": 9,  # timing and traffic measurements
+    "serving": 9,  # GGUF (llama.cpp) and mlx-lm exports of Kimi Linear models
+    "cli": 10,  # argument parsing only
 }
 ENTRY_POINTS = {"__init__": 3.5, "__main__": 11}  # the package root re-exports model-level names
 
@@ -57,8 +61,11 @@ def test_every_package_has_a_layer():
 def test_imports_go_down_the_layers(path):
     own = package_of(path)
     rank = LAYER.get(own, ENTRY_POINTS.get(own))
-    bad = [f"line {line}: {own} (layer {rank}) imports attnres.{target} (layer {LAYER[target]})"
-           for line, target in attnres_imports(path) if target != own and LAYER[target] >= rank]
+    bad = [
+        f"line {line}: {own} (layer {rank}) imports attnres.{target} (layer {LAYER[target]})"
+        for line, target in attnres_imports(path)
+        if target != own and LAYER[target] >= rank
+    ]
     assert not bad, f"{path.relative_to(PACKAGE.parent)}: " + "; ".join(bad)
 
 
@@ -80,8 +87,9 @@ def module_names() -> dict:
 
 def _type_checking_only(node: ast.If) -> bool:
     test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
-        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _import_nodes(node):
@@ -104,7 +112,7 @@ def module_imports(name: str, path: Path, modules: dict):
             continue
         base = node.module or ""
         if node.level:
-            anchor = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+            anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
             base = ".".join(anchor + ([node.module] if node.module else []))
         for alias in node.names:
             if f"{base}.{alias.name}" in modules:
@@ -177,5 +185,6 @@ def test_no_import_circle_between_modules():
     for component in strongly_connected(graph):
         edges = [f"{a} -> {b} (line {graph[a][b]})" for a in component for b in sorted(graph[a]) if b in component]
         circles.append("; ".join(edges))
-    assert not circles, "import circles (move what both need to the lowest module that needs it): " + \
-        " || ".join(circles)
+    assert not circles, "import circles (move what both need to the lowest module that needs it): " + " || ".join(
+        circles
+    )

@@ -6,6 +6,7 @@ into one session would, with small stand-ins for the inputs the text leaves to t
 machine lacks (a GPU, several torchrun processes) is fenced ```python no-run and is only compiled.
 The values the README's comments state are compared with what runs, and every ``attnres`` command of
 the ```bash blocks parses with the real CLI parser."""
+
 from __future__ import annotations
 
 import ast
@@ -47,11 +48,11 @@ def commands(path: Path) -> list[list[str]]:
             words = shlex.split(line, comments=True)
             while words:
                 cut = words.index(";") if ";" in words else len(words)
-                command, words = words[:cut], words[cut + 1:]
+                command, words = words[:cut], words[cut + 1 :]
                 if command[:1] == ["attnres"]:
                     found.append(command[1:])
                 elif command[:1] == ["torchrun"]:
-                    found.append(command[command.index("attnres") + 1:])
+                    found.append(command[command.index("attnres") + 1 :])
     return found
 
 
@@ -67,11 +68,15 @@ def comment_after(code: str, expression: str) -> str:
 
 # ----------------------------------------------------------------------------- the inputs of each file
 
+
 def op_inputs() -> dict:
     """The op alone: sources [K, B, T, D] and the parameters of one sublayer."""
     g = torch.Generator().manual_seed(0)
-    return {"sources": torch.randn(3, 2, 5, 16, generator=g), "query": torch.randn(16, generator=g),
-            "key_norm_weight": 1 + 0.1 * torch.randn(16, generator=g)}
+    return {
+        "sources": torch.randn(3, 2, 5, 16, generator=g),
+        "query": torch.randn(16, generator=g),
+        "key_norm_weight": 1 + 0.1 * torch.randn(16, generator=g),
+    }
 
 
 def inference_inputs() -> dict:
@@ -81,10 +86,14 @@ def inference_inputs() -> dict:
     g = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
     model = AttnResLM(ModelConfig(vocab_size=4096, d_model=32, n_layers=2, n_heads=4, residual="block"))
-    return {"model": model.eval(), "prompt": torch.randint(1, 4096, (1, 12), generator=g),
-            "next_token": torch.tensor([[7]]), "long_prompt": torch.randint(1, 4096, (1, 200), generator=g),
-            "padded_ids": torch.randint(1, 4096, (2, 9), generator=g),
-            "padding_mask": torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 1], [1] * 9])}
+    return {
+        "model": model.eval(),
+        "prompt": torch.randint(1, 4096, (1, 12), generator=g),
+        "next_token": torch.tensor([[7]]),
+        "long_prompt": torch.randint(1, 4096, (1, 200), generator=g),
+        "padded_ids": torch.randint(1, 4096, (2, 9), generator=g),
+        "padding_mask": torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 1], [1] * 9]),
+    }
 
 
 def test_every_python_block_is_accounted_for():
@@ -124,7 +133,7 @@ def test_the_readme_snippets_run_and_state_what_they_compute():
     assert list(namespace["logits"].shape) == ast.literal_eval(comment_after(use_it, "(2, 64)))").strip())
     exec(op, namespace)
     assert namespace["h"].shape == (2, 5, 16)
-    for merged, whole in zip(namespace["merged"], namespace["out"].stats):
+    for merged, whole in zip(namespace["merged"], namespace["out"].stats, strict=True):
         torch.testing.assert_close(merged, whole)
 
 
@@ -143,8 +152,7 @@ def test_the_inference_snippet_runs(tmp_path, monkeypatch):
     assert namespace["logits"].shape == (2, 9, 4096)
 
 
-SELF_CONTAINED = [rel(p) for p in FILES
-                  if p.name not in ("README.md", "inference.md", "hf.md") and blocks(p)]
+SELF_CONTAINED = [rel(p) for p in FILES if p.name not in ("README.md", "inference.md", "hf.md") and blocks(p)]
 
 
 @pytest.mark.parametrize("where", SELF_CONTAINED)
@@ -166,21 +174,43 @@ def hf_directories(transformers):
     from attnres.train.config import TrainConfig
 
     torch.manual_seed(0)
-    transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-        max_position_embeddings=32)).save_pretrained("path/to/llama")
-    transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
-        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, max_position_embeddings=32)).save_pretrained("path/to/qwen3")
+    transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=96,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            max_position_embeddings=32,
+        )
+    ).save_pretrained("path/to/llama")
+    transformers.Qwen3ForCausalLM(
+        transformers.Qwen3Config(
+            vocab_size=96,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            max_position_embeddings=32,
+        )
+    ).save_pretrained("path/to/qwen3")
     Path("corpus").mkdir()
     for i in range(5):
         Path(f"corpus/work{i}.txt").write_text(f"ROMEO: work {i}, " + "soft light breaks. " * (10 + i))
     texts = [p.read_text() for p in sorted(Path("corpus").iterdir())]
     bpe = train_bpe(texts + ["x\n\n"] * 20, vocab_size=300)
     lm = AttnResLM(ModelConfig(vocab_size=bpe.vocab_size, d_model=32, n_layers=2, n_heads=4, max_seq_len=64))
-    save_checkpoint("runs/block/checkpoint", model=lm, optimizer=None, step=5, train_state={},
-                    model_config=lm.config.to_dict(),
-                    train_config=TrainConfig(data="corpus", val_fraction=0.4, out_dir="runs/block").to_dict())
+    save_checkpoint(
+        "runs/block/checkpoint",
+        model=lm,
+        optimizer=None,
+        step=5,
+        train_state={},
+        model_config=lm.config.to_dict(),
+        train_config=TrainConfig(data="corpus", val_fraction=0.4, out_dir="runs/block").to_dict(),
+    )
     bpe.save("runs/block/tokenizer.json")
     convert_directory("runs/block", "out/block-hf", log=lambda line: None)
     return lm

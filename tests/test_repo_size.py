@@ -5,13 +5,13 @@ a symlink counted as the link). Outside a git checkout of this repository (an sd
 copy, no git) the tests skip. Experiment runs are committed thinned: ``scripts/downsample_runs.py``
 (see experiments/README.md).
 """
+
 import os
 import shutil
 import stat
 import subprocess
 from collections import Counter
 from pathlib import Path
-from typing import Dict
 
 import pytest
 
@@ -25,18 +25,18 @@ def _mib(n: int) -> str:
     return f"{n / MiB:.2f} MiB"
 
 
-def tracked_sizes(root: Path = ROOT) -> Dict[str, int]:
+def tracked_sizes(root: Path = ROOT) -> dict[str, int]:
     """path -> bytes of every tracked file present in the working tree; skips outside a checkout."""
     git = shutil.which("git")
     if git is None:
         pytest.skip("git is not installed")
     try:
-        top = subprocess.run([git, "rev-parse", "--show-toplevel"], cwd=root, capture_output=True,
-                             text=True, timeout=60)
+        top = subprocess.run(
+            [git, "rev-parse", "--show-toplevel"], cwd=root, capture_output=True, text=True, timeout=60
+        )
         if top.returncode != 0 or Path(top.stdout.strip()).resolve() != root.resolve():
             pytest.skip(f"{root} is not the top of a git checkout")
-        listing = subprocess.run([git, "ls-files", "-z"], cwd=root, capture_output=True, check=True,
-                                 timeout=60).stdout
+        listing = subprocess.run([git, "ls-files", "-z"], cwd=root, capture_output=True, check=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError) as e:
         pytest.skip(f"git ls-files failed: {e}")
     sizes = {}
@@ -53,7 +53,7 @@ def tracked_sizes(root: Path = ROOT) -> Dict[str, int]:
     return sizes
 
 
-def biggest(sizes: Dict[str, int], n: int = 10) -> str:
+def biggest(sizes: dict[str, int], n: int = 10) -> str:
     """The largest folders (two levels deep) and files, one per line."""
     folders = Counter()
     for name, size in sizes.items():
@@ -66,7 +66,7 @@ def biggest(sizes: Dict[str, int], n: int = 10) -> str:
 
 
 @pytest.fixture(scope="module")
-def sizes() -> Dict[str, int]:
+def sizes() -> dict[str, int]:
     found = tracked_sizes()
     assert found, "git ls-files listed no file"
     return found
@@ -74,12 +74,14 @@ def sizes() -> Dict[str, int]:
 
 def test_no_tracked_file_is_over_2_mib(sizes):
     big = [(size, name) for name, size in sizes.items() if size > MAX_FILE]
-    assert not big, (f"tracked files over {_mib(MAX_FILE)} (keep large data out of git, or thin it):\n"
-                     + "\n".join(f"  {_mib(size):>11}  {name}" for size, name in sorted(big, reverse=True)))
+    assert not big, f"tracked files over {_mib(MAX_FILE)} (keep large data out of git, or thin it):\n" + "\n".join(
+        f"  {_mib(size):>11}  {name}" for size, name in sorted(big, reverse=True)
+    )
 
 
 def test_tracked_files_total_at_most_10_mib(sizes):
     total = sum(sizes.values())
     assert total <= MAX_TOTAL, (
         f"the {len(sizes)} tracked files take {_mib(total)}, over {_mib(MAX_TOTAL)}; committed experiment "
-        f"runs thin with `python scripts/downsample_runs.py`\n{biggest(sizes)}")
+        f"runs thin with `python scripts/downsample_runs.py`\n{biggest(sizes)}"
+    )

@@ -17,18 +17,30 @@ Each verb module registers its subcommand (``add_parser``) and turns the parsed 
 library calls (``run``); ``options`` holds what several verbs share. User errors print as one line,
 ``attnres VERB: error: ...`` (``ATTNRES_DEBUG=1`` shows the traceback).
 """
+
 from __future__ import annotations
 
 import argparse
 import importlib
 import os
 import sys
-from typing import List, Optional
 
 # the verb modules, imported by build_parser: importing this package loads no PyTorch, so a Ctrl-C
 # during start-up is caught by main() like any other
-VERB_NAMES = ("train", "evaluate", "sample", "demo", "schemes", "model_options", "bench", "convert", "experiment",
-              "report", "placement", "plot")
+VERB_NAMES = (
+    "train",
+    "evaluate",
+    "sample",
+    "demo",
+    "schemes",
+    "model_options",
+    "bench",
+    "convert",
+    "experiment",
+    "report",
+    "placement",
+    "plot",
+)
 
 
 def _verbs() -> tuple:
@@ -43,7 +55,8 @@ def __getattr__(name):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="attnres", description="Attention Residuals: train, evaluate, sample, and the demo.")
+        prog="attnres", description="Attention Residuals: train, evaluate, sample, and the demo."
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for verb in _verbs():
         verb.add_parser(sub)
@@ -62,7 +75,7 @@ def _format_help(parser: argparse.ArgumentParser) -> None:
                 _format_help(child)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     try:
         return _main(argv)
     except KeyboardInterrupt:  # also while the libraries load, before a verb runs
@@ -70,7 +83,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 130
 
 
-def _main(argv: Optional[List[str]]) -> int:
+def _main(argv: list[str] | None) -> int:
     from attnres.checkpoint import CheckpointError
     from attnres.cli.options import CLIError
     from attnres.train.trainer import TrainingDiverged, TrainingInterrupted
@@ -97,4 +110,3 @@ def _main(argv: Optional[List[str]]) -> int:
         from attnres.parallel.runtime import leave_process_group
 
         leave_process_group()  # a command run under torchrun joined one
-

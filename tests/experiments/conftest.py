@@ -1,9 +1,11 @@
 """Shared fixtures: a small synthetic corpus, a private cache, and spec files written on the fly."""
+
 import textwrap
 
 import pytest
 import torch
 from corpora import write_pseudo_english
+
 
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory):
@@ -40,19 +42,31 @@ def _toml(v):
 def tiny_base(corpus):
     """tiny_base(steps=4, **fields) -> a [base] table for runs of about a second: the tiny preset on
     the synthetic corpus."""
+
     def make(steps=4, **extra):
-        fields = {"preset": "tiny", "data": corpus, "steps": steps, "warmup_steps": 1, "eval_every": 2,
-                  "eval_batches": 1, "checkpoint_every": 2, **extra}
+        fields = {
+            "preset": "tiny",
+            "data": corpus,
+            "steps": steps,
+            "warmup_steps": 1,
+            "eval_every": 2,
+            "eval_batches": 1,
+            "checkpoint_every": 2,
+            **extra,
+        }
         return "[base]\n" + "\n".join(f"{k} = {_toml(v)}" for k, v in fields.items()) + "\n"
+
     return make
 
 
 @pytest.fixture
 def write_spec():
     """write_spec(directory, name, body) -> path of directory/name.toml (body dedented)."""
+
     def write(directory, name, body):
         directory.mkdir(parents=True, exist_ok=True)
         path = directory / f"{name}.toml"
         path.write_text(textwrap.dedent(body))
         return path
+
     return write

@@ -1,4 +1,5 @@
 """Reports from cached runs: every report kind on tiny finished experiments, partial suites, the CLI."""
+
 import fnmatch
 import re
 import shutil
@@ -194,8 +195,9 @@ def suite(tmp_path_factory, tiny_base):
     for name, body in SPECS.items():
         (specs / f"{name}.toml").write_text(textwrap.dedent(body).replace("{base}", tiny_base()))
     for name in SPECS:
-        run_experiment(load_spec(name, specs), runs, progress=False, log=quiet,
-                       max_runs=1 if name == "ablations" else None)
+        run_experiment(
+            load_spec(name, specs), runs, progress=False, log=quiet, max_runs=1 if name == "ablations" else None
+        )
     _as_committed(runs)
     return specs, runs, root
 
@@ -205,8 +207,11 @@ def _as_committed(runs: Path) -> None:
     rebuild from the committed files alone, as they do in a fresh clone."""
     gitignore = Path(__file__).resolve().parents[2] / ".gitignore"
     prefix = "experiments/runs/"
-    patterns = [line[len(prefix):].rstrip("/").replace("**", "*")
-                for line in gitignore.read_text().splitlines() if line.startswith(prefix)]
+    patterns = [
+        line[len(prefix) :].rstrip("/").replace("**", "*")
+        for line in gitignore.read_text().splitlines()
+        if line.startswith(prefix)
+    ]
     assert any("checkpoint" in p for p in patterns) and not any("summary" in p for p in patterns), patterns
     removed = 0
     for path in sorted(runs.rglob("*"), reverse=True):  # children before their folders
@@ -231,16 +236,47 @@ def _report(suite, name, monkeypatch):
     return text, path.parent
 
 
-@pytest.mark.parametrize("name, expected", [
-    ("scaling", ["## Power-law fits", "Compute multiplier at the largest budget", "scaling.png",
-                 "per-seed fits", "PF-days", "Δ block − prenorm"]),
-    ("dynamics", ["Figure 5", "dynamics.png", "depth_weights_full.png", "depth_weights_block.png",
-                  "mixing_matrices.png", "| highway | 1 |", "best scalar fit", "Δ gradient CV"]),
-    ("block-size", ["block_size.png", "| S2 | 2 | 2 | 3 |", "Δ vs S1 (paired)",
-                    "## Uneven depth blocks against equal ones", "| uneven | [1, 3] | 2 | S2 (2 each) |"]),
-    ("arena", ["## budget: equal-tokens", "## budget: equal-time", "arena_curves.png", "tokens/s"]),
-    ("arch-sweep", ["arch_sweep.png", "| wide | 48 | 1 | 48.0 |", "parabola vertex", "lower mean loss than"]),
-])
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        (
+            "scaling",
+            [
+                "## Power-law fits",
+                "Compute multiplier at the largest budget",
+                "scaling.png",
+                "per-seed fits",
+                "PF-days",
+                "Δ block − prenorm",
+            ],
+        ),
+        (
+            "dynamics",
+            [
+                "Figure 5",
+                "dynamics.png",
+                "depth_weights_full.png",
+                "depth_weights_block.png",
+                "mixing_matrices.png",
+                "| highway | 1 |",
+                "best scalar fit",
+                "Δ gradient CV",
+            ],
+        ),
+        (
+            "block-size",
+            [
+                "block_size.png",
+                "| S2 | 2 | 2 | 3 |",
+                "Δ vs S1 (paired)",
+                "## Uneven depth blocks against equal ones",
+                "| uneven | [1, 3] | 2 | S2 (2 each) |",
+            ],
+        ),
+        ("arena", ["## budget: equal-tokens", "## budget: equal-time", "arena_curves.png", "tokens/s"]),
+        ("arch-sweep", ["arch_sweep.png", "| wide | 48 | 1 | 48.0 |", "parabola vertex", "lower mean loss than"]),
+    ],
+)
 def test_each_report_kind_from_cached_runs(suite, monkeypatch, name, expected):
     text, out = _report(suite, name, monkeypatch)
     assert "**Status: complete.**" in text
@@ -266,11 +302,16 @@ def test_routing_sharpness_in_the_dynamics_report(suite, monkeypatch, tmp_path):
     assert "## Routing sharpness (issue 18)" in text
     specs, runs, _ = suite
     col = collect(load_spec("dynamics", specs), runs)
-    for label, what, paper in (("full", "full, outputs", "≈ 0.6"), ("full-states", "full, states", "≈ 0.2"),
-                               ("block", "block, outputs", "≈ 0.6"), ("gated", "gated, outputs", "—")):
+    for label, what, paper in (
+        ("full", "full, outputs", "≈ 0.6"),
+        ("full-states", "full, states", "≈ 0.2"),
+        ("block", "block, outputs", "≈ 0.6"),
+        ("gated", "gated, outputs", "—"),
+    ):
         probes = [r.probes["routing"] for r in col.select(scheme=label) if r.done]
-        keep = [[l for l, k in enumerate(p["n_sources"]) if k >= 2] for p in probes]
-        mean_max = sum(sum(p["max_weight"][l] for l in k) / len(k) for p, k in zip(probes, keep)) / len(probes)
+        keep = [[i for i, k in enumerate(p["n_sources"]) if k >= 2] for p in probes]
+        pairs = zip(probes, keep, strict=True)
+        mean_max = sum(sum(p["max_weight"][i] for i in k) / len(k) for p, k in pairs) / len(probes)
         row = [line for line in text.splitlines() if line.startswith(f"| {label} | {what} | ")]
         assert row and row[0].endswith(f" | {paper} |"), label
         assert f"{mean_max:.3f}" in row[0] and f" | {len(probes)} | " in row[0], (label, row[0])
@@ -280,25 +321,32 @@ def test_routing_sharpness_in_the_dynamics_report(suite, monkeypatch, tmp_path):
     shutil.copytree(runs, copy)
     for probes_file in copy.rglob("probes.json"):
         data = json.loads(probes_file.read_text())
-        if (probes_file.parent / "config.json").exists() and \
-                json.loads((probes_file.parent / "config.json").read_text())["model"]["residual"] == "block":
+        if (probes_file.parent / "config.json").exists() and json.loads(
+            (probes_file.parent / "config.json").read_text()
+        )["model"]["residual"] == "block":
             data.pop("routing")
             probes_file.write_text(json.dumps(data))
     spec_dir = tmp_path / "specs"
     spec_dir.mkdir()
-    (spec_dir / "dynamics.toml").write_text((specs / "dynamics.toml").read_text() + textwrap.dedent("""
+    (spec_dir / "dynamics.toml").write_text(
+        (specs / "dynamics.toml").read_text()
+        + textwrap.dedent("""
         [[axis.scheme]]
         label = "block-states"
         residual = "block"
         attnres_block_size = 2
         attnres_sources = "states"
         seeds = [0]
-    """))
+    """)
+    )
     monkeypatch.setattr(Trainer, "run", lambda self: (_ for _ in ()).throw(AssertionError("must not train")))
     text = write_report(load_spec("dynamics", spec_dir), copy, tmp_path / "out", command="x").read_text()
     assert "PARTIAL REPORT" in text
-    assert re.search(r"\| block \| block, outputs \| 0 \| not measured: its runs finished before the routing "
-                     r"probe existed \|", text)
+    assert re.search(
+        r"\| block \| block, outputs \| 0 \| not measured: its runs finished before the routing "
+        r"probe existed \|",
+        text,
+    )
     assert re.search(r"\| block-states \| block, states \| 0 \| not yet run \|.*\| ≈ 0\.2 \|", text)
 
 
@@ -308,19 +356,23 @@ def test_the_demo_report_is_a_page_of_its_own(suite, monkeypatch):
     assert lines[0] == "# attnres demo" and lines[2] == "Command: `attnres report demo`  "
     assert re.match(r"Machine: .*cores visible", lines[3])
     assert re.match(r"Wall time \(training, evaluation and probes of the runs\): \d+\.\d min$", lines[4])
-    assert "Block AttnRes with S=2 sublayers per block. Training: 4 steps x 4 x 32 tokens, muon, wsd schedule, " \
-           "lr 0.003, seed 5;" in text
+    assert (
+        "Block AttnRes with S=2 sublayers per block. Training: 4 steps x 4 x 32 tokens, muon, wsd schedule, "
+        "lr 0.003, seed 5;" in text
+    )
     table = [line for line in lines if line.startswith("|")]
-    assert table[:2] == ["| scheme | params | tokens | val loss (nats/token) | bits/byte | tokens/s | "
-                         "step time vs prenorm |", "|---|---:|---:|---:|---:|---:|---:|"]
+    assert table[:2] == [
+        "| scheme | params | tokens | val loss (nats/token) | bits/byte | tokens/s | step time vs prenorm |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     assert [row.split(" | ")[0] for row in table[2:]] == ["| prenorm", "| block", "| full"]
     assert " | 512 | " in table[2] and table[2].endswith(" | 1.00x |")
     for png in ("loss_curves.png", "depth_weights_block.png", "depth_weights_full.png"):
         assert f"]({png})" in text
     assert "depth_weights_prenorm" not in text and "## Provenance" not in text and "## All runs" not in text
     # the table's numbers are the runs' summaries
-    from attnres.experiments.results import collect
     from attnres.experiments.reports import demo_table
+    from attnres.experiments.results import collect
 
     specs, runs, _ = suite
     col = collect(load_spec("demo", specs), runs)
@@ -329,8 +381,10 @@ def test_the_demo_report_is_a_page_of_its_own(suite, monkeypatch):
     assert f"| {full.summary['val_loss']:.4f} | {full.summary['val_bpb']:.4f} |" in table[4]
     # the invocation's wall time replaces the runs' own when the demo passes it
     write_report(load_spec("demo", specs), runs, out, command="attnres demo", wall_seconds=90)
-    assert "Wall time (this invocation, including data preparation and reused runs): 1.5 min" in \
-        (out / "REPORT.md").read_text()
+    assert (
+        "Wall time (this invocation, including data preparation and reused runs): 1.5 min"
+        in (out / "REPORT.md").read_text()
+    )
 
 
 def test_a_partial_suite_gives_a_marked_partial_report(suite, monkeypatch):
@@ -343,7 +397,10 @@ def test_a_partial_suite_gives_a_marked_partial_report(suite, monkeypatch):
 
 def test_cli_experiment_report_and_errors(tmp_path, write_spec, tiny_base, capsys):
     specs, runs = tmp_path / "specs", tmp_path / "runs"
-    write_spec(specs, "cli", f"""
+    write_spec(
+        specs,
+        "cli",
+        f"""
         [experiment]
         name = "cli"
         seeds = [0, 1]
@@ -355,7 +412,8 @@ def test_cli_experiment_report_and_errors(tmp_path, write_spec, tiny_base, capsy
         [[axis.scheme]]
         label = "full"
         residual = "full"
-    """)
+    """,
+    )
     common = ["--specs", str(specs), "--runs", str(runs)]
     assert main(["experiment", "cli", "--dry-run", *common]) == 0
     assert "4 missing" in capsys.readouterr().out
@@ -372,8 +430,21 @@ def test_cli_experiment_report_and_errors(tmp_path, write_spec, tiny_base, capsy
     assert (out_dir / "loss_curves.png").exists() and "Δ vs prenorm" in text
 
     # where no runs directory is (attnres report outside a clone): say where runs are expected
-    assert main(["report", "cli", "--specs", str(specs), "--runs", str(tmp_path / "elsewhere"),
-                 "--out", str(tmp_path / "r2")]) == 2
+    assert (
+        main(
+            [
+                "report",
+                "cli",
+                "--specs",
+                str(specs),
+                "--runs",
+                str(tmp_path / "elsewhere"),
+                "--out",
+                str(tmp_path / "r2"),
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert f"runs directory {tmp_path / 'elsewhere'} does not exist" in err and "--runs" in err
     assert not (tmp_path / "r2").exists()

@@ -1,4 +1,5 @@
 """The runner: finished runs are skipped, interrupted ones resume exactly, identical configs run once."""
+
 import io
 import json
 import os
@@ -21,7 +22,10 @@ def quiet(_msg):
 
 @pytest.fixture
 def two_by_two(tmp_path, write_spec, tiny_base):
-    write_spec(tmp_path / "specs", "pair", f"""
+    write_spec(
+        tmp_path / "specs",
+        "pair",
+        f"""
         [experiment]
         name = "pair"
         seeds = [0, 1]
@@ -32,7 +36,8 @@ def two_by_two(tmp_path, write_spec, tiny_base):
         [[axis.scheme]]
         label = "block"
         residual = "block"
-    """)
+    """,
+    )
     return load_spec("pair", tmp_path / "specs"), tmp_path / "runs"
 
 
@@ -41,7 +46,7 @@ def states(spec, root):
 
 
 def train_losses(run_dir):
-    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
     return [r["loss"] for r in rows if r["kind"] == "train"]
 
 
@@ -106,8 +111,11 @@ def test_an_interrupted_run_resumes_from_its_checkpoint_exactly(two_by_two, monk
         return loss
 
     monkeypatch.setattr(Trainer, "train_step", interrupting)
-    with pytest.raises(TrainingInterrupted, match=r"scheme=block/seed=1: interrupted at step 3.*"
-                                                  r"`attnres experiment pair` again to resume"):
+    with pytest.raises(
+        TrainingInterrupted,
+        match=r"scheme=block/seed=1: interrupted at step 3.*"
+        r"`attnres experiment pair` again to resume",
+    ):
         run_experiment(spec, root, only="block/seed=1", progress=False, log=quiet)
     monkeypatch.setattr(Trainer, "train_step", original)
     status = [s for s in plan_status(spec, root) if s.run.name == "scheme=block/seed=1"][0]
@@ -128,7 +136,10 @@ def test_an_interrupted_run_resumes_from_its_checkpoint_exactly(two_by_two, monk
 
 def test_identical_configs_share_a_run_and_other_experiments_reuse_it(tmp_path, write_spec, tiny_base):
     specs, root = tmp_path / "specs", tmp_path / "runs"
-    write_spec(specs, "first", f"""
+    write_spec(
+        specs,
+        "first",
+        f"""
         [experiment]
         name = "first"
         {tiny_base()}
@@ -136,17 +147,22 @@ def test_identical_configs_share_a_run_and_other_experiments_reuse_it(tmp_path, 
         label = "short"
         [[axis.budget]]
         label = "same"
-    """)
+    """,
+    )
     first = load_spec("first", specs)
     assert len({s.run.hash for s in plan_status(first, root)}) == 1
     counts = run_experiment(first, root, progress=False, log=quiet)
     assert counts["trained"] == 1 and states(first, root) == ["done", "done"]
 
-    write_spec(specs, "second", f"""
+    write_spec(
+        specs,
+        "second",
+        f"""
         [experiment]
         name = "second"
         {tiny_base()}
-    """)
+    """,
+    )
     second = load_spec("second", specs)
     assert states(second, root) == ["reusable"]
     counts = run_experiment(second, root, progress=False, log=quiet)
@@ -183,7 +199,10 @@ def test_divergence_is_recorded_and_not_retried_unless_asked(two_by_two, monkeyp
 
 
 def test_keep_checkpoint_and_same_seed_same_sublayer_init(tmp_path, write_spec, tiny_base):
-    write_spec(tmp_path, "keep", f"""
+    write_spec(
+        tmp_path,
+        "keep",
+        f"""
         [experiment]
         name = "keep"
         keep_checkpoint = true
@@ -194,7 +213,8 @@ def test_keep_checkpoint_and_same_seed_same_sublayer_init(tmp_path, write_spec, 
         [[axis.scheme]]
         label = "full"
         residual = "full"
-    """)
+    """,
+    )
     spec = load_spec("keep", tmp_path)
     run_experiment(spec, tmp_path / "runs", progress=False, log=quiet)
     statuses = plan_status(spec, tmp_path / "runs")
@@ -241,11 +261,15 @@ def test_another_experiments_run_under_an_older_hash_is_reused(tmp_path, write_s
     and the copy keeps the older name under which the alias lookup finds it done."""
     specs, root = tmp_path / "specs", tmp_path / "runs"
     for name in ("first", "second"):
-        write_spec(specs, name, f"""
+        write_spec(
+            specs,
+            name,
+            f"""
             [experiment]
             name = "{name}"
             {tiny_base()}
-        """)
+        """,
+        )
     first, second = load_spec("first", specs), load_spec("second", specs)
     run_experiment(first, root, progress=False, log=quiet)
     (done,) = plan_status(first, root)
@@ -274,11 +298,20 @@ def test_a_config_another_process_trains_is_left_to_it(two_by_two):
 
     spec, root = two_by_two
     first = plan_status(spec, root)[0].run
-    holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from attnres.experiments.runner import config_lock\n"
-        f"with config_lock({str(root)!r}, {first.hash!r}) as h:\n"
-        "    assert h is None; print('held', flush=True); sys.stdin.readline()")],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import sys, time; from attnres.experiments.runner import config_lock\n"
+                f"with config_lock({str(root)!r}, {first.hash!r}) as h:\n"
+                "    assert h is None; print('held', flush=True); sys.stdin.readline()"
+            ),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         assert f"training now: pid {holder.pid}" in format_plan(spec, plan_status(spec, root))

@@ -1,10 +1,19 @@
 """Spec files: parsing, expansion into runs (grid x axes x seeds), config hashing, clear errors."""
+
 import re
 from pathlib import Path
 
 import pytest
 
-from attnres.experiments import ExperimentError, available, config_hash, expand, find_spec, load_spec, parse_spec
+from attnres.experiments import (
+    ExperimentError,
+    available,
+    config_hash,
+    expand,
+    find_spec,
+    load_spec,
+    parse_spec,
+)
 from attnres.experiments.runner import format_plan, plan_status
 from attnres.experiments.spec import with_overrides
 from attnres.train.config import build_configs
@@ -13,7 +22,10 @@ REPO_SPECS = Path(__file__).resolve().parents[2] / "experiments"
 
 
 def test_grid_times_axes_times_seeds(tmp_path, write_spec, tiny_base):
-    path = write_spec(tmp_path, "demo-grid", f"""
+    path = write_spec(
+        tmp_path,
+        "demo-grid",
+        f"""
         [experiment]
         name = "demo-grid"
         seeds = [0, 1]
@@ -32,14 +44,18 @@ def test_grid_times_axes_times_seeds(tmp_path, write_spec, tiny_base):
         residual = "full"
         tags = {{ family = "attnres" }}
         speed = 0.5
-    """)
+    """,
+    )
     spec = parse_spec(path)
     assert spec.report == "generic" and [a for a, _ in spec.axes] == ["lr", "scheme"]
     runs = expand(spec)
     assert len(runs) == 2 * (3 + 2)
     names = [r.name for r in runs]
-    assert names[:3] == ["lr=0.001/scheme=prenorm/seed=0", "lr=0.001/scheme=prenorm/seed=1",
-                         "lr=0.001/scheme=prenorm/seed=2"]
+    assert names[:3] == [
+        "lr=0.001/scheme=prenorm/seed=0",
+        "lr=0.001/scheme=prenorm/seed=1",
+        "lr=0.001/scheme=prenorm/seed=2",
+    ]
     full = [r for r in runs if r.labels["scheme"] == "full"]
     assert all(r.labels["family"] == "attnres" and r.model.residual == "full" for r in full)
     assert {r.train.lr for r in runs} == {1e-3, 3e-3}
@@ -50,7 +66,10 @@ def test_grid_times_axes_times_seeds(tmp_path, write_spec, tiny_base):
 
 
 def test_later_points_override_earlier_ones_and_base(tmp_path, write_spec, tiny_base):
-    path = write_spec(tmp_path, "order", f"""
+    path = write_spec(
+        tmp_path,
+        "order",
+        f"""
         [experiment]
         name = "order"
         {tiny_base(lr=0.01)}
@@ -61,13 +80,17 @@ def test_later_points_override_earlier_ones_and_base(tmp_path, write_spec, tiny_
         label = "y"
         lr = 0.03
         seeds = [5]
-    """)
+    """,
+    )
     (run,) = expand(parse_spec(path))
     assert run.train.lr == 0.03 and run.seed == 5 and run.train.seed == 5
 
 
 def test_by_overrides_apply_only_with_the_matching_point_of_another_axis(tmp_path, write_spec, tiny_base):
-    path = write_spec(tmp_path, "bytest", f"""
+    path = write_spec(
+        tmp_path,
+        "bytest",
+        f"""
         [experiment]
         name = "bytest"
         {tiny_base(steps=10)}
@@ -83,13 +106,21 @@ def test_by_overrides_apply_only_with_the_matching_point_of_another_axis(tmp_pat
         label = "time"
         [axis.budget.by.scheme]
         mhc = {{ steps = 5, warmup_steps = 1 }}
-    """)
+    """,
+    )
     steps = {r.name: r.train.steps for r in expand(parse_spec(path))}
-    assert steps == {"scheme=prenorm/budget=tokens/seed=0": 10, "scheme=prenorm/budget=time/seed=0": 10,
-                     "scheme=mhc/budget=tokens/seed=0": 10, "scheme=mhc/budget=time/seed=0": 5}
+    assert steps == {
+        "scheme=prenorm/budget=tokens/seed=0": 10,
+        "scheme=prenorm/budget=time/seed=0": 10,
+        "scheme=mhc/budget=tokens/seed=0": 10,
+        "scheme=mhc/budget=time/seed=0": 5,
+    }
     runs = expand(parse_spec(path))
     assert runs[0].hash == runs[1].hash  # identical configs: one run serves both labels
-    bad = write_spec(tmp_path, "bybad", f"""
+    bad = write_spec(
+        tmp_path,
+        "bybad",
+        """
         [experiment]
         name = "bybad"
         [[axis.scheme]]
@@ -97,8 +128,9 @@ def test_by_overrides_apply_only_with_the_matching_point_of_another_axis(tmp_pat
         [[axis.budget]]
         label = "time"
         [axis.budget.by.scheme]
-        hyper = {{ steps = 5 }}
-    """)
+        hyper = { steps = 5 }
+    """,
+    )
     with pytest.raises(ExperimentError, match=r"by.scheme: labels \['hyper'\] are not points of axis 'scheme'"):
         parse_spec(bad)
 
@@ -110,13 +142,29 @@ def _configs(**overrides):
 def test_hash_is_stable_and_ignores_only_fields_that_do_not_change_results():
     h = config_hash(*_configs())
     assert h == config_hash(*_configs()) and re.fullmatch(r"[0-9a-f]{12}", h)
-    for same in ({"out_dir": "elsewhere"}, {"progress": False}, {"threads": 1}, {"cache_dir": "/tmp/x"},
-                 {"checkpoint_every": 7}, {"lr": 3e-3}):
+    for same in (
+        {"out_dir": "elsewhere"},
+        {"progress": False},
+        {"threads": 1},
+        {"cache_dir": "/tmp/x"},
+        {"checkpoint_every": 7},
+        {"lr": 3e-3},
+    ):
         assert config_hash(*_configs(**same)) == h, same
     assert config_hash(*_configs(weight_decay=1)) == config_hash(*_configs(weight_decay=1.0))
-    for different in ({"lr": 1e-3}, {"seed": 1}, {"steps": 31}, {"residual": "full"}, {"d_model": 64},
-                      {"attnres_kernel": "sigmoid", "residual": "full"}, {"eval_every": 5}, {"batch_size": 8},
-                      {"data": "corpus.txt"}, {"optimizer": "adamw"}, {"precision": "bf16"}):
+    for different in (
+        {"lr": 1e-3},
+        {"seed": 1},
+        {"steps": 31},
+        {"residual": "full"},
+        {"d_model": 64},
+        {"attnres_kernel": "sigmoid", "residual": "full"},
+        {"eval_every": 5},
+        {"batch_size": 8},
+        {"data": "corpus.txt"},
+        {"optimizer": "adamw"},
+        {"precision": "bf16"},
+    ):
         assert config_hash(*_configs(**different)) != h, different
 
 
@@ -140,20 +188,23 @@ def test_unknown_experiment_lists_the_available_ones(tmp_path, write_spec, tiny_
     assert available(tmp_path) == ["alpha", "beta"]
 
 
-@pytest.mark.parametrize("body, where", [
-    ('[experiment]\nname = "bad"\n[base]\nd_modle = 3\n', r"\[base\] d_modle: unknown option"),
-    ('[experiment]\nname = "bad"\nseeds = [1, -1]\n', r"\[experiment\] seeds: must be a non-empty list"),
-    ('[experiment]\nname = "other"\n', r"\[experiment\] name: 'other' must equal the file name 'bad'"),
-    ('[experiment]\nname = "bad"\n[[axis.s]]\nresidual = "full"\n', r"\[\[axis.s\]\] #1 label: required"),
-    ('[experiment]\nname = "bad"\n[[axis.s]]\nlabel = "a"\n[[axis.s]]\nlabel = "a"\n', r"repeated labels"),
-    ('[experiment]\nname = "bad"\nbudget = 3\n', r"\[experiment\] budget: unknown key"),
-    ('[experiment]\nname = "bad"\n[base]\nout_dir = "x"\n', r"\[base\] out_dir: is set by the runner"),
-    ('[experiment]\nname = "bad"\nreport = "scaling"\n', r"the 'scaling' report needs an axis named 'size'"),
-    ('[experiment]\nname = "bad"\n[oops]\n', r"oops: unknown top-level key"),
-    ('[experiment\nname = "bad"\n', r"not valid TOML"),
-    ('[base]\nsteps = 3\n', r"\[experiment\]: missing"),
-    ('[experiment]\nname = "bad"\n[[axis.s]]\nlabel = "a"\npaper_loss = "low"\n', r"paper_loss: must be a"),
-])
+@pytest.mark.parametrize(
+    "body, where",
+    [
+        ('[experiment]\nname = "bad"\n[base]\nd_modle = 3\n', r"\[base\] d_modle: unknown option"),
+        ('[experiment]\nname = "bad"\nseeds = [1, -1]\n', r"\[experiment\] seeds: must be a non-empty list"),
+        ('[experiment]\nname = "other"\n', r"\[experiment\] name: 'other' must equal the file name 'bad'"),
+        ('[experiment]\nname = "bad"\n[[axis.s]]\nresidual = "full"\n', r"\[\[axis.s\]\] #1 label: required"),
+        ('[experiment]\nname = "bad"\n[[axis.s]]\nlabel = "a"\n[[axis.s]]\nlabel = "a"\n', r"repeated labels"),
+        ('[experiment]\nname = "bad"\nbudget = 3\n', r"\[experiment\] budget: unknown key"),
+        ('[experiment]\nname = "bad"\n[base]\nout_dir = "x"\n', r"\[base\] out_dir: is set by the runner"),
+        ('[experiment]\nname = "bad"\nreport = "scaling"\n', r"the 'scaling' report needs an axis named 'size'"),
+        ('[experiment]\nname = "bad"\n[oops]\n', r"oops: unknown top-level key"),
+        ('[experiment\nname = "bad"\n', r"not valid TOML"),
+        ("[base]\nsteps = 3\n", r"\[experiment\]: missing"),
+        ('[experiment]\nname = "bad"\n[[axis.s]]\nlabel = "a"\npaper_loss = "low"\n', r"paper_loss: must be a"),
+    ],
+)
 def test_malformed_specs_name_the_file_and_the_field(tmp_path, write_spec, body, where):
     path = write_spec(tmp_path, "bad", body)
     with pytest.raises(ExperimentError) as info:
@@ -163,7 +214,10 @@ def test_malformed_specs_name_the_file_and_the_field(tmp_path, write_spec, body,
 
 
 def test_invalid_config_values_name_the_run_and_the_field(tmp_path, write_spec, tiny_base):
-    write_spec(tmp_path, "bad", f"""
+    write_spec(
+        tmp_path,
+        "bad",
+        f"""
         [experiment]
         name = "bad"
         {tiny_base()}
@@ -171,20 +225,25 @@ def test_invalid_config_values_name_the_run_and_the_field(tmp_path, write_spec, 
         label = "win"
         residual = "block"
         attnres_window = 4
-    """)
+    """,
+    )
     with pytest.raises(ExperimentError, match=r"bad.toml: run scheme=win/seed=0: .*attnres_window"):
         expand(load_spec("bad", tmp_path))
 
 
 def test_dry_run_lists_states_and_estimates(tmp_path, write_spec, tiny_base):
-    write_spec(tmp_path, "plan", f"""
+    write_spec(
+        tmp_path,
+        "plan",
+        f"""
         [experiment]
         name = "plan"
         seeds = [0, 1]
         tokens_per_second = 128
         budget_cpu_hours = 0.5
         {tiny_base(steps=10)}
-    """)
+    """,
+    )
     spec = load_spec("plan", tmp_path)
     text = format_plan(spec, plan_status(spec, tmp_path / "runs"))
     assert "run=base/seed=0" in text and "missing" in text and "stated budget 0.5 h" in text
@@ -226,9 +285,12 @@ def test_issue_18_rows_of_the_shipped_specs():
     """The variants of issue 18 are planned where it asks: ablations (state sources, low-rank queries,
     gated), block-size (learned uneven blocks beside equal ones with the same N), dynamics (the routing
     rows, shared with the ablations) and the arena (gated at equal tokens and equal time)."""
+
     def models(name):
-        return {(r.labels.get("variant") or r.labels.get("scheme"), r.labels.get("budget"), r.seed): r.model
-                for r in expand(load_spec(name, REPO_SPECS))}
+        return {
+            (r.labels.get("variant") or r.labels.get("scheme"), r.labels.get("budget"), r.seed): r.model
+            for r in expand(load_spec(name, REPO_SPECS))
+        }
 
     ablations = models("ablations")
     assert ablations[("full-states", None, 2)].attnres_sources == "states"
@@ -245,20 +307,27 @@ def test_issue_18_rows_of_the_shipped_specs():
             learned = sizes[(f"learned-{objective}-N{n}", None, 1)]
             assert learned.num_blocks == n and sum(learned.attnres_block_sizes) == 32
             assert learned.attnres_block_sizes != [32 // n] * n
-    dynamics = {r.hash for r in expand(load_spec("dynamics", REPO_SPECS))
-                if r.labels["scheme"] in ("full-states", "gated")}
-    assert len(dynamics) == 6 and dynamics <= {r.hash for r in expand(load_spec("ablations", REPO_SPECS))}  # 3 seeds each
+    dynamics = {
+        r.hash for r in expand(load_spec("dynamics", REPO_SPECS)) if r.labels["scheme"] in ("full-states", "gated")
+    }
+    assert len(dynamics) == 6 and dynamics <= {
+        r.hash for r in expand(load_spec("ablations", REPO_SPECS))
+    }  # 3 seeds each
     arena = models("arena")
     assert arena[("gated", "equal-time", 1)].residual == "gated"
-    train = {r.labels["budget"]: r.train.steps for r in expand(load_spec("arena", REPO_SPECS))
-             if r.labels["scheme"] == "gated"}
+    train = {
+        r.labels["budget"]: r.train.steps
+        for r in expand(load_spec("arena", REPO_SPECS))
+        if r.labels["scheme"] == "gated"
+    }
     assert train["equal-time"] < train["equal-tokens"]
 
 
 def test_shared_rows_of_the_shipped_specs_have_identical_hashes():
     """ablations, block-size and dynamics share their deep-narrow base: their common rows run once."""
-    hashes = {name: {r.hash for r in expand(load_spec(name, REPO_SPECS))}
-              for name in ("ablations", "block-size", "dynamics")}
+    hashes = {
+        name: {r.hash for r in expand(load_spec(name, REPO_SPECS))} for name in ("ablations", "block-size", "dynamics")
+    }
     assert len(hashes["ablations"] & hashes["block-size"]) >= 6
     assert len(hashes["ablations"] & hashes["dynamics"]) >= 6
 
@@ -271,12 +340,16 @@ def test_the_demo_spec_plans_exactly_what_attnres_demo_trained():
     for run in runs:
         model, train = build_configs("demo", {"residual": run.labels["scheme"]})
         assert run.model == model and run.seed == train.seed == 1337
-        assert {k: v for k, v in run.train.to_dict().items() if k != "out_dir"} == \
-            {k: v for k, v in train.to_dict().items() if k != "out_dir"}
+        assert {k: v for k, v in run.train.to_dict().items() if k != "out_dir"} == {
+            k: v for k, v in train.to_dict().items() if k != "out_dir"
+        }
 
 
 def test_overrides_enter_every_run_and_its_hash(tmp_path, write_spec, tiny_base):
-    write_spec(tmp_path, "over", f"""
+    write_spec(
+        tmp_path,
+        "over",
+        f"""
         [experiment]
         name = "over"
         {tiny_base()}
@@ -286,7 +359,8 @@ def test_overrides_enter_every_run_and_its_hash(tmp_path, write_spec, tiny_base)
         [[axis.scheme]]
         label = "full"
         residual = "full"
-    """)
+    """,
+    )
     spec = load_spec("over", tmp_path)
     changed = with_overrides(spec, {"steps": 7, "d_model": 16, "seed": 5})
     before, after = expand(spec), expand(changed)
@@ -317,12 +391,16 @@ def test_specs_parse_without_tomllib_through_tomli(tmp_path, write_spec, tiny_ba
     monkeypatch.setattr(sys, "version_info", (3, 10, 14, "final", 0))  # what attnres.files asks
     monkeypatch.setitem(sys.modules, "tomllib", None)  # `import tomllib` raises ModuleNotFoundError
     monkeypatch.setitem(sys.modules, "tomli", tomli)
-    path = write_spec(tmp_path, "old", f"""
+    path = write_spec(
+        tmp_path,
+        "old",
+        f"""
         [experiment]
         name = "old"
         seeds = [3]
         {tiny_base()}
-    """)
+    """,
+    )
     spec = parse_spec(path)
     assert spec.seeds == [3] and spec.base["preset"] == "tiny" and len(calls) == 1
     (tmp_path / "bad.toml").write_text("[experiment\n")

@@ -1,12 +1,28 @@
 """Paired statistics over seeds, the t distribution, ranks, FLOP counting and power-law fits."""
+
 import math
 import random
 
 import pytest
 
-from attnres.experiments.fit import (PFLOPS_DAY, PowerLaw, compute_multiplier, fit_power_law, flops_per_token,
-                                     matmul_params, measured_multiplier)
-from attnres.experiments.stats import NOISE_RULE, fmt_mean_std, mean_std, paired, ranks, spearman, t_pvalue
+from attnres.experiments.fit import (
+    PFLOPS_DAY,
+    PowerLaw,
+    compute_multiplier,
+    fit_power_law,
+    flops_per_token,
+    matmul_params,
+    measured_multiplier,
+)
+from attnres.experiments.stats import (
+    NOISE_RULE,
+    fmt_mean_std,
+    mean_std,
+    paired,
+    ranks,
+    spearman,
+    t_pvalue,
+)
 from attnres.model import AttnResLM, ModelConfig
 
 
@@ -38,7 +54,7 @@ def test_paired_difference_t_statistic_and_verdict():
 
 
 def test_large_t_with_a_dissenting_seed_is_within_noise():
-    base = {s: 2.0 for s in range(6)}
+    base = dict.fromkeys(range(6), 2.0)
     variant = {0: 1.90, 1: 1.91, 2: 1.90, 3: 1.89, 4: 1.90, 5: 2.01}
     p = paired(variant, base)
     assert abs(p.t) >= 2 and p.lower == 5 and p.verdict == "within noise"
@@ -69,13 +85,13 @@ def test_ranks_and_spearman():
 
 def test_power_law_fit_recovers_A_and_alpha():
     A, alpha = 1.891, 0.057
-    Cs = [10 ** e for e in (-3, -2.5, -2, -1.5, -1)]
-    fit = fit_power_law(Cs, [A * c ** -alpha for c in Cs])
-    assert fit.A == pytest.approx(A, rel=1e-9) and fit.alpha == pytest.approx(alpha, rel=1e-9)
+    Cs = [10**e for e in (-3, -2.5, -2, -1.5, -1)]
+    fit = fit_power_law(Cs, [A * c**-alpha for c in Cs])
+    assert pytest.approx(A, rel=1e-9) == fit.A and fit.alpha == pytest.approx(alpha, rel=1e-9)
     assert fit.r2 == pytest.approx(1.0) and fit.n == 5
     rng = random.Random(0)
-    noisy = fit_power_law(Cs * 4, [A * c ** -alpha * math.exp(rng.gauss(0, 0.002)) for c in Cs * 4])
-    assert noisy.alpha == pytest.approx(alpha, abs=0.004) and noisy.A == pytest.approx(A, rel=0.02)
+    noisy = fit_power_law(Cs * 4, [A * c**-alpha * math.exp(rng.gauss(0, 0.002)) for c in Cs * 4])
+    assert noisy.alpha == pytest.approx(alpha, abs=0.004) and pytest.approx(A, rel=0.02) == noisy.A
     assert fit.inverse(fit(0.02)) == pytest.approx(0.02)
     with pytest.raises(ValueError, match="two distinct"):
         fit_power_law([1.0, 1.0], [2.0, 2.1])
@@ -84,7 +100,7 @@ def test_power_law_fit_recovers_A_and_alpha():
 def test_compute_multiplier():
     base = PowerLaw(A=1.891, alpha=0.057, r2=1, n=5)
     # same exponent: the multiplier is (A_base / A_variant)^(1/alpha) at every budget
-    variant = PowerLaw(A=1.891 * 1.25 ** -0.057, alpha=0.057, r2=1, n=5)
+    variant = PowerLaw(A=1.891 * 1.25**-0.057, alpha=0.057, r2=1, n=5)
     for C in (1e-4, 1.0):
         assert compute_multiplier(base, variant, C) == pytest.approx(1.25)
     assert compute_multiplier(base, base, 3.0) == pytest.approx(1.0)
