@@ -31,9 +31,9 @@ from attnres.ops.depth_attention.triton import (
     check_device,
     on_device,
     pow2,
-    tile_coords,
     tile_shape,
 )
+from attnres.ops.depth_attention.triton_kernels import tile_coords
 from attnres.ops.two_phase.reference import check_phase1_inputs
 
 __all__ = ["fits", "merge", "phase1"]
