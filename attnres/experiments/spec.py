@@ -94,6 +94,7 @@ REPORT_AXES = {
     "arch-sweep": ("shape", "scheme"),
     "demo": ("scheme",),
     "kimi-linear": ("backbone", "scheme"),
+    "retrofit": ("arm",),
     "generic": (),
 }
 DEFAULT_TOKENS_PER_SECOND = 6000.0

@@ -62,6 +62,10 @@ class TrainConfig:
     compile: bool | str = False  # torch.compile: true (inductor) or a backend name, e.g. "aot_eager"
     # none | block | sublayer (attnres.model.checkpointing); None (what `--set ...=none` reads as) is "none"
     activation_checkpointing: str | None = "none"
+    # retrofit-by-fine-tuning (experiments/retrofit.toml): train the model as PreNorm for the first
+    # retrofit_step steps, then turn it into the configured residual (zero queries, eps scaled: the same
+    # function) with a fresh optimizer on the same schedule; 0: off
+    retrofit_step: int = 0
 
     def __post_init__(self):
         self.validate()
@@ -87,10 +91,14 @@ class TrainConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise bad(name, "must be a positive integer")
-        for name in ("warmup_steps", "seed"):
+        for name in ("warmup_steps", "seed", "retrofit_step"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise bad(name, "must be a non-negative integer")
+        if self.retrofit_step >= self.steps:
+            raise bad("retrofit_step", f"must be below steps={self.steps} (0: no retrofit)")
+        if self.retrofit_step and (self.dp, self.pp, self.fsdp) != (1, 1, False):
+            raise bad("retrofit_step", "needs a single-process run (dp=1, pp=1, fsdp=false)")
         if self.warmup_steps > self.steps:
             raise bad("warmup_steps", f"must not exceed steps={self.steps}")
         for name in ("lr", "muon_lr"):  # a zero rate trains nothing; check_field_types keeps them finite

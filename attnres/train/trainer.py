@@ -91,7 +91,18 @@ class _GracefulInterrupt:
         return False
 
 
+def prenorm_of(model_config: ModelConfig) -> ModelConfig:
+    """The PreNorm model a retrofit run trains first: the same model with residual="prenorm" and every
+    residual-scheme option at its default."""
+    import dataclasses
+
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.name.startswith("attnres_")}
+    return ModelConfig(**{**model_config.to_dict(), **defaults, "residual": "prenorm"})
+
+
 class Trainer:
+    retrofit_to: ModelConfig | None = None
+
     def __init__(
         self,
         model_config: ModelConfig,
@@ -150,6 +161,14 @@ class Trainer:
         self.model_config = model_config
         check_memory(model_config, c, self.device)
 
+        if c.retrofit_step:
+            if self.resume:
+                raise ValueError(f"{self.out_dir}: a run with retrofit_step={c.retrofit_step} cannot resume (its "
+                                 "architecture changes mid-run); start it again with force")
+            if model_config.residual in ("block", "full") and not model_config.attnres_scale_norm_eps:
+                raise ValueError("retrofit_step needs attnres_scale_norm_eps=true, so that the retrofit keeps the "
+                                 "PreNorm model's function (docs/method.md §3)")
+            self.retrofit_to, model_config = model_config, prenorm_of(model_config)
         torch.manual_seed(c.seed)
         model = AttnResLM(model_config).to(self.device)
         model.set_activation_checkpointing(c.activation_checkpointing)
@@ -168,6 +187,50 @@ class Trainer:
         self.state = {"tokens": 0, "elapsed": 0.0, "train_loss": float("nan"), "data_digest": self.data.data_digest}
         if self.resume:
             self._resume()
+
+    def _retrofit(self) -> float:
+        """At ``retrofit_step``: the PreNorm model's weights into the configured residual (zero queries, eps
+        scaled), a fresh optimizer; returns the largest logit change on a validation batch (rounding)."""
+        from attnres.data import eval_batches
+
+        c, old = self.cfg, self.model
+        model = AttnResLM(self.retrofit_to).to(self.device)
+        missing, unexpected = model.load_state_dict(old.state_dict(), strict=False)
+        if unexpected or any(not k.startswith("residual.") for k in missing):
+            raise RuntimeError(f"retrofit: the PreNorm state does not fit ({sorted(unexpected)[:4]}, {missing[:4]})")
+        x, _ = next(eval_batches(self.data.val.tokens, 2, c.seq_len, max_batches=1))
+        with torch.no_grad():
+            old.eval(), model.eval()
+            change = (old(x.to(self.device)) - model(x.to(self.device))).abs().max().item()
+        model.train()
+        model.set_activation_checkpointing(c.activation_checkpointing)
+        self.model_config = self.retrofit_to
+        self.n_params = model.num_params()
+        self.strategy = build_layout(model, c, self._autocast)
+        self.compiled = self.strategy.compile(c.compile) if c.compile else None
+        self.model = self.strategy.model
+        self.optimizer = self._build_optimizer(self.model)
+        self.checkpointer = Checkpointer(
+            self.out_dir, c, self.model_config, self.strategy, self.optimizer, self._build_optimizer, self.is_main
+        )
+        return change
+
+    def _depth_stats(self) -> dict:
+        """After a retrofit: how far the queries are from zero (mean L2 norm per consumer) and how
+        uniform the routing is on the first validation batch (mean entropy / log K_l: 1 = uniform)."""
+        from attnres.analysis.depth import record_on_batch, routing_sharpness
+        from attnres.data import eval_batches
+
+        queries = getattr(self.model.residual, "queries", None)
+        if queries is None:
+            return {}
+        x, _ = next(eval_batches(self.data.val.tokens, self.cfg.batch_size, self.cfg.seq_len, max_batches=1))
+        was_training = self.model.training
+        sharp = routing_sharpness(record_on_batch(self.model, x.to(self.device)))
+        self.model.train(was_training)
+        ratios = [e / math.log(k) for e, k in zip(sharp["entropy"], sharp["n_sources"], strict=True) if k > 1]
+        return {"query_norm": queries.detach().norm(dim=-1).mean().item(),
+                "routing_entropy": sum(ratios) / len(ratios)}
 
     def describe(self) -> str:
         """One line: the model, the data and, for parallel runs, the layout."""
@@ -343,6 +406,8 @@ class Trainer:
                     evaluated = self.step % c.eval_every == 0 or self.step == c.steps
                     if evaluated:
                         ev = self.evaluate()
+                        if c.retrofit_step and self.step > c.retrofit_step:
+                            ev.update(self._depth_stats())
                         if metrics is not None:
                             metrics.log({**ev, "tokens": self.state["tokens"]}, step=self.step, kind="eval")
                         self.state.update(ev)
@@ -352,6 +417,11 @@ class Trainer:
                         progress.update(self.step, loss, tokens_per_step / dt, self.state.get("val_loss"), evaluated)
                     if self.step % c.checkpoint_every == 0 or self.step == c.steps:
                         self.save()
+                    if c.retrofit_step and self.step == c.retrofit_step:
+                        change = self._retrofit()
+                        if metrics is not None:
+                            metrics.log({"residual": self.model_config.residual, "max_logit_change": change,
+                                         **self._depth_stats()}, step=self.step, kind="retrofit")
                     if self.strategy.any_rank(interrupt.requested):  # all ranks stop at the same step
                         path = self.save()
                         raise TrainingInterrupted(

@@ -21,11 +21,13 @@ demo       scheme                 ``attnres demo``'s page of its own: one table 
 kimi-linear backbone, scheme      per backbone: loss, paired Δ and step-time ratio vs the
                                   baseline, MoE load balance, depth-weight heatmaps; the
                                   verdicts of the two backbones side by side
+retrofit   arm                    PreNorm retrofitted to Block / Full at step S vs continued:
+                                  paired Δ, query norms and routing entropy over time
 generic    any                    groups with mean ± std and paired Δ vs the baseline
 ========== ===================== =====================================================
 
 One module per report kind (``scaling``, ``ablations``, ``block_size``, ``arena``, ``dynamics``,
-``arch_sweep``, ``kimi_linear``, ``demo``, ``generic``), what they share in ``common`` (the
+``arch_sweep``, ``kimi_linear``, ``demo``, ``retrofit``, ``generic``), what they share in ``common`` (the
 ``Report`` page, tables, numbers) and ``sections`` (status, provenance, statistics, all runs);
 ``page.write_report`` picks the sections of a spec's kind.
 """

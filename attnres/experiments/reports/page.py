@@ -15,6 +15,7 @@ from attnres.experiments.reports.demo import demo_page
 from attnres.experiments.reports.dynamics import dynamics_report
 from attnres.experiments.reports.generic import generic_report
 from attnres.experiments.reports.kimi_linear import kimi_linear_report
+from attnres.experiments.reports.retrofit import retrofit_report
 from attnres.experiments.reports.scaling import scaling_report
 from attnres.experiments.reports.sections import (
     provenance,
@@ -37,6 +38,7 @@ BUILDERS: dict[str, Callable[[Report], None]] = {
     "dynamics": dynamics_report,
     "arch-sweep": arch_sweep_report,
     "kimi-linear": kimi_linear_report,
+    "retrofit": retrofit_report,
     "generic": generic_report,
 }
 
