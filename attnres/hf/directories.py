@@ -8,8 +8,9 @@ A source directory is one of four kinds (:data:`SOURCE_KINDS`):
                  text model is): plain PreNorm, retrofitted like a pretrained model, or the released
                  AttnRes layout of docs/method.md §10, loaded as the Block AttnRes it is
                  (``attnres.hf.kimi``)
-``pretrained``   any other Hugging Face causal-LM directory: a LLaMA / Mistral / Qwen2 model to
-                 retrofit (``convert_to_attnres`` rejects the architectures it cannot express)
+``pretrained``   any other Hugging Face causal-LM directory, retrofitted by ``convert_to_attnres``:
+                 into our own model where AttnResLM expresses it, else by wrapping its own layers
+                 (``attnres.hf.retrofit``: the families of docs/hf.md); others are refused by name
 
 :func:`convert_directory` writes native sources as Hugging Face directories, AttnRes
 Hugging Face directories as native checkpoints, and retrofits pretrained models into
@@ -74,7 +75,7 @@ def _check_request(src: Path, out: Path, kind: str, to: str, retrofit: dict[str,
             flags.append("--set")
         what = "a native checkpoint" if kind == "native" else "already AttnRes"
         raise ConversionError(f"{', '.join(flags)} apply only when retrofitting a pretrained "
-                              f"LLaMA / Mistral / Qwen2 / Kimi Linear directory; {src} is {what}")
+                              f"Hugging Face or Kimi Linear directory; {src} is {what}")
     if to not in OUTPUT_FORMATS:
         raise ConversionError(f"--to {to}: choose one of {', '.join(OUTPUT_FORMATS)}")
     if (kind, to) in (("native", "native"), ("attnres", "hf")):

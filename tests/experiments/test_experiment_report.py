@@ -151,6 +151,24 @@ SPECS = {
         label = "full"
         residual = "full"
     """,
+    "retrofit": """
+        [experiment]
+        name = "retrofit"
+        seeds = [0, 1]
+        baseline = "prenorm"
+        {base}
+        retrofit_step = 2
+
+        [[axis.arm]]
+        label = "prenorm"
+        residual = "prenorm"
+
+        [[axis.arm]]
+        label = "block"
+        residual = "block"
+        attnres_block_size = 2
+        attnres_scale_norm_eps = true
+    """,
     "ablations": """
         [experiment]
         name = "ablations"
@@ -274,6 +292,8 @@ def _report(suite, name, monkeypatch):
             ],
         ),
         ("arena", ["## budget: equal-tokens", "## budget: equal-time", "arena_curves.png", "tokens/s"]),
+        ("retrofit", ["## Over time (means over seeds)", "| block | 2 |", "Δ vs prenorm continued (paired)", "## Verdict",
+                      "Verdict: retrofit-by-fine-tuning ends block", "largest logit change at the switch"]),
         ("arch-sweep", ["arch_sweep.png", "| wide | 48 | 1 | 48.0 |", "parabola vertex", "lower mean loss than"]),
     ],
 )

@@ -14,7 +14,6 @@ import math
 
 import numpy as np
 
-from attnres.experiments import figures
 from attnres.experiments.reports.common import Report, fmt, md_table
 from attnres.experiments.results import Collected, Result
 from attnres.experiments.stats import fmt_mean_std, paired
@@ -106,18 +105,4 @@ def retrofit_report(rep: Report) -> None:
             row += [fmt(q, 3), fmt(e, 3)]
         table.append(row)
     rep.add("## Over time (means over seeds)", "", md_table(headers, table), "")
-    curves = {}
-    for arm in arms:
-        cs = [r.eval_curve() for r in done[arm]]
-        common = sorted(set.intersection(*(set(c["step"].tolist()) for c in cs))) if cs else []
-        common = [s for s in common if s >= S]
-        if common:
-            ys = [np.mean([c["val_loss"][list(c["step"]).index(s)] for c in cs]) for s in common]
-            curves[arm] = (np.array(common), np.array(ys))
-    if curves:
-        rep.figure(
-            "retrofit_curves.png",
-            f"Validation loss after the switch at step {S} (mean over seeds).",
-            lambda p: figures.curves_plot([("after the retrofit", "step", curves)], p, col.spec.name),
-        )
     rep.add("## Verdict", "", retrofit_verdict(col), "")
