@@ -106,6 +106,15 @@ def read_depth_weights(run_dir) -> tuple | None:
     path = Path(run_dir) / DEPTH_WEIGHTS_FILE
     if not path.is_file():
         return None
-    saved = json.loads(path.read_text())
-    matrix = np.array([[np.nan if v is None else v for v in row] for row in saved["weights"]], dtype=float)
-    return matrix, saved["sources"]
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+        matrix = np.array([[np.nan if v is None else v for v in row] for row in saved["weights"]], dtype=float)
+        sources = [str(s) for s in saved["sources"]]
+        if matrix.ndim != 2 or matrix.shape[0] < 2 or matrix.shape[1] != len(sources):
+            raise ValueError(f"weights of shape {matrix.shape} for {len(sources)} sources")
+    except (ValueError, TypeError, KeyError, UnicodeDecodeError) as e:
+        raise ValueError(
+            f"{path} is not a depth-weights file of attnres train ({type(e).__name__}: {e}); delete it, or "
+            "redraw it by resuming or retraining the run"
+        ) from e
+    return matrix, sources

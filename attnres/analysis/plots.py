@@ -20,15 +20,40 @@ def pyplot():
     return plt
 
 
-def read_metrics(run_dir: str) -> dict[str, list[dict]]:
+def read_metrics(run_dir: str, notes: list[str] | None = None) -> dict[str, list[dict]]:
+    """The rows of a run's metrics.jsonl by kind. A torn last line (a run killed mid-write; ``--resume``
+    drops it too) is skipped, with a line in ``notes``; any other unreadable content is a ValueError
+    naming the file and the line."""
     rows: dict[str, list[dict]] = {"train": [], "eval": []}
     path = Path(run_dir) / METRICS_FILE
-    if path.exists():
-        for line in path.read_text().splitlines():
-            if line.strip():
-                row = json.loads(line)
-                rows.setdefault(row.get("kind", "train"), []).append(row)
+    if not path.exists():
+        return rows
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not UTF-8 text ({e}); it is not a metrics file of attnres train") from e
+    numbered = [(i, line) for i, line in enumerate(lines, 1) if line.strip()]
+    for i, line in numbered:
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict):
+                raise ValueError(f"a {type(row).__name__}, not a record")
+        except ValueError as e:
+            if i == numbered[-1][0] and not line.rstrip().endswith("}"):
+                if notes is not None:
+                    notes.append(f"{path}: skipped the torn last line {i} (a run stopped mid-write)")
+                continue
+            raise ValueError(f"{path} line {i} is not a JSON record ({e}); restore the file or delete that line") from e
+        rows.setdefault(str(row.get("kind", "train")), []).append(row)
     return rows
+
+
+def _x_axis(rows: list[dict]) -> tuple[str, np.ndarray]:
+    """Tokens seen when every row records them, else the step."""
+    for key in ("tokens", "step"):
+        if all(isinstance(r.get(key), (int, float)) for r in rows):
+            return key, np.array([r[key] for r in rows], dtype=float)
+    return "row", np.arange(1, len(rows) + 1, dtype=float)
 
 
 def _smooth(values: np.ndarray, window: int) -> np.ndarray:
@@ -39,24 +64,29 @@ def _smooth(values: np.ndarray, window: int) -> np.ndarray:
     return np.concatenate([head, np.convolve(values, kernel, mode="valid")])
 
 
-def plot_loss_curves(runs: dict[str, str], path: str, title: str = "") -> str:
-    """runs: label -> run directory. Training loss (smoothed) and validation loss vs tokens."""
+def plot_loss_curves(runs: dict[str, str], path: str, title: str = "", notes: list[str] | None = None) -> str:
+    """runs: label -> run directory. Training loss (smoothed) and validation loss vs tokens (vs the
+    step for records without tokens). ``notes``: what was skipped (see :func:`read_metrics`)."""
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    xlabels = ["tokens", "tokens"]
     for label, run_dir in runs.items():
-        m = read_metrics(run_dir)
-        if m["train"]:
-            tok = np.array([r["tokens"] for r in m["train"]], dtype=float)
-            loss = np.array([r["loss"] for r in m["train"]], dtype=float)
-            axes[0].plot(tok, _smooth(loss, max(1, len(loss) // 20)), label=label)
-        if m["eval"]:
-            tok = np.array([r["tokens"] for r in m["eval"]], dtype=float)
-            axes[1].plot(tok, [r["val_loss"] for r in m["eval"]], marker="o", label=label)
-    axes[0].set(xlabel="tokens", ylabel="train loss (nats/token, smoothed)", title="training")
-    axes[1].set(xlabel="tokens", ylabel="validation loss (nats/token)", title="validation")
+        m = read_metrics(run_dir, notes)
+        train = [r for r in m["train"] if isinstance(r.get("loss"), (int, float))]
+        evals = [r for r in m["eval"] if isinstance(r.get("val_loss"), (int, float))]
+        if train:
+            xlabels[0], x = _x_axis(train)
+            loss = np.array([r["loss"] for r in train], dtype=float)
+            axes[0].plot(x, _smooth(loss, max(1, len(loss) // 20)), label=label)
+        if evals:
+            xlabels[1], x = _x_axis(evals)
+            axes[1].plot(x, [r["val_loss"] for r in evals], marker="o", label=label)
+    axes[0].set(xlabel=xlabels[0], ylabel="train loss (nats/token, smoothed)", title="training")
+    axes[1].set(xlabel=xlabels[1], ylabel="validation loss (nats/token)", title="validation")
     for ax in axes:
         ax.grid(alpha=0.3)
-        ax.legend()
+        if ax.get_legend_handles_labels()[0]:  # a run with no validation yet: no empty legend
+            ax.legend()
     if title:
         fig.suptitle(title)
     fig.tight_layout()
@@ -93,17 +123,25 @@ def plot_depth_heatmaps(matrix: np.ndarray, labels: list[str], path: str, title:
     return path
 
 
-def plot_run(run_dir) -> list[Path]:
+def plot_run(run_dir, notes: list[str] | None = None) -> list[Path]:
     """Draw a run's figures into its directory: loss.png (train and validation curves from
     metrics.jsonl) and, when the run saved depth weights (depth-attention schemes), depth_weights.png.
-    Returns the paths written; a run with no metrics yet gets none (FileNotFoundError for a directory
-    that is not a run)."""
+    Returns the paths written (FileNotFoundError for a directory that is not a run, ValueError for a
+    metrics file without a single loss); ``notes`` collects what was skipped (a torn last line)."""
     from attnres.analysis.depth import read_depth_weights
 
     run = Path(run_dir)
     if not (run / METRICS_FILE).is_file():
         raise FileNotFoundError(f"{run} has no {METRICS_FILE}: pass a run directory of attnres train")
-    written = [Path(plot_loss_curves({run.name: str(run)}, str(run / LOSS_PLOT), title=str(run)))]
+    rows = read_metrics(str(run))
+    if not any(isinstance(r.get("loss"), (int, float)) for r in rows["train"]) and not any(
+        isinstance(r.get("val_loss"), (int, float)) for r in rows["eval"]
+    ):
+        raise ValueError(
+            f"{run / METRICS_FILE} holds no loss yet (no training or validation record): nothing to draw; "
+            "plot again once the run has logged a step"
+        )
+    written = [Path(plot_loss_curves({run.name: str(run)}, str(run / LOSS_PLOT), title=str(run), notes=notes))]
     depth = read_depth_weights(run)
     if depth is not None:
         matrix, labels = depth

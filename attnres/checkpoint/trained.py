@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -28,9 +29,36 @@ def resolve_device(name: str) -> torch.device:
     """A device from ``auto`` (CUDA when available, else CPU), ``cpu``, ``cuda`` or ``cuda:N``."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not isinstance(name, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", name):
+        raise ValueError(f"device={name!r} is invalid: use auto, cpu, cuda or cuda:N, e.g. --device cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"TrainConfig.device={name!r} but no CUDA device is available; use --device cpu")
     return torch.device(name)
+
+
+def _check_counts(ckpt: Path, fpath: Path, config: ModelConfig, saved: dict[str, tuple]) -> None:
+    """The fields that decide how many modules a model has (layers) and the embedding's shape, read
+    off the safetensors header: a hostile ``n_layers=100000`` fails here in milliseconds, not after
+    building 100,000 blocks (even on the meta device that takes minutes)."""
+    layers = {int(k.split(".")[1]) for k in saved if k.startswith("blocks.") and k.split(".")[1].isdigit()}
+    n_layers = max(layers) + 1 if layers else 0
+    wrong = []
+    if config.n_layers != n_layers:
+        wrong.append(f"n_layers={config.n_layers!r}, but the weights hold {n_layers} blocks")
+    embed = saved.get("embed.weight")
+    if embed is not None and embed != (config.vocab_size, config.d_model):
+        wrong.append(f"vocab_size={config.vocab_size!r}, d_model={config.d_model!r}, but embed.weight is {embed}")
+    if wrong:
+        raise CheckpointError(
+            f"model_config in {ckpt / STATE_FILE} does not match the tensors in {fpath}: {'; '.join(wrong)}; "
+            "state.json was edited or belongs to another checkpoint. Fix: restore the checkpoint's own "
+            "state.json from a backup"
+        )
+
+
+def check_config_fits_weights(ckpt: Path, config: ModelConfig) -> None:
+    """Public name of :func:`_check_config_fits_weights` (the trainer's ``--resume`` checks with it too)."""
+    _check_config_fits_weights(ckpt, config)
 
 
 def _check_config_fits_weights(ckpt: Path, config: ModelConfig) -> None:
@@ -47,6 +75,7 @@ def _check_config_fits_weights(ckpt: Path, config: ModelConfig) -> None:
     for alias, src in aliases.items():
         if src in saved:
             saved[alias] = saved[src]
+    _check_counts(ckpt, fpath, config, saved)  # before building anything: a model's size is bounded by the file's
     with torch.device("meta"):
         expected = {k: tuple(v.shape) for k, v in AttnResLM(config).state_dict().items()}
     wrong = [f"{k}: weights {saved.get(k)}, model_config {v}" for k, v in expected.items() if saved.get(k) != v]
@@ -65,6 +94,7 @@ def load_model(run_or_checkpoint: str | os.PathLike, device: str = "cpu"):
     Returns ``(model, tokenizer or None, state)``: an ``AttnResLM`` in eval mode on ``device``, the
     run's tokenizer, and the checkpoint's parsed ``state.json``. The model config in ``state.json``
     is checked against the weights' shapes before the model is allocated."""
+    target = resolve_device(device)  # a bad --device before any work
     path = Path(run_or_checkpoint)
     ckpt = find_checkpoint(path)
     if ckpt is None:
@@ -79,7 +109,7 @@ def load_model(run_or_checkpoint: str | os.PathLike, device: str = "cpu"):
     _check_config_fits_weights(ckpt, config)
     model = AttnResLM(config)
     load_checkpoint(ckpt, model=model, restore_rng=False)
-    model.to(resolve_device(device)).eval()
+    model.to(target).eval()
     tokenizer = None
     run_dir = ckpt.parent if ckpt.name == CHECKPOINT_DIR else ckpt
     if (run_dir / TOKENIZER_FILE).exists():

@@ -99,7 +99,7 @@ def _main(argv: list[str] | None) -> int:
         return args.func(args)
     except TrainingInterrupted as e:
         print(f"\n{e}", file=sys.stderr)
-        return 130
+        return getattr(e, "exit_code", 130)  # 143 after SIGTERM
     except (CLIError, CheckpointError, TrainingDiverged, ValueError, OSError) as e:
         if os.environ.get("ATTNRES_DEBUG"):
             raise

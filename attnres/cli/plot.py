@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from attnres.analysis.plots import plot_run
 from attnres.cli.options import examples
 
@@ -22,6 +24,10 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    for path in plot_run(args.run):
+    notes: list[str] = []
+    written = plot_run(args.run, notes)
+    for note in notes:
+        print(f"attnres plot: {note}", file=sys.stderr)
+    for path in written:
         print(f"written: {path}")
     return 0

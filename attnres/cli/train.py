@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import shlex
+import sys
+
 from attnres.cli.options import add_run_options, examples, run_overrides
 from attnres.parallel import PIPELINE_SCHEDULES
-from attnres.train.config import build_configs
+from attnres.train.config import TrainConfig, build_configs
 from attnres.train.metrics import TRACKERS
+from attnres.train.resume import resumed_configs
 from attnres.train.trainer import Trainer
 
 
@@ -67,7 +72,17 @@ def run(args) -> int:
         overrides["out_dir"] = args.out
     if args.no_progress:
         overrides["progress"] = False
-    trainer = Trainer(*build_configs("demo", overrides), resume=args.resume, force=args.force, trackers=args.log or ())
+    notes: list[str] = []
+    if args.resume:  # the run's own settings; what is given must match them (attnres.train.resume)
+        configs = resumed_configs(overrides.get("out_dir", TrainConfig.out_dir), overrides)
+    else:
+        if args.config and not overrides.get("preset"):
+            notes += _preset_fills(args.config, overrides)
+        configs = build_configs("demo", overrides, notes)
+    main_rank = os.environ.get("RANK", "0") == "0"
+    for note in notes if main_rank else ():
+        print(f"attnres train: {note}", file=sys.stderr)
+    trainer = Trainer(*configs, resume=args.resume, force=args.force, trackers=args.log or ())
     say = print if trainer.is_main else (lambda *a, **k: None)  # under torchrun, rank 0 speaks
     say(trainer.describe())
     result = trainer.run()
@@ -77,5 +92,19 @@ def run(args) -> int:
     say(result.describe())
     figures = trainer.write_figures()
     if figures:
-        say("figures: " + ", ".join(str(path) for path in figures) + f" (redraw: attnres plot {trainer.out_dir})")
+        redraw = shlex.join(["attnres", "plot", str(trainer.out_dir)])
+        say("figures: " + ", ".join(str(path) for path in figures) + f" (redraw: {redraw})")
     return 0
+
+
+def _preset_fills(config: str, overrides: dict) -> list[str]:
+    """A --config without a preset: which fields the default preset (demo) fills, said once."""
+    from attnres.train.config import PRESETS
+
+    unset = [k for table in PRESETS["demo"].values() for k in table if k not in overrides]
+    if not unset:
+        return []
+    return [
+        f"{config} sets no preset: the demo preset fills what it does not set ({', '.join(unset)}). "
+        'Add preset = "tiny" (or another) to it, or pass --preset, to choose'
+    ]

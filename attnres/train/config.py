@@ -319,7 +319,8 @@ def split_overrides(overrides: dict[str, Any]) -> tuple[dict[str, Any], dict[str
 
 
 def load_toml(path: str) -> dict[str, Any]:
-    """A TOML config: top-level keys, or [model] / [train] tables, plus an optional preset key."""
+    """A TOML config: top-level keys, or [model] / [train] tables, plus an optional preset key; or a
+    run's own ``config.json`` (a new run with a finished one's settings)."""
     p = Path(path)
     if p.is_dir():
         raise ValueError(f"config file {path!r} is a directory; pass a .toml file (e.g. {path}/run.toml)")
@@ -327,6 +328,8 @@ def load_toml(path: str) -> dict[str, Any]:
         raise ValueError(f"config file {path!r} is not a regular file; pass a .toml file")
     if not p.is_file():
         raise FileNotFoundError(f"config file {path!r} does not exist; pass an existing .toml file")
+    if p.suffix == ".json":
+        return _load_run_config(p)
     try:
         data = parse_toml(p.read_text())
     except ValueError as e:
@@ -340,10 +343,33 @@ def load_toml(path: str) -> dict[str, Any]:
     return flat
 
 
+def _load_run_config(p: Path) -> dict[str, Any]:
+    """A run directory's config.json: every model and training option of that run, less its place
+    (``out_dir``) and the model's vocabulary (the tokenizer decides it)."""
+    import json
+
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+        if not (isinstance(data, dict) and isinstance(data.get("model"), dict) and isinstance(data.get("train"), dict)):
+            raise ValueError("expected {'model': {...}, 'train': {...}}")
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(
+            f"config file {str(p)!r} is not a run's config.json ({e}); pass the config.json attnres train "
+            "wrote into a run directory, or a .toml file"
+        ) from e
+    model = {k: v for k, v in data["model"].items() if k != "vocab_size"}
+    train = {k: v for k, v in data["train"].items() if k != "out_dir"}
+    return {**model, **train}
+
+
 def build_configs(
-    preset: str | None = None, overrides: dict[str, Any] | None = None
+    preset: str | None = None, overrides: dict[str, Any] | None = None, notes: list[str] | None = None
 ) -> tuple[ModelConfig, TrainConfig]:
-    """Preset defaults, then overrides (from a file and/or flags), validated."""
+    """Preset defaults, then overrides (from a file and/or flags), validated.
+
+    A preset's warmup longer than the run (``--preset tiny --steps 1``) is capped to the run's steps,
+    with a line in ``notes``; an explicit one is an error. The model's ``max_seq_len`` follows a longer
+    ``seq_len`` unless it was given: an explicit one below ``seq_len`` is an error."""
     overrides = dict(overrides or {})
     preset = overrides.pop("preset", None) or preset
     model_kw, train_kw = {}, {}
@@ -353,9 +379,28 @@ def build_configs(
     m, t = split_overrides(overrides)
     model_kw.update(m)
     train_kw.update(t)
+    steps, warmup = train_kw.get("steps", TrainConfig.steps), train_kw.get("warmup_steps", TrainConfig.warmup_steps)
+    if "warmup_steps" not in t and _int(steps) and _int(warmup) and steps >= 1 and warmup > steps:
+        train_kw["warmup_steps"] = steps
+        if notes is not None:
+            source = f"the {preset} preset's" if preset is not None else "the default"
+            notes.append(
+                f"warmup_steps={warmup} ({source}) is longer than the run: capped to steps={steps} "
+                "(set --warmup-steps to choose)"
+            )
     train = TrainConfig(**train_kw)
     model_kw.setdefault("max_seq_len", train.seq_len)
-    if isinstance(model_kw["max_seq_len"], int) and not isinstance(model_kw["max_seq_len"], bool):
-        # any other type (True is an int to Python, not to a config): ModelConfig names the field
+    if _int(model_kw["max_seq_len"]):  # any other type: ModelConfig names the field
+        if "max_seq_len" in m and model_kw["max_seq_len"] < train.seq_len:
+            raise ValueError(
+                f"ModelConfig.max_seq_len={model_kw['max_seq_len']} is below seq_len={train.seq_len}: the model "
+                f"could not read its training windows. Fix: raise --set max_seq_len to {train.seq_len} or more, "
+                f"or lower --seq-len to {model_kw['max_seq_len']}"
+            )
         model_kw["max_seq_len"] = max(model_kw["max_seq_len"], train.seq_len)
     return ModelConfig(**model_kw), train
+
+
+def _int(value: Any) -> bool:
+    """An int and not a bool (True is an int to Python, not to a config)."""
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -19,9 +19,11 @@ data that changed since it started; resuming a finished run trains nothing and k
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
+import shlex
 import signal
 import time
 from collections.abc import Callable, Sequence
@@ -62,32 +64,46 @@ _DIVERGED_FIX = "Fix: lower --lr, or raise --set warmup_steps=N, or set --set gr
 
 
 class TrainingInterrupted(KeyboardInterrupt):
-    """Ctrl-C: a checkpoint was written before stopping."""
+    """Ctrl-C, SIGTERM or SIGUSR1: a checkpoint was written before stopping. ``exit_code``: 128 + the
+    signal's number (130 for Ctrl-C, 143 for SIGTERM), what a shell reports for a process it stopped."""
+
+    exit_code = 130
+
+
+# what stops a run gracefully: Ctrl-C; SIGTERM, what timeout, kill, SLURM and Kubernetes send; SIGUSR1,
+# SLURM's warning before pre-emption (sbatch --signal=USR1@90)
+_GRACEFUL_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGUSR1") if hasattr(signal, name))
 
 
 class _GracefulInterrupt:
-    """First SIGINT sets a flag (checked between steps); the second raises at once."""
+    """The first SIGINT, SIGTERM or SIGUSR1 sets a flag (checked between steps); the second raises at once."""
 
     def __init__(self):
         self.requested = False
-        self._previous = None
+        self.signum = signal.SIGINT
+        self._previous: dict = {}
 
     def __enter__(self):
-        try:
-            self._previous = signal.signal(signal.SIGINT, self._handle)
-        except ValueError:  # not the main thread: leave signals alone
-            self._previous = None
+        for signum in _GRACEFUL_SIGNALS:
+            try:
+                self._previous[signum] = signal.signal(signum, self._handle)
+            except ValueError:  # not the main thread: leave signals alone
+                break
         return self
 
     def _handle(self, signum, frame):
         if self.requested:
             raise KeyboardInterrupt
-        self.requested = True
-        print("\nCtrl-C: finishing this step and writing a checkpoint (press again to stop at once)", flush=True)
+        self.requested, self.signum = True, signum
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        again = "press again" if signum == signal.SIGINT else "send it again"
+        print(f"\n{name}: finishing this step and writing a checkpoint ({again} to stop at once)", flush=True)
 
     def __exit__(self, *exc):
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
+        for signum, previous in self._previous.items():
+            if previous is not None:
+                signal.signal(signum, previous)
+        self._previous = {}
         return False
 
 
@@ -163,11 +179,15 @@ class Trainer:
 
         if c.retrofit_step:
             if self.resume:
-                raise ValueError(f"{self.out_dir}: a run with retrofit_step={c.retrofit_step} cannot resume (its "
-                                 "architecture changes mid-run); start it again with force")
+                raise ValueError(
+                    f"{self.out_dir}: a run with retrofit_step={c.retrofit_step} cannot resume (its "
+                    "architecture changes mid-run); start it again with force"
+                )
             if model_config.residual in ("block", "full") and not model_config.attnres_scale_norm_eps:
-                raise ValueError("retrofit_step needs attnres_scale_norm_eps=true, so that the retrofit keeps the "
-                                 "PreNorm model's function (docs/method.md §3)")
+                raise ValueError(
+                    "retrofit_step needs attnres_scale_norm_eps=true, so that the retrofit keeps the "
+                    "PreNorm model's function (docs/method.md §3)"
+                )
             self.retrofit_to, model_config = model_config, prenorm_of(model_config)
         torch.manual_seed(c.seed)
         model = AttnResLM(model_config).to(self.device)
@@ -229,8 +249,7 @@ class Trainer:
         sharp = routing_sharpness(record_on_batch(self.model, x.to(self.device)))
         self.model.train(was_training)
         ratios = [e / math.log(k) for e, k in zip(sharp["entropy"], sharp["n_sources"], strict=True) if k > 1]
-        return {"query_norm": queries.detach().norm(dim=-1).mean().item(),
-                "routing_entropy": sum(ratios) / len(ratios)}
+        return {"query_norm": queries.detach().norm(dim=-1).mean().item(), "routing_entropy": sum(ratios) / len(ratios)}
 
     def describe(self) -> str:
         """One line: the model, the data and, for parallel runs, the layout."""
@@ -352,8 +371,8 @@ class Trainer:
                 f"nothing to train. Pass --steps above {self.step} to train it further"
             )
         result = read_summary(self.out_dir)
-        if result is not None:
-            return result
+        if result is not None:  # where the run is now (it may have been copied or moved since)
+            return dataclasses.replace(result, out_dir=str(self.out_dir))
         # interrupted between the last checkpoint and the summary: write the summary from the state
         if "val_loss" not in self.state:
             self.state.update(self.evaluate())
@@ -420,14 +439,23 @@ class Trainer:
                     if c.retrofit_step and self.step == c.retrofit_step:
                         change = self._retrofit()
                         if metrics is not None:
-                            metrics.log({"residual": self.model_config.residual, "max_logit_change": change,
-                                         **self._depth_stats()}, step=self.step, kind="retrofit")
+                            metrics.log(
+                                {
+                                    "residual": self.model_config.residual,
+                                    "max_logit_change": change,
+                                    **self._depth_stats(),
+                                },
+                                step=self.step,
+                                kind="retrofit",
+                            )
                     if self.strategy.any_rank(interrupt.requested):  # all ranks stop at the same step
                         path = self.save()
-                        raise TrainingInterrupted(
-                            f"interrupted at step {self.step}; checkpoint written to {path}; "
-                            f"continue with --resume --out {self.out_dir}"
+                        again = shlex.join(["attnres", "train", "--out", str(self.out_dir), "--resume"])
+                        stop = TrainingInterrupted(
+                            f"interrupted at step {self.step}; checkpoint written to {path}; continue with {again}"
                         )
+                        stop.exit_code = 128 + int(interrupt.signum)  # another rank's signal: Ctrl-C's code
+                        raise stop
         finally:
             if progress is not None:
                 progress.close()

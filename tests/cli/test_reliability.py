@@ -288,6 +288,32 @@ def test_a_hostile_state_json_is_refused_before_the_model_is_allocated(corpus, t
     assert capsys.readouterr().out == ""
 
 
+@pytest.mark.parametrize("verb", ["eval", "sample", "resume"])
+def test_a_state_json_claiming_100000_layers_fails_in_seconds(corpus, tmp_path, capsys, monkeypatch, verb):
+    import attnres.checkpoint.trained as checkpoint
+    import attnres.model as model_package
+
+    out = tmp_path / "run"
+    assert train(corpus, out) == 0
+    path = out / "checkpoint" / "state.json"
+    state = json.loads(path.read_text())
+    state["model_config"]["n_layers"] = 100000
+    path.write_text(json.dumps(state))
+    real = checkpoint.AttnResLM
+
+    def never_that_deep(config):  # building 100,000 blocks, even on the meta device, takes minutes
+        assert config.n_layers != 100000, "the claimed model is being built"
+        return real(config)
+
+    monkeypatch.setattr(checkpoint, "AttnResLM", never_that_deep)
+    monkeypatch.setattr(model_package, "AttnResLM", never_that_deep)
+    capsys.readouterr()
+    argv = {"eval": ["eval", out], "sample": ["sample", out, "--max-new-tokens", 2]}.get(verb)
+    assert (cli(*argv) if argv else train(corpus, out, "--resume", steps=6)) == 2
+    err = one_line_error(capsys.readouterr().err, "train" if verb == "resume" else verb)
+    assert "n_layers=100000, but the weights hold 2 blocks" in err and "state.json" in err
+
+
 # ----------------------------------------------------------------------------- one clear line, never a traceback
 
 
@@ -393,6 +419,66 @@ def test_bad_sampling_options_are_refused_before_the_prompt_is_echoed(trained, c
     assert message in one_line_error(captured.err, "sample") and captured.out == ""
 
 
+@pytest.mark.parametrize("verb", ["eval", "sample"])
+@pytest.mark.parametrize("device", ["banana", "cuda:x"])
+def test_a_bad_device_for_eval_or_sample_is_one_line(trained, capsys, verb, device):
+    assert cli(verb, trained, "--device", device) == 2
+    err = one_line_error(capsys.readouterr().err, verb)
+    assert f"device={device!r} is invalid" in err and "--device cpu" in err
+
+
+def _plot_run(tmp_path, metrics: bytes, depth: bytes | None = None):
+    run = tmp_path / "run"
+    run.mkdir(exist_ok=True)
+    (run / "metrics.jsonl").write_bytes(metrics)
+    if depth is not None:
+        (run / "depth_weights.json").write_bytes(depth)
+    return run
+
+
+ROWS = (
+    b'{"step": 1, "kind": "train", "loss": 5.0, "tokens": 128}\n'
+    b'{"step": 2, "kind": "train", "loss": 4.0, "tokens": 256}\n'
+    b'{"step": 2, "kind": "eval", "val_loss": 4.5, "tokens": 256}\n'
+)
+
+
+def test_plot_skips_a_torn_last_line_and_says_so(tmp_path, capsys):
+    run = _plot_run(tmp_path, ROWS + b'{"step": 3, "kind": "tra')
+    assert cli("plot", run) == 0
+    captured = capsys.readouterr()
+    assert "skipped the torn last line 4" in captured.err and "metrics.jsonl" in captured.err
+    assert (run / "loss.png").stat().st_size > 0
+
+
+def test_plot_draws_records_without_tokens_by_step(tmp_path, capsys):
+    run = _plot_run(
+        tmp_path, b'{"step": 1, "kind": "train", "loss": 5.0}\n{"step": 2, "kind": "eval", "val_loss": 4}\n'
+    )
+    assert cli("plot", run) == 0
+    assert (run / "loss.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize(
+    "metrics,depth,message",
+    [
+        (b"", None, "metrics.jsonl holds no loss yet"),
+        (b"\n\n", None, "metrics.jsonl holds no loss yet"),
+        (b'{"step": 1, "kind": "x"}\n', None, "metrics.jsonl holds no loss yet"),
+        (b"\xff\xfe not utf-8\n" + ROWS, None, "metrics.jsonl is not UTF-8"),
+        (b"{broken\n" + ROWS, None, "metrics.jsonl line 1 is not a JSON record"),
+        (b"[1, 2]\n" + ROWS, None, "metrics.jsonl line 1 is not a JSON record"),
+        (ROWS, b"garbage", "depth_weights.json is not a depth-weights file"),
+        (ROWS, b'{"weights": [[1, 2]], "sources": 5}', "depth_weights.json is not a depth-weights file"),
+        (ROWS, b"\xff\xfe", "depth_weights.json is not a depth-weights file"),
+    ],
+)
+def test_plot_on_a_corrupt_run_names_the_file(tmp_path, capsys, metrics, depth, message):
+    run = _plot_run(tmp_path, metrics, depth)
+    assert cli("plot", run) == 2
+    assert message in one_line_error(capsys.readouterr().err, "plot")
+
+
 def test_a_tiny_temperature_samples_greedily(trained, capsys):
     model, tokenizer, _ = load_model(trained)
     prompt = torch.tensor([tokenizer.encode("the quick")])
@@ -419,3 +505,127 @@ def test_ctrl_c_while_the_libraries_load_is_one_line(monkeypatch, capsys):
         timeout=120,
     )
     assert done.stdout.strip() == "False", done.stderr
+
+
+# ----------------------------------------------------------------------------- issue 35: a second adversarial round
+
+
+@pytest.mark.parametrize("signum,code", [("SIGTERM", 143), ("SIGUSR1", 138)])
+def test_sigterm_and_sigusr1_checkpoint_like_ctrl_c(corpus, tmp_path, capsys, monkeypatch, signum, code):
+    import signal
+
+    number = getattr(signal, signum)
+    out = tmp_path / "my run"  # a space: the printed command must be quoted
+    original = Trainer.train_step
+
+    def signalled(self):
+        loss = original(self)
+        if self.step == 3:
+            os.kill(os.getpid(), number)  # what timeout, kill, SLURM and Kubernetes send
+        return loss
+
+    def unhandled(*_):  # without the trainer's own handler this one runs: no checkpoint, rc 0
+        pass
+
+    monkeypatch.setattr(Trainer, "train_step", signalled)
+    previous = signal.signal(number, unhandled)
+    try:
+        assert train(corpus, out, steps=8) == code
+        assert signal.getsignal(number) is unhandled  # restored after the run
+    finally:
+        signal.signal(number, previous)
+    err = capsys.readouterr()
+    assert f"{signum}: finishing this step" in err.out
+    assert f"continue with attnres train --out '{out}' --resume" in err.err
+    assert json.loads((out / "checkpoint" / "state.json").read_text())["step"] == 3
+    monkeypatch.setattr(Trainer, "train_step", original)
+    assert cli("train", "--out", out, "--resume", "--no-progress") == 0  # nothing retyped
+    assert [r["step"] for r in train_rows(out)] == list(range(1, 9))
+
+
+def test_resume_takes_the_runs_own_settings(corpus, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert train(corpus, out, "--residual", "full", "--lr", "2e-3", "--set", "d_model=48", steps=4) == 0
+    saved = json.loads((out / "checkpoint" / "state.json").read_text())
+    capsys.readouterr()
+    assert cli("train", "--out", out, "--resume", "--steps", 6, "--no-progress") == 0
+    assert "resumed" in capsys.readouterr().out
+    state = json.loads((out / "checkpoint" / "state.json").read_text())
+    assert state["step"] == 6 and state["model_config"] == saved["model_config"]
+    assert {k: v for k, v in state["train_config"].items() if k != "steps"} == {
+        k: v for k, v in saved["train_config"].items() if k != "steps"
+    }
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--lr", "1e-3"], "lr=0.001 (given), but the run has lr=0.002"),
+        (["--set", "d_model=64"], "d_model=64 (given), but the run has d_model=48"),
+        (["--preset", "demo"], "(--preset demo), but the run has"),
+        (["--seq-len", "16"], "seq_len=16 (given), but the run has seq_len=32"),
+    ],
+)
+def test_resume_refuses_a_contradicting_flag_by_name(corpus, tmp_path, capsys, flags, message):
+    out = tmp_path / "run"
+    assert train(corpus, out, "--lr", "2e-3", "--set", "d_model=48", steps=4) == 0
+    before = (out / "checkpoint" / "state.json").read_text()
+    capsys.readouterr()
+    assert cli("train", "--out", out, "--resume", "--steps", 6, *flags) == 2
+    err = one_line_error(capsys.readouterr().err)
+    assert message in err and "Fix: drop it" in err and "read_checkpoint_state" not in err
+    assert (out / "checkpoint" / "state.json").read_text() == before
+
+
+def test_a_runs_config_json_starts_a_new_run_with_its_settings(corpus, tmp_path, capsys):
+    first = tmp_path / "first"
+    assert train(corpus, first, "--residual", "full", "--set", "d_model=48", "--lr", "2e-3", steps=3) == 0
+    capsys.readouterr()
+    second = tmp_path / "second"
+    assert cli("train", "--config", first / "config.json", "--out", second, "--seed", 7, "--no-progress") == 0
+    assert "sets no preset" not in capsys.readouterr().err
+    a, b = (json.loads((d / "config.json").read_text()) for d in (first, second))
+    assert a["model"] == b["model"]
+    assert {**a["train"], "seed": 7, "out_dir": str(second)} == b["train"]
+
+
+def test_a_toml_without_a_preset_says_which_preset_fills_the_rest(tmp_path, capsys, monkeypatch):
+    import attnres.cli.train as train_verb
+
+    cfg = tmp_path / "run.toml"
+    cfg.write_text("[model]\nd_model = 48\n")
+    built = {}
+
+    class Stop(Exception):
+        pass
+
+    def stop(model_config, train_config, **kwargs):
+        built.update(model=model_config, train=train_config)
+        raise Stop
+
+    monkeypatch.setattr(train_verb, "Trainer", stop)
+    with pytest.raises(Stop):
+        cli("train", "--config", cfg, "--out", tmp_path / "x")
+    err = capsys.readouterr().err
+    assert f"{cfg} sets no preset: the demo preset fills what it does not set" in err and "n_layers" in err
+    assert built["model"].d_model == 48 and built["model"].n_layers == 8  # the demo preset's
+
+
+@pytest.mark.parametrize("preset,steps", [("tiny", 1), ("tiny", 2), ("kimi-tiny", 2)])
+def test_a_smoke_run_shorter_than_the_presets_warmup_trains(corpus, tmp_path, capsys, preset, steps):
+    out = tmp_path / "run"
+    argv = ["train", "--preset", preset, "--data", corpus, "--out", out, "--steps", steps, "--no-progress"]
+    assert cli(*argv, "--set", "threads=1") == 0
+    err = capsys.readouterr().err
+    assert f"warmup_steps=3 (the {preset} preset's) is longer than the run: capped to steps={steps}" in err
+    assert json.loads((out / "checkpoint" / "state.json").read_text())["step"] == steps
+    # an explicit warmup longer than the run is still an error
+    assert cli(*argv, "--warmup-steps", 5, "--force") == 2
+    assert f"warmup_steps=5 is invalid: must not exceed steps={steps}" in one_line_error(capsys.readouterr().err)
+
+
+def test_an_explicit_max_seq_len_below_seq_len_is_refused(tmp_path, capsys):
+    argv = ["train", "--preset", "tiny", "--out", tmp_path / "x", "--set", "max_seq_len=8", "--seq-len", 32]
+    assert cli(*argv) == 2
+    err = one_line_error(capsys.readouterr().err)
+    assert "ModelConfig.max_seq_len=8 is below seq_len=32" in err and "--set max_seq_len" in err

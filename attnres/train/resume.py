@@ -1,0 +1,95 @@
+"""The configs of a resumed run: its own, from its checkpoint's ``state.json``; options given with
+``--resume`` either match them or (for what may change on resume: steps, devices, layout, ...) replace
+them. A resumed run needs no retyped preset or flag, and a contradicting one is refused by name."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from attnres.model import ModelConfig
+from attnres.train.config import (
+    PRESETS,
+    RESUMABLE_CHANGES,
+    TrainConfig,
+    build_configs,
+    split_overrides,
+)
+
+# derived from the others when a run starts (max_seq_len is raised to seq_len), so a preset's own value
+# says nothing about the run
+_DERIVED_PRESET_FIELDS = frozenset({"max_seq_len"})
+
+
+def _resume_fix(out_dir: Path) -> str:
+    return (
+        f"Fix: drop it (a resumed run takes its settings from {out_dir}), or start a new run with these "
+        "settings in another --out"
+    )
+
+
+def resumed_configs(out_dir: str | Path, overrides: dict[str, Any]) -> tuple[ModelConfig, TrainConfig]:
+    """The run in ``out_dir``'s model and training configs, with ``overrides`` (a ``preset`` key, the
+    --config file, --set and the flags) checked against them: a field that may not change on resume
+    (``RESUMABLE_CHANGES``) must equal the run's value. Everything is read from ``state.json`` and the
+    weights' header: nothing is built."""
+    from attnres.checkpoint import (
+        CheckpointError,
+        find_checkpoint,
+        read_checkpoint_state,
+    )
+    from attnres.checkpoint.trained import check_config_fits_weights
+
+    out_dir = Path(out_dir)
+    ckpt = find_checkpoint(out_dir)
+    if ckpt is None:
+        raise FileNotFoundError(
+            f"--resume: no checkpoint in {out_dir}; start over with --force (deletes what is there) "
+            "or pass the --out of the run to continue"
+        )
+    state = read_checkpoint_state(ckpt)
+    saved_model, saved_train = state.get("model_config"), state.get("train_config")
+    if not isinstance(saved_model, dict) or not isinstance(saved_train, dict) or not saved_train:
+        raise CheckpointError(
+            f"{ckpt}/state.json holds no model_config and train_config: it was not written by attnres train. "
+            "Fix: resume a run directory of attnres train"
+        )
+    try:
+        model_config = ModelConfig.from_dict(saved_model)
+        known = {f.name for f in dataclasses.fields(TrainConfig)}
+        saved_train = {k: v for k, v in saved_train.items() if k in known}
+        TrainConfig(**saved_train)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"the config in {ckpt}/state.json is invalid: {e}") from e
+    check_config_fits_weights(ckpt, model_config)  # a hostile n_layers fails here, before any model is built
+
+    overrides = dict(overrides)
+    preset = overrides.pop("preset", None)
+    given: dict[str, tuple[Any, str]] = {}  # field -> (value, where it came from)
+    if preset is not None:
+        if preset not in PRESETS:
+            raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+        for table in PRESETS[preset].values():
+            for key, value in table.items():
+                if key not in _DERIVED_PRESET_FIELDS:
+                    given[key] = (value, f"--preset {preset}")
+    for key, value in overrides.items():
+        given[key] = (value, "given")
+    model_given, train_given = split_overrides({k: v for k, (v, _) in given.items()})
+    saved = {**saved_model, **saved_train}  # vocab_size: the training option (the model's follows the tokenizer)
+    wrong = []
+    for key in [*model_given, *train_given]:
+        value, source = given[key]
+        if key in RESUMABLE_CHANGES or value == saved.get(key):
+            continue
+        wrong.append(f"{key}={value!r} ({source}), but the run has {key}={saved.get(key)!r}")
+    if wrong:
+        raise ValueError(
+            f"--resume: the options differ from the run in {out_dir}: {'; '.join(wrong)}. {_resume_fix(out_dir)}"
+        )
+    merged = {k: v for k, v in saved_model.items() if k != "vocab_size"}
+    merged.update(saved_train)
+    merged.update({k: v for k, (v, _) in given.items()})
+    merged["out_dir"] = str(out_dir)
+    return build_configs(None, merged)
