@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from attnres.cli.options import examples
+import shlex
+
+from attnres.cli.options import CLIError, examples
 from attnres.experiments import (
     DEFAULT_RUNS_ROOT,
     available,
@@ -11,7 +13,8 @@ from attnres.experiments import (
     plan_status,
     run_experiment,
 )
-from attnres.experiments.runner import planned_elsewhere
+from attnres.experiments.runner import matches, planned_elsewhere
+from attnres.experiments.spec import expand
 
 
 def add_parser(sub) -> None:
@@ -51,6 +54,20 @@ def run(args) -> int:
         return 0
     spec = load_spec(args.name, args.specs)
     runs = args.runs or DEFAULT_RUNS_ROOT
+    if args.max_runs is not None and args.max_runs < 0:
+        raise CLIError(
+            f"--max-runs {args.max_runs} is invalid: pass 0 or more runs to train (0: only reuse and plan), "
+            "or leave it out for all"
+        )
+    if args.only:
+        planned = expand(spec)
+        if not any(matches(run, args.only) for run in planned):
+            names = [run.name for run in planned]
+            shown = ", ".join(names[:20]) + (f" and {len(names) - 20} more" if len(names) > 20 else "")
+            raise CLIError(
+                f"--only {args.only!r} matches none of the {len(names)} runs of {spec.name}: {shown}. "
+                "Fix: pass a glob over these names (e.g. 'seed=1') or a run hash"
+            )
     if args.dry_run:
         print(format_plan(spec, plan_status(spec, runs), args.only, planned_elsewhere(spec)))
         return 0
@@ -62,9 +79,9 @@ def run(args) -> int:
         ("--runs", args.runs),
         ("--specs", args.specs),
     ]
-    command = " ".join(
-        ["attnres experiment", args.name]
-        + [f"{k} {v}" for k, v in flags if v is not None]
+    command = shlex.join(
+        ["attnres", "experiment", args.name]
+        + [str(a) for k, v in flags if v is not None for a in (k, v)]
         + (["--retry-diverged"] if args.retry_diverged else [])
     )
     counts = run_experiment(
@@ -76,7 +93,10 @@ def run(args) -> int:
         progress=not args.no_progress,
         threads=args.threads,
         command=command,
+        resume_with=command,
     )
-    report = " ".join(["attnres report", args.name] + [f"{k} {v}" for k, v in flags[3:] if v is not None])
+    report = shlex.join(
+        ["attnres", "report", args.name] + [str(a) for k, v in flags[3:] if v is not None for a in (k, v)]
+    )
     print(f"{spec.name}: " + ", ".join(f"{v} {k}" for k, v in counts.items()) + f"; report with `{report}`")
     return 0

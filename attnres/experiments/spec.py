@@ -219,6 +219,21 @@ def find_spec(name: str, specs_dir: Path | None = None) -> Path:
     raise ExperimentError(f"unknown experiment {name!r}; available in {d}: {listing}")
 
 
+def experiment_command(spec: ExperimentSpec, runs_root: str | os.PathLike | None = None) -> str:
+    """The ``attnres experiment`` command that continues ``spec`` from here: by name when the default
+    specs directory holds it, else by its path; with ``--runs`` unless the runs are in the default place."""
+    import shlex
+
+    try:
+        by_name = find_spec(spec.name).resolve() == Path(spec.path).resolve()
+    except ExperimentError:
+        by_name = False
+    argv = ["attnres", "experiment", spec.name if by_name else str(spec.path)]
+    if runs_root is not None and Path(runs_root).resolve() != Path("experiments/runs").resolve():
+        argv += ["--runs", str(runs_root)]
+    return shlex.join(argv)
+
+
 # ----------------------------------------------------------------------------- parsing
 
 

@@ -292,8 +292,17 @@ def _report(suite, name, monkeypatch):
             ],
         ),
         ("arena", ["## budget: equal-tokens", "## budget: equal-time", "arena_curves.png", "tokens/s"]),
-        ("retrofit", ["## Over time (means over seeds)", "| block | 2 |", "Δ vs prenorm continued (paired)", "## Verdict",
-                      "Verdict: retrofit-by-fine-tuning ends block", "largest logit change at the switch"]),
+        (
+            "retrofit",
+            [
+                "## Over time (means over seeds)",
+                "| block | 2 |",
+                "Δ vs prenorm continued (paired)",
+                "## Verdict",
+                "Verdict: retrofit-by-fine-tuning ends block",
+                "largest logit change at the switch",
+            ],
+        ),
         ("arch-sweep", ["arch_sweep.png", "| wide | 48 | 1 | 48.0 |", "parabola vertex", "lower mean loss than"]),
     ],
 )
@@ -477,3 +486,41 @@ def test_cli_experiment_report_and_errors(tmp_path, write_spec, tiny_base, capsy
     assert main(["report", "broken", *common]) == 2
     err = capsys.readouterr().err
     assert "broken.toml" in err and "lr" in err
+
+
+def test_experiment_refuses_silent_no_ops_and_a_partial_report_names_a_command_that_works(
+    tmp_path, write_spec, tiny_base, capsys
+):
+    import shlex
+
+    spec = write_spec(
+        tmp_path / "my specs",
+        "solo",
+        f"""
+        [experiment]
+        name = "solo"
+        seeds = [0, 1]
+        {tiny_base(steps=2)}
+        [[axis.scheme]]
+        label = "full"
+        residual = "full"
+    """,
+    )
+    runs = tmp_path / "my runs"
+    common = ["--runs", str(runs), "--no-progress"]
+    assert main(["experiment", str(spec), "--only", "scheme=block", *common]) == 2
+    err = capsys.readouterr().err
+    assert "--only 'scheme=block' matches none of the 2 runs of solo: scheme=full/seed=0, scheme=full/seed=1" in err
+    assert main(["experiment", str(spec), "--max-runs", "-1", *common]) == 2
+    assert "--max-runs -1 is invalid: pass 0 or more" in capsys.readouterr().err
+    assert not runs.exists()
+
+    assert main(["experiment", str(spec), "--max-runs", "1", *common]) == 0
+    capsys.readouterr()
+    assert main(["report", str(spec), "--runs", str(runs), "--out", str(tmp_path / "report")]) == 0
+    text = (tmp_path / "report" / "REPORT.md").read_text()
+    assert "PARTIAL REPORT: 1 of 2" in text
+    command = text.split("Continue with `")[1].split("`")[0]
+    assert command == shlex.join(["attnres", "experiment", str(spec), "--runs", str(runs)])
+    assert main([*shlex.split(command)[1:], "--no-progress"]) == 0  # the printed command works
+    assert "1 trained" in capsys.readouterr().out

@@ -24,7 +24,7 @@ from attnres.experiments.reports.sections import (
     status,
 )
 from attnres.experiments.results import collect
-from attnres.experiments.spec import ExperimentSpec
+from attnres.experiments.spec import ExperimentSpec, experiment_command
 
 REPORT_FILE = "REPORT.md"
 DEFAULT_REPORTS_ROOT = "reports"
@@ -54,7 +54,7 @@ def write_report(
         raise FileNotFoundError(
             f"runs directory {runs_root} does not exist; a report reads finished runs from there "
             f"(experiments/runs in a clone of the repository): pass --runs DIR, or run "
-            f"`attnres experiment {spec.name}` first"
+            f"`{experiment_command(spec, runs_root)}` first"
         )
     out = Path(out_dir) if out_dir is not None else Path(DEFAULT_REPORTS_ROOT) / spec.name
     out.mkdir(parents=True, exist_ok=True)

@@ -9,6 +9,7 @@ from pathlib import Path
 from attnres.experiments.env import git_commit, machine
 from attnres.experiments.reports.common import fmt, group_label, md_table
 from attnres.experiments.results import Collected, Result, finite
+from attnres.experiments.spec import experiment_command
 from attnres.experiments.stats import NOISE_RULE
 
 
@@ -52,7 +53,7 @@ def status(col: Collected) -> list[str]:
         f"> **PARTIAL REPORT: {finished} of {len(uniq)} planned runs finished** "
         f"({', '.join(f'{v} {k}' for k, v in sorted(counts.items()))}). Every number below comes from "
         "the finished runs only; rows and fits with missing runs are incomplete. "
-        f"Continue with `attnres experiment {col.spec.name}`.",
+        f"Continue with `{experiment_command(col.spec, uniq[0].dir.parent.parent if uniq else None)}`.",
         ">",
         f"> Not finished: {names}{more}.",
         "",
