@@ -40,6 +40,14 @@ LOCK_FILE = ".lock"
 # ----------------------------------------------------------------------------- atomic writes
 
 
+def file_mode() -> int:
+    """The mode ``open()`` gives a new file under the process's umask (0644 under the usual 022): for
+    files whose writer picks a private mode (mkstemp, safetensors' 0600)."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 @contextlib.contextmanager
 def atomic_writer(path: str | os.PathLike) -> Iterator[BinaryIO]:
     """Open a temp file beside ``path``; on success fsync it and move it onto ``path``.
@@ -55,7 +63,7 @@ def atomic_writer(path: str | os.PathLike) -> Iterator[BinaryIO]:
             yield fh
             fh.flush()
             os.fsync(fh.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600 files
+        os.chmod(tmp, file_mode())  # mkstemp makes 0600 files
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):

@@ -92,6 +92,18 @@ def test_checkpoint_replace_and_latest(tmp_path):
     assert (run / "notes" / "x.txt").read_text() == "keep me"
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_every_checkpoint_file_follows_the_umask(tmp_path, umask):
+    model = make_model()
+    previous = os.umask(umask)
+    try:
+        save(tmp_path / "ckpt", model, muon_opt(model), 1)
+    finally:
+        os.umask(previous)
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in (tmp_path / "ckpt").iterdir()}
+    assert modes == dict.fromkeys(modes, oct(0o666 & ~umask))  # model.safetensors was 0600
+
+
 def test_crash_during_write_keeps_previous_checkpoint(tmp_path, monkeypatch):
     run = tmp_path / "run"
     model = make_model()

@@ -33,6 +33,7 @@ from attnres.checkpoint.format import (
     sha256,
     siblings,
 )
+from attnres.files import file_mode
 from attnres.parallel.state import unwrap
 
 
@@ -86,6 +87,7 @@ def _rng_state() -> dict[str, Any]:
 def _write_model(path: Path, model: nn.Module) -> None:
     tensors, aliases = _model_tensors(model)
     save_file(tensors, str(path), metadata={"format": "pt", ALIAS_KEY: json.dumps(aliases, sort_keys=True)})
+    os.chmod(path, file_mode())  # safetensors writes 0600; every other file of a run follows the umask
 
 
 def _write_torch(path: Path, obj: Any) -> None:

@@ -629,3 +629,14 @@ def test_an_explicit_max_seq_len_below_seq_len_is_refused(tmp_path, capsys):
     assert cli(*argv) == 2
     err = one_line_error(capsys.readouterr().err)
     assert "ModelConfig.max_seq_len=8 is below seq_len=32" in err and "--set max_seq_len" in err
+
+
+def test_a_moved_run_reports_where_it_is_now_and_hints_are_shell_quoted(corpus, tmp_path, capsys):
+    out = tmp_path / "first run"
+    assert train(corpus, out) == 0
+    assert f"(redraw: attnres plot '{out}')" in capsys.readouterr().out
+    moved = tmp_path / "moved"
+    out.rename(moved)
+    assert cli("train", "--out", moved, "--resume", "--no-progress") == 0
+    said = capsys.readouterr().out
+    assert "already complete at step 4" in said and f"-> {moved}\n" in said and str(out) not in said
