@@ -11,16 +11,17 @@ context at the start.
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
     task_dir = write_validation_task("runs/block", "harness")
-    simple_evaluate(model="hf", model_args="pretrained=out/block-hf", tasks=[TASK],
+    simple_evaluate(model="hf", model_args=model_args("out/block-hf"), tasks=[TASK],
                     task_manager=TaskManager(include_path=str(task_dir)))
 
 Needs ``pip install 'attnres[eval]'`` (lm-eval) to run the harness; writing the task does not.
 """
+
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable, Optional
 
 from attnres.checkpoint import STATE_FILE, read_checkpoint_state
 from attnres.data import Document, load_documents, split_documents
@@ -28,8 +29,11 @@ from attnres.files import CHECKPOINT_DIR, atomic_write_text
 
 TASK = "attnres_validation"
 # the harness's metrics of a rolling log-likelihood, with the aggregation over documents it uses for them
-METRICS = {"word_perplexity": "weighted_perplexity", "byte_perplexity": "weighted_perplexity",
-           "bits_per_byte": "bits_per_byte"}
+METRICS = {
+    "word_perplexity": "weighted_perplexity",
+    "byte_perplexity": "weighted_perplexity",
+    "bits_per_byte": "bits_per_byte",
+}
 
 
 def validation_documents(run) -> list:
@@ -39,9 +43,31 @@ def validation_documents(run) -> list:
     ckpt = path / CHECKPOINT_DIR if (path / CHECKPOINT_DIR / STATE_FILE).is_file() else path
     train_config = read_checkpoint_state(ckpt)["train_config"]
     if "val_fraction" not in train_config:
-        raise ValueError(f"{run}: its checkpoint records no train config (val_fraction); pass a run "
-                         "directory of attnres train, or write_task() with the texts to evaluate")
+        raise ValueError(
+            f"{run}: its checkpoint records no train config (val_fraction); pass a run "
+            "directory of attnres train, or write_task() with the texts to evaluate"
+        )
     return split_documents(load_documents(train_config.get("data")), train_config["val_fraction"])[1]
+
+
+def model_args(pretrained, tokenizer=None) -> str:
+    """The harness's ``model_args`` for an exported model directory: ``pretrained=DIR``, plus
+    ``prefix_token_id`` when its tokenizer has neither bos nor eos (a byte-tokenizer run: the token
+    that precedes every document in the training stream, the newline ending the separator, id 10),
+    which the harness would otherwise lack to start each document with. ``tokenizer``: the model's
+    Hugging Face tokenizer (default: loaded from ``pretrained``)."""
+    from attnres.data import DOC_SEPARATOR
+
+    if tokenizer is None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(pretrained))
+    args = f"pretrained={pretrained}"
+    if tokenizer.bos_token_id is None and tokenizer.eos_token_id is None:
+        last = tokenizer.encode(DOC_SEPARATOR[-1], add_special_tokens=False)
+        if len(last) == 1:
+            args += f",prefix_token_id={last[0]}"
+    return args
 
 
 def write_task(directory, documents: Iterable[Document], name: str = TASK) -> Path:
@@ -59,8 +85,10 @@ def write_task(directory, documents: Iterable[Document], name: str = TASK) -> Pa
         "validation_split": "validation",
         "doc_to_text": "",
         "doc_to_target": "{{text}}",
-        "metric_list": [{"metric": metric, "aggregation": aggregation, "higher_is_better": False}
-                        for metric, aggregation in METRICS.items()],
+        "metric_list": [
+            {"metric": metric, "aggregation": aggregation, "higher_is_better": False}
+            for metric, aggregation in METRICS.items()
+        ],
         "metadata": {"version": 1.0},
     }
     # JSON is YAML: the harness reads this file as it reads its own task files
@@ -68,7 +96,7 @@ def write_task(directory, documents: Iterable[Document], name: str = TASK) -> Pa
     return directory
 
 
-def write_validation_task(run, directory, name: str = TASK, max_documents: Optional[int] = None) -> Path:
+def write_validation_task(run, directory, name: str = TASK, max_documents: int | None = None) -> Path:
     """:func:`write_task` over the run's :func:`validation_documents` (the first ``max_documents``)."""
     documents = validation_documents(run)
     return write_task(directory, documents[:max_documents] if max_documents else documents, name)
