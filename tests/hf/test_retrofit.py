@@ -157,8 +157,9 @@ def test_refusals_name_the_problem():
         retrofit(src.model, "full")
     with pytest.raises(ConversionError, match=r"cannot build the residual scheme.*attnres_blocks"):
         retrofit(src, "block", attnres_blocks=4)  # 6 sublayers cannot form 4 blocks
-    with pytest.raises(NotImplementedError, match="gradient checkpointing"):
-        retrofit(src, "full").gradient_checkpointing_enable()
+    for enable in ("gradient_checkpointing_enable", "activation_checkpointing_enable"):
+        with pytest.raises(NotImplementedError, match="gradient checkpointing"):
+            getattr(retrofit(src, "full"), enable)()
     kimi = type("KimiConfig", (), {"model_type": "kimi_linear"})()
     fake = torch.nn.Linear(1, 1)
     fake.config = kimi

@@ -166,10 +166,12 @@ class RetrofitMixin:
         if not rescale:
             _scale_eps(family, sublayers, layers, _resolve(base, family.final_norm), scheme)
 
-    def gradient_checkpointing_enable(self, *args, **kwargs):
+    def activation_checkpointing_enable(self, *args, **kwargs):
         raise NotImplementedError(
             "gradient checkpointing is not supported on a retrofitted model (its layers share one depth stream, "
             "which a recomputation would write twice); train without it, or convert to attnres' own format")
+
+    gradient_checkpointing_enable = activation_checkpointing_enable  # transformers' older name
 
     def depth_stream_scheme(self):
         """The residual scheme (``self.attnres``): queries, key norms, ``block_sizes``."""
