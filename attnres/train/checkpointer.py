@@ -4,6 +4,7 @@ in the single-process format whatever the layout (rank 0 writes, every rank take
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -123,3 +124,25 @@ class Checkpointer:
         if self.saved_step is None:
             return f"no checkpoint was written to {self.path}"
         return f"the last good checkpoint, step {self.saved_step}, is kept in {self.path}"
+
+
+@torch.no_grad()
+def unfit_to_save(model: nn.Module, strategy, tokens, cfg: TrainConfig, step: int, device: torch.device) -> str | None:
+    """None when the state may be checkpointed, else what is wrong with it: a non-finite parameter (on
+    any rank), or a non-finite loss of the next step's first batch (collective)."""
+    from attnres.data import batch_seed, sample_batch
+
+    bad = [n for n, p in model.named_parameters() if not torch.isfinite(p).all()]
+    if strategy.any_rank(bool(bad)):
+        more = ", ..." if len(bad) > 3 else ""
+        return f"non-finite parameters ({', '.join(bad[:3]) or 'on another rank'}{more})"
+    x, y = sample_batch(tokens, cfg.batch_size, cfg.seq_len, seed=batch_seed(cfg.seed, step, 0))
+    was_training = model.training
+    model.eval()
+    try:
+        loss = strategy.eval_loss(x.to(device), y.to(device))
+    finally:
+        model.train(was_training)
+    if not math.isfinite(loss):
+        return f"the loss of the next batch is {loss}"
+    return None

@@ -22,10 +22,17 @@ class TrainResult:
     step_seconds: float  # median optimizer-step time (forward, backward, update)
     tokens_per_second: float
     out_dir: str
+    val_batches: int | None = None  # the validation sample the losses are of (eval_batches; None: not recorded)
 
     def describe(self) -> str:
+        sample = (
+            f" on {self.val_batches} validation batch{'es' if self.val_batches != 1 else ''} "
+            f"(`attnres eval` takes the whole split)"
+            if self.val_batches
+            else ""
+        )
         return (
-            f"step {self.steps}: val loss {self.val_loss:.4f} nats/token, {self.val_bpb:.4f} bits/byte, "
+            f"step {self.steps}: val loss {self.val_loss:.4f} nats/token, {self.val_bpb:.4f} bits/byte{sample}, "
             f"{self.tokens_per_second:,.0f} tokens/s -> {self.out_dir}"
         )
 
@@ -33,9 +40,10 @@ class TrainResult:
 def read_summary(out_dir: Path) -> TrainResult | None:
     """The run's summary.json, or None when there is none (or it is not a whole summary)."""
     summary = read_json(Path(out_dir) / SUMMARY_FILE)
-    names = [f.name for f in dataclasses.fields(TrainResult)]
+    fields = dataclasses.fields(TrainResult)
+    names = [f.name for f in fields if f.default is dataclasses.MISSING]  # the optional ones came later
     if isinstance(summary, dict) and set(names) <= set(summary):
-        return TrainResult(**{k: summary[k] for k in names})
+        return TrainResult(**{f.name: summary[f.name] for f in fields if f.name in summary})
     return None
 
 
@@ -54,6 +62,27 @@ def summary_from_state(state: dict, step: int, params: int, out_dir: Path) -> Tr
         step_seconds=elapsed / max(step, 1),
         tokens_per_second=state["tokens"] / elapsed if elapsed > 0 else 0.0,
         out_dir=str(out_dir),
+        val_batches=state.get("val_batches"),
+    )
+
+
+def summary_of_run(
+    state: dict, step: int, params: int, wall: float, step_times: list[float], tokens_per_step: int, out_dir: Path
+) -> TrainResult:
+    """The summary of a run that trained: its last evaluation and the median step time of this attempt."""
+    median = sorted(step_times)[len(step_times) // 2] if step_times else float("nan")
+    return TrainResult(
+        steps=step,
+        tokens=state["tokens"],
+        val_loss=state["val_loss"],
+        val_bpb=state["val_bpb"],
+        train_loss=state["train_loss"],
+        params=params,
+        wall_seconds=wall,
+        step_seconds=median,
+        tokens_per_second=tokens_per_step / median if step_times else float("nan"),
+        out_dir=str(out_dir),
+        val_batches=state.get("val_batches"),
     )
 
 

@@ -37,7 +37,7 @@ from attnres.checkpoint import resolve_device
 from attnres.files import CONFIG_FILE, TOKENIZER_FILE, atomic_write_text
 from attnres.model import AttnResLM, ModelConfig
 from attnres.parallel.runtime import check_layout, init_distributed
-from attnres.train.checkpointer import Checkpointer, check_resume
+from attnres.train.checkpointer import Checkpointer, check_resume, unfit_to_save
 from attnres.train.config import TrainConfig
 from attnres.train.evaluation import evaluate
 from attnres.train.layout import build_layout, describe_layout, pipeline_traffic
@@ -45,6 +45,7 @@ from attnres.train.memory import check_memory
 from attnres.train.metrics import MetricsLogger, check_trackers
 from attnres.train.optim import build_optimizer
 from attnres.train.progress import StepProgress
+from attnres.train.retrofit import check_retrofit, depth_stats, prenorm_of, retrofitted
 from attnres.train.run_data import prepare_run_data
 from attnres.train.run_dir import claim_run_directory
 from attnres.train.schedule import make_schedule, set_lr
@@ -52,6 +53,7 @@ from attnres.train.summary import (
     TrainResult,
     read_summary,
     summary_from_state,
+    summary_of_run,
     write_summary,
 )
 
@@ -107,13 +109,28 @@ class _GracefulInterrupt:
         return False
 
 
-def prenorm_of(model_config: ModelConfig) -> ModelConfig:
-    """The PreNorm model a retrofit run trains first: the same model with residual="prenorm" and every
-    residual-scheme option at its default."""
-    import dataclasses
+def _log(metrics: MetricsLogger | None, row: dict, step: int, kind: str) -> None:
+    """A metrics row, on the rank that writes them (the others have no logger)."""
+    if metrics is not None:
+        metrics.log(row, step=step, kind=kind)
 
-    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.name.startswith("attnres_")}
-    return ModelConfig(**{**model_config.to_dict(), **defaults, "residual": "prenorm"})
+
+def _interrupted(step: int, path: Path, out_dir: Path, signum: int) -> TrainingInterrupted:
+    """The stop after a signal: the checkpoint it wrote and the command that continues the run."""
+    again = shlex.join(["attnres", "train", "--out", str(out_dir), "--resume"])
+    stop = TrainingInterrupted(f"interrupted at step {step}; checkpoint written to {path}; continue with {again}")
+    stop.exit_code = 128 + int(signum)  # another rank's signal: Ctrl-C's code
+    return stop
+
+
+def write_run_files(
+    out_dir: Path, model_config: ModelConfig, train_config: TrainConfig, tokenizer, *, keep_tokenizer: bool
+) -> None:
+    """The run's config.json and tokenizer.json (a resumed run keeps the tokenizer it has)."""
+    config = {"model": model_config.to_dict(), "train": train_config.to_dict()}
+    atomic_write_text(out_dir / CONFIG_FILE, json.dumps(config, indent=2))
+    if not (keep_tokenizer and (out_dir / TOKENIZER_FILE).is_file()):
+        tokenizer.save(str(out_dir / TOKENIZER_FILE))
 
 
 class Trainer:
@@ -178,28 +195,10 @@ class Trainer:
         check_memory(model_config, c, self.device)
 
         if c.retrofit_step:
-            if self.resume:
-                raise ValueError(
-                    f"{self.out_dir}: a run with retrofit_step={c.retrofit_step} cannot resume (its "
-                    "architecture changes mid-run); start it again with force"
-                )
-            if model_config.residual in ("block", "full") and not model_config.attnres_scale_norm_eps:
-                raise ValueError(
-                    "retrofit_step needs attnres_scale_norm_eps=true, so that the retrofit keeps the "
-                    "PreNorm model's function (docs/method.md §3)"
-                )
+            check_retrofit(c.retrofit_step, model_config, self.resume, self.out_dir)
             self.retrofit_to, model_config = model_config, prenorm_of(model_config)
         torch.manual_seed(c.seed)
-        model = AttnResLM(model_config).to(self.device)
-        model.set_activation_checkpointing(c.activation_checkpointing)
-        self.n_params = model.num_params()
-        self.strategy = build_layout(model, c, self._autocast)
-        self.compiled = self.strategy.compile(c.compile) if c.compile else None  # in place: names unchanged
-        self.model = self.strategy.model  # this rank's parameters, under their full-model names
-        self.optimizer = self._build_optimizer(self.model)
-        self.checkpointer = Checkpointer(
-            self.out_dir, c, model_config, self.strategy, self.optimizer, self._build_optimizer, self.is_main
-        )
+        self._install(AttnResLM(model_config).to(self.device), model_config)
         options = {"decay_fraction": c.decay_fraction} if c.schedule == "wsd" else {}
         self.schedule = make_schedule(c.schedule, total_steps=c.steps, warmup_steps=c.warmup_steps, **options)
         self.step = 0
@@ -208,48 +207,36 @@ class Trainer:
         if self.resume:
             self._resume()
 
+    def _install(self, model: AttnResLM, model_config: ModelConfig) -> None:
+        """``model`` as the one this trainer trains: its layout, compilation, optimizer, checkpointer."""
+        c = self.cfg
+        model.set_activation_checkpointing(c.activation_checkpointing)
+        self.model_config = model_config
+        self.n_params = model.num_params()
+        self.strategy = build_layout(model, c, self._autocast)
+        self.compiled = self.strategy.compile(c.compile) if c.compile else None  # in place: names unchanged
+        self.model = self.strategy.model  # this rank's parameters, under their full-model names
+        self.optimizer = self._build_optimizer(self.model)
+        self.checkpointer = Checkpointer(
+            self.out_dir, c, model_config, self.strategy, self.optimizer, self._build_optimizer, self.is_main
+        )
+
+    def _val_batch(self, batch_size: int) -> torch.Tensor:
+        from attnres.data import eval_batches
+
+        x, _ = next(eval_batches(self.data.val.tokens, batch_size, self.cfg.seq_len, max_batches=1))
+        return x.to(self.device)
+
     def _retrofit(self) -> float:
         """At ``retrofit_step``: the PreNorm model's weights into the configured residual (zero queries, eps
         scaled), a fresh optimizer; returns the largest logit change on a validation batch (rounding)."""
-        from attnres.data import eval_batches
-
-        c, old = self.cfg, self.model
-        model = AttnResLM(self.retrofit_to).to(self.device)
-        missing, unexpected = model.load_state_dict(old.state_dict(), strict=False)
-        if unexpected or any(not k.startswith("residual.") for k in missing):
-            raise RuntimeError(f"retrofit: the PreNorm state does not fit ({sorted(unexpected)[:4]}, {missing[:4]})")
-        x, _ = next(eval_batches(self.data.val.tokens, 2, c.seq_len, max_batches=1))
-        with torch.no_grad():
-            old.eval(), model.eval()
-            change = (old(x.to(self.device)) - model(x.to(self.device))).abs().max().item()
-        model.train()
-        model.set_activation_checkpointing(c.activation_checkpointing)
-        self.model_config = self.retrofit_to
-        self.n_params = model.num_params()
-        self.strategy = build_layout(model, c, self._autocast)
-        self.compiled = self.strategy.compile(c.compile) if c.compile else None
-        self.model = self.strategy.model
-        self.optimizer = self._build_optimizer(self.model)
-        self.checkpointer = Checkpointer(
-            self.out_dir, c, self.model_config, self.strategy, self.optimizer, self._build_optimizer, self.is_main
-        )
+        assert self.retrofit_to is not None  # _setup sets it whenever retrofit_step is
+        model, change = retrofitted(self.model, self.retrofit_to, self.device, self._val_batch(2))
+        self._install(model, self.retrofit_to)
         return change
 
     def _depth_stats(self) -> dict:
-        """After a retrofit: how far the queries are from zero (mean L2 norm per consumer) and how
-        uniform the routing is on the first validation batch (mean entropy / log K_l: 1 = uniform)."""
-        from attnres.analysis.depth import record_on_batch, routing_sharpness
-        from attnres.data import eval_batches
-
-        queries = getattr(self.model.residual, "queries", None)
-        if queries is None:
-            return {}
-        x, _ = next(eval_batches(self.data.val.tokens, self.cfg.batch_size, self.cfg.seq_len, max_batches=1))
-        was_training = self.model.training
-        sharp = routing_sharpness(record_on_batch(self.model, x.to(self.device)))
-        self.model.train(was_training)
-        ratios = [e / math.log(k) for e, k in zip(sharp["entropy"], sharp["n_sources"], strict=True) if k > 1]
-        return {"query_norm": queries.detach().norm(dim=-1).mean().item(), "routing_entropy": sum(ratios) / len(ratios)}
+        return depth_stats(self.model, self._val_batch(self.cfg.batch_size))
 
     def describe(self) -> str:
         """One line: the model, the data and, for parallel runs, the layout."""
@@ -284,31 +271,10 @@ class Trainer:
         Only a state that can continue is saved: every parameter finite and the loss of the next
         step's first batch finite (weights can be finite and still give NaN logits). Otherwise the
         checkpoint on disk is kept and :class:`TrainingDiverged` says which step it holds."""
-        problem = self._unfit_to_save()
+        problem = unfit_to_save(self.model, self.strategy, self.data.train.tokens, self.cfg, self.step, self.device)
         if problem is not None:
             raise TrainingDiverged(f"{problem} after step {self.step}; {self.checkpointer.kept()}. {_DIVERGED_FIX}")
         return self.checkpointer.save(self.step, self.state)
-
-    @torch.no_grad()
-    def _unfit_to_save(self) -> str | None:
-        """None when the current state may be checkpointed, else what is wrong with it (collective)."""
-        from attnres.data import batch_seed, sample_batch
-
-        bad = [n for n, p in self.model.named_parameters() if not torch.isfinite(p).all()]
-        if self.strategy.any_rank(bool(bad)):
-            more = ", ..." if len(bad) > 3 else ""
-            return f"non-finite parameters ({', '.join(bad[:3]) or 'on another rank'}{more})"
-        c = self.cfg
-        x, y = sample_batch(self.data.train.tokens, c.batch_size, c.seq_len, seed=batch_seed(c.seed, self.step, 0))
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            loss = self.strategy.eval_loss(x.to(self.device), y.to(self.device))
-        finally:
-            self.model.train(was_training)
-        if not math.isfinite(loss):
-            return f"the loss of the next batch is {loss}"
-        return None
 
     # ------------------------------------------------------------------ evaluation
     def _autocast(self):
@@ -386,12 +352,7 @@ class Trainer:
     def _train(self) -> TrainResult:
         c = self.cfg
         if self.is_main:  # one writer: rank 0 owns (and has locked) the run directory
-            atomic_write_text(
-                self.out_dir / CONFIG_FILE,
-                json.dumps({"model": self.model_config.to_dict(), "train": c.to_dict()}, indent=2),
-            )
-            if not (self.resume and (self.out_dir / TOKENIZER_FILE).is_file()):  # a resumed run's stays
-                self.data.tokenizer.save(str(self.out_dir / TOKENIZER_FILE))
+            write_run_files(self.out_dir, self.model_config, c, self.data.tokenizer, keep_tokenizer=self.resume)
         tokens_per_step = c.batch_size * c.seq_len * c.grad_accum
         # from the checkpoint's step (0 for a new run): rows of an interrupted attempt beyond it go
         wandb_config = (
@@ -427,54 +388,26 @@ class Trainer:
                         ev = self.evaluate()
                         if c.retrofit_step and self.step > c.retrofit_step:
                             ev.update(self._depth_stats())
-                        if metrics is not None:
-                            metrics.log({**ev, "tokens": self.state["tokens"]}, step=self.step, kind="eval")
+                        _log(metrics, {**ev, "tokens": self.state["tokens"]}, self.step, "eval")
                         self.state.update(ev)
-                    if metrics is not None:
-                        metrics.log(row, step=self.step, kind="train")
+                    _log(metrics, row, self.step, "train")
                     if progress is not None:
                         progress.update(self.step, loss, tokens_per_step / dt, self.state.get("val_loss"), evaluated)
                     if self.step % c.checkpoint_every == 0 or self.step == c.steps:
                         self.save()
                     if c.retrofit_step and self.step == c.retrofit_step:
-                        change = self._retrofit()
-                        if metrics is not None:
-                            metrics.log(
-                                {
-                                    "residual": self.model_config.residual,
-                                    "max_logit_change": change,
-                                    **self._depth_stats(),
-                                },
-                                step=self.step,
-                                kind="retrofit",
-                            )
+                        change = {"max_logit_change": self._retrofit(), "residual": self.model_config.residual}
+                        _log(metrics, {**change, **self._depth_stats()}, self.step, "retrofit")
                     if self.strategy.any_rank(interrupt.requested):  # all ranks stop at the same step
-                        path = self.save()
-                        again = shlex.join(["attnres", "train", "--out", str(self.out_dir), "--resume"])
-                        stop = TrainingInterrupted(
-                            f"interrupted at step {self.step}; checkpoint written to {path}; continue with {again}"
-                        )
-                        stop.exit_code = 128 + int(interrupt.signum)  # another rank's signal: Ctrl-C's code
-                        raise stop
+                        raise _interrupted(self.step, self.save(), self.out_dir, interrupt.signum)
         finally:
             if progress is not None:
                 progress.close()
             if metrics is not None:
                 metrics.close()
 
-        median = sorted(step_times)[len(step_times) // 2] if step_times else float("nan")
-        result = TrainResult(
-            steps=self.step,
-            tokens=self.state["tokens"],
-            val_loss=self.state["val_loss"],
-            val_bpb=self.state["val_bpb"],
-            train_loss=self.state["train_loss"],
-            params=self.n_params,
-            wall_seconds=time.perf_counter() - start_wall,
-            step_seconds=median,
-            tokens_per_second=tokens_per_step / median if step_times else float("nan"),
-            out_dir=str(self.out_dir),
-        )
+        wall = time.perf_counter() - start_wall
+        result = summary_of_run(self.state, self.step, self.n_params, wall, step_times, tokens_per_step, self.out_dir)
         return self._write_summary(result)
 
     def write_figures(self) -> list[Path]:
