@@ -1,4 +1,5 @@
 """The trainer and the CLI end to end, on tiny models and small local corpora."""
+
 import json
 import math
 import os
@@ -7,12 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from corpora import write_pseudo_english
 
 from attnres.cli import main
 from attnres.train.config import build_configs
 from attnres.train.trainer import Trainer, TrainingDiverged, TrainingInterrupted
+
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
@@ -30,7 +31,7 @@ def configs(corpus, out, **overrides):
 
 
 def losses(run_dir):
-    rows = [json.loads(l) for l in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if l]
+    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line]
     return [r["loss"] for r in rows if r.get("kind") == "train"]
 
 
@@ -106,8 +107,26 @@ def run_cli(*argv):
 
 def test_cli_train_eval_sample(corpus, tmp_path, capsys):
     out = tmp_path / "run"
-    assert run_cli("train", "--preset", "tiny", "--data", corpus, "--out", out, "--steps", 12,
-                   "--warmup-steps", 2, "--eval-every", 6, "--residual", "full") == 0
+    assert (
+        run_cli(
+            "train",
+            "--preset",
+            "tiny",
+            "--data",
+            corpus,
+            "--out",
+            out,
+            "--steps",
+            12,
+            "--warmup-steps",
+            2,
+            "--eval-every",
+            6,
+            "--residual",
+            "full",
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "val loss" in printed and f"attnres plot {out}" in printed
     # stdout is no terminal here: plain lines, no bar
@@ -128,8 +147,12 @@ def test_cli_train_eval_sample(corpus, tmp_path, capsys):
     assert run_cli("sample", out, "--prompt", "the quick", "--max-new-tokens", 20, "--seed", 1) == 0
     first = capsys.readouterr().out
     assert first.startswith("the quick") and len(first) > len("the quick")
-    assert run_cli("sample", out, "--prompt", "the quick", "--max-new-tokens", 20, "--seed", 1,
-                   "--top-k", 5, "--top-p", 0.9) == 0
+    assert (
+        run_cli(
+            "sample", out, "--prompt", "the quick", "--max-new-tokens", 20, "--seed", 1, "--top-k", 5, "--top-p", 0.9
+        )
+        == 0
+    )
     assert run_cli("sample", out, "--prompt", "the quick", "--max-new-tokens", 20, "--seed", 1) == 0
     assert capsys.readouterr().out.endswith(first)  # same seed, same text
 
@@ -147,14 +170,26 @@ def test_cli_demo_trains_the_demo_spec_reuses_its_runs_and_writes_its_report(cor
     assert "Wall time (this invocation" in report and "Training: 6 steps x 4 x 32 tokens" in report
     for name in ("loss_curves.png", "depth_weights_block.png", "depth_weights_full.png"):
         assert f"]({name})" in report and (out / name).stat().st_size > 0
-    runs = {json.loads((d / "config.json").read_text())["model"]["residual"]: d
-            for d in (out / "demo").iterdir() if (d / "summary.json").is_file()}
+    runs = {
+        json.loads((d / "config.json").read_text())["model"]["residual"]: d
+        for d in (out / "demo").iterdir()
+        if (d / "summary.json").is_file()
+    }
     assert set(runs) == {"prenorm", "block", "full"}
 
     # what the demo trains is a plain run of the same preset and flags: the same losses, bit for bit
-    model_cfg, train_cfg = build_configs("demo", {"preset": "tiny", "data": corpus, "steps": 6, "warmup_steps": 1,
-                                                  "residual": "block", "out_dir": str(tmp_path / "plain"),
-                                                  "progress": False})
+    model_cfg, train_cfg = build_configs(
+        "demo",
+        {
+            "preset": "tiny",
+            "data": corpus,
+            "steps": 6,
+            "warmup_steps": 1,
+            "residual": "block",
+            "out_dir": str(tmp_path / "plain"),
+            "progress": False,
+        },
+    )
     Trainer(model_cfg, train_cfg).run()
     assert losses(tmp_path / "plain") == losses(runs["block"])
 
@@ -167,19 +202,21 @@ def test_cli_demo_trains_the_demo_spec_reuses_its_runs_and_writes_its_report(cor
     before = {d: losses(d) for d in runs.values()}
     assert run_cli(*argv, "--fresh") == 0
     assert "reusing" not in capsys.readouterr().out
-    assert all(losses(d) == before[d] and (d / "metrics.jsonl").stat().st_mtime_ns != trained[d]
-               for d in runs.values())
+    assert all(losses(d) == before[d] and (d / "metrics.jsonl").stat().st_mtime_ns != trained[d] for d in runs.values())
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["train", "--preset", "huge"], "unknown preset 'huge'"),
-    (["train", "--preset", "tiny", "--set", "depth=3"], "unknown option 'depth'"),
-    (["train", "--preset", "tiny", "--set", "d_model"], "expected KEY=VALUE"),
-    (["train", "--preset", "tiny", "--set", "n_heads=3"], "ModelConfig.n_heads=3"),
-    (["train", "--preset", "tiny", "--data", "/nonexistent/data.txt"], "/nonexistent/data.txt"),
-    (["train", "--preset", "tiny", "--config", "/nonexistent.toml"], "/nonexistent.toml"),
-    (["eval", "/nonexistent/run"], "no checkpoint found"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["train", "--preset", "huge"], "unknown preset 'huge'"),
+        (["train", "--preset", "tiny", "--set", "depth=3"], "unknown option 'depth'"),
+        (["train", "--preset", "tiny", "--set", "d_model"], "expected KEY=VALUE"),
+        (["train", "--preset", "tiny", "--set", "n_heads=3"], "ModelConfig.n_heads=3"),
+        (["train", "--preset", "tiny", "--data", "/nonexistent/data.txt"], "/nonexistent/data.txt"),
+        (["train", "--preset", "tiny", "--config", "/nonexistent.toml"], "/nonexistent.toml"),
+        (["eval", "/nonexistent/run"], "no checkpoint found"),
+    ],
+)
 def test_cli_bad_input_is_one_clear_line(argv, message, capsys, tmp_path):
     assert run_cli(*argv, *([] if argv[0] == "eval" else ["--out", tmp_path / "x"])) == 2
     err = capsys.readouterr().err
@@ -204,13 +241,44 @@ def test_cli_data_errors(tmp_path, capsys):
 
 def test_truncated_checkpoint_is_a_clear_error(corpus, tmp_path, capsys):
     out = tmp_path / "run"
-    assert run_cli("train", "--preset", "tiny", "--data", corpus, "--out", out, "--steps", 4,
-                   "--set", "warmup_steps=1", "--no-progress") == 0
+    assert (
+        run_cli(
+            "train",
+            "--preset",
+            "tiny",
+            "--data",
+            corpus,
+            "--out",
+            out,
+            "--steps",
+            4,
+            "--set",
+            "warmup_steps=1",
+            "--no-progress",
+        )
+        == 0
+    )
     weights = out / "checkpoint" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:100])
     capsys.readouterr()
-    assert run_cli("train", "--preset", "tiny", "--data", corpus, "--out", out, "--steps", 8,
-                   "--set", "warmup_steps=1", "--resume", "--no-progress") == 2
+    assert (
+        run_cli(
+            "train",
+            "--preset",
+            "tiny",
+            "--data",
+            corpus,
+            "--out",
+            out,
+            "--steps",
+            8,
+            "--set",
+            "warmup_steps=1",
+            "--resume",
+            "--no-progress",
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert "model.safetensors" in err and "Traceback" not in err
     assert run_cli("eval", out) == 2
@@ -219,16 +287,19 @@ def test_truncated_checkpoint_is_a_clear_error(corpus, tmp_path, capsys):
 
 def test_toml_config(corpus, tmp_path, capsys):
     cfg = tmp_path / "run.toml"
-    cfg.write_text(f'preset = "tiny"\n[model]\nresidual = "block"\nattnres_blocks = 2\n'
-                   f'[train]\nsteps = 3\nwarmup_steps = 1\ndata = "{corpus}"\nprogress = false\n')
+    cfg.write_text(
+        f'preset = "tiny"\n[model]\nresidual = "block"\nattnres_blocks = 2\n'
+        f'[train]\nsteps = 3\nwarmup_steps = 1\ndata = "{corpus}"\nprogress = false\n'
+    )
     assert run_cli("train", "--config", cfg, "--out", tmp_path / "run") == 0
     saved = json.loads((tmp_path / "run" / "config.json").read_text())
     assert saved["model"]["attnres_blocks"] == 2 and saved["train"]["steps"] == 3
 
 
 def test_bf16_autocast_training_runs(corpus, tmp_path):
-    result = Trainer(*configs(corpus, tmp_path / "run", residual="block", precision="bf16", steps=4,
-                              warmup_steps=1)).run()
+    result = Trainer(
+        *configs(corpus, tmp_path / "run", residual="block", precision="bf16", steps=4, warmup_steps=1)
+    ).run()
     assert result.steps == 4 and math.isfinite(result.val_loss)
 
 
@@ -239,15 +310,25 @@ def test_eager_checkpoint_resumes_compiled_and_back(corpus, tmp_path, optimizer,
     import torch
     from safetensors import safe_open
 
-    common = dict(residual="block", optimizer=optimizer, precision=precision, steps=9, eval_every=3,
-                  checkpoint_every=3, warmup_steps=1, threads=1)
+    common = dict(
+        residual="block",
+        optimizer=optimizer,
+        precision=precision,
+        steps=9,
+        eval_every=3,
+        checkpoint_every=3,
+        warmup_steps=1,
+        threads=1,
+    )
     Trainer(*configs(corpus, tmp_path / "eager", **common)).run()
     run = tmp_path / "mixed"
     Trainer(*configs(corpus, run, **{**common, "steps": 3})).run()
     names = set(safe_open(str(run / "checkpoint" / "model.safetensors"), "pt").keys())
     torch._dynamo.reset()
-    compiled = Trainer(*configs(corpus, run, **{**common, "steps": 6, "compile": "aot_eager",
-                                                "activation_checkpointing": "block"}), resume=True)
+    compiled = Trainer(
+        *configs(corpus, run, **{**common, "steps": 6, "compile": "aot_eager", "activation_checkpointing": "block"}),
+        resume=True,
+    )
     assert "torch.compile aot_eager (whole model)" in compiled.describe()
     compiled.run()
     assert set(safe_open(str(run / "checkpoint" / "model.safetensors"), "pt").keys()) == names
@@ -256,10 +337,13 @@ def test_eager_checkpoint_resumes_compiled_and_back(corpus, tmp_path, optimizer,
     assert losses(run) == pytest.approx(losses(tmp_path / "eager"), rel=tol, abs=tol)
 
 
-@pytest.mark.parametrize("overrides,match", [
-    ({"compile": "nope"}, r"TrainConfig.compile='nope' is not a torch.compile backend"),
-    ({"activation_checkpointing": "all"}, r"TrainConfig.activation_checkpointing='all' is invalid: choose one"),
-])
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        ({"compile": "nope"}, r"TrainConfig.compile='nope' is not a torch.compile backend"),
+        ({"activation_checkpointing": "all"}, r"TrainConfig.activation_checkpointing='all' is invalid: choose one"),
+    ],
+)
 def test_compile_and_checkpointing_options_are_checked(corpus, tmp_path, overrides, match):
     with pytest.raises(ValueError, match=match):
         configs(corpus, tmp_path / "run", **overrides)
@@ -269,9 +353,32 @@ def test_cli_train_takes_compile(corpus, tmp_path, capsys):
     import torch
 
     torch._dynamo.reset()
-    assert main(["train", "--preset", "tiny", "--data", corpus, "--out", str(tmp_path / "run"), "--steps", "2",
-                 "--compile", "--set", "compile=aot_eager", "--set", "eval_every=2", "--set", "warmup_steps=1",
-                 "--set", "activation_checkpointing=sublayer", "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--preset",
+                "tiny",
+                "--data",
+                corpus,
+                "--out",
+                str(tmp_path / "run"),
+                "--steps",
+                "2",
+                "--compile",
+                "--set",
+                "compile=aot_eager",
+                "--set",
+                "eval_every=2",
+                "--set",
+                "warmup_steps=1",
+                "--set",
+                "activation_checkpointing=sublayer",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     assert configs(corpus, tmp_path / "x", activation_checkpointing=None)[1].activation_checkpointing == "none"
     out = capsys.readouterr().out
     assert "torch.compile aot_eager (whole model)" in out and "activation checkpointing: sublayer" in out
