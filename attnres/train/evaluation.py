@@ -45,18 +45,21 @@ def evaluate(
     model.eval()
     total, n = 0.0, 0
     batches = -(-((len(split.tokens) - 1) // seq_len) // batch_size)
-    bar = progress_bar(total=min(batches, max_batches or batches), desc="eval", unit="batch") if progress else None
+    total_batches = min(batches, max_batches or batches)
+    bar = progress_bar(total=total_batches, desc="eval", unit="batch", log_lines=10) if progress else None
+    count = 0
     for x, y in eval_batches(split.tokens, batch_size, seq_len, max_batches=max_batches):
         x, y = x.to(device), y.to(device)
         total += loss_of(x, y) * x.numel()
         n += x.numel()
+        count += 1
         if bar is not None:
             bar.update(1)
     if bar is not None:
         bar.close()
     model.train(was_training)
     loss = total / n
-    return {"val_loss": loss, "val_bpb": bits_per_byte(loss, split.bytes_per_token)}
+    return {"val_loss": loss, "val_bpb": bits_per_byte(loss, split.bytes_per_token), "val_batches": count}
 
 
 def evaluate_run(

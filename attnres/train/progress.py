@@ -28,12 +28,17 @@ def progress_bar(
     desc: str = "",
     unit: str = "it",
     stream: TextIO | None = None,
+    log_lines: int = 0,
 ):
     """A tqdm bar over ``iterable`` on ``stream`` (default stderr) when it is a terminal; a bar that
-    draws nothing otherwise (same interface: ``update``, ``set_postfix``, ``close``, iteration)."""
+    draws nothing otherwise (same interface: ``update``, ``set_postfix``, ``close``, iteration), or,
+    with ``log_lines`` and a known ``total``, one that writes about that many plain lines
+    (``eval: 40/200 batch``): a long evaluation in a log is not silent."""
     from tqdm.auto import tqdm
 
     stream = stream if stream is not None else sys.stderr
+    if log_lines and total and iterable is None and not _is_terminal(stream):
+        return _LineProgress(total, desc, unit, stream, max(1, -(-total // log_lines)))
     return tqdm(
         iterable,
         total=total,
@@ -44,6 +49,29 @@ def progress_bar(
         leave=False,
         disable=not _is_terminal(stream),
     )
+
+
+class _LineProgress:
+    """A progress bar for a log: a line at the start, every ``every`` updates and at the end."""
+
+    def __init__(self, total: int, desc: str, unit: str, stream: TextIO, every: int):
+        self.total, self.desc, self.unit, self.stream, self.every, self.n = total, desc, unit, stream, every, 0
+        self._write()
+
+    def _write(self) -> None:
+        self.stream.write(f"{self.desc}: {self.n}/{self.total} {self.unit}\n")
+        self.stream.flush()
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        if self.n % self.every == 0 or self.n == self.total:
+            self._write()
+
+    def set_postfix(self, *args, **kwargs) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 class StepProgress:
@@ -73,7 +101,8 @@ class StepProgress:
                 post["val"] = f"{val_loss:.3f}"
             self.bar.set_postfix(post)
         elif step % self.every == 0 or evaluated or step == self.total:
-            val = f"  val {val_loss:.4f}" if val_loss is not None else ""
+            # the validation loss on the lines of the steps that computed it, not repeated after
+            val = f"  val {val_loss:.4f}" if val_loss is not None and evaluated else ""
             self.stream.write(f"step {step}/{self.total}  loss {loss:.4f}{val}  {tokens_per_second:,.0f} tok/s\n")
             self.stream.flush()
 

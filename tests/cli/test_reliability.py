@@ -640,3 +640,13 @@ def test_a_moved_run_reports_where_it_is_now_and_hints_are_shell_quoted(corpus, 
     assert cli("train", "--out", moved, "--resume", "--no-progress") == 0
     said = capsys.readouterr().out
     assert "already complete at step 4" in said and f"-> {moved}\n" in said and str(out) not in said
+
+
+def test_the_summary_names_its_validation_sample(corpus, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert train(corpus, out) == 0
+    said = capsys.readouterr().out
+    assert "on 2 validation batches (`attnres eval` takes the whole split)" in said  # the tiny preset: 2
+    assert strict_json(out / "summary.json")["val_batches"] == 2
+    assert cli("eval", out) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["val_batches"] > 2

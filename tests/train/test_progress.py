@@ -21,7 +21,9 @@ def test_plain_lines_when_the_stream_is_not_a_terminal():
     assert len(lines) == 21 and "\r" not in out.getvalue()
     assert lines[0] == "step 2/40  loss 4.5000  4,980 tok/s"
     assert lines[12] == "step 25/40  loss 4.0400  val 4.6500  4,980 tok/s"
-    assert lines[-1].startswith("step 40/40  loss 4.0250  val 4.6500")
+    # the validation loss only on the line of the step that computed it, not repeated as if fresh
+    assert lines[-1] == "step 40/40  loss 4.0250  4,980 tok/s"
+    assert [line for line in lines if "val" in line] == [lines[12]]
 
 
 def test_a_bar_named_by_the_run_on_a_terminal():
@@ -56,3 +58,20 @@ def test_evaluation_shows_a_bar_over_its_batches(make, monkeypatch):
     shown = evaluate(make("block"), split, batch_size=2, seq_len=8, max_batches=5, progress=True)
     assert "eval:" in terminal.getvalue() and "/5 " in terminal.getvalue()
     assert quiet["val_loss"] > 0 and shown["val_loss"] > 0
+
+
+def test_evaluation_off_a_terminal_writes_a_few_plain_lines(make, monkeypatch):
+    """attnres eval in a log or a pipe (a kimi-tiny run took minutes) is not silent."""
+    import types
+
+    import numpy as np
+
+    from attnres.train.evaluation import evaluate
+
+    log = io.StringIO()
+    monkeypatch.setattr("sys.stderr", log)
+    split = types.SimpleNamespace(tokens=np.arange(1, 400) % 50, bytes_per_token=1.0)
+    result = evaluate(make("block"), split, batch_size=2, seq_len=8, max_batches=20, progress=True)
+    lines = log.getvalue().splitlines()
+    assert lines[0] == "eval: 0/20 batch" and lines[-1] == "eval: 20/20 batch" and 3 <= len(lines) <= 12
+    assert "\r" not in log.getvalue() and result["val_batches"] == 20
