@@ -26,28 +26,46 @@ no ``trust_remote_code``:
 Modules import one way: ``directories`` -> ``kimi`` -> ``convert`` -> ``retrofit``, ``modeling`` ->
 ``configuration``, ``tokenizer``, ``errors``.
 """
+
 import transformers
 
 if int(transformers.__version__.split(".")[0]) < 5:
-    raise ImportError(f"attnres.hf needs transformers>=5 (found {transformers.__version__}): "
-                      "pip install 'attnres[hf]'")
+    raise ImportError(f"attnres.hf needs transformers>=5 (found {transformers.__version__}): pip install 'attnres[hf]'")
 
-from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM
 
-from attnres.hf.configuration import AttnResConfig  # noqa: E402
-from attnres.hf.convert import ConversionError, convert_to_attnres  # noqa: E402
-from attnres.hf.directories import SOURCE_KINDS, convert_directory, source_kind  # noqa: E402
-from attnres.hf.kimi import convert_kimi_linear, register_auto_model, save_kimi_linear  # noqa: E402
-from attnres.hf.modeling import AttnResForCausalLM, AttnResPreTrainedModel, hf_to_native, native_to_hf  # noqa: E402
-from attnres.hf.retrofit import register as register_retrofit  # noqa: E402
-from attnres.hf.retrofit import retrofit  # noqa: E402
-from attnres.hf.tokenizer import hf_tokenizer  # noqa: E402
+from attnres.hf.configuration import AttnResConfig
+from attnres.hf.convert import ConversionError, convert_to_attnres
+from attnres.hf.directories import SOURCE_KINDS, convert_directory, source_kind
+from attnres.hf.kimi import convert_kimi_linear, register_auto_model, save_kimi_linear
+from attnres.hf.modeling import (
+    AttnResForCausalLM,
+    AttnResPreTrainedModel,
+    hf_to_native,
+    native_to_hf,
+)
+from attnres.hf.retrofit import register as register_retrofit
+from attnres.hf.retrofit import retrofit
+from attnres.hf.tokenizer import hf_tokenizer
 
 AutoConfig.register(AttnResConfig.model_type, AttnResConfig, exist_ok=True)
 AutoModelForCausalLM.register(AttnResConfig, AttnResForCausalLM, exist_ok=True)
 register_retrofit()  # model_type "attnres_retrofit": the wrapped families of attnres.hf.retrofit
 register_auto_model()  # kimi_linear checkpoints in the released AttnRes layout (docs/method.md §10) load as ours
 
-__all__ = ["AttnResConfig", "AttnResForCausalLM", "AttnResPreTrainedModel", "ConversionError", "SOURCE_KINDS",
-           "convert_directory", "convert_kimi_linear", "convert_to_attnres", "hf_to_native", "hf_tokenizer",
-           "native_to_hf", "retrofit", "save_kimi_linear", "source_kind"]
+__all__ = [
+    "AttnResConfig",
+    "AttnResForCausalLM",
+    "AttnResPreTrainedModel",
+    "ConversionError",
+    "SOURCE_KINDS",
+    "convert_directory",
+    "convert_kimi_linear",
+    "convert_to_attnres",
+    "hf_to_native",
+    "hf_tokenizer",
+    "native_to_hf",
+    "retrofit",
+    "save_kimi_linear",
+    "source_kind",
+]

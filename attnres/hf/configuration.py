@@ -1,8 +1,9 @@
 """AttnResConfig: a Hugging Face config that carries every ModelConfig field under its own name."""
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict
+from typing import Any
 
 from transformers import PretrainedConfig
 
@@ -44,7 +45,7 @@ class AttnResConfig(PretrainedConfig):
     attribute_map = dict(HF_ALIASES)
 
     def __init__(self, **kwargs: Any):
-        fields: Dict[str, Any] = {}
+        fields: dict[str, Any] = {}
         for name in MODEL_FIELDS:
             if name in kwargs:
                 fields[name] = kwargs.pop(name)
@@ -53,8 +54,9 @@ class AttnResConfig(PretrainedConfig):
                 continue
             value = kwargs.pop(alias)
             if name in fields and fields[name] != value:
-                raise ValueError(f"AttnResConfig got {name}={fields[name]!r} and its alias "
-                                 f"{alias}={value!r}; give one of them")
+                raise ValueError(
+                    f"AttnResConfig got {name}={fields[name]!r} and its alias {alias}={value!r}; give one of them"
+                )
             fields[name] = value
         # validated and completed (n_kv_heads, d_ff defaults) by ModelConfig itself
         resolved = ModelConfig(**{**_DEFAULTS, **fields}).to_dict()
@@ -71,7 +73,7 @@ class AttnResConfig(PretrainedConfig):
         return ModelConfig(**{name: getattr(self, name) for name in MODEL_FIELDS})
 
     @classmethod
-    def from_model_config(cls, model_config: ModelConfig, **kwargs: Any) -> "AttnResConfig":
+    def from_model_config(cls, model_config: ModelConfig, **kwargs: Any) -> AttnResConfig:
         """An AttnResConfig with every field of ``model_config`` (plus HF-only options in kwargs)."""
         return cls(**model_config.to_dict(), **kwargs)
 

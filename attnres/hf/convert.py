@@ -19,6 +19,7 @@ Everything else (weights, RoPE, GQA, SwiGLU, tied head) maps one to one.
 What AttnResLM cannot express is rejected with a :class:`ConversionError`
 naming the feature and the config field, never silently approximated.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -44,8 +45,7 @@ LAYOUTS = ("auto", "native", "wrapped")
 # residual schemes whose fresh initialisation computes the PreNorm function
 EQUIVALENT_RESIDUALS = ("block", "full", "prenorm")
 # ModelConfig fields that come from the source model and cannot be overridden
-_FROM_SOURCE = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "rope_theta",
-                "tie_embeddings")
+_FROM_SOURCE = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "rope_theta", "tie_embeddings")
 
 _LAYER_MAP = {
     "self_attn.q_proj.weight": "attn.q_proj.weight",
@@ -83,8 +83,10 @@ def _load_error(src: Path, e: Exception) -> ConversionError:
     weights = sorted(p.name for p in src.glob("*.safetensors")) + sorted(p.name for p in src.glob("*.bin"))
     files = ", ".join(weights) if weights else "no *.safetensors or *.bin weight files"
     detail = " ".join(str(e).split())[:300].rstrip(".")
-    return ConversionError(f"cannot load the model in {src} ({files}): {type(e).__name__}: {detail}. Fix: copy "
-                           "the complete model directory (config.json and every weight file) again")
+    return ConversionError(
+        f"cannot load the model in {src} ({files}): {type(e).__name__}: {detail}. Fix: copy "
+        "the complete model directory (config.json and every weight file) again"
+    )
 
 
 def read_safetensors_dir(path: Path) -> dict[str, torch.Tensor] | None:
@@ -110,8 +112,11 @@ def check_state_fits(state: dict[str, torch.Tensor], expected: dict[str, torch.T
     missing = sorted(set(expected) - set(state))
     if missing:
         raise ConversionError(f"the {what} lacks tensors the model needs: {missing[:8]}")
-    shapes = [f"{k}: {what} {tuple(state[k].shape)}, expected {tuple(expected[k].shape)}"
-              for k in expected if tuple(state[k].shape) != tuple(expected[k].shape)]
+    shapes = [
+        f"{k}: {what} {tuple(state[k].shape)}, expected {tuple(expected[k].shape)}"
+        for k in expected
+        if tuple(state[k].shape) != tuple(expected[k].shape)
+    ]
     if shapes:
         raise ConversionError(f"tensor shapes do not match the config: {shapes[:4]}")
 
@@ -141,10 +146,11 @@ def _load_source(model_or_dir, copy_weights: bool) -> tuple[Any, dict[str, torch
         return config, tensors
     config = getattr(model_or_dir, "config", None)
     if config is None or not hasattr(model_or_dir, "state_dict"):
-        raise ConversionError(f"cannot convert a {type(model_or_dir).__name__}: pass a transformers "
-                              "causal LM (e.g. LlamaForCausalLM) or a directory holding one")
-    tensors = {k: (v.detach().clone() if copy_weights else v.detach())
-               for k, v in model_or_dir.state_dict().items()}
+        raise ConversionError(
+            f"cannot convert a {type(model_or_dir).__name__}: pass a transformers "
+            "causal LM (e.g. LlamaForCausalLM) or a directory holding one"
+        )
+    tensors = {k: (v.detach().clone() if copy_weights else v.detach()) for k, v in model_or_dir.state_dict().items()}
     return config, tensors
 
 
@@ -165,27 +171,41 @@ def _rope_theta(config) -> float:
         scaling = None
     if isinstance(params, Mapping):
         if any(isinstance(v, Mapping) for v in params.values()):
-            raise _feature_error("per-layer-type RoPE parameters", "rope_parameters", dict(params),
-                                 "AttnResLM has one RoPE for every layer")
+            raise _feature_error(
+                "per-layer-type RoPE parameters",
+                "rope_parameters",
+                dict(params),
+                "AttnResLM has one RoPE for every layer",
+            )
         rope_type = params.get("rope_type", params.get("type", "default"))
         if rope_type != "default":
-            raise _feature_error(f"RoPE scaling '{rope_type}'", "rope_parameters['rope_type']", rope_type,
-                                 "AttnResLM implements plain RoPE (rope_type 'default') only")
+            raise _feature_error(
+                f"RoPE scaling '{rope_type}'",
+                "rope_parameters['rope_type']",
+                rope_type,
+                "AttnResLM implements plain RoPE (rope_type 'default') only",
+            )
         factor = params.get("partial_rotary_factor", 1.0)
         if factor not in (None, 1, 1.0):
-            raise _feature_error("partial rotary embeddings", "rope_parameters['partial_rotary_factor']",
-                                 factor, "AttnResLM rotates the whole head dimension")
+            raise _feature_error(
+                "partial rotary embeddings",
+                "rope_parameters['partial_rotary_factor']",
+                factor,
+                "AttnResLM rotates the whole head dimension",
+            )
         theta = params.get("rope_theta", getattr(config, "rope_theta", None))
     else:
         if scaling:
             kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, Mapping) else scaling
-            raise _feature_error(f"RoPE scaling '{kind}'", "rope_scaling", scaling,
-                                 "AttnResLM implements plain RoPE only")
+            raise _feature_error(
+                f"RoPE scaling '{kind}'", "rope_scaling", scaling, "AttnResLM implements plain RoPE only"
+            )
         theta = getattr(config, "rope_theta", None)
     factor = getattr(config, "partial_rotary_factor", None)
     if factor not in (None, 1, 1.0):
-        raise _feature_error("partial rotary embeddings", "partial_rotary_factor", factor,
-                             "AttnResLM rotates the whole head dimension")
+        raise _feature_error(
+            "partial rotary embeddings", "partial_rotary_factor", factor, "AttnResLM rotates the whole head dimension"
+        )
     if theta is None:
         raise ConversionError("cannot convert: the source config has no RoPE base (rope_theta)")
     return float(theta)
@@ -199,8 +219,12 @@ def _sliding_window(config) -> int | None:
     if layer_types is not None:
         unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
         if unknown:
-            raise _feature_error(f"attention layer types {unknown}", "layer_types", list(layer_types),
-                                 "AttnResLM has causal full attention in every layer")
+            raise _feature_error(
+                f"attention layer types {unknown}",
+                "layer_types",
+                list(layer_types),
+                "AttnResLM has causal full attention in every layer",
+            )
         if "sliding_attention" not in layer_types:
             return None
         return window
@@ -213,26 +237,37 @@ def _check_source(config, tensors: Mapping[str, torch.Tensor], max_seq_len: int 
     """Validate the source architecture; return the ModelConfig fields it determines."""
     model_type = getattr(config, "model_type", None)
     if model_type == "qwen3":
-        raise _feature_error("QK-norm (an RMSNorm on each head's queries and keys: q_norm / k_norm)",
-                             "model_type", model_type,
-                             "AttnResLM's attention has no query/key norms, so Qwen3 cannot be converted "
-                             "without changing its outputs")
+        raise _feature_error(
+            "QK-norm (an RMSNorm on each head's queries and keys: q_norm / k_norm)",
+            "model_type",
+            model_type,
+            "AttnResLM's attention has no query/key norms, so Qwen3 cannot be converted without changing its outputs",
+        )
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ConversionError(f"cannot convert model_type={model_type!r}: supported source models are "
-                              f"{', '.join(SUPPORTED_MODEL_TYPES)} (LLaMA-style decoders)")
+        raise ConversionError(
+            f"cannot convert model_type={model_type!r}: supported source models are "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)} (LLaMA-style decoders)"
+        )
     act = getattr(config, "hidden_act", "silu")
     if act != "silu":
-        raise _feature_error(f"MLP activation '{act}'", "hidden_act", act,
-                             "AttnResLM's MLP is SwiGLU with SiLU")
+        raise _feature_error(f"MLP activation '{act}'", "hidden_act", act, "AttnResLM's MLP is SwiGLU with SiLU")
     d, heads = config.hidden_size, config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     if d % heads:
-        raise _feature_error("a hidden size not divisible by the head count", "num_attention_heads", heads,
-                             f"hidden_size={d} must be a multiple of it")
+        raise _feature_error(
+            "a hidden size not divisible by the head count",
+            "num_attention_heads",
+            heads,
+            f"hidden_size={d} must be a multiple of it",
+        )
     head_dim = getattr(config, "head_dim", None)
     if head_dim is not None and head_dim != d // heads:
-        raise _feature_error("a head dimension other than hidden_size / num_attention_heads", "head_dim",
-                             head_dim, f"AttnResLM uses head_dim = d_model / n_heads = {d // heads}")
+        raise _feature_error(
+            "a head dimension other than hidden_size / num_attention_heads",
+            "head_dim",
+            head_dim,
+            f"AttnResLM uses head_dim = d_model / n_heads = {d // heads}",
+        )
     theta = _rope_theta(config)
     positions = getattr(config, "max_position_embeddings", None)
     seq_len = max_seq_len if max_seq_len is not None else positions
@@ -242,10 +277,13 @@ def _check_source(config, tensors: Mapping[str, torch.Tensor], max_seq_len: int 
     if window is not None and window < seq_len:
         switch = ", use_sliding_window=True" if hasattr(config, "use_sliding_window") else ""
         raise _feature_error(
-            f"sliding-window attention{switch and ' (' + switch[2:] + ')'}", "sliding_window", window,
+            f"sliding-window attention{switch and ' (' + switch[2:] + ')'}",
+            "sliding_window",
+            window,
             f"AttnResLM attends to the whole context, which differs from the source beyond {window} tokens. "
             f"Convert with max_seq_len <= {window} (CLI: --max-seq-len {window}) so the converted model "
-            "never sees a longer sequence; both attend identically within the window")
+            "never sees a longer sequence; both attend identically within the window",
+        )
     for flag in ("attn_logit_softcapping", "final_logit_softcapping"):
         if getattr(config, flag, None):
             raise _feature_error("logit soft-capping", flag, getattr(config, flag), "AttnResLM has none")
@@ -255,29 +293,46 @@ def _check_source(config, tensors: Mapping[str, torch.Tensor], max_seq_len: int 
         if name.endswith(".bias") and bool(t.detach().ne(0).any()):
             module = name.rsplit(".", 2)[-2]
             if module in ("q_proj", "k_proj", "v_proj", "o_proj"):
-                why = (f"{name} is non-zero and AttnResLM's attention projections have no bias; only "
-                       "all-zero biases can be dropped")
+                why = (
+                    f"{name} is non-zero and AttnResLM's attention projections have no bias; only "
+                    "all-zero biases can be dropped"
+                )
                 if not hasattr(config, "attention_bias"):  # Qwen2: q/k/v biases by design, no switch
-                    raise ConversionError(f"cannot convert: unsupported attention projection biases "
-                                          f"({model_type} always has q/k/v biases): {why}")
+                    raise ConversionError(
+                        f"cannot convert: unsupported attention projection biases "
+                        f"({model_type} always has q/k/v biases): {why}"
+                    )
                 raise _feature_error("attention projection biases", "attention_bias", config.attention_bias, why)
             if module in ("gate_proj", "up_proj", "down_proj"):
-                raise _feature_error("MLP biases", "mlp_bias", getattr(config, "mlp_bias", True),
-                                     f"{name} is non-zero and AttnResLM's MLP has no bias")
+                raise _feature_error(
+                    "MLP biases",
+                    "mlp_bias",
+                    getattr(config, "mlp_bias", True),
+                    f"{name} is non-zero and AttnResLM's MLP has no bias",
+                )
             raise ConversionError(f"cannot convert: unsupported bias {name} (non-zero; AttnResLM has no place for it)")
-    return dict(vocab_size=config.vocab_size, d_model=d, n_layers=config.num_hidden_layers, n_heads=heads,
-                n_kv_heads=kv_heads, d_ff=config.intermediate_size, max_seq_len=int(seq_len),
-                rope_theta=theta, norm_eps=float(config.rms_norm_eps),
-                init_std=float(getattr(config, "initializer_range", 0.02) or 0.02))
+    return dict(
+        vocab_size=config.vocab_size,
+        d_model=d,
+        n_layers=config.num_hidden_layers,
+        n_heads=heads,
+        n_kv_heads=kv_heads,
+        d_ff=config.intermediate_size,
+        max_seq_len=int(seq_len),
+        rope_theta=theta,
+        norm_eps=float(config.rms_norm_eps),
+        init_std=float(getattr(config, "initializer_range", 0.02) or 0.02),
+    )
 
 
-def _map_weights(tensors: Mapping[str, torch.Tensor], n_layers: int, tie_config: bool
-                 ) -> tuple[dict[str, torch.Tensor], bool]:
+def _map_weights(
+    tensors: Mapping[str, torch.Tensor], n_layers: int, tie_config: bool
+) -> tuple[dict[str, torch.Tensor], bool]:
     """Source state dict -> AttnResLM state dict (without the residual scheme); and whether to tie."""
     out: dict[str, torch.Tensor] = {}
     unused = []
     for name, t in tensors.items():
-        if name.endswith(".bias") or name.endswith("rotary_emb.inv_freq"):
+        if name.endswith((".bias", "rotary_emb.inv_freq")):
             continue  # biases checked to be zero; RoPE frequencies are recomputed
         if name == "model.embed_tokens.weight":
             out["embed.weight"] = t
@@ -286,7 +341,7 @@ def _map_weights(tensors: Mapping[str, torch.Tensor], n_layers: int, tie_config:
         elif name == "lm_head.weight":
             out["lm_head.weight"] = t
         elif name.startswith("model.layers."):
-            index, _, rest = name[len("model.layers."):].partition(".")
+            index, _, rest = name[len("model.layers.") :].partition(".")
             if rest in _LAYER_MAP and index.isdigit() and int(index) < n_layers:
                 out[f"blocks.{index}.{_LAYER_MAP[rest]}"] = t
             else:
@@ -296,10 +351,12 @@ def _map_weights(tensors: Mapping[str, torch.Tensor], n_layers: int, tie_config:
     if unused:
         raise ConversionError(
             "cannot convert: the source has tensors AttnResLM has no place for (an architecture feature it "
-            f"lacks): {sorted(unused)[:8]}{' ...' if len(unused) > 8 else ''}")
+            f"lacks): {sorted(unused)[:8]}{' ...' if len(unused) > 8 else ''}"
+        )
     if "embed.weight" not in out:
-        raise ConversionError("the source has no model.embed_tokens.weight: pass a causal LM "
-                              "(e.g. LlamaForCausalLM), not a bare decoder")
+        raise ConversionError(
+            "the source has no model.embed_tokens.weight: pass a causal LM (e.g. LlamaForCausalLM), not a bare decoder"
+        )
     head = out.get("lm_head.weight")
     tie = head is None or (tie_config and (head is out["embed.weight"] or torch.equal(head, out["embed.weight"])))
     if head is None and not tie_config:
@@ -312,10 +369,18 @@ def _map_weights(tensors: Mapping[str, torch.Tensor], n_layers: int, tie_config:
 # ----------------------------------------------------------------------------- retrofitting
 
 
-def convert_to_attnres(model_or_dir, residual: str = "block", attnres_blocks: int | None = None, *,
-                       attnres_block_size: int | None = None, max_seq_len: int | None = None,
-                       dtype: torch.dtype | None = None, copy_weights: bool = True, layout: str = "auto",
-                       **model_options):
+def convert_to_attnres(
+    model_or_dir,
+    residual: str = "block",
+    attnres_blocks: int | None = None,
+    *,
+    attnres_block_size: int | None = None,
+    max_seq_len: int | None = None,
+    dtype: torch.dtype | None = None,
+    copy_weights: bool = True,
+    layout: str = "auto",
+    **model_options,
+):
     """Retrofit a pretrained causal LM into AttnRes, exact at init.
 
     ``layout``: "native" builds our own :class:`AttnResForCausalLM` (``AttnResLM`` inside: the trainer's
@@ -340,8 +405,10 @@ def convert_to_attnres(model_or_dir, residual: str = "block", attnres_blocks: in
     Raises :class:`ConversionError` for architecture features AttnResLM lacks.
     """
     if residual not in EQUIVALENT_RESIDUALS:
-        raise ConversionError(f"residual={residual!r}: conversion keeps the model's outputs only for "
-                              f"{EQUIVALENT_RESIDUALS} (the other schemes do not start as the PreNorm function)")
+        raise ConversionError(
+            f"residual={residual!r}: conversion keeps the model's outputs only for "
+            f"{EQUIVALENT_RESIDUALS} (the other schemes do not start as the PreNorm function)"
+        )
     if residual in ("block", "full"):
         # exact, not merely up to eps: each norm's eps divided by the square of its source count
         model_options.setdefault("attnres_scale_norm_eps", True)
@@ -349,27 +416,34 @@ def convert_to_attnres(model_or_dir, residual: str = "block", attnres_blocks: in
     if fixed:
         raise ConversionError(f"{fixed} come from the source model and cannot be set")
     if model_options.get("attnres_window") is not None:
-        raise ConversionError("attnres_window drops sources, so the converted model would not keep the "
-                              "source's outputs; convert without it")
+        raise ConversionError(
+            "attnres_window drops sources, so the converted model would not keep the "
+            "source's outputs; convert without it"
+        )
     if layout not in LAYOUTS:
         raise ConversionError(f"layout={layout!r}: choose one of {', '.join(LAYOUTS)}")
     if layout == "wrapped":
-        return _wrapped(model_or_dir, residual, attnres_blocks, attnres_block_size, max_seq_len, dtype,
-                        copy_weights, model_options)
+        return _wrapped(
+            model_or_dir, residual, attnres_blocks, attnres_block_size, max_seq_len, dtype, copy_weights, model_options
+        )
     config, tensors = _load_source(model_or_dir, copy_weights)
     if getattr(config, "attnres_retrofit", None) is not None:
-        raise ConversionError("the source is already retrofitted (model_type 'attnres_retrofit', the wrapped layout): "
-                              "load it with AutoModelForCausalLM and keep training it; it has no native layout")
+        raise ConversionError(
+            "the source is already retrofitted (model_type 'attnres_retrofit', the wrapped layout): "
+            "load it with AutoModelForCausalLM and keep training it; it has no native layout"
+        )
     try:
         fields = _check_source(config, tensors, max_seq_len)
     except ConversionError as e:
         wrappable = family_name(config) in FAMILIES
         if layout == "native" or max_seq_len is not None or not wrappable:
-            hint = (" (layout='wrapped', attnres convert --to hf: wraps the model's own layers, exact)"
-                    if wrappable else "")
+            hint = (
+                " (layout='wrapped', attnres convert --to hf: wraps the model's own layers, exact)" if wrappable else ""
+            )
             raise ConversionError(f"{e}{hint}") from None
-        return _wrapped(model_or_dir, residual, attnres_blocks, attnres_block_size, None, dtype, copy_weights,
-                        model_options)
+        return _wrapped(
+            model_or_dir, residual, attnres_blocks, attnres_block_size, None, dtype, copy_weights, model_options
+        )
     weights, tie = _map_weights(tensors, fields["n_layers"], bool(getattr(config, "tie_word_embeddings", False)))
     options = dict(model_options)
     if attnres_blocks is not None:
@@ -381,8 +455,10 @@ def convert_to_attnres(model_or_dir, residual: str = "block", attnres_blocks: in
     except (TypeError, ValueError) as e:
         raise ConversionError(f"cannot build the AttnRes model: {e}") from e
     if weights["embed.weight"].shape != (model_config.vocab_size, model_config.d_model):
-        raise ConversionError(f"model.embed_tokens.weight has shape {tuple(weights['embed.weight'].shape)}, "
-                              f"config says vocab_size={model_config.vocab_size}, hidden_size={model_config.d_model}")
+        raise ConversionError(
+            f"model.embed_tokens.weight has shape {tuple(weights['embed.weight'].shape)}, "
+            f"config says vocab_size={model_config.vocab_size}, hidden_size={model_config.d_model}"
+        )
     dtype = dtype or weights["embed.weight"].dtype
     device = weights["embed.weight"].device
 
@@ -404,18 +480,30 @@ def convert_to_attnres(model_or_dir, residual: str = "block", attnres_blocks: in
     return model.eval()
 
 
-def _wrapped(model_or_dir, residual, attnres_blocks, attnres_block_size, max_seq_len, dtype, copy_weights,
-             model_options):
+def _wrapped(
+    model_or_dir, residual, attnres_blocks, attnres_block_size, max_seq_len, dtype, copy_weights, model_options
+):
     """``layout="wrapped"``: the source's own layers around the depth stream (attnres.hf.retrofit)."""
     if max_seq_len is not None:
-        raise ConversionError(f"max_seq_len={max_seq_len} applies to the native layout only: the wrapped model "
-                              "keeps the source's own context handling (sliding windows included)")
+        raise ConversionError(
+            f"max_seq_len={max_seq_len} applies to the native layout only: the wrapped model "
+            "keeps the source's own context handling (sliding windows included)"
+        )
     options = dict(model_options)
     if options.pop("attnres_scale_norm_eps", True) is not True:
-        raise ConversionError("attnres_scale_norm_eps=False: the wrapped layout always scales the pre-norms' eps "
-                              "(that is what keeps it exact); use layout='native' to turn it off")
-    return retrofit(model_or_dir, residual, attnres_blocks, attnres_block_size=attnres_block_size,
-                    copy_weights=copy_weights, dtype=dtype, **options)
+        raise ConversionError(
+            "attnres_scale_norm_eps=False: the wrapped layout always scales the pre-norms' eps "
+            "(that is what keeps it exact); use layout='native' to turn it off"
+        )
+    return retrofit(
+        model_or_dir,
+        residual,
+        attnres_blocks,
+        attnres_block_size=attnres_block_size,
+        copy_weights=copy_weights,
+        dtype=dtype,
+        **options,
+    )
 
 
 def _source_generation_config(model_or_dir):
@@ -431,8 +519,9 @@ def _source_generation_config(model_or_dir):
 
 
 @torch.no_grad()
-def conversion_error(source, converted: AttnResForCausalLM, input_ids: torch.Tensor | None = None,
-                     seed: int = 0) -> float:
+def conversion_error(
+    source, converted: AttnResForCausalLM, input_ids: torch.Tensor | None = None, seed: int = 0
+) -> float:
     """Max |logit difference| between a source causal LM and its conversion on ``input_ids``
     (default: 2 x 32 random tokens)."""
     if input_ids is None:

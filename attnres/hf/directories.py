@@ -18,6 +18,7 @@ either format; every model with the Kimi Linear backbone can also be written as 
 Linear checkpoint (``to="kimi_linear"``: §10 layout for Block AttnRes). Its errors name the
 ``attnres convert`` flags, since that is where the options come from.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,7 +33,11 @@ from attnres.data import load_tokenizer
 from attnres.files import CHECKPOINT_DIR, TOKENIZER_FILE
 from attnres.hf.configuration import AttnResConfig
 from attnres.hf.convert import ConversionError, convert_to_attnres, reading_model
-from attnres.hf.modeling import AttnResForCausalLM, hf_to_native, native_to_hf_with_tokenizer
+from attnres.hf.modeling import (
+    AttnResForCausalLM,
+    hf_to_native,
+    native_to_hf_with_tokenizer,
+)
 from attnres.hf.tokenizer import copy_tokenizer_files, hf_tokenizer
 
 SOURCE_KINDS = ("native", "attnres", "kimi_linear", "pretrained")
@@ -40,8 +45,12 @@ OUTPUT_FORMATS = ("hf", "native", "kimi_linear")
 RETROFIT_KINDS = ("pretrained", "kimi_linear")
 HF_CONFIG_FILE = "config.json"  # Hugging Face's name; a native run has one too, beside its checkpoint
 # retrofit options with a flag of their own; every other one is a ModelConfig field given with --set
-RETROFIT_FLAGS = {"residual": "--residual", "attnres_blocks": "--attnres-blocks",
-                  "attnres_block_size": "--attnres-block-size", "max_seq_len": "--max-seq-len"}
+RETROFIT_FLAGS = {
+    "residual": "--residual",
+    "attnres_blocks": "--attnres-blocks",
+    "attnres_block_size": "--attnres-block-size",
+    "max_seq_len": "--max-seq-len",
+}
 DEFAULT_RETROFIT_RESIDUAL = "block"
 
 
@@ -54,17 +63,22 @@ def source_kind(path) -> str:
         try:
             config = json.loads((path / HF_CONFIG_FILE).read_text(encoding="utf-8"))
         except (ValueError, UnicodeDecodeError) as e:
-            raise ConversionError(f"{path / HF_CONFIG_FILE} is not valid JSON ({e}); restore the model "
-                                  "directory's config.json") from None
+            raise ConversionError(
+                f"{path / HF_CONFIG_FILE} is not valid JSON ({e}); restore the model directory's config.json"
+            ) from None
         if not isinstance(config, dict):
-            raise ConversionError(f"{path / HF_CONFIG_FILE} holds a JSON {type(config).__name__}, not an "
-                                  "object; restore the model directory's config.json")
+            raise ConversionError(
+                f"{path / HF_CONFIG_FILE} holds a JSON {type(config).__name__}, not an "
+                "object; restore the model directory's config.json"
+            )
         if config.get("model_type") == AttnResConfig.model_type:
             return "attnres"
         text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
         return "kimi_linear" if "kimi_linear" in (config.get("model_type"), text.get("model_type")) else "pretrained"
-    raise ConversionError(f"{path} is neither a Hugging Face model directory ({HF_CONFIG_FILE}) nor a run or "
-                          f"checkpoint directory of attnres train ({STATE_FILE})")
+    raise ConversionError(
+        f"{path} is neither a Hugging Face model directory ({HF_CONFIG_FILE}) nor a run or "
+        f"checkpoint directory of attnres train ({STATE_FILE})"
+    )
 
 
 def _check_request(src: Path, out: Path, kind: str, to: str, retrofit: dict[str, Any], force: bool) -> None:
@@ -74,21 +88,32 @@ def _check_request(src: Path, out: Path, kind: str, to: str, retrofit: dict[str,
         if set(retrofit) - set(RETROFIT_FLAGS):
             flags.append("--set")
         what = "a native checkpoint" if kind == "native" else "already AttnRes"
-        raise ConversionError(f"{', '.join(flags)} apply only when retrofitting a pretrained "
-                              f"Hugging Face or Kimi Linear directory; {src} is {what}")
+        raise ConversionError(
+            f"{', '.join(flags)} apply only when retrofitting a pretrained "
+            f"Hugging Face or Kimi Linear directory; {src} is {what}"
+        )
     if to not in OUTPUT_FORMATS:
         raise ConversionError(f"--to {to}: choose one of {', '.join(OUTPUT_FORMATS)}")
     if (kind, to) in (("native", "native"), ("attnres", "hf")):
         raise ConversionError(f"{src} is already in the {to} format; pick --to {'hf' if to == 'native' else 'native'}")
     # the same rule for both formats: a native output may be a run's training checkpoint
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
-        raise ConversionError(f"{out} exists and is not empty; pass --force to write into it, or choose "
-                              "another output directory")
+        raise ConversionError(
+            f"{out} exists and is not empty; pass --force to write into it, or choose another output directory"
+        )
 
 
-def convert_directory(source, out, *, to: str | None = None, retrofit: dict[str, Any] | None = None,
-                      dtype: str | None = None, verify: bool = True, force: bool = False,
-                      log: Callable[[str], None] = print) -> Path:
+def convert_directory(
+    source,
+    out,
+    *,
+    to: str | None = None,
+    retrofit: dict[str, Any] | None = None,
+    dtype: str | None = None,
+    verify: bool = True,
+    force: bool = False,
+    log: Callable[[str], None] = print,
+) -> Path:
     """Convert the model directory ``source`` into ``out``; returns the directory written.
 
     ``to``: "hf", "native" or "kimi_linear" (default: native for an AttnRes Hugging Face source, else
@@ -117,8 +142,9 @@ def convert_directory(source, out, *, to: str | None = None, retrofit: dict[str,
         from transformers import AutoModelForCausalLM
 
         with reading_model(src):
-            model = AutoModelForCausalLM.from_pretrained(str(src), local_files_only=True,
-                                                         **({} if dtype is None else {"dtype": dtype}))
+            model = AutoModelForCausalLM.from_pretrained(
+                str(src), local_files_only=True, **({} if dtype is None else {"dtype": dtype})
+            )
     elif kind == "kimi_linear":
         with reading_model(src):
             model = _convert_kimi_linear(src, retrofit, dtype, verify, log)
@@ -130,8 +156,10 @@ def convert_directory(source, out, *, to: str | None = None, retrofit: dict[str,
         if kind == "native":
             if tokenizer is not None:
                 hf_tokenizer(tokenizer).save_pretrained(str(out))
-            log(f"native checkpoint {src} -> Hugging Face AttnResForCausalLM in {out}"
-                f"{'' if tokenizer is None else ' (with its tokenizer)'}")
+            log(
+                f"native checkpoint {src} -> Hugging Face AttnResForCausalLM in {out}"
+                f"{'' if tokenizer is None else ' (with its tokenizer)'}"
+            )
         else:
             copied = copy_tokenizer_files(src, out)
             log(f"written {out}{' with ' + ', '.join(copied) if copied else ''}")
@@ -161,8 +189,10 @@ def _retrofit(src: Path, retrofit: dict[str, Any], dtype, verify: bool, log, to:
     retrofit.setdefault("residual", DEFAULT_RETROFIT_RESIDUAL)
     if to == "native":
         if retrofit.get("layout", "native") != "native":
-            raise ConversionError(f"--to native takes the native layout (our own AttnResLM), not "
-                                  f"--set layout={retrofit['layout']}; write --to hf for the wrapped one")
+            raise ConversionError(
+                f"--to native takes the native layout (our own AttnResLM), not "
+                f"--set layout={retrofit['layout']}; write --to hf for the wrapped one"
+            )
         retrofit["layout"] = "native"
     if verify:
         load_kw = {"local_files_only": True, **({} if dtype is None else {"dtype": dtype})}
@@ -183,12 +213,16 @@ def _retrofit(src: Path, retrofit: dict[str, Any], dtype, verify: bool, log, to:
         family = options["source_model_type"]
         scheme = model.attnres
         blocks = f", {scheme.num_blocks} depth blocks" if options["residual"] == "block" else ""
-        what = (f"wrapped layout (its own layers), {c.num_hidden_layers} layers, {scheme.n_sublayers} sublayers, "
-                f"hidden_size={c.hidden_size} -> residual={options['residual']}{blocks}")
+        what = (
+            f"wrapped layout (its own layers), {c.num_hidden_layers} layers, {scheme.n_sublayers} sublayers, "
+            f"hidden_size={c.hidden_size} -> residual={options['residual']}{blocks}"
+        )
     log(f"{src}: family {family or c.model_type}, {what}")
     if err is not None:
-        log(f"max |logit difference| source vs AttnRes on random tokens: {err:.3g} ({model.dtype}; family "
-            f"{family}; zero queries and eps scaled by c_l^2 make them equal to rounding, docs/hf.md)")
+        log(
+            f"max |logit difference| source vs AttnRes on random tokens: {err:.3g} ({model.dtype}; family "
+            f"{family}; zero queries and eps scaled by c_l^2 make them equal to rounding, docs/hf.md)"
+        )
     return model
 
 
@@ -196,7 +230,11 @@ def _convert_kimi_linear(src: Path, retrofit: dict[str, Any], dtype, verify: boo
     """A Kimi Linear directory: a plain one retrofitted (``residual`` default "block"), a §10 one as is."""
     from transformers import AutoConfig
 
-    from attnres.hf.kimi import attn_res_block_size, convert_kimi_linear, kimi_conversion_error
+    from attnres.hf.kimi import (
+        attn_res_block_size,
+        convert_kimi_linear,
+        kimi_conversion_error,
+    )
     from attnres.hf.kimi.k3 import read_k3_config
     from attnres.model.backbones import layer_kinds
 
@@ -208,11 +246,15 @@ def _convert_kimi_linear(src: Path, retrofit: dict[str, Any], dtype, verify: boo
     model = convert_kimi_linear(src, residual, dtype=dtype, **retrofit)
     c = model.config.model_config()
     blocks = f", {c.num_blocks} depth blocks of S={c.block_size}" if c.residual == "block" else ""
-    log(f"{src}: kimi_linear{' (AttnRes layout, docs/method.md §10)' if released else ''}, {c.n_layers} layers "
+    log(
+        f"{src}: kimi_linear{' (AttnRes layout, docs/method.md §10)' if released else ''}, {c.n_layers} layers "
         f"({''.join(layer_kinds(c))}), d_model={c.d_model}{f', {c.moe_experts} experts' if c.moe_experts else ''}"
-        f" -> residual={c.residual}{blocks}")
+        f" -> residual={c.residual}{blocks}"
+    )
     if verify and not released:
         err = kimi_conversion_error(src, model)
-        log(f"max |logit difference| transformers' KimiLinearForCausalLM vs converted, random tokens: {err:.3g} "
-            f"({model.dtype}; transformers' RMSNorm computes in float32)")
+        log(
+            f"max |logit difference| transformers' KimiLinearForCausalLM vs converted, random tokens: {err:.3g} "
+            f"({model.dtype}; transformers' RMSNorm computes in float32)"
+        )
     return model

@@ -1,4 +1,5 @@
 """The error every conversion raises: a feature the target cannot express, or an inconsistent request."""
+
 from __future__ import annotations
 
 

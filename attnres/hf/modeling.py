@@ -13,13 +13,13 @@ like :func:`attnres.inference.sampling.generate`. Padded batches (an
 ``attention_mask`` with zeros, left padding for generation) give each row what
 its prompt gives alone; beam search reorders the cache (``KVCache.reorder_cache``).
 """
+
 from __future__ import annotations
 
 import math
 from contextlib import contextmanager
 from itertools import chain
 from pathlib import Path
-from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -77,8 +77,7 @@ def _init_attnres_lm(lm: AttnResLM) -> None:
             hf_init.normal_(module.weight, mean=0.0, std=std * scale)
         elif isinstance(module, nn.RMSNorm):
             hf_init.ones_(module.weight)
-    missing = [(n, p) for n, p in lm.residual.named_parameters()
-               if not getattr(p, "_is_hf_initialized", False)]
+    missing = [(n, p) for n, p in lm.residual.named_parameters() if not getattr(p, "_is_hf_initialized", False)]
     if missing:
         # each residual scheme initialises itself (zero queries, unit key norms, ...): copy a fresh one
         with torch.device("cpu"):
@@ -147,7 +146,7 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
 
     # ------------------------------------------------------------------ wrapping and conversion
     @classmethod
-    def from_attnres_lm(cls, lm: AttnResLM, **config_kwargs) -> "AttnResForCausalLM":
+    def from_attnres_lm(cls, lm: AttnResLM, **config_kwargs) -> AttnResForCausalLM:
         """Wrap an existing AttnResLM (its parameters are shared, not copied). ``config_kwargs``
         are HF-only options such as ``eos_token_id``."""
         config = AttnResConfig.from_model_config(lm.config, **config_kwargs)
@@ -158,7 +157,7 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         return model
 
     @classmethod
-    def from_native(cls, path, device: str = "cpu", **config_kwargs) -> "AttnResForCausalLM":
+    def from_native(cls, path, device: str = "cpu", **config_kwargs) -> AttnResForCausalLM:
         """Load a native run directory or checkpoint directory (``attnres train``): :func:`native_to_hf`."""
         return native_to_hf(path, device=device, **config_kwargs)
 
@@ -180,7 +179,7 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         self.model.lm_head = value
 
     # ------------------------------------------------------------------ forward
-    def _run(self, input_ids: Tensor, cache=None, attention_mask: Optional[Tensor] = None) -> Tensor:
+    def _run(self, input_ids: Tensor, cache=None, attention_mask: Tensor | None = None) -> Tensor:
         """The one place the wrapped AttnResLM runs. With ``cache`` (an ``attnres.inference.KVCache``)
         ``input_ids`` are the tokens after the cached positions; ``attention_mask`` covers both. A
         ``CompiledDecoder`` (see :meth:`compile_decoding`) runs them through its compiled step."""
@@ -188,12 +187,14 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
 
         if isinstance(cache, CompiledDecoder):
             if attention_mask is not None and not bool(attention_mask.all()):
-                raise ValueError("compiled decoding does not run padded batches (its static cache has no "
-                                 "padding mask); generate them without compile_decoding(), or one prompt at a time")
+                raise ValueError(
+                    "compiled decoding does not run padded batches (its static cache has no "
+                    "padding mask); generate them without compile_decoding(), or one prompt at a time"
+                )
             return cache(input_ids)
         return self.model(input_ids, cache=cache, attention_mask=attention_mask)
 
-    def compile_decoding(self, setting: Union[bool, str] = True) -> "AttnResForCausalLM":
+    def compile_decoding(self, setting: bool | str = True) -> AttnResForCausalLM:
         """Make ``generate()`` decode through ``attnres.inference.CompiledDecoder``: the forward compiled
         (``setting``: True for inductor, or a torch.compile backend name) over a static KV cache, once
         for the prompt's shape and once for one token, then reused by later calls with the same batch
@@ -211,13 +212,13 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
 
     def forward(
         self,
-        input_ids: Optional[Tensor] = None,
-        attention_mask: Optional[Tensor] = None,
-        labels: Optional[Tensor] = None,
+        input_ids: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        labels: Tensor | None = None,
         cache=None,
-        inputs_embeds: Optional[Tensor] = None,
-        use_cache: Optional[bool] = None,
-        return_dict: Optional[bool] = None,
+        inputs_embeds: Tensor | None = None,
+        use_cache: bool | None = None,
+        return_dict: bool | None = None,
         **kwargs,
     ):
         """``input_ids`` [B, T] -> ``CausalLMOutputWithPast(loss, logits)``.
@@ -238,7 +239,8 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         if kwargs.get("output_attentions"):
             raise NotImplementedError(
                 "output_attentions=True is not supported: the attention weights are never formed "
-                "(model.model(input_ids, return_record=True) gives the depth weights)")
+                "(model.model(input_ids, return_record=True) gives the depth weights)"
+            )
         output_hidden_states = kwargs.get("output_hidden_states")
         if output_hidden_states is None:
             output_hidden_states = self.config.output_hidden_states
@@ -264,8 +266,14 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         # generate() must not create a transformers DynamicCache: ours is made on the first step
         return False
 
-    def prepare_inputs_for_generation(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None,
-                                      cache=None, use_cache: Optional[bool] = None, **kwargs) -> dict:
+    def prepare_inputs_for_generation(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        cache=None,
+        use_cache: bool | None = None,
+        **kwargs,
+    ) -> dict:
         """Feed generate() through our KV cache (``attnres.inference.KVCache``, created on the first
         step; forward returns it as ``output.cache`` and generate() hands it back here): the first
         step prefills the prompt, later steps feed only the new token. Once the sequence reaches
@@ -290,14 +298,14 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
                 from attnres.inference import make_cache
 
                 cache = make_cache(self.model, input_ids.shape[0])  # KVCache, or HybridCache (Kimi Linear)
-            new = input_ids[:, cache.length:]
+            new = input_ids[:, cache.length :]
             if input_ids.shape[1] > limit or cache.room() < new.shape[1]:
                 cache.reset()
                 new = input_ids[:, -limit:]
         inputs = {"input_ids": new, "cache": cache}
         if attention_mask is not None:  # the mask covers the cached columns and the new ones
             seen = 0 if cache is None else cache.length
-            inputs["attention_mask"] = attention_mask[:, -(seen + new.shape[1]):]
+            inputs["attention_mask"] = attention_mask[:, -(seen + new.shape[1]) :]
         return inputs
 
 
@@ -344,9 +352,15 @@ def hf_to_native(model: AttnResForCausalLM, path, tokenizer=None) -> Path:
     it in ``config.native_train_config``), else :func:`default_train_config`."""
     tokenizer = tokenizer if tokenizer is not None else getattr(model, "native_tokenizer", None)
     train_config = getattr(model.config, "native_train_config", None) or default_train_config(model, tokenizer)
-    target = save_checkpoint(path, model=model.model, optimizer=None, step=0,
-                             train_state={"converted_from": "huggingface"},
-                             model_config=model.config.model_config().to_dict(), train_config=train_config)
+    target = save_checkpoint(
+        path,
+        model=model.model,
+        optimizer=None,
+        step=0,
+        train_state={"converted_from": "huggingface"},
+        model_config=model.config.model_config().to_dict(),
+        train_config=train_config,
+    )
     if tokenizer is not None:
         tokenizer.save(target / TOKENIZER_FILE)
     return target
@@ -359,7 +373,10 @@ def default_train_config(model: AttnResForCausalLM, tokenizer=None) -> dict:
     from attnres.data import ByteTokenizer
     from attnres.train.config import TrainConfig
 
-    config = TrainConfig(tokenizer="byte" if isinstance(tokenizer, ByteTokenizer) else "bpe",
-                         vocab_size=model.config.vocab_size,
-                         seq_len=min(TrainConfig.seq_len, model.config.max_seq_len), progress=False)
+    config = TrainConfig(
+        tokenizer="byte" if isinstance(tokenizer, ByteTokenizer) else "bpe",
+        vocab_size=model.config.vocab_size,
+        seq_len=min(TrainConfig.seq_len, model.config.max_seq_len),
+        progress=False,
+    )
     return config.to_dict()

@@ -1,18 +1,27 @@
 """Native attnres tokenizers as Hugging Face ones, their special token ids, and the tokenizer files
 that travel with a converted model directory."""
+
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Dict
 
 # files copied next to a converted model (tokenizer and generation defaults)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
-                   "chat_template.json", "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
 
 
-def _byte_symbols() -> Dict[int, str]:
+def _byte_symbols() -> dict[int, str]:
     """The printable character byte-level BPE uses for each byte: bytes that are printable
     Latin-1 stand for themselves, the others are moved to code points from 256 upward."""
     printable = set(range(ord("!"), ord("~") + 1)) | set(range(0xA1, 0xAC + 1)) | set(range(0xAE, 0xFF + 1))
@@ -26,7 +35,7 @@ def _byte_symbols() -> Dict[int, str]:
     return symbols
 
 
-def special_token_ids(native) -> Dict[str, int]:
+def special_token_ids(native) -> dict[str, int]:
     """``bos_token_id`` / ``eos_token_id`` / ``pad_token_id`` for a native attnres tokenizer, which has
     no special tokens of its own. The training stream joins documents with ``DOC_SEPARATOR``, encoded
     on its own: when that is one token (BPE) it ends each document (eos) and starts the next (bos).
@@ -62,8 +71,9 @@ def hf_tokenizer(native):
     else:
         raise TypeError(f"expected an attnres.data tokenizer, got {type(native).__name__}")
     names = {key.replace("_id", ""): backend.id_to_token(i) for key, i in special_token_ids(native).items()}
-    return PreTrainedTokenizerFast(tokenizer_object=backend, clean_up_tokenization_spaces=False,
-                                   padding_side="left", **names)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, clean_up_tokenization_spaces=False, padding_side="left", **names
+    )
 
 
 def copy_tokenizer_files(source_dir, target_dir) -> list:

@@ -1,10 +1,18 @@
 """Tiny LLaMA-family source models and the eps-compensation analysis aid, for tests/hf."""
+
 import torch
 
 from attnres.residual import source_plan
 
-SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=48)
+SMALL = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=48,
+)
 
 
 def tiny_source(arch: str, seed: int = 0, **overrides):
@@ -23,8 +31,9 @@ def tiny_source(arch: str, seed: int = 0, **overrides):
 
 def source_counts(model_config):
     """K_l: how many sources each sublayer's norm (and, last, the final norm) averages at init."""
-    return [complete + int(partial) for complete, partial in
-            source_plan(model_config.n_sublayers, model_config.block_size)]
+    return [
+        complete + int(partial) for complete, partial in source_plan(model_config.n_sublayers, model_config.block_size)
+    ]
 
 
 def compensate_eps(hf_model):
@@ -39,4 +48,3 @@ def compensate_eps(hf_model):
         block.mlp_norm.eps = cfg.norm_eps / counts[2 * i + 1] ** 2
     lm.norm.eps = cfg.norm_eps / counts[-1] ** 2
     return hf_model
-

@@ -1,14 +1,31 @@
 """Tiny random configs of every decoder family the retrofit wraps (no downloads), with every weight
 perturbed like a trained checkpoint (non-zero biases, norm weights away from one, routers off uniform)."""
+
 from __future__ import annotations
 
 import torch
 
 VOCAB, WINDOW = 97, 8
-_BASE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-_LLAMA3 = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-           "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+_BASE = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+_LLAMA3 = {
+    "rope_type": "llama3",
+    "rope_theta": 10000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
 _MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24)
 _SLIDING = ["sliding_attention", "full_attention", "sliding_attention"]
 
@@ -24,22 +41,68 @@ CASES: dict[str, tuple[str, dict, dict]] = {
     "qwen3": ("qwen3", dict(head_dim=8), {}),
     "qwen3_moe": ("qwen3_moe", dict(head_dim=8, **_MOE), {}),
     "qwen2_moe": ("qwen2_moe", dict(shared_expert_intermediate_size=24, **_MOE), {}),
-    "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW),
-                {}),
-    "deepseek_v3": ("deepseek_v3", dict(num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
-                                        qk_nope_head_dim=8, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2,
-                                        n_group=1, topk_group=1, first_k_dense_replace=1, moe_intermediate_size=24,
-                                        n_shared_experts=1, rope_interleave=True), {}),
-    "gpt_oss": ("gpt_oss", dict(num_local_experts=4, num_experts_per_tok=2, head_dim=8, sliding_window=WINDOW,
-                                layer_types=_SLIDING, intermediate_size=32), {}),
+    "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW), {}),
+    "deepseek_v3": (
+        "deepseek_v3",
+        dict(
+            num_key_value_heads=4,
+            kv_lora_rank=16,
+            q_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=8,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_group=1,
+            topk_group=1,
+            first_k_dense_replace=1,
+            moe_intermediate_size=24,
+            n_shared_experts=1,
+            rope_interleave=True,
+        ),
+        {},
+    ),
+    "gpt_oss": (
+        "gpt_oss",
+        dict(
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            head_dim=8,
+            sliding_window=WINDOW,
+            layer_types=_SLIDING,
+            intermediate_size=32,
+        ),
+        {},
+    ),
     "gemma": ("gemma", dict(head_dim=8), {}),
-    "gemma2": ("gemma2", dict(head_dim=8, sliding_window=WINDOW, attn_logit_softcapping=20.0,
-                              final_logit_softcapping=10.0, query_pre_attn_scalar=8), {}),
-    "gemma3_text": ("gemma3_text", dict(head_dim=8, sliding_window=WINDOW, layer_types=_SLIDING,
-                                        final_logit_softcapping=10.0, query_pre_attn_scalar=8), {}),
+    "gemma2": (
+        "gemma2",
+        dict(
+            head_dim=8,
+            sliding_window=WINDOW,
+            attn_logit_softcapping=20.0,
+            final_logit_softcapping=10.0,
+            query_pre_attn_scalar=8,
+        ),
+        {},
+    ),
+    "gemma3_text": (
+        "gemma3_text",
+        dict(
+            head_dim=8,
+            sliding_window=WINDOW,
+            layer_types=_SLIDING,
+            final_logit_softcapping=10.0,
+            query_pre_attn_scalar=8,
+        ),
+        {},
+    ),
     "phi3": ("phi3", dict(), {}),
-    "granite": ("granite", dict(embedding_multiplier=3.0, residual_multiplier=0.4, logits_scaling=2.5,
-                                attention_multiplier=0.3), {}),
+    "granite": (
+        "granite",
+        dict(embedding_multiplier=3.0, residual_multiplier=0.4, logits_scaling=2.5, attention_multiplier=0.3),
+        {},
+    ),
     "smollm3": ("smollm3", dict(no_rope_layer_interval=2), {}),
     "helium": ("helium", dict(head_dim=8), {}),
     "ernie4_5": ("ernie4_5", dict(head_dim=8), {}),
@@ -61,13 +124,28 @@ CASES: dict[str, tuple[str, dict, dict]] = {
 
 # names some configs spell their own way
 _RENAME = {
-    "gpt2": dict(hidden_size="n_embd", num_hidden_layers="n_layer", num_attention_heads="n_head",
-                 max_position_embeddings="n_positions", intermediate_size="n_inner"),
-    "gptj": dict(hidden_size="n_embd", num_hidden_layers="n_layer", num_attention_heads="n_head",
-                 max_position_embeddings="n_positions", intermediate_size="n_inner"),
+    "gpt2": dict(
+        hidden_size="n_embd",
+        num_hidden_layers="n_layer",
+        num_attention_heads="n_head",
+        max_position_embeddings="n_positions",
+        intermediate_size="n_inner",
+    ),
+    "gptj": dict(
+        hidden_size="n_embd",
+        num_hidden_layers="n_layer",
+        num_attention_heads="n_head",
+        max_position_embeddings="n_positions",
+        intermediate_size="n_inner",
+    ),
 }
-_DROP = {"gpt2": ("num_key_value_heads",), "gptj": ("num_key_value_heads",), "gpt_neox": ("num_key_value_heads",),
-         "phi": (), "olmo": ()}
+_DROP = {
+    "gpt2": ("num_key_value_heads",),
+    "gptj": ("num_key_value_heads",),
+    "gpt_neox": ("num_key_value_heads",),
+    "phi": (),
+    "olmo": (),
+}
 
 
 def tiny_config(case: str):

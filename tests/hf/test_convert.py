@@ -5,6 +5,7 @@ zero-query conversion differs from its source only through RMSNorm eps (eps acts
 a norm reads the mean of K sources): tests either use a negligible eps, or undo that effect with
 ``compensate_eps`` to show it is the only difference.
 """
+
 import pytest
 import torch
 from hf_sources import SMALL, compensate_eps, source_counts, tiny_source
@@ -67,9 +68,14 @@ def test_prenorm_conversion_and_options():
     source = tiny_source("llama", rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
     x = ids()
     assert max_err(source, convert_to_attnres(source, residual="prenorm"), x) < TOL[torch.float32]
-    model = convert_to_attnres(source, residual="block", attnres_block_size=3, max_seq_len=32,
-                               attnres_impl="fused", attnres_heads=2)
-    assert (model.config.rope_theta, model.config.max_seq_len, model.config.model_config().block_size) == (500000.0, 32, 3)
+    model = convert_to_attnres(
+        source, residual="block", attnres_block_size=3, max_seq_len=32, attnres_impl="fused", attnres_heads=2
+    )
+    assert (model.config.rope_theta, model.config.max_seq_len, model.config.model_config().block_size) == (
+        500000.0,
+        32,
+        3,
+    )
     assert max_err(source, compensate_eps(model), x) < TOL[torch.float32]
 
 
@@ -139,7 +145,9 @@ def test_biases_only_when_zero():
     convert_to_attnres(qwen2, layout="native")
     with torch.no_grad():
         qwen2.model.layers[1].self_attn.k_proj.bias.fill_(0.1)
-    with pytest.raises(ConversionError, match=r"attention projection biases \(qwen2 always has q/k/v biases\).*k_proj\.bias"):
+    with pytest.raises(
+        ConversionError, match=r"attention projection biases \(qwen2 always has q/k/v biases\).*k_proj\.bias"
+    ):
         convert_to_attnres(qwen2, layout="native")
     llama = tiny_source("llama", attention_bias=True, mlp_bias=True)
     convert_to_attnres(llama, layout="native")
@@ -167,14 +175,30 @@ def test_sliding_window():
         convert_to_attnres(qwen2, layout="native")
 
 
-@pytest.mark.parametrize("overrides,match", [
-    (dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}),
-     r"RoPE scaling 'linear' \(rope_parameters\['rope_type'\]"),
-    (dict(rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                           "original_max_position_embeddings": 16, "rope_theta": 10000.0}), r"RoPE scaling 'llama3'"),
-    (dict(head_dim=32), r"head dimension other than hidden_size / num_attention_heads \(head_dim=32\)"),
-    (dict(hidden_act="gelu"), r"MLP activation 'gelu' \(hidden_act='gelu'\)"),
-])
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        (
+            dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}),
+            r"RoPE scaling 'linear' \(rope_parameters\['rope_type'\]",
+        ),
+        (
+            dict(
+                rope_parameters={
+                    "rope_type": "llama3",
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 16,
+                    "rope_theta": 10000.0,
+                }
+            ),
+            r"RoPE scaling 'llama3'",
+        ),
+        (dict(head_dim=32), r"head dimension other than hidden_size / num_attention_heads \(head_dim=32\)"),
+        (dict(hidden_act="gelu"), r"MLP activation 'gelu' \(hidden_act='gelu'\)"),
+    ],
+)
 def test_unsupported_architecture_features(overrides, match):
     with pytest.raises(ConversionError, match=match):
         convert_to_attnres(tiny_source("llama", **overrides), layout="native")
@@ -198,8 +222,13 @@ def test_bad_requests():
     with pytest.raises(ConversionError, match=r"model_type='gpt2'.*llama, mistral, qwen2"):
         convert_to_attnres(gpt2, layout="native")
     with pytest.raises(ConversionError, match=r"cannot convert model_type='bert'"):
-        convert_to_attnres(transformers.BertForMaskedLM(transformers.BertConfig(
-            hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, vocab_size=50)))
+        convert_to_attnres(
+            transformers.BertForMaskedLM(
+                transformers.BertConfig(
+                    hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, vocab_size=50
+                )
+            )
+        )
 
 
 def test_a_state_that_does_not_fit_the_model_is_named():
@@ -208,8 +237,9 @@ def test_a_state_that_does_not_fit_the_model_is_named():
     from attnres.hf.convert import ConversionError, check_state_fits
 
     expected = {"a.weight": torch.zeros(2, 3), "b.weight": torch.zeros(4)}
-    check_state_fits({"a.weight": torch.ones(2, 3), "b.weight": torch.ones(4), "extra": torch.ones(1)},
-                     expected, "source")
+    check_state_fits(
+        {"a.weight": torch.ones(2, 3), "b.weight": torch.ones(4), "extra": torch.ones(1)}, expected, "source"
+    )
     with pytest.raises(ConversionError, match=r"the checkpoint lacks tensors the model needs: \['b.weight'\]"):
         check_state_fits({"a.weight": torch.ones(2, 3)}, expected, "checkpoint")
     with pytest.raises(ConversionError, match=r"a.weight: source \(3, 2\), expected \(2, 3\)"):

@@ -1,8 +1,10 @@
 """AttnResConfig / AttnResForCausalLM: config, save/load, Auto classes, generate, training."""
+
 import json
 
 import pytest
 import torch
+from reference import randomize
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -10,7 +12,6 @@ import attnres.hf  # noqa: F401  (registers the model type)
 from attnres import AttnResLM, ModelConfig
 from attnres.hf import AttnResConfig, AttnResForCausalLM
 from attnres.inference.sampling import generate as native_generate
-from reference import randomize
 
 
 def tiny_config(**kw):
@@ -28,8 +29,9 @@ def perturbed(model, seed=1):
 
 
 def test_config_carries_every_model_config_field():
-    mc = ModelConfig(vocab_size=50, d_model=48, n_layers=2, n_heads=4, residual="full",
-                     attnres_heads=2, tie_embeddings=True)
+    mc = ModelConfig(
+        vocab_size=50, d_model=48, n_layers=2, n_heads=4, residual="full", attnres_heads=2, tie_embeddings=True
+    )
     cfg = AttnResConfig.from_model_config(mc, eos_token_id=3)
     assert cfg.model_config() == mc
     assert cfg.model_type == "attnres" and cfg.eos_token_id == 3
@@ -88,9 +90,16 @@ def test_save_pretrained_round_trip(tmp_path, tie, residual):
 
 # issue 18: uneven blocks, state sources and low-rank queries are config fields; gated has weights of
 # its own (no queries): all round-trip through config.json and safetensors, and generate through the cache
-VARIANTS_18 = [dict(residual="block", attnres_block_sizes=[1, 4, 1], attnres_sources="states",
-                    attnres_weights="low_rank_query", attnres_query_rank=3),
-               dict(residual="gated", gated_heads=2)]
+VARIANTS_18 = [
+    dict(
+        residual="block",
+        attnres_block_sizes=[1, 4, 1],
+        attnres_sources="states",
+        attnres_weights="low_rank_query",
+        attnres_query_rank=3,
+    ),
+    dict(residual="gated", gated_heads=2),
+]
 
 
 @pytest.mark.parametrize("options", VARIANTS_18, ids=["block-uneven-states-low-rank", "gated"])
@@ -122,8 +131,7 @@ def test_from_pretrained_dtype_and_missing_residual_parameters(tmp_path):
     assert loaded.dtype == torch.float64
     # a missing tensor gets the scheme's own initialisation (zero queries), the rest is loaded
     assert torch.count_nonzero(loaded.model.residual.queries) == 0
-    assert torch.equal(loaded.model.residual.key_norm_weight,
-                       tensors["model.residual.key_norm_weight"].double())
+    assert torch.equal(loaded.model.residual.key_norm_weight, tensors["model.residual.key_norm_weight"].double())
 
 
 # ----------------------------------------------------------------------------- forward / generate
@@ -139,8 +147,9 @@ def test_forward_matches_attnres_lm_and_loss_follows_hf_convention():
         out = model(ids, labels=labels, attention_mask=torch.ones_like(ids))
         logits = model.model(ids)
     assert torch.equal(out.logits, logits)
-    expected = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 97), labels[:, 1:].reshape(-1),
-                                                 ignore_index=-100)
+    expected = torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, 97), labels[:, 1:].reshape(-1), ignore_index=-100
+    )
     torch.testing.assert_close(out.loss, expected)
     loss, tuple_logits = model(ids, labels=labels, return_dict=False)
     assert torch.equal(tuple_logits, logits)
@@ -170,10 +179,8 @@ def test_hidden_states_are_the_sublayer_inputs_and_the_stream_output():
         rms = out.hidden_states[layer].float().pow(2).mean().sqrt().item()
         assert rms == pytest.approx(record.input_rms[layer], rel=1e-6)
     # the last one is what the final norm turns into logits
-    torch.testing.assert_close(model.model.lm_head(model.model.norm(out.hidden_states[-1])), out.logits,
-                               rtol=0, atol=0)
-    assert model(ids).hidden_states is None and len(model(ids, output_hidden_states=True,
-                                                          return_dict=False)) == 2
+    torch.testing.assert_close(model.model.lm_head(model.model.norm(out.hidden_states[-1])), out.logits, rtol=0, atol=0)
+    assert model(ids).hidden_states is None and len(model(ids, output_hidden_states=True, return_dict=False)) == 2
 
 
 def test_gradient_checkpointing_through_the_hf_flag_gives_the_same_gradients():
@@ -231,8 +238,7 @@ def test_generate_runs_through_the_kv_cache():
     first = model(prompt[:, :4], cache=cache)
     second = model(prompt[:, 4:], cache=cache)
     assert second.cache is cache and cache.get_seq_length() == 6
-    torch.testing.assert_close(torch.cat([first.logits, second.logits], 1), model(prompt).logits,
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.cat([first.logits, second.logits], 1), model(prompt).logits, rtol=1e-5, atol=1e-5)
 
 
 def test_generate_batch_and_eos():
@@ -241,7 +247,7 @@ def test_generate_batch_and_eos():
     prompts = torch.randint(0, 97, (3, 5))
     out = model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=8, do_sample=False)
     for row in range(3):
-        ours = list(native_generate(model.model, prompts[row:row + 1], 8, temperature=0))
+        ours = list(native_generate(model.model, prompts[row : row + 1], 8, temperature=0))
         assert out[row, 5:].tolist() == ours
     eos = int(out[0, 7])  # the third generated token: generation stops there
     stopped = model.generate(prompts[:1], max_new_tokens=8, do_sample=False, eos_token_id=eos)
@@ -262,11 +268,12 @@ def test_padded_batch_generate_matches_each_prompt_alone(residual, pad):
         logits = model(ids, attention_mask=mask).logits
     for row, p in enumerate(prompts):
         alone = model.generate(p[None], max_new_tokens=8, do_sample=False)
-        assert out[row, ids.shape[1]:].tolist() == alone[0, len(p):].tolist()
+        assert out[row, ids.shape[1] :].tolist() == alone[0, len(p) :].tolist()
         with torch.no_grad():
-            torch.testing.assert_close(logits[row, -len(p):], model(p[None]).logits[0], rtol=1e-10, atol=1e-10)
-    uncached = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0,
-                              use_cache=False)
+            torch.testing.assert_close(logits[row, -len(p) :], model(p[None]).logits[0], rtol=1e-10, atol=1e-10)
+    uncached = model.generate(
+        ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0, use_cache=False
+    )
     assert torch.equal(out, uncached)
 
 

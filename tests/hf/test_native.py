@@ -1,4 +1,5 @@
 """Native checkpoints (attnres train) <-> Hugging Face format, tokenizers, and `attnres convert`."""
+
 import json
 
 import pytest
@@ -26,14 +27,22 @@ TEXT = "ROMEO: But soft, what light through yonder window breaks?\n\tÜber naïv
 def native_run(tmp_path, tie=False, residual="block"):
     """A run directory laid out like the trainer's: checkpoint/ + tokenizer.json."""
     torch.manual_seed(0)
-    config = ModelConfig(vocab_size=256, d_model=32, n_layers=2, n_heads=4, max_seq_len=32,
-                         residual=residual, tie_embeddings=tie)
+    config = ModelConfig(
+        vocab_size=256, d_model=32, n_layers=2, n_heads=4, max_seq_len=32, residual=residual, tie_embeddings=tie
+    )
     lm = AttnResLM(config)
     with torch.no_grad():
         lm.residual.queries.normal_()
     run = tmp_path / "run"
-    save_checkpoint(run / "checkpoint", model=lm, optimizer=None, step=7, train_state={},
-                    model_config=config.to_dict(), train_config={"tokenizer": "byte"})
+    save_checkpoint(
+        run / "checkpoint",
+        model=lm,
+        optimizer=None,
+        step=7,
+        train_state={},
+        model_config=config.to_dict(),
+        train_config={"tokenizer": "byte"},
+    )
     ByteTokenizer().save(run / "tokenizer.json")
     return run, lm.eval()
 
@@ -101,8 +110,22 @@ def test_cli_retrofits_a_llama_directory(tmp_path, capsys):
     source.save_pretrained(tmp_path / "llama")
     hf_tokenizer(ByteTokenizer()).save_pretrained(tmp_path / "llama")  # any tokenizer rides along
     out = tmp_path / "llama-attnres"
-    assert main(["convert", str(tmp_path / "llama"), str(out), "--residual", "block",
-                 "--attnres-blocks", "3", "--set", "attnres_impl=fused"]) == 0
+    assert (
+        main(
+            [
+                "convert",
+                str(tmp_path / "llama"),
+                str(out),
+                "--residual",
+                "block",
+                "--attnres-blocks",
+                "3",
+                "--set",
+                "attnres_impl=fused",
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "max |logit difference|" in printed and "3 depth blocks" in printed
     model = AutoModelForCausalLM.from_pretrained(out)
@@ -112,8 +135,21 @@ def test_cli_retrofits_a_llama_directory(tmp_path, capsys):
         assert (model(x).logits - source(x).logits).abs().max() < 1e-5
     assert AutoTokenizer.from_pretrained(out)("abc")["input_ids"] == [97, 98, 99]
     # straight to a native checkpoint, without loading the source to verify
-    assert main(["convert", str(tmp_path / "llama"), str(tmp_path / "native"), "--to", "native",
-                 "--residual", "full", "--no-verify"]) == 0
+    assert (
+        main(
+            [
+                "convert",
+                str(tmp_path / "llama"),
+                str(tmp_path / "native"),
+                "--to",
+                "native",
+                "--residual",
+                "full",
+                "--no-verify",
+            ]
+        )
+        == 0
+    )
     lm, tokenizer, _ = load_model(str(tmp_path / "native"))
     assert lm.config.residual == "full" and tokenizer is not None
     with torch.no_grad():
@@ -163,8 +199,22 @@ def test_cli_mistral_with_window(tmp_path, capsys):
     x = torch.randint(0, SMALL["vocab_size"], (1, 40))
     with torch.no_grad():
         assert (wrapped(x).logits - mistral(x).logits).abs().max() < 1e-4
-    assert main(["convert", str(tmp_path / "m"), str(tmp_path / "out"), "--max-seq-len", "16",
-                 "--residual", "full", "--dtype", "float64"]) == 0
+    assert (
+        main(
+            [
+                "convert",
+                str(tmp_path / "m"),
+                str(tmp_path / "out"),
+                "--max-seq-len",
+                "16",
+                "--residual",
+                "full",
+                "--dtype",
+                "float64",
+            ]
+        )
+        == 0
+    )
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     assert model.dtype == torch.float64 and model.config.max_seq_len == 16
     x = torch.randint(0, SMALL["vocab_size"], (1, 16))
@@ -209,8 +259,15 @@ def test_native_checkpoints_written_from_hf_are_complete_runs(tmp_path, capsys, 
     # a run of attnres train, through Hugging Face and back
     run, lm = native_run(tmp_path)
     trained = TrainConfig(tokenizer="byte", seq_len=16, batch_size=2, out_dir=str(run)).to_dict()
-    save_checkpoint(run / "checkpoint", model=lm, optimizer=None, step=7, train_state={},
-                    model_config=lm.config.to_dict(), train_config=trained)
+    save_checkpoint(
+        run / "checkpoint",
+        model=lm,
+        optimizer=None,
+        step=7,
+        train_state={},
+        model_config=lm.config.to_dict(),
+        train_config=trained,
+    )
     back = AttnResForCausalLM.from_native(run).to_native(tmp_path / "back")
     assert read_checkpoint_state(back)["train_config"] == trained
     assert main(["convert", str(run), str(tmp_path / "hf")]) == 0
@@ -247,9 +304,11 @@ def test_convert_names_the_file_it_cannot_read(tmp_path, capsys):
     weights = truncated / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:4000])
     capsys.readouterr()
-    for source, message in [(config_only, "no *.safetensors or *.bin weight files"),
-                            (not_json, f"{not_json / 'config.json'} is not valid JSON"),
-                            (truncated, "(model.safetensors): SafetensorError")]:
+    for source, message in [
+        (config_only, "no *.safetensors or *.bin weight files"),
+        (not_json, f"{not_json / 'config.json'} is not valid JSON"),
+        (truncated, "(model.safetensors): SafetensorError"),
+    ]:
         for extra in ([], ["--no-verify"]):
             assert main(["convert", str(source), str(tmp_path / "out"), *extra]) == 2
             err = capsys.readouterr().err

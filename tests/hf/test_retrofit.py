@@ -1,6 +1,7 @@
 """The retrofit wrapper (attnres.hf.retrofit): every family wrapped is exact at init, generates as the source
 does (KV cache, beyond the sliding window, past the context, padded batches, beams), saves under the source's
 weight names and loads back through the Auto classes; what it cannot keep exact is refused with the fix."""
+
 from __future__ import annotations
 
 import functools
@@ -14,7 +15,13 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import attnres.hf  # noqa: F401  (registers the Auto classes)
 from attnres.hf import ConversionError
-from attnres.hf.retrofit import FAMILIES, MODEL_TYPE, family_of, max_logit_difference, retrofit
+from attnres.hf.retrofit import (
+    FAMILIES,
+    MODEL_TYPE,
+    family_of,
+    max_logit_difference,
+    retrofit,
+)
 
 TOL = 1e-4
 PROMPT, NEW = 5, 7  # 12 tokens: past the sliding window of WINDOW = 8

@@ -1,5 +1,6 @@
 """TrainConfig.retrofit_step: PreNorm for S steps, then the configured residual with the same function
 (zero queries, eps scaled) and a fresh optimizer; what experiments/retrofit.toml measures."""
+
 import json
 from pathlib import Path
 
@@ -26,8 +27,18 @@ def rows(run_dir, kind):
 
 
 def run(corpus, out, **overrides):
-    model, train = build_configs("tiny", {"data": corpus, "out_dir": str(out), "progress": False, "steps": 20,
-                                          "eval_every": 5, "retrofit_step": 10, **overrides})
+    model, train = build_configs(
+        "tiny",
+        {
+            "data": corpus,
+            "out_dir": str(out),
+            "progress": False,
+            "steps": 20,
+            "eval_every": 5,
+            "retrofit_step": 10,
+            **overrides,
+        },
+    )
     trainer = Trainer(model, train)
     return trainer, trainer.run()
 

@@ -78,13 +78,32 @@ def retrofit_report(rep: Report) -> None:
         final = [r.eval_curve() for r in done[arm]]
         last = max((int(c["step"][-1]) for c in final if len(c["step"])), default=t.steps)
         cell = "—" if arm == base else paired(losses, col.losses(arm=base)).describe()
-        rows.append([arm, str(len(done[arm])), fmt_mean_std(at_switch), fmt_mean_std(list(losses.values())), cell,
-                     fmt(_at(done[arm], last, "query_norm"), 3), fmt(_at(done[arm], last, "routing_entropy"), 3)])
+        rows.append(
+            [
+                arm,
+                str(len(done[arm])),
+                fmt_mean_std(at_switch),
+                fmt_mean_std(list(losses.values())),
+                cell,
+                fmt(_at(done[arm], last, "query_norm"), 3),
+                fmt(_at(done[arm], last, "routing_entropy"), 3),
+            ]
+        )
     rep.add(
         "## Results",
         "",
-        md_table(["arm", "seeds", f"val loss at S = {S}", f"val loss at {t.steps}", f"Δ vs {base} continued (paired)",
-                  "query norm (end)", "routing entropy / log K (end)"], rows),
+        md_table(
+            [
+                "arm",
+                "seeds",
+                f"val loss at S = {S}",
+                f"val loss at {t.steps}",
+                f"Δ vs {base} continued (paired)",
+                "query norm (end)",
+                "routing entropy / log K (end)",
+            ],
+            rows,
+        ),
         "",
         "Δ: mean over seeds of (arm − continued PreNorm) with its standard error; the noise rule of the other "
         "reports (|t| ≥ threshold and every seed the same sign). Query norm: the mean L2 norm of the "
@@ -92,8 +111,9 @@ def retrofit_report(rep: Report) -> None:
         "over consumers, on the first validation batch (1 = uniform, as at the switch).",
         "",
     )
-    steps = sorted({int(row["step"]) for rs in done.values() for r in rs for row in _rows(r, "eval")
-                    if row["step"] >= S})
+    steps = sorted(
+        {int(row["step"]) for rs in done.values() for r in rs for row in _rows(r, "eval") if row["step"] >= S}
+    )
     retro = [a for a in arms if a != base]
     headers = ["step"] + [f"{a} loss" for a in arms] + [f"{a} {k}" for a in retro for k in ("query norm", "entropy")]
     table = []

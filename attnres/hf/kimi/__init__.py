@@ -26,11 +26,26 @@ unknown tensors) is rejected with a :class:`ConversionError` naming it.
 Modules: ``layout`` (config fields and tensor names), ``load`` (``convert_kimi_linear``,
 ``kimi_conversion_error``), ``save`` (``save_kimi_linear``), ``auto`` (the ``AutoModelForCausalLM`` hook).
 """
+
 from attnres.hf.kimi.auto import KimiLinearAutoModel, register_auto_model
-from attnres.hf.kimi.layout import attn_res_block_size, kimi_model_fields, layout_residual
+from attnres.hf.kimi.layout import (
+    attn_res_block_size,
+    kimi_model_fields,
+    layout_residual,
+)
 from attnres.hf.kimi.load import build_lm, convert_kimi_linear, kimi_conversion_error
 from attnres.hf.kimi.save import kimi_config_dict, kimi_state_dict, save_kimi_linear
 
-__all__ = ["KimiLinearAutoModel", "attn_res_block_size", "build_lm",
-           "convert_kimi_linear", "kimi_config_dict", "kimi_conversion_error", "kimi_model_fields",
-           "kimi_state_dict", "layout_residual", "register_auto_model", "save_kimi_linear"]
+__all__ = [
+    "KimiLinearAutoModel",
+    "attn_res_block_size",
+    "build_lm",
+    "convert_kimi_linear",
+    "kimi_config_dict",
+    "kimi_conversion_error",
+    "kimi_model_fields",
+    "kimi_state_dict",
+    "layout_residual",
+    "register_auto_model",
+    "save_kimi_linear",
+]

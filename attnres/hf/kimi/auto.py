@@ -1,6 +1,7 @@
 """``AutoModelForCausalLM`` on a ``kimi_linear`` config after ``import attnres.hf``: §10 checkpoints load
 as ours, any other as transformers' own model.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -9,7 +10,11 @@ import torch
 
 from attnres.hf.configuration import AttnResConfig
 from attnres.hf.convert import ConversionError
-from attnres.hf.kimi.layout import attn_res_block_size, kimi_model_fields, layout_residual
+from attnres.hf.kimi.layout import (
+    attn_res_block_size,
+    kimi_model_fields,
+    layout_residual,
+)
 from attnres.hf.kimi.load import convert_kimi_linear
 from attnres.hf.modeling import AttnResForCausalLM
 from attnres.model.config import ModelConfig

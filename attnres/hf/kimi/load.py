@@ -1,18 +1,32 @@
 """Kimi Linear checkpoints (directories or transformers models) as our models: ``convert_kimi_linear``,
 and ``kimi_conversion_error``, which checks a conversion against transformers' own model.
 """
+
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any
 
 import torch
 
-from attnres.hf.convert import ConversionError, check_state_fits, read_safetensors_dir, read_source_config
+from attnres.hf.convert import (
+    ConversionError,
+    check_state_fits,
+    read_safetensors_dir,
+    read_source_config,
+)
 from attnres.hf.kimi.k3 import read_k3_config
-from attnres.hf.kimi.layout import (MULTIMODAL_PREFIX, attn_res_block_size, kimi_model_fields, layout_residual,
-                                    map_weights, strip_prefix, text_config)
+from attnres.hf.kimi.layout import (
+    MULTIMODAL_PREFIX,
+    attn_res_block_size,
+    kimi_model_fields,
+    layout_residual,
+    map_weights,
+    strip_prefix,
+    text_config,
+)
 from attnres.hf.modeling import AttnResForCausalLM
 from attnres.model.config import ModelConfig
 from attnres.model.llama import rope_tables
@@ -30,12 +44,12 @@ def _runtime_name(name: str) -> str:
 
     for rule in get_checkpoint_conversion_mapping("kimi_linear") or []:
         if isinstance(rule, WeightRenaming):
-            for source, target in zip(rule.source_patterns, rule.target_patterns):
+            for source, target in zip(rule.source_patterns, rule.target_patterns, strict=False):
                 name = re.sub(source, target, name)
     return name
 
 
-def _load_directory(path: Path, config) -> Dict[str, torch.Tensor]:
+def _load_directory(path: Path, config) -> dict[str, torch.Tensor]:
     """The tensors of a checkpoint directory under transformers' runtime names.
 
     Released Kimi Linear checkpoints store the original layout (per-expert ``w1``/``w2``/``w3`` under
@@ -49,12 +63,16 @@ def _load_directory(path: Path, config) -> Dict[str, torch.Tensor]:
 
     raw = read_safetensors_dir(path)
     if raw is None:
-        raise ConversionError(f"{path} holds no model.safetensors (or sharded index); Kimi Linear "
-                              "checkpoints convert from safetensors only")
+        raise ConversionError(
+            f"{path} holds no model.safetensors (or sharded index); Kimi Linear "
+            "checkpoints convert from safetensors only"
+        )
     for name, t in raw.items():
         if not t.is_floating_point():
-            raise ConversionError(f"cannot convert: {name} is a {t.dtype} tensor (quantised weights); only "
-                                  "float checkpoints convert, dequantise first")
+            raise ConversionError(
+                f"cannot convert: {name} is a {t.dtype} tensor (quantised weights); only "
+                "float checkpoints convert, dequantise first"
+            )
     prefixed = any(k.startswith(MULTIMODAL_PREFIX) for k in raw)
     raw = strip_prefix(raw)
 
@@ -64,8 +82,13 @@ def _load_directory(path: Path, config) -> Dict[str, torch.Tensor]:
     text = text_config(config)
     text._experts_implementation = "eager"
     model, info = Float64Loader.from_pretrained(
-        str(path), config=text, dtype=torch.float64, local_files_only=True, output_loading_info=True,
-        key_mapping={"^" + MULTIMODAL_PREFIX.replace(".", r"\."): ""} if prefixed else None)
+        str(path),
+        config=text,
+        dtype=torch.float64,
+        local_files_only=True,
+        output_loading_info=True,
+        key_mapping={"^" + MULTIMODAL_PREFIX.replace(".", r"\."): ""} if prefixed else None,
+    )
     problems = {k: sorted(info.get(k) or []) for k in ("missing_keys", "mismatched_keys")}
     problems = {k: v for k, v in problems.items() if v}
     if problems:
@@ -73,33 +96,37 @@ def _load_directory(path: Path, config) -> Dict[str, torch.Tensor]:
     # transformers builds the router and dt_bias in float32 whatever the dtype: those are plain renames,
     # taken from the files as stored (through transformers' own renaming rules) so nothing is rounded
     stored = {_runtime_name(k): v for k, v in raw.items()}
-    tensors = {k: stored[k] if k in stored and stored[k].shape == v.shape else v
-               for k, v in model.state_dict().items()}
+    tensors = {k: stored[k] if k in stored and stored[k].shape == v.shape else v for k, v in model.state_dict().items()}
     dtype = raw["model.embed_tokens.weight"].dtype  # the checkpoint's: float64 loading rounds nothing
     tensors = {k: v.to(dtype) for k, v in tensors.items()}
     tensors.update({k: v for k, v in raw.items() if k in set(info.get("unexpected_keys") or [])})
     return tensors
 
 
-def _load_source(source) -> Tuple[Any, Dict[str, torch.Tensor]]:
+def _load_source(source) -> tuple[Any, dict[str, torch.Tensor]]:
     """(config, tensors under transformers' runtime names) of a checkpoint directory or a transformers
     model object."""
     if isinstance(source, (str, os.PathLike)):
         path = Path(source)
         config = read_k3_config(path) or read_source_config(
-            path, "a kimi_linear checkpoint directory (config.json + safetensors)")
+            path, "a kimi_linear checkpoint directory (config.json + safetensors)"
+        )
         kimi_model_fields(config)  # what the backbone cannot express fails before anything is loaded
         return config, _load_directory(path, config)
     config = getattr(source, "config", None)
     if config is None or not hasattr(source, "state_dict"):
-        raise ConversionError(f"cannot convert a {type(source).__name__}: pass a KimiLinearForCausalLM or a "
-                              "checkpoint directory")
+        raise ConversionError(
+            f"cannot convert a {type(source).__name__}: pass a KimiLinearForCausalLM or a checkpoint directory"
+        )
     return config, {k: v.detach() for k, v in source.state_dict().items()}
 
 
-def build_lm(model_config: ModelConfig, weights: Mapping[str, torch.Tensor],
-             residual: Optional[Mapping[str, torch.Tensor]] = None,
-             dtype: Optional[torch.dtype] = None) -> AttnResLM:
+def build_lm(
+    model_config: ModelConfig,
+    weights: Mapping[str, torch.Tensor],
+    residual: Mapping[str, torch.Tensor] | None = None,
+    dtype: torch.dtype | None = None,
+) -> AttnResLM:
     """An AttnResLM holding ``weights`` (our names, non-residual) and, if given, the depth-attention
     ``queries`` / ``key_norm_weight``; other residual parameters at their initialisation (zero
     queries). The tensors are copied (a source model object is never shared)."""
@@ -133,9 +160,16 @@ def build_lm(model_config: ModelConfig, weights: Mapping[str, torch.Tensor],
     return lm.eval()
 
 
-def convert_kimi_linear(source, residual: Optional[str] = None, *, attnres_blocks: Optional[int] = None,
-                        attnres_block_size: Optional[int] = None, max_seq_len: Optional[int] = None,
-                        dtype: Optional[torch.dtype] = None, **model_options) -> AttnResForCausalLM:
+def convert_kimi_linear(
+    source,
+    residual: str | None = None,
+    *,
+    attnres_blocks: int | None = None,
+    attnres_block_size: int | None = None,
+    max_seq_len: int | None = None,
+    dtype: torch.dtype | None = None,
+    **model_options,
+) -> AttnResForCausalLM:
     """A ``kimi_linear`` checkpoint (directory or ``KimiLinearForCausalLM``) as our
     :class:`AttnResForCausalLM` with ``backbone="kimi_linear"``.
 
@@ -152,18 +186,28 @@ def convert_kimi_linear(source, residual: Optional[str] = None, *, attnres_block
     b = attn_res_block_size(config)
     options = dict(model_options)
     if b is not None:
-        given = [k for k, v in (("residual", residual), ("attnres_blocks", attnres_blocks),
-                                ("attnres_block_size", attnres_block_size)) if v is not None]
+        given = [
+            k
+            for k, v in (
+                ("residual", residual),
+                ("attnres_blocks", attnres_blocks),
+                ("attnres_block_size", attnres_block_size),
+            )
+            if v is not None
+        ]
         given += [k for k in ("attnres_scale_norm_eps",) if k in options]
         if given:
-            raise ConversionError(f"{given} cannot be set: the checkpoint is already Block AttnRes "
-                                  f"(attn_res_block_size={b}, docs/method.md §10)")
+            raise ConversionError(
+                f"{given} cannot be set: the checkpoint is already Block AttnRes "
+                f"(attn_res_block_size={b}, docs/method.md §10)"
+            )
         options.update(layout_residual(fields["n_layers"], b))
     else:
         residual = residual or "block"
         if residual not in ("block", "full", "prenorm"):
-            raise ConversionError(f"residual={residual!r}: a retrofit keeps the model's outputs only for "
-                                  "block, full or prenorm")
+            raise ConversionError(
+                f"residual={residual!r}: a retrofit keeps the model's outputs only for block, full or prenorm"
+            )
         options["residual"] = residual
         if residual in ("block", "full"):
             options.setdefault("attnres_scale_norm_eps", True)
@@ -176,7 +220,8 @@ def convert_kimi_linear(source, residual: Optional[str] = None, *, attnres_block
         raise ConversionError(f"{fixed} come from the checkpoint and cannot be set")
     weights, res = map_weights(tensors, fields["n_layers"], fields["d_model"], has_residual=b is not None)
     fields["tie_embeddings"] = "lm_head.weight" not in weights and bool(
-        getattr(text_config(config), "tie_word_embeddings", False))
+        getattr(text_config(config), "tie_word_embeddings", False)
+    )
     try:
         model_config = ModelConfig(**{**fields, **options})
     except (TypeError, ValueError) as e:
@@ -187,20 +232,24 @@ def convert_kimi_linear(source, residual: Optional[str] = None, *, attnres_block
 
 
 @torch.no_grad()
-def kimi_conversion_error(source, converted: AttnResForCausalLM, input_ids: Optional[torch.Tensor] = None,
-                          seed: int = 0) -> float:
+def kimi_conversion_error(
+    source, converted: AttnResForCausalLM, input_ids: torch.Tensor | None = None, seed: int = 0
+) -> float:
     """Max |logit difference| between transformers' Kimi Linear model of ``source`` (a directory or a
     model object) and ``converted``, on ``input_ids`` (default 2 x 16 random tokens)."""
     from transformers import KimiLinearForCausalLM
 
-    reference = source if not isinstance(source, (str, os.PathLike)) else \
-        KimiLinearForCausalLM.from_pretrained(str(source), local_files_only=True,
-                                              dtype=converted.dtype).eval()
+    reference = (
+        source
+        if not isinstance(source, (str, os.PathLike))
+        else KimiLinearForCausalLM.from_pretrained(str(source), local_files_only=True, dtype=converted.dtype).eval()
+    )
     reference.config._experts_implementation = "eager"
     if input_ids is None:
         gen = torch.Generator().manual_seed(seed)
-        input_ids = torch.randint(0, converted.config.vocab_size, (2, min(16, converted.config.max_seq_len)),
-                                  generator=gen)
+        input_ids = torch.randint(
+            0, converted.config.vocab_size, (2, min(16, converted.config.max_seq_len)), generator=gen
+        )
     a = reference(input_ids).logits.double()
     b = converted(input_ids).logits.double()
     return (a - b).abs().max().item()

@@ -1,51 +1,71 @@
 """``save_kimi_linear``: our Kimi Linear models written back as Kimi Linear checkpoints (prenorm as a
 plain one, Block AttnRes in the §10 layout).
 """
+
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any
 
 import torch
 
 from attnres.hf.convert import ConversionError
-from attnres.hf.kimi.layout import MULTIMODAL_PREFIX, checkpoint_name, is_residual_name, residual_name
+from attnres.hf.kimi.layout import (
+    MULTIMODAL_PREFIX,
+    checkpoint_name,
+    is_residual_name,
+    residual_name,
+)
 from attnres.hf.modeling import AttnResForCausalLM
 from attnres.model.config import ModelConfig
 from attnres.model.lm import AttnResLM
 
 
-def _layout_block_size(model_config: ModelConfig) -> Optional[int]:
+def _layout_block_size(model_config: ModelConfig) -> int | None:
     """B for the §10 layout (None: prenorm, written as a plain checkpoint); or a ConversionError
     naming the option the layout cannot store."""
     c = model_config
     if c.residual == "prenorm":
         return None
     if c.residual != "block":
-        raise ConversionError(f"ModelConfig.residual={c.residual!r} cannot be written in the released layout "
-                              "(docs/method.md §10): it stores Block AttnRes only; use residual='block' or 'prenorm'")
-    for name, value, allowed in (("attnres_weights", c.attnres_weights, "pseudo_query"),
-                                 ("attnres_kernel", c.attnres_kernel, "softmax"),
-                                 ("attnres_key_norm", c.attnres_key_norm, True),
-                                 ("attnres_heads", c.attnres_heads, 1),
-                                 ("attnres_scale_norm_eps", c.attnres_scale_norm_eps, False)):
+        raise ConversionError(
+            f"ModelConfig.residual={c.residual!r} cannot be written in the released layout "
+            "(docs/method.md §10): it stores Block AttnRes only; use residual='block' or 'prenorm'"
+        )
+    for name, value, allowed in (
+        ("attnres_weights", c.attnres_weights, "pseudo_query"),
+        ("attnres_kernel", c.attnres_kernel, "softmax"),
+        ("attnres_key_norm", c.attnres_key_norm, True),
+        ("attnres_heads", c.attnres_heads, 1),
+        ("attnres_scale_norm_eps", c.attnres_scale_norm_eps, False),
+    ):
         if value != allowed:
-            fix = (" (a retrofit: --set attnres_scale_norm_eps=false; the logits then move from the source's "
-                   "by the eps term only)") if name == "attnres_scale_norm_eps" else ""
-            raise ConversionError(f"ModelConfig.{name}={value!r} cannot be written in the released layout "
-                                  f"(docs/method.md §10), which has {name}={allowed!r} only{fix}")
+            fix = (
+                (
+                    " (a retrofit: --set attnres_scale_norm_eps=false; the logits then move from the source's "
+                    "by the eps term only)"
+                )
+                if name == "attnres_scale_norm_eps"
+                else ""
+            )
+            raise ConversionError(
+                f"ModelConfig.{name}={value!r} cannot be written in the released layout "
+                f"(docs/method.md §10), which has {name}={allowed!r} only{fix}"
+            )
     S, L = c.block_size, c.n_sublayers
     if S == L:
         return c.n_layers  # one depth block: any B >= the layer count
     if S % 2:
-        raise ConversionError(f"ModelConfig.attnres_block_size={S} is odd; the released layout counts depth "
-                              "blocks in whole decoder layers (S = 2B): use an even S or a single block")
+        raise ConversionError(
+            f"ModelConfig.attnres_block_size={S} is odd; the released layout counts depth "
+            "blocks in whole decoder layers (S = 2B): use an even S or a single block"
+        )
     return S // 2
 
 
 @torch.no_grad()
-def kimi_state_dict(lm: AttnResLM, *, language_model: bool = False) -> Dict[str, torch.Tensor]:
+def kimi_state_dict(lm: AttnResLM, *, language_model: bool = False) -> dict[str, torch.Tensor]:
     """Our model's tensors under the names of transformers' Kimi Linear modules, plus the §10
     depth-attention weights for Block AttnRes (what :func:`save_kimi_linear` writes, before
     transformers turns the module names into the released checkpoint layout)."""
@@ -59,21 +79,23 @@ def kimi_state_dict(lm: AttnResLM, *, language_model: bool = False) -> Dict[str,
     if c.tie_embeddings:  # transformers' Kimi Linear never ties: store the head explicitly
         out["lm_head.weight"] = lm.embed.weight
     if b is not None:
-        for l in range(c.n_sublayers + 1):
-            out[residual_name(l, c.n_layers, "proj")] = lm.residual.queries[l].detach().reshape(1, -1)
-            out[residual_name(l, c.n_layers, "norm")] = lm.residual.key_norm_weight[l].detach()
+        for j in range(c.n_sublayers + 1):
+            out[residual_name(j, c.n_layers, "proj")] = lm.residual.queries[j].detach().reshape(1, -1)
+            out[residual_name(j, c.n_layers, "norm")] = lm.residual.key_norm_weight[j].detach()
     if language_model:
         out = {MULTIMODAL_PREFIX + k: v for k, v in out.items()}
     return {k: v.detach().contiguous().clone() for k, v in out.items()}
 
 
-def kimi_config_dict(model_config: ModelConfig) -> Dict[str, Any]:
+def kimi_config_dict(model_config: ModelConfig) -> dict[str, Any]:
     """config.json of the checkpoint: transformers' KimiLinearConfig plus ``attn_res_block_size``."""
     from attnres.model.kimi_linear import kimi_linear_config
 
     if model_config.backbone != "kimi_linear":
-        raise ConversionError(f"ModelConfig.backbone={model_config.backbone!r}: only kimi_linear models are "
-                              "written as Kimi Linear checkpoints")
+        raise ConversionError(
+            f"ModelConfig.backbone={model_config.backbone!r}: only kimi_linear models are "
+            "written as Kimi Linear checkpoints"
+        )
     b = _layout_block_size(model_config)
     hf = kimi_linear_config(model_config, tie_word_embeddings=False)
     data = hf.to_dict()
@@ -83,7 +105,7 @@ def kimi_config_dict(model_config: ModelConfig) -> Dict[str, Any]:
     return data
 
 
-def save_kimi_linear(model, out_dir, *, language_model: bool = False, dtype: Optional[torch.dtype] = None) -> Path:
+def save_kimi_linear(model, out_dir, *, language_model: bool = False, dtype: torch.dtype | None = None) -> Path:
     """Write ``model`` (an AttnResLM or AttnResForCausalLM, backbone="kimi_linear") as a Kimi Linear
     checkpoint directory; Block AttnRes in the §10 layout.
 
@@ -117,7 +139,7 @@ def save_kimi_linear(model, out_dir, *, language_model: bool = False, dtype: Opt
         if index:
             files.append(extra)
             save_file(residual, str(out / extra), metadata={"format": "pt"})
-            index["weight_map"].update({k: extra for k in residual})
+            index["weight_map"].update(dict.fromkeys(residual, extra))
         else:
             save_file({**load_file(str(out / extra)), **residual}, str(out / extra), metadata={"format": "pt"})
     if language_model:

@@ -7,7 +7,16 @@
 
 Modules import one way: ``model`` -> ``families``.
 """
-from attnres.hf.retrofit.families import FAMILIES, REFUSED, UNNORMALISED, Family, Part, Sublayer, family_name
+
+from attnres.hf.retrofit.families import (
+    FAMILIES,
+    REFUSED,
+    UNNORMALISED,
+    Family,
+    Part,
+    Sublayer,
+    family_name,
+)
 from attnres.hf.retrofit.model import (
     MODEL_TYPE,
     RetrofitConfig,
@@ -19,6 +28,20 @@ from attnres.hf.retrofit.model import (
     retrofit_classes,
 )
 
-__all__ = ["FAMILIES", "MODEL_TYPE", "REFUSED", "UNNORMALISED", "Family", "Part", "RetrofitConfig", "Sublayer",
-           "check_family", "family_name", "family_of",
-           "max_logit_difference", "register", "retrofit", "retrofit_classes"]
+__all__ = [
+    "FAMILIES",
+    "MODEL_TYPE",
+    "REFUSED",
+    "UNNORMALISED",
+    "Family",
+    "Part",
+    "RetrofitConfig",
+    "Sublayer",
+    "check_family",
+    "family_name",
+    "family_of",
+    "max_logit_difference",
+    "register",
+    "retrofit",
+    "retrofit_classes",
+]

@@ -14,6 +14,7 @@ Everything else (embeddings and their scale, rotary embeddings and their scaling
 windows, the KV cache, the final norm, the head and its soft-cap) is the source model's own code:
 the retrofit only replaces the residual wiring between sublayers.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -24,12 +25,12 @@ from dataclasses import dataclass
 class Part:
     """One module of a sublayer: ``output = scale · dropout(post(module(norm(h), ...)))``."""
 
-    module: str                      # attribute of the decoder layer: "self_attn", "mlp", ...
-    norm: str | None                 # the layer's norm reading the sublayer input (None: the raw input)
-    attention: bool = False          # called with the layer's keyword arguments; the output is [0]
-    post: str | None = None          # a norm on the module's output (Gemma 2/3, OLMo-2, GLM-4)
-    dropout: str | None = None       # a dropout on the output (identity in eval mode)
-    scale: str | None = None         # a float attribute of the layer multiplying the output (Granite)
+    module: str  # attribute of the decoder layer: "self_attn", "mlp", ...
+    norm: str | None  # the layer's norm reading the sublayer input (None: the raw input)
+    attention: bool = False  # called with the layer's keyword arguments; the output is [0]
+    post: str | None = None  # a norm on the module's output (Gemma 2/3, OLMo-2, GLM-4)
+    dropout: str | None = None  # a dropout on the output (identity in eval mode)
+    scale: str | None = None  # a float attribute of the layer multiplying the output (Granite)
 
 
 @dataclass(frozen=True)
@@ -68,8 +69,9 @@ def _parallel(*parts: Part) -> Callable[[object], tuple[Sublayer, ...]]:
 
 
 _LLAMA = _sequential(_attn(), Part("mlp", "post_attention_layernorm"))
-_POST_NORMED = _sequential(_attn(post="post_attention_layernorm"),
-                           Part("mlp", "pre_feedforward_layernorm", post="post_feedforward_layernorm"))
+_POST_NORMED = _sequential(
+    _attn(post="post_attention_layernorm"), Part("mlp", "pre_feedforward_layernorm", post="post_feedforward_layernorm")
+)
 
 
 def _gpt_neox(config) -> tuple[Sublayer, ...]:
@@ -84,39 +86,77 @@ def _stablelm(config) -> tuple[Sublayer, ...]:
     return Sublayer((_attn(),)), Sublayer((Part("mlp", "post_attention_layernorm", dropout="dropout"),))
 
 
-_LLAMA_LIKE = ("llama", "mistral", "ministral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral",
-               "deepseek_v3", "gpt_oss", "smollm3", "helium", "ernie4_5", "seed_oss", "arcee", "gemma",
-               "starcoder2", "olmo")
+_LLAMA_LIKE = (
+    "llama",
+    "mistral",
+    "ministral",
+    "qwen2",
+    "qwen3",
+    "qwen2_moe",
+    "qwen3_moe",
+    "mixtral",
+    "deepseek_v3",
+    "gpt_oss",
+    "smollm3",
+    "helium",
+    "ernie4_5",
+    "seed_oss",
+    "arcee",
+    "gemma",
+    "starcoder2",
+    "olmo",
+)
 
 FAMILIES: dict[str, Family] = {name: Family(name, _LLAMA) for name in _LLAMA_LIKE}
-FAMILIES.update({
-    "gemma2": Family("gemma2", _POST_NORMED),
-    "gemma3_text": Family("gemma3_text", _POST_NORMED),
-    "glm4": Family("glm4", _sequential(_attn(post="post_self_attn_layernorm"),
-                                       Part("mlp", "post_attention_layernorm", post="post_mlp_layernorm"))),
-    "olmo2": Family("olmo2", _sequential(_attn(None, post="post_attention_layernorm"),
-                                         Part("mlp", None, post="post_feedforward_layernorm"))),
-    "phi3": Family("phi3", _sequential(_attn(dropout="resid_attn_dropout"),
-                                       Part("mlp", "post_attention_layernorm", dropout="resid_mlp_dropout"))),
-    "granite": Family("granite", _sequential(_attn(scale="residual_multiplier"),
-                                             Part("mlp", "post_attention_layernorm", scale="residual_multiplier"))),
-    "gpt_neox": Family("gpt_neox", _gpt_neox, final_norm="final_layer_norm"),
-    "stablelm": Family("stablelm", _stablelm),
-    "phi": Family("phi", _parallel(_attn(dropout="resid_dropout"),
-                                   Part("mlp", "input_layernorm", dropout="resid_dropout")),
-                  final_norm="final_layernorm"),
-    "cohere": Family("cohere", _parallel(_attn(), Part("mlp", "input_layernorm"))),
-    "gptj": Family("gptj", _parallel(_attn("ln_1", "attn"), Part("mlp", "ln_1")), layers="h", final_norm="ln_f"),
-    "gpt2": Family("gpt2", _sequential(_attn("ln_1", "attn"), Part("mlp", "ln_2")), layers="h", final_norm="ln_f"),
-})
+FAMILIES.update(
+    {
+        "gemma2": Family("gemma2", _POST_NORMED),
+        "gemma3_text": Family("gemma3_text", _POST_NORMED),
+        "glm4": Family(
+            "glm4",
+            _sequential(
+                _attn(post="post_self_attn_layernorm"),
+                Part("mlp", "post_attention_layernorm", post="post_mlp_layernorm"),
+            ),
+        ),
+        "olmo2": Family(
+            "olmo2",
+            _sequential(
+                _attn(None, post="post_attention_layernorm"), Part("mlp", None, post="post_feedforward_layernorm")
+            ),
+        ),
+        "phi3": Family(
+            "phi3",
+            _sequential(
+                _attn(dropout="resid_attn_dropout"),
+                Part("mlp", "post_attention_layernorm", dropout="resid_mlp_dropout"),
+            ),
+        ),
+        "granite": Family(
+            "granite",
+            _sequential(
+                _attn(scale="residual_multiplier"), Part("mlp", "post_attention_layernorm", scale="residual_multiplier")
+            ),
+        ),
+        "gpt_neox": Family("gpt_neox", _gpt_neox, final_norm="final_layer_norm"),
+        "stablelm": Family("stablelm", _stablelm),
+        "phi": Family(
+            "phi",
+            _parallel(_attn(dropout="resid_dropout"), Part("mlp", "input_layernorm", dropout="resid_dropout")),
+            final_norm="final_layernorm",
+        ),
+        "cohere": Family("cohere", _parallel(_attn(), Part("mlp", "input_layernorm"))),
+        "gptj": Family("gptj", _parallel(_attn("ln_1", "attn"), Part("mlp", "ln_1")), layers="h", final_norm="ln_f"),
+        "gpt2": Family("gpt2", _sequential(_attn("ln_1", "attn"), Part("mlp", "ln_2")), layers="h", final_norm="ln_f"),
+    }
+)
 
 # families whose sublayers read the residual stream without a norm in front: zero-init AttnRes reads
 # c·S there, and attention / MLP are not scale invariant, so the exact alternative rescales those reads
 UNNORMALISED = {
     "olmo2": "OLMo-2's attention and MLP read the residual stream un-normalised (its norms come after "
-             "each sublayer), and they are not scale invariant",
-    "olmo": "OLMo's LayerNorms have a fixed eps (1e-5, not an attribute), so the c_l² eps scaling cannot "
-            "be applied",
+    "each sublayer), and they are not scale invariant",
+    "olmo": "OLMo's LayerNorms have a fixed eps (1e-5, not an attribute), so the c_l² eps scaling cannot be applied",
 }
 
 # what the retrofit refuses, by model_type, and why (everything else not in FAMILIES: "not wrapped yet")

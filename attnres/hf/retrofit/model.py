@@ -21,6 +21,7 @@ instead multiplies every read by 1/c_l (so it starts as S_l exactly) and changes
 alternative for families whose sublayers read the stream without a norm (OLMo-2) or whose norms
 have no settable eps (OLMo).
 """
+
 from __future__ import annotations
 
 import copy
@@ -32,7 +33,15 @@ import torch
 from torch import nn
 
 from attnres.hf.errors import ConversionError
-from attnres.hf.retrofit.families import FAMILIES, REFUSED, UNNORMALISED, Family, Part, Sublayer, family_name
+from attnres.hf.retrofit.families import (
+    FAMILIES,
+    REFUSED,
+    UNNORMALISED,
+    Family,
+    Part,
+    Sublayer,
+    family_name,
+)
 from attnres.residual import residual_scheme
 from attnres.residual.norms import _BASE, _base_eps, _eps_attribute, prenorm_eps_scales
 
@@ -56,7 +65,7 @@ class _Runner:
         self.sublayers = sublayers
         self.n_layers = n_layers
         self.rescale = rescale
-        self.stream = None
+        self.stream: Any = None  # the Stream of the forward pass under way
 
     def read(self):
         h = self.stream.read()
@@ -138,11 +147,14 @@ def _layer_forward(runner: _Runner, index: int, layer: nn.Module, signature: ins
 class RetrofitMixin:
     """Mixed into the source's ``XForCausalLM``: builds the residual scheme and rewires the layers."""
 
+    config: Any  # what PreTrainedModel (the class this is mixed into) provides
+    base_model_prefix: str
+
     _attnres_runner: _Runner | None = None
 
     def post_init(self):
         self._attach_attnres()
-        super().post_init()
+        super().post_init()  # type: ignore[misc]  # PreTrainedModel's, after this mixin
 
     def _attach_attnres(self) -> None:
         config = self.config
@@ -152,10 +164,12 @@ class RetrofitMixin:
         layers = list(_resolve(base, family.layers))[: config.num_hidden_layers]
         sublayers = family.sublayers(config)
         n_sublayers = len(sublayers) * len(layers)
-        eps = next((float(getattr(config, f)) for f in _EPS_FIELDS if isinstance(getattr(config, f, None), float)),
-                   1e-6)
-        scheme = residual_scheme(options["residual"], config.hidden_size, n_sublayers, norm_eps=eps,
-                                 **options.get("scheme", {}))
+        eps = next(
+            (float(getattr(config, f)) for f in _EPS_FIELDS if isinstance(getattr(config, f, None), float)), 1e-6
+        )
+        scheme = residual_scheme(
+            options["residual"], config.hidden_size, n_sublayers, norm_eps=eps, **options.get("scheme", {})
+        )
         self.attnres = scheme
         rescale = bool(options.get("rescale_reads", False))
         runner = _Runner(scheme, sublayers, len(layers), rescale)
@@ -169,7 +183,8 @@ class RetrofitMixin:
     def activation_checkpointing_enable(self, *args, **kwargs):
         raise NotImplementedError(
             "gradient checkpointing is not supported on a retrofitted model (its layers share one depth stream, "
-            "which a recomputation would write twice); train without it, or convert to attnres' own format")
+            "which a recomputation would write twice); train without it, or convert to attnres' own format"
+        )
 
     gradient_checkpointing_enable = activation_checkpointing_enable  # transformers' older name
 
@@ -193,8 +208,10 @@ def _scale_eps(family: Family, sublayers, layers, final_norm: nn.Module, scheme)
         try:
             attribute = _eps_attribute(module, where)
         except TypeError as e:
-            raise ConversionError(f"cannot scale the eps of {where} ({type(module).__name__}): {e}. Fix: retrofit "
-                                  "with rescale_reads=True (reads start as the PreNorm sum, no eps change)") from None
+            raise ConversionError(
+                f"cannot scale the eps of {where} ({type(module).__name__}): {e}. Fix: retrofit "
+                "with rescale_reads=True (reads start as the PreNorm sum, no eps change)"
+            ) from None
         base = _base_eps(module, attribute)
         setattr(module, _BASE, base)
         setattr(module, attribute, base * scale)
@@ -202,10 +219,10 @@ def _scale_eps(family: Family, sublayers, layers, final_norm: nn.Module, scheme)
 
 # ----------------------------------------------------------------------------- classes per family
 
-_CLASSES: dict[str, tuple[type, type]] = {}
+_CLASSES: dict[str, tuple[Any, Any]] = {}
 
 
-def retrofit_classes(source_model_type: str) -> tuple[type, type]:
+def retrofit_classes(source_model_type: str) -> tuple[Any, Any]:
     """(config class, model class) of the retrofit of ``source_model_type``, created once and
     registered with ``AutoModelForCausalLM``."""
     if source_model_type in _CLASSES:
@@ -215,12 +232,16 @@ def retrofit_classes(source_model_type: str) -> tuple[type, type]:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     check_family(source_model_type)
-    source_config = CONFIG_MAPPING[source_model_type]
-    source_model = MODEL_FOR_CAUSAL_LM_MAPPING[source_config]
-    config_cls = type(f"AttnRes{source_config.__name__}", (source_config,),
-                      {"model_type": MODEL_TYPE, "__module__": __name__})
-    model_cls = type(f"AttnRes{source_model.__name__}", (RetrofitMixin, source_model),
-                     {"config_class": config_cls, "__module__": __name__})
+    source_config: Any = CONFIG_MAPPING[source_model_type]
+    source_model: Any = MODEL_FOR_CAUSAL_LM_MAPPING[source_config]
+    config_cls = type(
+        f"AttnRes{source_config.__name__}", (source_config,), {"model_type": MODEL_TYPE, "__module__": __name__}
+    )
+    model_cls = type(
+        f"AttnRes{source_model.__name__}",
+        (RetrofitMixin, source_model),
+        {"config_class": config_cls, "__module__": __name__},
+    )
     globals()[config_cls.__name__], globals()[model_cls.__name__] = config_cls, model_cls  # picklable
     AutoModelForCausalLM.register(config_cls, model_cls, exist_ok=True)
     _CLASSES[source_model_type] = (config_cls, model_cls)
@@ -240,8 +261,10 @@ def _retrofit_config_base():
         def from_dict(cls, config_dict, **kwargs):
             options = config_dict.get(OPTIONS)
             if not isinstance(options, dict) or "source_model_type" not in options:
-                raise ConversionError(f"a config with model_type={MODEL_TYPE!r} needs {OPTIONS}.source_model_type "
-                                      "(the family it was retrofitted from); restore the saved config.json")
+                raise ConversionError(
+                    f"a config with model_type={MODEL_TYPE!r} needs {OPTIONS}.source_model_type "
+                    "(the family it was retrofitted from); restore the saved config.json"
+                )
             config_cls, _ = retrofit_classes(options["source_model_type"])
             return config_cls.from_dict(config_dict, **kwargs)
 
@@ -266,33 +289,46 @@ def check_family(model_type: str) -> Family:
     if model_type in FAMILIES:
         return FAMILIES[model_type]
     why = REFUSED.get(model_type, "its decoder layer has no layer spec in attnres.hf.retrofit.families yet")
-    raise ConversionError(f"cannot retrofit model_type={model_type!r}: {why}. Supported: "
-                          f"{', '.join(sorted(FAMILIES))}")
+    raise ConversionError(f"cannot retrofit model_type={model_type!r}: {why}. Supported: {', '.join(sorted(FAMILIES))}")
 
 
 def check_request(config, residual: str, rescale_reads: bool, scheme: dict[str, Any]) -> Family:
     """The one-line refusals, before anything is copied."""
     family = check_family(family_name(config))
     if residual not in RESIDUALS:
-        raise ConversionError(f"residual={residual!r}: a retrofit keeps the model's outputs only for {RESIDUALS} "
-                              "(the other schemes do not start as the PreNorm function)")
+        raise ConversionError(
+            f"residual={residual!r}: a retrofit keeps the model's outputs only for {RESIDUALS} "
+            "(the other schemes do not start as the PreNorm function)"
+        )
     if scheme.get("attnres_window") is not None:
-        raise ConversionError("attnres_window drops sources, so the retrofit would not keep the source's outputs; "
-                              "retrofit without it")
+        raise ConversionError(
+            "attnres_window drops sources, so the retrofit would not keep the source's outputs; retrofit without it"
+        )
     if getattr(config, "add_cross_attention", False):
-        raise ConversionError("cannot retrofit a decoder with cross-attention (add_cross_attention=True): its "
-                              "third sublayer reads encoder states; use a decoder-only config")
+        raise ConversionError(
+            "cannot retrofit a decoder with cross-attention (add_cross_attention=True): its "
+            "third sublayer reads encoder states; use a decoder-only config"
+        )
     if family.name in UNNORMALISED and residual != "prenorm" and not rescale_reads:
         raise ConversionError(
             f"cannot retrofit {family.name} exactly with zero-initialised reads: {UNNORMALISED[family.name]}. Fix: "
             "rescale_reads=True (CLI: --set rescale_reads=true) multiplies each read by its source count, so it "
-            "starts as the PreNorm sum exactly")
+            "starts as the PreNorm sum exactly"
+        )
     return family
 
 
-def retrofit(source, residual: str = "block", attnres_blocks: int | None = None, *,
-             attnres_block_size: int | None = None, rescale_reads: bool = False, copy_weights: bool = True,
-             dtype: torch.dtype | None = None, **scheme: Any):
+def retrofit(
+    source,
+    residual: str = "block",
+    attnres_blocks: int | None = None,
+    *,
+    attnres_block_size: int | None = None,
+    rescale_reads: bool = False,
+    copy_weights: bool = True,
+    dtype: torch.dtype | None = None,
+    **scheme: Any,
+):
     """Retrofit a transformers causal LM (a model object, or a local directory) into AttnRes by wrapping its
     own layers; the result computes the source's function at init (float rounding apart).
 
@@ -305,13 +341,16 @@ def retrofit(source, residual: str = "block", attnres_blocks: int | None = None,
     if isinstance(source, (str, bytes)) or hasattr(source, "__fspath__"):
         from transformers import AutoModelForCausalLM
 
-        source = AutoModelForCausalLM.from_pretrained(str(source), local_files_only=True,
-                                                      **({} if dtype is None else {"dtype": dtype}))
+        source = AutoModelForCausalLM.from_pretrained(
+            str(source), local_files_only=True, **({} if dtype is None else {"dtype": dtype})
+        )
         copy_weights = False
     config = getattr(source, "config", None)
     if config is None or not isinstance(source, nn.Module):
-        raise ConversionError(f"cannot retrofit a {type(source).__name__}: pass a transformers causal LM "
-                              "(e.g. LlamaForCausalLM) or a directory holding one")
+        raise ConversionError(
+            f"cannot retrofit a {type(source).__name__}: pass a transformers causal LM "
+            "(e.g. LlamaForCausalLM) or a directory holding one"
+        )
     if getattr(config, OPTIONS, None) is not None:
         raise ConversionError("the model is already retrofitted (config.attnres_retrofit is set)")
     if attnres_blocks is not None:
@@ -320,17 +359,23 @@ def retrofit(source, residual: str = "block", attnres_blocks: int | None = None,
         scheme["attnres_block_size"] = attnres_block_size
     family = check_request(config, residual, rescale_reads, scheme)
     if not hasattr(source, getattr(source, "base_model_prefix", "") or "-"):
-        raise ConversionError(f"pass the causal LM (e.g. {type(source).__name__.replace('Model', 'ForCausalLM')}), "
-                              f"not its bare decoder {type(source).__name__}")
+        raise ConversionError(
+            f"pass the causal LM (e.g. {type(source).__name__.replace('Model', 'ForCausalLM')}), "
+            f"not its bare decoder {type(source).__name__}"
+        )
     config_cls, model_cls = retrofit_classes(family.name)
-    options = {"source_model_type": family.name, "residual": residual, "scheme": dict(scheme),
-               "rescale_reads": bool(rescale_reads)}
+    options = {
+        "source_model_type": family.name,
+        "residual": residual,
+        "scheme": dict(scheme),
+        "rescale_reads": bool(rescale_reads),
+    }
     new_config = config_cls.from_dict({**config.to_dict(), OPTIONS: options})
     new_config._attn_implementation = config._attn_implementation
 
     tensors = list(source.parameters()) + list(source.buffers())
     memo: dict[int, Any] = {} if copy_weights else {id(t): t for t in tensors}
-    model = copy.deepcopy(source, memo)
+    model: Any = copy.deepcopy(source, memo)
     old = model.config
     model.__class__ = model_cls
     for module in model.modules():
@@ -342,7 +387,8 @@ def retrofit(source, residual: str = "block", attnres_blocks: int | None = None,
     except (TypeError, ValueError) as e:
         raise ConversionError(f"cannot build the residual scheme: {e}") from e
     first = next(model.parameters())
-    model.attnres.to(device=first.device, dtype=model.get_input_embeddings().weight.dtype)
+    embedding: Any = model.get_input_embeddings()
+    model.attnres.to(device=first.device, dtype=embedding.weight.dtype)
     if dtype is not None:
         model = model.to(dtype)
     return model.eval()
@@ -354,15 +400,17 @@ def family_of(model) -> str:
 
 
 @torch.no_grad()
-def max_logit_difference(source, converted, input_ids: torch.Tensor | None = None, seed: int = 0,
-                         length: int = 32) -> float:
+def max_logit_difference(
+    source, converted, input_ids: torch.Tensor | None = None, seed: int = 0, length: int = 32
+) -> float:
     """Max |logit difference| between a source causal LM and its retrofit on ``input_ids`` (default:
     2 x ``length`` random tokens, capped at the source's context)."""
     if input_ids is None:
         config = source.config
         for c in (config, converted.config):  # the converted model's max_seq_len, where it has one
-            length = min(length, getattr(c, "max_seq_len", None) or getattr(c, "max_position_embeddings", None)
-                         or length)
+            length = min(
+                length, getattr(c, "max_seq_len", None) or getattr(c, "max_position_embeddings", None) or length
+            )
         gen = torch.Generator().manual_seed(seed)
         input_ids = torch.randint(0, config.vocab_size, (2, length), generator=gen)
     device = next(converted.parameters()).device
