@@ -6,7 +6,8 @@
 1. A tiny LLaMA (transformers' LlamaForCausalLM, built from a config) is pretrained for a few
    dozen AdamW steps on the bundled Shakespeare corpus (byte tokens). It stands in for a real
    checkpoint, which ``convert_to_attnres("path/to/llama")`` or ``attnres convert`` take the same way.
-2. ``convert_to_attnres`` turns it into an AttnResForCausalLM. The pseudo-queries start at zero,
+2. ``convert_to_attnres(..., layout="native")`` turns it into our own AttnResForCausalLM (the
+   default layout wraps the LLaMA's own layers instead, docs/hf.md). The pseudo-queries start at zero,
    so every depth weight is uniform and each sublayer reads the mean of its sources, which its
    RMSNorm rescales: the logits match the LLaMA's (up to the RMSNorm eps effect, see
    attnres/hf/convert.py) and so does the validation loss.
@@ -132,8 +133,9 @@ def main():
     llama_val = val_loss(llama, data, args)
 
     # 2. conversion
-    model = convert_to_attnres(
-        llama, residual=args.residual, attnres_blocks=args.blocks if args.residual == "block" else None
+    model = convert_to_attnres(  # our own model (the native layout), whose depth weights step 3 reads
+        llama, residual=args.residual, attnres_blocks=args.blocks if args.residual == "block" else None,
+        layout="native"
     )
     mc = model.config.model_config()
     x, _ = next(iter(eval_batches(data.val.tokens, 4, args.seq_len, max_batches=1)))

@@ -34,7 +34,7 @@ import torch
 
 from attnres.hf.errors import ConversionError
 from attnres.hf.modeling import AttnResForCausalLM
-from attnres.hf.retrofit import FAMILIES, family_name, retrofit
+from attnres.hf.retrofit import FAMILIES, check_family, family_name, retrofit
 from attnres.model.config import ModelConfig
 from attnres.model.llama import rope_tables
 from attnres.model.lm import AttnResLM
@@ -387,8 +387,10 @@ def convert_to_attnres(
     format, ``to_native`` works) and takes LLaMA / Mistral / Qwen2 without what AttnResLM lacks (below);
     "wrapped" wraps the source's own layers (:func:`attnres.hf.retrofit.retrofit`: every family of
     ``attnres.hf.retrofit.FAMILIES``, biases, RoPE scaling, QK-norm, sliding windows and all);
-    "auto" (default): native where AttnResLM expresses the source and no ``max_seq_len`` says
-    otherwise, else wrapped. The rest of this docstring is the native layout.
+    "auto" (default): wrapped, unless a native-only option is given (``max_seq_len``,
+    ``attnres_scale_norm_eps=False``). The wrapped model generates exactly as the source does (past its
+    context too); the native one sees the last ``max_seq_len`` tokens there. The rest of this docstring is
+    the native layout.
 
     Native: retrofit a pretrained LLaMA / Mistral / Qwen2 causal LM into an :class:`AttnResForCausalLM`.
 
@@ -422,6 +424,18 @@ def convert_to_attnres(
         )
     if layout not in LAYOUTS:
         raise ConversionError(f"layout={layout!r}: choose one of {', '.join(LAYOUTS)}")
+    if layout == "auto":
+        # wrapped (exact, the source's own generation) unless a native-only option asks for our own model
+        native_only = max_seq_len is not None or model_options.get("attnres_scale_norm_eps") is False
+        if not native_only:
+            source_config = (
+                read_source_config(Path(model_or_dir), "a Hugging Face model directory (config.json + weights)")
+                if isinstance(model_or_dir, (str, os.PathLike))
+                else getattr(model_or_dir, "config", None)
+            )
+            if source_config is not None and getattr(source_config, "attnres_retrofit", None) is None:
+                check_family(family_name(source_config))
+                layout = "wrapped"
     if layout == "wrapped":
         return _wrapped(
             model_or_dir, residual, attnres_blocks, attnres_block_size, max_seq_len, dtype, copy_weights, model_options
@@ -495,6 +509,15 @@ def _wrapped(
             "attnres_scale_norm_eps=False: the wrapped layout always scales the pre-norms' eps "
             "(that is what keeps it exact); use layout='native' to turn it off"
         )
+    if isinstance(model_or_dir, (str, os.PathLike)):  # load it here: unreadable files get reading_model's error
+        from transformers import AutoModelForCausalLM
+
+        path = Path(model_or_dir)
+        read_source_config(path, "a Hugging Face model directory (config.json + weights)")
+        with reading_model(path):
+            kw = {} if dtype is None else {"dtype": dtype}
+            model_or_dir = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, **kw)
+        copy_weights = False
     return retrofit(
         model_or_dir,
         residual,

@@ -1,4 +1,5 @@
-"""Retrofitting LLaMA / Mistral / Qwen2 into AttnRes: equal logits at conversion, clear rejections.
+"""Retrofitting LLaMA / Mistral / Qwen2 into our own AttnRes model (the native layout): equal logits at
+conversion, clear rejections.
 
 Tiny random models are built locally from transformers configs (nothing is downloaded). A
 zero-query conversion differs from its source only through RMSNorm eps (eps acts as K^2 eps when
@@ -6,12 +7,18 @@ a norm reads the mean of K sources): tests either use a negligible eps, or undo 
 ``compensate_eps`` to show it is the only difference.
 """
 
+import functools
+
 import pytest
 import torch
 from hf_sources import SMALL, compensate_eps, source_counts, tiny_source
 
-from attnres.hf import AttnResForCausalLM, ConversionError, convert_to_attnres
+import attnres.hf
+from attnres.hf import AttnResForCausalLM, ConversionError
 from attnres.hf.convert import conversion_error
+
+# this file tests the native layout (our own AttnResForCausalLM); the wrapped one: tests/hf/test_retrofit.py
+convert_to_attnres = functools.partial(attnres.hf.convert_to_attnres, layout="native")
 
 ARCHS = ("llama", "mistral", "qwen2")
 # float32: rounding; float64: transformers computes RMSNorm and the RoPE tables in float32 even in
@@ -128,10 +135,11 @@ def test_qwen3_qk_norm_is_rejected_by_the_native_layout_and_wrapped_by_default()
     qwen3 = tiny_source("qwen3", head_dim=16)
     with pytest.raises(ConversionError, match=r"QK-norm.*model_type='qwen3'.*layout='wrapped'"):
         convert_to_attnres(qwen3, layout="native")
-    model = convert_to_attnres(qwen3)  # auto: what AttnResLM cannot express is wrapped (attnres.hf.retrofit)
+    model = convert_to_attnres(qwen3, layout="auto")  # auto: wrapped (attnres.hf.retrofit)
     assert not isinstance(model, AttnResForCausalLM) and model.config.attnres_retrofit["source_model_type"] == "qwen3"
     assert max_err(qwen3, model, ids()) < TOL[torch.float32]
-    assert isinstance(convert_to_attnres(tiny_source("llama"), layout="auto"), AttnResForCausalLM)
+    assert not isinstance(convert_to_attnres(tiny_source("llama"), layout="auto"), AttnResForCausalLM)
+    assert isinstance(convert_to_attnres(tiny_source("llama"), layout="auto", max_seq_len=16), AttnResForCausalLM)
     assert not isinstance(convert_to_attnres(tiny_source("llama"), layout="wrapped"), AttnResForCausalLM)
     with pytest.raises(ConversionError, match=r"max_seq_len=16 applies to the native layout only"):
         convert_to_attnres(qwen3, layout="wrapped", max_seq_len=16)
@@ -221,8 +229,8 @@ def test_bad_requests():
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=50))
     with pytest.raises(ConversionError, match=r"model_type='gpt2'.*llama, mistral, qwen2"):
         convert_to_attnres(gpt2, layout="native")
-    with pytest.raises(ConversionError, match=r"cannot convert model_type='bert'"):
-        convert_to_attnres(
+    with pytest.raises(ConversionError, match=r"cannot retrofit model_type='bert'.*Supported: arcee"):
+        attnres.hf.convert_to_attnres(
             transformers.BertForMaskedLM(
                 transformers.BertConfig(
                     hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, vocab_size=50

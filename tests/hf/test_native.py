@@ -127,9 +127,9 @@ def test_cli_retrofits_a_llama_directory(tmp_path, capsys):
         == 0
     )
     printed = capsys.readouterr().out
-    assert "max |logit difference|" in printed and "3 depth blocks" in printed
-    model = AutoModelForCausalLM.from_pretrained(out)
-    assert model.config.attnres_blocks == 3 and model.config.attnres_impl == "fused"
+    assert "max |logit difference|" in printed and "3 depth blocks" in printed and "family llama" in printed
+    model = AutoModelForCausalLM.from_pretrained(out)  # the wrapped layout (the default): Llama's own layers
+    assert model.config.attnres_retrofit["scheme"] == {"attnres_blocks": 3, "attnres_impl": "fused"}
     x = torch.randint(0, SMALL["vocab_size"], (2, 24))
     with torch.no_grad():
         assert (model(x).logits - source(x).logits).abs().max() < 1e-5
