@@ -74,7 +74,7 @@ def run(args) -> int:
         overrides["progress"] = False
     notes: list[str] = []
     if args.resume:  # the run's own settings; what is given must match them (attnres.train.resume)
-        configs = resumed_configs(overrides.get("out_dir", TrainConfig.out_dir), overrides)
+        configs = resumed_configs(overrides.get("out_dir", TrainConfig.out_dir), overrides, notes)
     else:
         if args.config and not overrides.get("preset"):
             notes += _preset_fills(args.config, overrides)

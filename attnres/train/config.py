@@ -380,14 +380,20 @@ def build_configs(
     model_kw.update(m)
     train_kw.update(t)
     steps, warmup = train_kw.get("steps", TrainConfig.steps), train_kw.get("warmup_steps", TrainConfig.warmup_steps)
-    if "warmup_steps" not in t and _int(steps) and _int(warmup) and steps >= 1 and warmup > steps:
-        train_kw["warmup_steps"] = steps
-        if notes is not None:
-            source = f"the {preset} preset's" if preset is not None else "the default"
-            notes.append(
-                f"warmup_steps={warmup} ({source}) is longer than the run: capped to steps={steps} "
-                "(set --warmup-steps to choose)"
-            )
+    if "warmup_steps" not in t and _int(steps) and _int(warmup) and steps >= 1:
+        room, decay = steps, ""  # the steps a warmup may take: all of them, less a WSD schedule's decay
+        fraction = train_kw.get("decay_fraction", TrainConfig.decay_fraction)
+        if train_kw.get("schedule", TrainConfig.schedule) == "wsd" and isinstance(fraction, (int, float)):
+            room = max(1, steps - round(fraction * steps))
+            decay = f" less the schedule's decay ({steps - room})" if room < steps else ""
+        if warmup > room:
+            train_kw["warmup_steps"] = room
+            if notes is not None:
+                source = f"the {preset} preset's" if preset is not None else "the default"
+                notes.append(
+                    f"warmup_steps={warmup} ({source}) is longer than the run: capped to {room} (steps={steps}"
+                    f"{decay}; set --warmup-steps to choose)"
+                )
     train = TrainConfig(**train_kw)
     model_kw.setdefault("max_seq_len", train.seq_len)
     if _int(model_kw["max_seq_len"]):  # any other type: ModelConfig names the field

@@ -5,6 +5,7 @@ them. A resumed run needs no retyped preset or flag, and a contradicting one is 
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,13 @@ def _resume_fix(out_dir: Path) -> str:
     )
 
 
-def resumed_configs(out_dir: str | Path, overrides: dict[str, Any]) -> tuple[ModelConfig, TrainConfig]:
+# how a run is spread over processes: the saved layout is kept only when it fits this launch
+_LAYOUT_FIELDS = ("dp", "fsdp", "pp", "vpp", "pp_schedule", "microbatches")
+
+
+def resumed_configs(
+    out_dir: str | Path, overrides: dict[str, Any], notes: list[str] | None = None
+) -> tuple[ModelConfig, TrainConfig]:
     """The run in ``out_dir``'s model and training configs, with ``overrides`` (a ``preset`` key, the
     --config file, --set and the flags) checked against them: a field that may not change on resume
     (``RESUMABLE_CHANGES``) must equal the run's value. Everything is read from ``state.json`` and the
@@ -92,4 +99,13 @@ def resumed_configs(out_dir: str | Path, overrides: dict[str, Any]) -> tuple[Mod
     merged.update(saved_train)
     merged.update({k: v for k, (v, _) in given.items()})
     merged["out_dir"] = str(out_dir)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    saved_world = saved_train.get("dp", 1) * saved_train.get("pp", 1)
+    if saved_world != world and not any(k in given for k in _LAYOUT_FIELDS):
+        # checkpoints move between layouts: the run continues in the processes it has now
+        defaults = TrainConfig()
+        merged.update({k: getattr(defaults, k) for k in _LAYOUT_FIELDS})
+        if notes is not None and world == 1:
+            layout = ", ".join(f"{k}={saved_train[k]}" for k in ("dp", "pp") if saved_train.get(k, 1) > 1)
+            notes.append(f"the run was laid out over {saved_world} processes ({layout}); it continues in this one")
     return build_configs(None, merged)

@@ -117,7 +117,9 @@ def _log(metrics: MetricsLogger | None, row: dict, step: int, kind: str) -> None
 
 def _interrupted(step: int, path: Path, out_dir: Path, signum: int) -> TrainingInterrupted:
     """The stop after a signal: the checkpoint it wrote and the command that continues the run."""
-    again = shlex.join(["attnres", "train", "--out", str(out_dir), "--resume"])
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    launch = ["torchrun", "--nproc-per-node", str(world), "-m", "attnres"] if world > 1 else ["attnres"]
+    again = shlex.join([*launch, "train", "--out", str(out_dir), "--resume"])
     stop = TrainingInterrupted(f"interrupted at step {step}; checkpoint written to {path}; continue with {again}")
     stop.exit_code = 128 + int(signum)  # another rank's signal: Ctrl-C's code
     return stop

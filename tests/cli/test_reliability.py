@@ -611,13 +611,16 @@ def test_a_toml_without_a_preset_says_which_preset_fills_the_rest(tmp_path, caps
     assert built["model"].d_model == 48 and built["model"].n_layers == 8  # the demo preset's
 
 
-@pytest.mark.parametrize("preset,steps", [("tiny", 1), ("tiny", 2), ("kimi-tiny", 2)])
+@pytest.mark.parametrize("preset,steps", [("tiny", 1), ("tiny", 2), ("tiny", 3), ("kimi-tiny", 2)])
 def test_a_smoke_run_shorter_than_the_presets_warmup_trains(corpus, tmp_path, capsys, preset, steps):
     out = tmp_path / "run"
     argv = ["train", "--preset", preset, "--data", corpus, "--out", out, "--steps", steps, "--no-progress"]
     assert cli(*argv, "--set", "threads=1") == 0
     err = capsys.readouterr().err
-    assert f"warmup_steps=3 (the {preset} preset's) is longer than the run: capped to steps={steps}" in err
+    assert (
+        f"warmup_steps=3 (the {preset} preset's) is longer than the run: capped to {min(steps, 2)} (steps={steps}"
+        in err
+    )
     assert json.loads((out / "checkpoint" / "state.json").read_text())["step"] == steps
     # an explicit warmup longer than the run is still an error
     assert cli(*argv, "--warmup-steps", 5, "--force") == 2
@@ -650,3 +653,30 @@ def test_the_summary_names_its_validation_sample(corpus, tmp_path, capsys):
     assert strict_json(out / "summary.json")["val_batches"] == 2
     assert cli("eval", out) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["val_batches"] > 2
+
+
+def test_a_run_laid_out_over_processes_resumes_in_one(corpus, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert train(corpus, out) == 0
+    path = out / "checkpoint" / "state.json"
+    state = json.loads(path.read_text())
+    state["train_config"]["dp"] = 2  # as a torchrun --nproc-per-node 2 ... --dp 2 run writes it
+    path.write_text(json.dumps(state))
+    capsys.readouterr()
+    assert cli("train", "--out", out, "--resume", "--steps", 6, "--no-progress") == 0
+    assert "the run was laid out over 2 processes (dp=2); it continues in this one" in capsys.readouterr().err
+    assert json.loads(path.read_text())["train_config"]["dp"] == 1
+
+
+def test_the_resume_command_of_a_torchrun_run_relaunches_it(monkeypatch, tmp_path):
+    import signal
+
+    import attnres.train.trainer as trainer
+
+    monkeypatch.setattr(trainer.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(trainer.dist, "get_world_size", lambda: 2)
+    stop = trainer._interrupted(7, tmp_path / "r 1" / "checkpoint", tmp_path / "r 1", signal.SIGTERM)
+    assert f"continue with torchrun --nproc-per-node 2 -m attnres train --out '{tmp_path / 'r 1'}' --resume" in str(
+        stop
+    )
+    assert stop.exit_code == 143
