@@ -550,10 +550,12 @@ def _advance(
     try:
         outcome = execute_one(s, spec, progress=progress, threads=threads, log=log, command=command)
     except TrainingInterrupted as e:
-        raise TrainingInterrupted(
+        stop = TrainingInterrupted(
             f"{s.run.name}: {str(e).split(';')[0]}; its checkpoint is in {s.dir}. Run "
             f"`{resume_with}` again to resume it and continue the suite"
-        ) from None
+        )
+        stop.exit_code = e.exit_code  # 143 after SIGTERM
+        raise stop from None
     finally:
         write_manifest(spec, plan_status(spec, runs_root), runs_root)
     if outcome == "diverged":

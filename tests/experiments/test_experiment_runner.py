@@ -100,14 +100,15 @@ def test_the_run_record_names_the_thread_count_it_trained_with(two_by_two, monke
     assert f"{status.run.name}: " in terminal.getvalue() and status.run.hash not in terminal.getvalue()
 
 
-def test_an_interrupted_run_resumes_from_its_checkpoint_exactly(two_by_two, monkeypatch):
+@pytest.mark.parametrize("signum,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_an_interrupted_run_resumes_from_its_checkpoint_exactly(two_by_two, monkeypatch, signum, code):
     spec, root = two_by_two
     original = Trainer.train_step
 
     def interrupting(self):
         loss = original(self)
         if self.step == 3:
-            os.kill(os.getpid(), signal.SIGINT)  # a real Ctrl-C, handled between steps
+            os.kill(os.getpid(), signum)  # a real Ctrl-C (or kill), handled between steps
         return loss
 
     monkeypatch.setattr(Trainer, "train_step", interrupting)
@@ -115,8 +116,9 @@ def test_an_interrupted_run_resumes_from_its_checkpoint_exactly(two_by_two, monk
         TrainingInterrupted,
         match=r"scheme=block/seed=1: interrupted at step 3.*"
         r"`attnres experiment pair` again to resume",
-    ):
+    ) as stopped:
         run_experiment(spec, root, only="block/seed=1", progress=False, log=quiet)
+    assert stopped.value.exit_code == code  # what `attnres experiment` exits with
     monkeypatch.setattr(Trainer, "train_step", original)
     status = [s for s in plan_status(spec, root) if s.run.name == "scheme=block/seed=1"][0]
     assert status.state == "partial" and status.step == 3
