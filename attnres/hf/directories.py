@@ -73,7 +73,8 @@ def source_kind(path) -> str:
             )
         if config.get("model_type") == AttnResConfig.model_type:
             return "attnres"
-        text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+        text_config = config.get("text_config")
+        text = text_config if isinstance(text_config, dict) else {}
         return "kimi_linear" if "kimi_linear" in (config.get("model_type"), text.get("model_type")) else "pretrained"
     raise ConversionError(
         f"{path} is neither a Hugging Face model directory ({HF_CONFIG_FILE}) nor a run or "

@@ -20,6 +20,7 @@ import math
 from contextlib import contextmanager
 from itertools import chain
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +36,9 @@ from attnres.hf.tokenizer import special_token_ids
 from attnres.model.llama import rope_tables
 from attnres.model.lm import AttnResLM
 from attnres.residual import build_residual
+
+if TYPE_CHECKING:  # imported where it is used: compiled decoding is optional
+    from attnres.inference import CompiledDecoder
 
 IGNORE_INDEX = -100
 
@@ -56,7 +60,7 @@ def causal_lm_loss(logits: Tensor, labels: Tensor, num_items_in_batch=None) -> T
 def _mark_initialized(module: nn.Module) -> None:
     """Tell transformers' weight initialisation that these tensors already hold their values."""
     for t in chain(module.parameters(), module.buffers()):
-        t._is_hf_initialized = True
+        t._is_hf_initialized = True  # type: ignore[attr-defined]  # transformers' own marker on a tensor
 
 
 def _is_meta(module: nn.Module) -> bool:
@@ -169,7 +173,7 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.embed
 
-    def set_input_embeddings(self, value: nn.Embedding) -> None:
+    def set_input_embeddings(self, value: nn.Module) -> None:
         self.model.embed = value
 
     def get_output_embeddings(self) -> nn.Linear:
@@ -207,7 +211,8 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
             from attnres.inference.compiled import check_static_cache
 
             check_static_cache(self.config, "compile_decoding")
-        self._decoding, self._decoders = setting, {}
+        self._decoding = setting
+        self._decoders: dict[int, CompiledDecoder] = {}
         return self
 
     def forward(
@@ -314,7 +319,8 @@ def sublayer_inputs(lm: AttnResLM):
     """Collect, while the context is open, what each pre-norm reads (the sublayer inputs h_l, in
     sublayer order) and then what the final norm reads; yields the list that fills up."""
     seen = []
-    norms = [norm for block in lm.blocks for norm in (block.attn_norm, block.mlp_norm)] + [lm.norm]
+    norms: list[nn.Module] = [lm.norm]
+    norms[:0] = [block.get_submodule(name) for block in lm.blocks for name in ("attn_norm", "mlp_norm")]
     handles = [norm.register_forward_pre_hook(lambda module, args: seen.append(args[0])) for norm in norms]
     try:
         yield seen

@@ -172,7 +172,7 @@ def strip_prefix(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]
     return {(k[len(MULTIMODAL_PREFIX) :] if k.startswith(MULTIMODAL_PREFIX) else k): v for k, v in tensors.items()}
 
 
-def _native_name(name: str, n_layers: int) -> tuple[str, tuple[int, str] | None] | None:
+def _native_name(name: str, n_layers: int) -> tuple[str | None, tuple[int, str] | None] | None:
     """A checkpoint name -> (our name, None), or for depth-attention weights (None, (consumer l, kind)),
     kind "proj" (the query) or "norm" (the key-norm weight); None if the name is not ours."""
     if name == "model.embed_tokens.weight":
@@ -253,7 +253,7 @@ def map_weights(
         native, res = mapped
         if native is not None:
             ours[native] = t
-        elif not has_residual:
+        elif not has_residual or res is None:
             unknown.append(name)  # depth-attention weights without attn_res_block_size
         elif res[1] == "proj":
             if tuple(t.shape) != (1, d):

@@ -77,11 +77,11 @@ def _load_directory(path: Path, config) -> dict[str, torch.Tensor]:
     raw = strip_prefix(raw)
 
     class Float64Loader(KimiLinearForCausalLM):
-        _keep_in_fp32_modules_strict = None
+        _keep_in_fp32_modules_strict = None  # type: ignore[assignment]  # float64 throughout: keep nothing float32
 
     text = text_config(config)
     text._experts_implementation = "eager"
-    model, info = Float64Loader.from_pretrained(
+    loaded: Any = Float64Loader.from_pretrained(
         str(path),
         config=text,
         dtype=torch.float64,
@@ -89,6 +89,7 @@ def _load_directory(path: Path, config) -> dict[str, torch.Tensor]:
         output_loading_info=True,
         key_mapping={"^" + MULTIMODAL_PREFIX.replace(".", r"\."): ""} if prefixed else None,
     )
+    model, info = loaded  # with output_loading_info: (model, {missing_keys: ..., ...})
     problems = {k: sorted(info.get(k) or []) for k in ("missing_keys", "mismatched_keys")}
     problems = {k: v for k, v in problems.items() if v}
     if problems:

@@ -80,8 +80,8 @@ def kimi_state_dict(lm: AttnResLM, *, language_model: bool = False) -> dict[str,
         out["lm_head.weight"] = lm.embed.weight
     if b is not None:
         for j in range(c.n_sublayers + 1):
-            out[residual_name(j, c.n_layers, "proj")] = lm.residual.queries[j].detach().reshape(1, -1)
-            out[residual_name(j, c.n_layers, "norm")] = lm.residual.key_norm_weight[j].detach()
+            out[residual_name(j, c.n_layers, "proj")] = lm.residual.get_parameter("queries")[j].detach().reshape(1, -1)
+            out[residual_name(j, c.n_layers, "norm")] = lm.residual.get_parameter("key_norm_weight")[j].detach()
     if language_model:
         out = {MULTIMODAL_PREFIX + k: v for k, v in out.items()}
     return {k: v.detach().contiguous().clone() for k, v in out.items()}
