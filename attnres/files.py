@@ -98,6 +98,19 @@ def read_json(path: str | os.PathLike) -> Any | None:
 # ----------------------------------------------------------------------------- exclusive locks
 
 
+def nested_paths(source: str | os.PathLike, out: str | os.PathLike) -> str | None:
+    """Why writing ``out`` could overwrite ``source`` (the same path, one inside the other), else None.
+    Paths are resolved first, so links and ``..`` cannot hide it."""
+    src, dst = Path(source).resolve(), Path(out).resolve()
+    if src == dst:
+        return f"{out} is the source itself"
+    if src in dst.parents:
+        return f"{out} lies inside the source {source}"
+    if dst in src.parents:
+        return f"the source {source} lies inside {out}"
+    return None
+
+
 def this_command() -> str:
     """The command line of this process, as typed (``attnres ...`` for the command and ``python -m attnres``)."""
     argv = list(sys.argv)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from attnres.cli.options import CLIError, add_set_option, examples, parse_set
+from attnres.files import nested_paths
 
 # retrofit options with a flag of their own (attnres.hf.convert_to_attnres's keyword arguments)
 RETROFIT_ARGS = ("residual", "attnres_blocks", "attnres_block_size", "max_seq_len")
@@ -87,6 +88,9 @@ def run(args) -> int:
         import attnres.hf as hf
     except ImportError as e:
         raise CLIError(f"attnres convert needs transformers: pip install 'attnres[hf]' ({e})") from e
+    nested = nested_paths(args.source, args.out)
+    if nested is not None:  # --force would replace the source's own files (config.json, tokenizer.json)
+        raise CLIError(f"{nested}; write the converted model to a directory outside {args.source}")
     if args.to in ("gguf", "mlx"):
         return _to_serving(args)
     retrofit = {

@@ -171,7 +171,8 @@ def test_cli_native_and_hf_directions(tmp_path, capsys):
     assert "not empty" in capsys.readouterr().err
     assert main(["convert", str(run), str(tmp_path / "x"), "--residual", "full"]) == 2
     assert "only when retrofitting" in capsys.readouterr().err
-    assert main(["convert", str(tmp_path), str(tmp_path / "y")]) == 2
+    (tmp_path / "nothing").mkdir()
+    assert main(["convert", str(tmp_path / "nothing"), str(tmp_path / "y")]) == 2
     assert "neither" in capsys.readouterr().err
     qwen3 = tmp_path / "qwen3"
     tiny_source("qwen3", head_dim=16).save_pretrained(qwen3)
@@ -314,3 +315,18 @@ def test_convert_names_the_file_it_cannot_read(tmp_path, capsys):
             err = capsys.readouterr().err
             assert message in err and str(source) in err and "Traceback" not in err, err
             assert len(err.strip().splitlines()) == 2, err
+
+
+def test_convert_never_writes_into_its_own_source(tmp_path, capsys):
+    """`attnres convert RUN RUN --force` replaced the run's config.json and tokenizer.json with the Hugging
+    Face ones; the output may be neither the source, nor inside it, nor around it."""
+    run, _ = native_run(tmp_path)
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    for out, why in ((run, "is the source itself"), (run / "hf", "lies inside the source"), (tmp_path, "lies inside")):
+        capsys.readouterr()
+        assert main(["convert", str(run), str(out), "--force"]) == 2
+        err = capsys.readouterr().err
+        first = err.splitlines()[0]
+        assert first.startswith("attnres convert: error:") and why in first and "outside" in first, err
+    assert main(["convert", str(run), str(run / ".." / run.name / "x.gguf"), "--to", "gguf", "--force"]) == 2
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
