@@ -26,6 +26,8 @@ import contextlib
 import copy
 import json
 import os
+import pickle
+import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -68,9 +70,19 @@ def reading_model(src) -> Iterator[None]:
     """Failures while reading the model in directory ``src`` (no weights, truncated safetensors, bad
     config values) become one ConversionError naming the directory and its weight files."""
     try:
-        yield
+        with warnings.catch_warnings():
+            # torch's note about a pickle protocol it may not read: the refusal below says what matters
+            warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
+            yield
     except ConversionError:
         raise
+    except pickle.UnpicklingError as e:
+        # torch.load(weights_only=True) refused objects other than tensors: nothing ran, say so in one line
+        raise ConversionError(
+            f"refused to load the weights in {src}: a *.bin file holds pickled objects other than tensors "
+            f"({' '.join(str(e).split())[:120]}...). Nothing was executed; convert the weights to safetensors "
+            "with a tool you trust, or use a directory with model.safetensors"
+        ) from None
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         raise _load_error(Path(src), e) from e
     except Exception as e:  # safetensors' SafetensorError derives from Exception only

@@ -330,3 +330,25 @@ def test_convert_never_writes_into_its_own_source(tmp_path, capsys):
         assert first.startswith("attnres convert: error:") and why in first and "outside" in first, err
     assert main(["convert", str(run), str(run / ".." / run.name / "x.gguf"), "--to", "gguf", "--force"]) == 2
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+
+
+def test_convert_refuses_a_pickle_that_is_not_tensors_in_one_line(tmp_path, capsys):
+    """A pytorch_model.bin whose pickle would run code: torch.load(weights_only=True) refuses it, and
+    convert says so in one line (it printed 35 lines of traceback) without running anything."""
+    import os
+    import pickle
+
+    source = tmp_path / "evil"
+    tiny_source("llama").config.save_pretrained(source)
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    (source / "pytorch_model.bin").write_bytes(pickle.dumps({"model.embed_tokens.weight": Payload()}))
+    assert main(["convert", str(source), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("attnres convert: error: refused to load the weights") and "Nothing was executed" in err
+    assert len(err.splitlines()) == 2, err  # the error and the ATTNRES_DEBUG hint
+    assert not marker.exists()
