@@ -104,6 +104,44 @@ def _check_request(src: Path, out: Path, kind: str, to: str, retrofit: dict[str,
         )
 
 
+LAYER_COUNT_FIELDS = ("num_hidden_layers", "n_layer", "num_layers")
+
+
+def check_layer_count(src: Path) -> None:
+    """A Hugging Face directory whose config.json claims more (or fewer) decoder layers than its safetensors
+    weights hold is refused from the headers alone, before a model of that size is built (a config claiming
+    20,000 layers took minutes to fail). Weights in *.bin files cannot be read without unpickling: skipped."""
+    import re
+
+    config = json.loads((src / HF_CONFIG_FILE).read_text(encoding="utf-8"))
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    field = next((f for f in LAYER_COUNT_FIELDS if isinstance(text.get(f), int)), None)
+    files = sorted(src.glob("*.safetensors"))
+    if field is None or not files:
+        return
+    names: list[str] = []
+    for path in files:
+        with path.open("rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            if not 0 < size <= 100_000_000:
+                return  # not a safetensors header: the loader names the file
+            try:
+                names += [k for k in json.loads(f.read(size)) if k != "__metadata__"]
+            except ValueError:
+                return
+    # the decoder's own stack only (a multimodal release's vision tower has layers of its own)
+    stack = re.compile(
+        r"^(?:model\.|transformer\.|gpt_neox\.|language_model\.model\.|model\.language_model\.)"
+        r"(?:layers|h)\.(\d+)\."
+    )
+    found = {int(m.group(1)) for name in names if (m := stack.match(name))}
+    if found and max(found) + 1 != text[field]:
+        raise ConversionError(
+            f"{src / HF_CONFIG_FILE} says {field}={text[field]}, but the weights hold {max(found) + 1} layers; "
+            "restore the model directory's config.json (or copy its weights again)"
+        )
+
+
 def convert_directory(
     source,
     out,
@@ -132,6 +170,8 @@ def convert_directory(
     kind = source_kind(src)
     to = to or ("native" if kind == "attnres" else "hf")
     _check_request(src, out, kind, to, retrofit, force)
+    if kind in ("pretrained", "kimi_linear", "attnres"):
+        check_layer_count(src)
     dtype = None if dtype in (None, "auto") else getattr(torch, dtype)
 
     tokenizer = None

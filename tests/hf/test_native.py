@@ -352,3 +352,20 @@ def test_convert_refuses_a_pickle_that_is_not_tensors_in_one_line(tmp_path, caps
     assert err.startswith("attnres convert: error: refused to load the weights") and "Nothing was executed" in err
     assert len(err.splitlines()) == 2, err  # the error and the ATTNRES_DEBUG hint
     assert not marker.exists()
+
+
+def test_a_config_claiming_20000_layers_is_refused_from_the_weights_header(tmp_path, capsys):
+    """The layer count of config.json against the safetensors header, before a model is built: a config
+    claiming 20,000 layers took minutes to fail (also with --no-verify)."""
+    import time
+
+    source = tmp_path / "llama"
+    tiny_source("llama").save_pretrained(source)
+    config = json.loads((source / "config.json").read_text())
+    layers, config["num_hidden_layers"] = config["num_hidden_layers"], 20000
+    (source / "config.json").write_text(json.dumps(config))
+    start = time.perf_counter()
+    assert main(["convert", str(source), str(tmp_path / "out"), "--no-verify"]) == 2
+    assert time.perf_counter() - start < 5
+    err = capsys.readouterr().err
+    assert f"num_hidden_layers=20000, but the weights hold {layers} layers" in err.splitlines()[0]
