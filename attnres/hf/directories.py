@@ -235,16 +235,22 @@ def _retrofit(src: Path, retrofit: dict[str, Any], dtype, verify: bool, log, to:
                 f"--set layout={retrofit['layout']}; write --to hf for the wrapped one"
             )
         retrofit["layout"] = "native"
+    load_kw = {"local_files_only": True, "output_loading_info": True, **({} if dtype is None else {"dtype": dtype})}
+    with reading_model(src):
+        loaded: Any = AutoModelForCausalLM.from_pretrained(str(src), **load_kw)
+    pretrained, info = loaded  # with output_loading_info: (model, {"missing_keys": ..., ...})
+    missing = sorted(info.get("missing_keys") or [])
+    if missing:  # transformers would start these at random: a config and weights of different models
+        raise ConversionError(
+            f"{src / HF_CONFIG_FILE} describes a {pretrained.config.model_type} model whose weights are not in "
+            f"{src} ({len(missing)} missing, e.g. {missing[0]}): config.json and the weights come from different "
+            "models; restore the model directory's own config.json"
+        )
+    model = convert_to_attnres(pretrained.eval(), copy_weights=False, **retrofit)
+    err, family = None, None
     if verify:
-        load_kw = {"local_files_only": True, **({} if dtype is None else {"dtype": dtype})}
-        with reading_model(src):
-            pretrained = AutoModelForCausalLM.from_pretrained(str(src), **load_kw).eval()
-        model = convert_to_attnres(pretrained, copy_weights=False, **retrofit)
         err = max_logit_difference(pretrained, model)
         family = family_name(pretrained.config)
-    else:
-        model = convert_to_attnres(str(src), dtype=dtype, **retrofit)
-        err, family = None, None
     c = model.config
     if isinstance(model, AttnResForCausalLM):
         blocks = f", {c.model_config().num_blocks} depth blocks" if c.residual == "block" else ""

@@ -369,3 +369,17 @@ def test_a_config_claiming_20000_layers_is_refused_from_the_weights_header(tmp_p
     assert time.perf_counter() - start < 5
     err = capsys.readouterr().err
     assert f"num_hidden_layers=20000, but the weights hold {layers} layers" in err.splitlines()[0]
+
+
+def test_a_config_of_another_family_over_the_weights_is_refused(tmp_path, capsys):
+    """A gpt2 config.json over LLaMA weights was converted: transformers started the GPT-2 at random and the
+    check compared that random model with itself. Missing weights are refused by name."""
+    source = tmp_path / "llama"
+    tiny_source("llama").save_pretrained(source)
+    config = json.loads((source / "config.json").read_text())
+    config.update(model_type="gpt2", architectures=["GPT2LMHeadModel"])
+    (source / "config.json").write_text(json.dumps(config))
+    assert main(["convert", str(source), str(tmp_path / "out")]) == 2
+    first = capsys.readouterr().err.splitlines()[0]
+    assert "describes a gpt2 model whose weights are not in" in first and "different models" in first
+    assert not (tmp_path / "out").exists()
