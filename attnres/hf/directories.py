@@ -38,7 +38,9 @@ from attnres.hf.modeling import (
     hf_to_native,
     native_to_hf_with_tokenizer,
 )
+from attnres.hf.retrofit import check_family
 from attnres.hf.tokenizer import copy_tokenizer_files, hf_tokenizer
+from attnres.residual.options import is_positive_int
 
 SOURCE_KINDS = ("native", "attnres", "kimi_linear", "pretrained")
 OUTPUT_FORMATS = ("hf", "native", "kimi_linear")
@@ -220,6 +222,20 @@ def convert_directory(
     return path
 
 
+def _check_before_loading(src: Path, retrofit: dict[str, Any]) -> None:
+    """What config.json and the flags alone decide, before any weight is read: the depth-block counts,
+    and (for the wrapped layout, the default) whether the source's family can be wrapped at all."""
+    for key, flag in (("attnres_blocks", "--attnres-blocks"), ("attnres_block_size", "--attnres-block-size")):
+        value = retrofit.get(key)
+        if value is not None and not is_positive_int(value):
+            raise ConversionError(f"{flag} {value!r}: must be a positive integer (depth blocks / sublayers per block)")
+    native_only = retrofit.get("max_seq_len") is not None or retrofit.get("attnres_scale_norm_eps") is False
+    if retrofit.get("layout", "auto") == "wrapped" or (retrofit.get("layout", "auto") == "auto" and not native_only):
+        config = json.loads((src / HF_CONFIG_FILE).read_text(encoding="utf-8"))  # source_kind read it already
+        if config.get("attnres_retrofit") is None:
+            check_family(str(config.get("model_type")))
+
+
 def _retrofit(src: Path, retrofit: dict[str, Any], dtype, verify: bool, log, to: str = "hf"):
     """A pretrained directory as AttnRes (``convert_to_attnres``): wrapped or native (``--set layout=...``;
     ``--to native`` needs the native layout, our own AttnResLM)."""
@@ -235,6 +251,7 @@ def _retrofit(src: Path, retrofit: dict[str, Any], dtype, verify: bool, log, to:
                 f"--set layout={retrofit['layout']}; write --to hf for the wrapped one"
             )
         retrofit["layout"] = "native"
+    _check_before_loading(src, retrofit)
     load_kw = {"local_files_only": True, "output_loading_info": True, **({} if dtype is None else {"dtype": dtype})}
     with reading_model(src):
         loaded: Any = AutoModelForCausalLM.from_pretrained(str(src), **load_kw)

@@ -383,3 +383,24 @@ def test_a_config_of_another_family_over_the_weights_is_refused(tmp_path, capsys
     first = capsys.readouterr().err.splitlines()[0]
     assert "describes a gpt2 model whose weights are not in" in first and "different models" in first
     assert not (tmp_path / "out").exists()
+
+
+def test_bad_flags_and_an_unwrappable_family_are_refused_before_the_weights_are_read(tmp_path, capsys, monkeypatch):
+    """`--attnres-blocks 0` and a model type the wrapped layout has no spec for were found only after every
+    weight had been loaded; now from config.json and the flags alone."""
+    import transformers
+
+    loads = []
+    real = transformers.AutoModelForCausalLM.from_pretrained
+    monkeypatch.setattr(
+        transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: loads.append(a) or real(*a, **k)
+    )
+    source = tmp_path / "llama"
+    tiny_source("llama").save_pretrained(source)
+    assert main(["convert", str(source), str(tmp_path / "out"), "--attnres-blocks", "0"]) == 2
+    assert "--attnres-blocks 0: must be a positive integer" in capsys.readouterr().err
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "model_type": "falcon"}))
+    assert main(["convert", str(source), str(tmp_path / "out")]) == 2
+    assert "cannot retrofit model_type='falcon'" in capsys.readouterr().err
+    assert loads == []
