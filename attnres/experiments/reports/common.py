@@ -119,6 +119,19 @@ def mean_curve(results: list[Result], x: str) -> tuple[np.ndarray, np.ndarray] |
     return np.array(xs), np.array(ys)
 
 
+# the header of the rows depth_weight_stats makes (the dynamics and kimi-linear reports)
+DEPTH_WEIGHT_COLUMNS = [
+    "scheme",
+    "seeds",
+    "mean weight on embedding",
+    "uniform would give",
+    "mean weight on most recent",
+    "rows where most recent is largest",
+    "width pre-attention",
+    "width pre-MLP",
+]
+
+
 def depth_weight_stats(scheme: str, M: np.ndarray, seeds: int) -> list[str]:
     """Embedding weight, locality and width of the mean depth weights (rows reading >= 2 sources).
     Width = entropy of a row divided by log(number of sources): 1 = uniform, 0 = one source; split

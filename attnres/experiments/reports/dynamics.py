@@ -11,6 +11,7 @@ import numpy as np
 
 from attnres.experiments import figures
 from attnres.experiments.reports.common import (
+    DEPTH_WEIGHT_COLUMNS,
     Report,
     depth_weight_stats,
     md_table,
@@ -145,16 +146,7 @@ def dynamics_report(rep: Report) -> None:
             "inputs (paper: pre-attention inputs wider, pre-MLP inputs more local).",
             "",
             md_table(
-                [
-                    "scheme",
-                    "seeds",
-                    "mean weight on embedding",
-                    "uniform would give",
-                    "mean weight on most recent",
-                    "rows where most recent is largest",
-                    "width pre-attention",
-                    "width pre-MLP",
-                ],
+                DEPTH_WEIGHT_COLUMNS,
                 heat_rows,
             ),
             "",

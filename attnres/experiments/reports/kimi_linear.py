@@ -8,7 +8,13 @@ from functools import partial
 
 import numpy as np
 
-from attnres.experiments.reports.common import Report, depth_weight_stats, fmt, md_table
+from attnres.experiments.reports.common import (
+    DEPTH_WEIGHT_COLUMNS,
+    Report,
+    depth_weight_stats,
+    fmt,
+    md_table,
+)
 from attnres.experiments.results import Result, finite, mean_matrix, nan_matrix
 from attnres.experiments.stats import Paired, fmt_mean_std, paired
 
@@ -107,16 +113,7 @@ def kimi_linear_report(rep: Report) -> None:
                 "dynamics report):",
                 "",
                 md_table(
-                    [
-                        "scheme",
-                        "seeds",
-                        "mean weight on embedding",
-                        "uniform would give",
-                        "mean weight on most recent",
-                        "rows where most recent is largest",
-                        "width pre-attention",
-                        "width pre-MLP",
-                    ],
+                    DEPTH_WEIGHT_COLUMNS,
                     heat_rows,
                 ),
                 "",
