@@ -9,10 +9,8 @@ registry checks as ``ModelConfig``'s.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 
 @dataclass
@@ -58,9 +56,3 @@ class ResidualConfig:
     def n_layers(self) -> int:
         """Transformer blocks of two sublayers each (what DenseFormer, MUDD and LayerScale count)."""
         return self.n_sublayers // 2
-
-    @classmethod
-    def of(cls, config: Any) -> ResidualConfig:
-        """The scheme's part of a ``ModelConfig`` (or anything with the same fields)."""
-        names = [f.name for f in dataclasses.fields(cls)]
-        return cls(**{name: getattr(config, name) for name in names})
