@@ -17,36 +17,47 @@ the MoE routers' loads), and its ``probes.json`` is indented JSON: over about 20
   (``[step, seconds]`` per ``eval`` row: the optimizer-step seconds summed up to that step, as
   ``Result.eval_curve`` interpolates them for the arena figure's time axis; the kept rows no longer
   add up to it). ``train_seconds`` in ``summary.json`` (the sum) is untouched;
-* ``probes.json`` on one line (``sort_keys``, no spaces), values unchanged.
+* in ``probes.json`` and ``metrics.jsonl``, every float at float32 precision, written as the shortest
+  decimal that reads back as the same float32 (``0.7618867`` for ``0.761886715888977``): the probes and
+  the losses come from float32 tensors, so most values are float32 numbers already and lose nothing;
+  the others (means taken in float64, timings, the learning rate) round to the same float32 as before,
+  moving by less than 1.2e-7 of their size, far below the digits a report prints: every REPORT.md
+  regenerates byte for byte. ``probes.json`` on one line (``sort_keys``), each
+  ``metrics.jsonl`` row on its line in its key order, both without spaces;
+* ``run.json``, ``config.json`` and ``summary.json`` without indentation or spaces, values unchanged
+  (``run.json``'s ``hashed_config`` is compared with the planned configs, float for float).
 
-``run.json``, ``config.json`` and ``summary.json`` are not changed. A run without ``summary.json``
-(unfinished or diverged) is left alone: it may still resume.
+A run without ``summary.json`` (unfinished or diverged) is left alone: it may still resume.
 
-Idempotent: a ``metrics.jsonl`` that already has its ``downsampled`` row is left as it is, and
-``probes.json`` compacts to itself. ``--check`` writes nothing and exits 1 when a file would change.
+Idempotent: a ``metrics.jsonl`` that already has its ``downsampled`` row is not thinned again, and
+every file compacts to itself. ``--check`` writes nothing and exits 1 when a file would change.
 
     python scripts/downsample_runs.py                      # experiments/runs
     python scripts/downsample_runs.py --check
     python scripts/downsample_runs.py path/to/runs --train-rows 24
 """
+
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
 METRICS_FILE, PROBES_FILE, SUMMARY_FILE = "metrics.jsonl", "probes.json", "summary.json"
+RUN_FILE, CONFIG_FILE = "run.json", "config.json"
 KIND = "downsampled"
 TRAIN_ROWS = 16  # evenly spaced training rows kept per run, first and last included
-RULE = ("every non-train row; train rows: the first, the last, the nearest to each of train_rows_max "
-        "evenly spaced steps, and the rows that keep the median step_seconds")
+RULE = (
+    "every non-train row; train rows: the first, the last, the nearest to each of train_rows_max "
+    "evenly spaced steps, and the rows that keep the median step_seconds"
+)
 
 
-def _aggregates(train: List[dict], evals: List[dict]) -> dict:
+def _aggregates(train: list[dict], evals: list[dict]) -> dict:
     """What the reports compute from every training row, computed as they compute it."""
     train = sorted(train, key=lambda r: r["step"])
     steps = np.array([r["step"] for r in train], dtype=float)
@@ -54,15 +65,17 @@ def _aggregates(train: List[dict], evals: List[dict]) -> dict:
     est = np.array(sorted(r["step"] for r in evals), dtype=float)
     secs = np.interp(est, steps, cum) if len(steps) else np.full(len(est), np.nan)
     timed = [float(r["step_seconds"]) for r in train if "step_seconds" in r]
-    return {"step_seconds_median": float(np.median(timed)) if timed else None,
-            "train_seconds_at_eval": [[int(s), float(x)] for s, x in zip(est, secs)]}
+    return {
+        "step_seconds_median": float(np.median(timed)) if timed else None,
+        "train_seconds_at_eval": [[int(s), float(x)] for s, x in zip(est, secs, strict=True)],
+    }
 
 
-def _nearest(target: float, pool: List[int]) -> Optional[int]:
+def _nearest(target: float, pool: list[int]) -> int | None:
     return min(pool, key=lambda s: (abs(s - target), s)) if pool else None
 
 
-def kept_steps(train: List[dict], n: int) -> set:
+def kept_steps(train: list[dict], n: int) -> set:
     """The steps of the ``train`` rows to keep: the first, the last, one per evenly spaced target step
     in between (the nearest, ties: the lower), and the middle of the order by ``step_seconds`` (one row
     for an odd count, two for an even one) so that the kept rows' ``np.median`` of ``step_seconds`` is
@@ -74,7 +87,7 @@ def kept_steps(train: List[dict], n: int) -> set:
     if len(steps) <= n:
         return set(steps)
     timed = sorted((float(r["step_seconds"]), r["step"]) for r in train if "step_seconds" in r)
-    side: Dict[int, int] = {}  # -1 below the middle, +1 above it; middle rows and untimed rows: 0
+    side: dict[int, int] = {}  # -1 below the middle, +1 above it; middle rows and untimed rows: 0
     middle: set = set()
     lo = hi = 0
     if timed:
@@ -84,8 +97,11 @@ def kept_steps(train: List[dict], n: int) -> set:
     targets = np.linspace(steps[0], steps[-1], n)
     half = (steps[-1] - steps[0]) / (n - 1) / 2
     window = [[s for s in steps if abs(s - t) <= half] for t in targets]
-    picks = [steps[0]] + [_nearest(t, w if w else steps) for t, w in zip(targets[1:-1], window[1:-1])] \
+    picks = (
+        [steps[0]]
+        + [_nearest(t, w if w else steps) for t, w in zip(targets[1:-1], window[1:-1], strict=True)]
         + [steps[-1]]
+    )
     keep = set(picks) | middle
     excess = sum(side.get(s, 0) for s in keep)  # kept rows above the middle minus those below
     if excess:
@@ -96,13 +112,13 @@ def kept_steps(train: List[dict], n: int) -> set:
                 alt = _nearest(targets[j], [s for s in window[j] if side.get(s, 0) == short and s not in keep])
                 if alt is not None:
                     moves.append((abs(alt - targets[j]) - abs(picks[j] - targets[j]), j, alt))
-        for _, j, alt in sorted(moves)[:abs(excess) // 2]:
+        for _, j, alt in sorted(moves)[: abs(excess) // 2]:
             keep.discard(picks[j])
             keep.add(alt)
         excess = sum(side.get(s, 0) for s in keep)
         order = [step for _, step in timed]
-        nearby = order[lo - 1::-1] if excess > 0 else order[hi + 1:]
-        keep |= set([s for s in nearby if s not in keep][:abs(excess)])
+        nearby = order[lo - 1 :: -1] if excess > 0 else order[hi + 1 :]
+        keep |= set([s for s in nearby if s not in keep][: abs(excess)])
     return keep
 
 
@@ -115,22 +131,70 @@ def thin_metrics(text: str, n: int) -> str:
     train = [r for r in rows if r.get("kind", "train") == "train"]
     evals = [r for r in rows if r.get("kind") == "eval"]
     keep = kept_steps(train, n)
-    head = {"kind": KIND, "rule": RULE, "train_rows_max": n, "train_rows": len(train),
-            "train_rows_kept": sum(1 for r in train if r["step"] in keep), **_aggregates(train, evals)}
-    out = [line for line, r in zip(lines, rows) if r.get("kind", "train") != "train" or r["step"] in keep]
+    head = {
+        "kind": KIND,
+        "rule": RULE,
+        "train_rows_max": n,
+        "train_rows": len(train),
+        "train_rows_kept": sum(1 for r in train if r["step"] in keep),
+        **_aggregates(train, evals),
+    }
+    out = [line for line, r in zip(lines, rows, strict=True) if r.get("kind", "train") != "train" or r["step"] in keep]
     return "".join(line + "\n" for line in [json.dumps(head)] + out)
 
 
+FLOAT32 = np.finfo(np.float32)
+
+
+def float32_value(x: float) -> float:
+    """``x`` rounded to float32, as the float that the shortest decimal of that float32 reads back as
+    (``repr`` writes it with at most 9 significant digits). A float32 number is only rewritten to its
+    short decimal; zero, NaN, infinities and magnitudes outside float32's normal range stay as they are."""
+    if x == 0.0 or not math.isfinite(x) or not float(FLOAT32.tiny) <= abs(x) <= float(FLOAT32.max):
+        return x
+    return float(str(np.float32(x)))
+
+
+def float32_values(value):
+    """``value`` (parsed JSON) with every float through ``float32_value``; key order kept."""
+    if isinstance(value, float):
+        return float32_value(value)
+    if isinstance(value, list):
+        return [float32_values(v) for v in value]
+    if isinstance(value, dict):
+        return {k: float32_values(v) for k, v in value.items()}
+    return value
+
+
 def compact_json(text: str) -> str:
+    """One line, sorted keys, no spaces; values unchanged."""
     return json.dumps(json.loads(text), sort_keys=True, separators=(",", ":"), allow_nan=True) + "\n"
 
 
-def plan(runs_root: Path, n: int) -> List[Tuple[Path, str, str]]:
+def compact_probes(text: str) -> str:
+    """``compact_json`` with every float at float32 precision."""
+    return compact_json(json.dumps(float32_values(json.loads(text)), allow_nan=True))
+
+
+def compact_metrics(text: str) -> str:
+    """Every row on its own line in its key order, floats at float32 precision, no spaces."""
+    rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+    return "".join(json.dumps(float32_values(r), separators=(",", ":"), allow_nan=True) + "\n" for r in rows)
+
+
+def plan(runs_root: Path, n: int) -> list[tuple[Path, str, str]]:
     """(path, old text, new text) of every file this rule changes."""
     changes = []
     for summary in sorted(runs_root.glob(f"*/*/{SUMMARY_FILE}")):
         run = summary.parent
-        for name, fn in ((METRICS_FILE, lambda t: thin_metrics(t, n)), (PROBES_FILE, compact_json)):
+        rules = (
+            (METRICS_FILE, lambda t: compact_metrics(thin_metrics(t, n))),
+            (PROBES_FILE, compact_probes),
+            (RUN_FILE, compact_json),
+            (CONFIG_FILE, compact_json),
+            (SUMMARY_FILE, compact_json),
+        )
+        for name, fn in rules:
             path = run / name
             if not path.is_file():
                 continue
@@ -141,12 +205,16 @@ def plan(runs_root: Path, n: int) -> List[Tuple[Path, str, str]]:
     return changes
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("runs", nargs="?", default="experiments/runs", help="runs root (default experiments/runs)")
-    p.add_argument("--train-rows", type=int, default=TRAIN_ROWS,
-                   help=f"evenly spaced training rows kept per run (default {TRAIN_ROWS}; a file thinned "
-                        "before keeps its own number)")
+    p.add_argument(
+        "--train-rows",
+        type=int,
+        default=TRAIN_ROWS,
+        help=f"evenly spaced training rows kept per run (default {TRAIN_ROWS}; a file thinned "
+        "before keeps its own number)",
+    )
     p.add_argument("--check", action="store_true", help="write nothing; exit 1 when a file would change")
     args = p.parse_args(argv)
     root = Path(args.runs)
