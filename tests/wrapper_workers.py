@@ -148,3 +148,29 @@ def tensor_parallel(rank: int, world: int, residual: str, out: str, kind: str = 
     result = {"loss": loss.detach(), "grads": full_grads(model)}
     if rank == 0:
         torch.save(result, out)
+
+
+def tensor_parallel_strategy(rank: int, world: int, residuals: list[str], dp: int, out: str) -> None:
+    """The trainer's TensorParallel layout (attnres.parallel.tensor: blocks, embedding and head sharded)
+    on a (dp, world/dp) mesh, in float64, for each residual scheme: the global-batch loss, the gradients
+    after the replicas' reduction, gathered whole, and the clipped gradient norm."""
+    from contextlib import nullcontext
+
+    from distributed_workers import batch, reference_model
+
+    from attnres.parallel.tensor import TensorParallel
+
+    results = {}
+    for residual in residuals:
+        model = reference_model(residual, 4)
+        strategy = TensorParallel(model, nullcontext, tp=world // dp, dp=dp)
+        sharded = sorted(n for n, p in model.named_parameters() if hasattr(p, "device_mesh"))
+        x, y = batch()
+        loss = strategy.forward_backward(x, y, 1.0)
+        strategy.reduce_gradients()
+        grads = full_grads(model)
+        strategy.clip_grad_norm(0.5)
+        clipped = full_grads(model)
+        results[residual] = {"loss": loss, "grads": grads, "clipped": clipped, "sharded": sharded}
+    if rank == 0:
+        torch.save(results, out)

@@ -26,6 +26,7 @@ RUN_FIELDS = (
     "seq_len",
     "tokenizer",
     "dp",
+    "tp",
     "pp",
     "vpp",
     "microbatches",

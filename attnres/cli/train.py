@@ -27,6 +27,7 @@ def add_parser(sub) -> None:
             "attnres train --preset tiny --residual full --steps 50 --warmup-steps 5 --eval-every 10 --out runs/t",
             "attnres train --out runs/block --resume",
             "torchrun --nproc-per-node 2 -m attnres train --preset small --pp 2 --pp-schedule 1F1B",
+            "torchrun --nproc-per-node 4 -m attnres train --preset small --dp 2 --tp 2",
         ),
     )
     add_run_options(p, preset_default="demo")
@@ -51,6 +52,12 @@ def add_parser(sub) -> None:
     g = p.add_argument_group("parallelism (launch with torchrun --nproc-per-node K -m attnres train ...)")
     g.add_argument("--dp", type=int, help="data-parallel ranks (DDP; the global batch is split over them)")
     g.add_argument("--fsdp", action="store_true", help="with --dp: shard with FSDP2 instead of DDP")
+    g.add_argument(
+        "--tp",
+        type=int,
+        help="tensor-parallel ranks: attention heads and MLP units split over them, the depth attention "
+        "replicated (world = dp * tp * pp)",
+    )
     g.add_argument("--pp", type=int, help="pipeline-parallel ranks")
     g.add_argument("--vpp", type=int, help="virtual pipeline stages per rank (Interleaved1F1B, LoopedBFS)")
     g.add_argument(

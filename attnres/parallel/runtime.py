@@ -1,4 +1,5 @@
-"""How the Trainer runs a step: in one process, data parallel (DDP or FSDP2), or pipeline parallel.
+"""How the Trainer runs a step: in one process, data parallel (DDP or FSDP2), or pipeline parallel
+(tensor parallel, alone or with data parallel: ``attnres.parallel.tensor``).
 
 Each strategy takes the *global* batch every rank samples alike (same seed) and
 returns the global mean loss, so a run's numbers do not depend on its layout:
@@ -65,19 +66,19 @@ def leave_process_group() -> None:
         dist.destroy_process_group()
 
 
-def check_layout(dp: int, pp: int) -> int:
-    """The world size this run needs; raises a clear error when the launch does not provide it."""
-    need = dp * pp
+def check_layout(dp: int, pp: int, tp: int = 1) -> int:
+    """The world size this run needs (dp * tp * pp); raises a clear error when the launch does not provide it."""
+    need = dp * tp * pp
     world = int(os.environ.get("WORLD_SIZE", "1")) if launched_by_torchrun() else 1
     if need > 1 and not launched_by_torchrun():
-        flag = " ".join(f"--{k} {v}" for k, v in (("dp", dp), ("pp", pp)) if v > 1)
+        flag = " ".join(f"--{k} {v}" for k, v in (("dp", dp), ("tp", tp), ("pp", pp)) if v > 1)
         raise ValueError(
             f"{flag} needs {need} processes: launch with `torchrun --nproc-per-node {need} -m attnres train ... {flag}`"
         )
     if world != need:
         raise ValueError(
-            f"torchrun started {world} processes but dp * pp = {need}; pass --nproc-per-node "
-            f"{need} or set --dp / --pp to match"
+            f"torchrun started {world} processes but dp * tp * pp = {need}; pass --nproc-per-node "
+            f"{need} or set --dp / --tp / --pp to match"
         )
     return need
 

@@ -13,7 +13,9 @@ from attnres.model.config import ModelConfig, check_field_types
 
 PRECISIONS = ("fp32", "bf16")
 # how a run is spread over processes: not what it computes (checkpoints move between layouts)
-PARALLEL_FIELDS = frozenset({"dp", "fsdp", "pp", "vpp", "pp_schedule", "microbatches", "pp_cache", "dist_timeout"})
+PARALLEL_FIELDS = frozenset(
+    {"dp", "fsdp", "tp", "pp", "vpp", "pp_schedule", "microbatches", "pp_cache", "dist_timeout"}
+)
 TOKENIZERS = ("bpe", "byte")
 
 
@@ -52,6 +54,7 @@ class TrainConfig:
     # parallelism (under torchrun; see attnres.parallel): results do not depend on it
     dp: int = 1  # data-parallel ranks (each computes B / dp rows of every batch)
     fsdp: bool = False  # data parallel with FSDP2 (fully_shard) instead of DDP
+    tp: int = 1  # tensor-parallel ranks (attention heads and MLP units split; attnres.parallel.tensor)
     pp: int = 1  # pipeline-parallel ranks
     vpp: int = 1  # virtual stages per pipeline rank (chunks = pp * vpp)
     pp_schedule: str = "1F1B"  # GPipe | 1F1B | Interleaved1F1B | LoopedBFS
@@ -97,8 +100,8 @@ class TrainConfig:
                 raise bad(name, "must be a non-negative integer")
         if self.retrofit_step >= self.steps:
             raise bad("retrofit_step", f"must be below steps={self.steps} (0: no retrofit)")
-        if self.retrofit_step and (self.dp, self.pp, self.fsdp) != (1, 1, False):
-            raise bad("retrofit_step", "needs a single-process run (dp=1, pp=1, fsdp=false)")
+        if self.retrofit_step and (self.dp, self.tp, self.pp, self.fsdp) != (1, 1, 1, False):
+            raise bad("retrofit_step", "needs a single-process run (dp=1, tp=1, pp=1, fsdp=false)")
         if self.warmup_steps > self.steps:
             raise bad("warmup_steps", f"must not exceed steps={self.steps}")
         for name in ("lr", "muon_lr"):  # a zero rate trains nothing; check_field_types keeps them finite
@@ -124,7 +127,7 @@ class TrainConfig:
             raise bad("optimizer", f"choose one of {tuple(OPTIMIZER_NAMES)}")
         if self.schedule not in SCHEDULE_NAMES:
             raise bad("schedule", f"choose one of {tuple(SCHEDULE_NAMES)}")
-        for name in ("dp", "pp", "vpp"):
+        for name in ("dp", "tp", "pp", "vpp"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise bad(name, "must be a positive integer")
@@ -132,6 +135,20 @@ class TrainConfig:
             raise bad("fsdp", "shards over data-parallel ranks: set dp >= 2 as well")
         if self.fsdp and self.pp > 1:
             raise bad("fsdp", "with pp > 1 the pipeline replicas average gradients by all-reduce; drop fsdp")
+        if self.tp > 1 and self.pp > 1:
+            raise bad(
+                "tp",
+                f"tensor parallelism inside pipeline stages (pp={self.pp}) is not supported. Fix: drop --tp "
+                "or --pp (--tp composes with --dp and --fsdp)",
+            )
+        if self.tp > 1 and self.batch_size % self.dp:
+            raise bad("batch_size", f"must be divisible by dp={self.dp}")
+        if self.tp > 1 and self.compile:
+            raise bad(
+                "compile",
+                f"with tp={self.tp} the sublayers run on DTensors, which are not compiled here. Fix: "
+                "drop --compile, or --tp",
+            )
         if not (isinstance(self.dist_timeout, (int, float)) and self.dist_timeout > 0):
             raise bad("dist_timeout", "must be a positive number of seconds")
         if self.pp > 1 or self.vpp > 1 or self.microbatches is not None:

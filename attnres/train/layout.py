@@ -1,5 +1,6 @@
 """The run's process layout, as the trainer builds it from ``TrainConfig`` (``attnres.parallel.runtime``:
-a pipeline, data parallel, or one process), how it is described, and what a pipeline sent."""
+a pipeline, data parallel, or one process; ``attnres.parallel.tensor``: tensor parallel, alone or on a
+(dp, tp) mesh), how it is described, and what a pipeline sent."""
 
 from __future__ import annotations
 
@@ -26,6 +27,10 @@ def build_layout(model: AttnResLM, c: TrainConfig, autocast: Callable):
             cache=c.pp_cache,
             dp=c.dp,
         )
+    if c.tp > 1:
+        from attnres.parallel.tensor import TensorParallel
+
+        return TensorParallel(model, autocast, tp=c.tp, dp=c.dp, shard=c.fsdp)
     if c.dp > 1:
         return DataParallel(model, autocast, shard=c.fsdp)
     return SingleProcess(model, autocast)
@@ -38,6 +43,10 @@ def describe_layout(c: TrainConfig, compiled: str | None) -> str:
         layout = (
             f"; pipeline pp={c.pp} vpp={c.vpp} {c.pp_schedule}, {c.pipeline_microbatches} microbatches, "
             f"caching {'on' if c.pp_cache else 'off'}" + (f", {c.dp} replicas" if c.dp > 1 else "")
+        )
+    elif c.tp > 1:
+        layout = f"; tensor parallel tp={c.tp}" + (
+            f" x data parallel dp={c.dp} ({'FSDP2' if c.fsdp else 'all-reduce'})" if c.dp > 1 else ""
         )
     elif c.dp > 1:
         layout = f"; data parallel dp={c.dp} ({'FSDP2' if c.fsdp else 'DDP'})"

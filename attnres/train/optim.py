@@ -225,6 +225,12 @@ class CombinedOptimizer:
         return f"CombinedOptimizer({inner})"
 
 
+def _mixes_dtensors(groups: dict[str, list[tuple[str, nn.Parameter]]]) -> bool:
+    """Whether some parameters are DTensors (sharded by tensor parallelism) and others plain tensors."""
+    sharded = {hasattr(p, "device_mesh") for ps in groups.values() for _, p in ps}
+    return len(sharded) == 2
+
+
 def _named_group(name: str, params: Iterable[tuple[str, nn.Parameter]], lr: float, weight_decay: float) -> dict:
     return {"params": list(params), "name": name, "lr": lr, "initial_lr": lr, "weight_decay": weight_decay}
 
@@ -269,6 +275,8 @@ def build_optimizer(
     adamw_kwargs: dict[str, Any] = {"lr": lr, "betas": tuple(betas), "eps": eps}
     if fused is not None:
         adamw_kwargs["fused"] = fused
+    elif _mixes_dtensors(groups):  # tensor parallel: torch's foreach kernels refuse DTensors beside tensors
+        adamw_kwargs["foreach"] = False
 
     optimizers: dict[str, torch.optim.Optimizer] = {}
     if name == "adamw":

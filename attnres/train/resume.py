@@ -31,7 +31,7 @@ def _resume_fix(out_dir: Path) -> str:
 
 
 # how a run is spread over processes: the saved layout is kept only when it fits this launch
-_LAYOUT_FIELDS = ("dp", "fsdp", "pp", "vpp", "pp_schedule", "microbatches")
+_LAYOUT_FIELDS = ("dp", "fsdp", "tp", "pp", "vpp", "pp_schedule", "microbatches")
 
 
 def resumed_configs(
@@ -100,12 +100,12 @@ def resumed_configs(
     merged.update({k: v for k, (v, _) in given.items()})
     merged["out_dir"] = str(out_dir)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    saved_world = saved_train.get("dp", 1) * saved_train.get("pp", 1)
+    saved_world = saved_train.get("dp", 1) * saved_train.get("tp", 1) * saved_train.get("pp", 1)
     if saved_world != world and not any(k in given for k in _LAYOUT_FIELDS):
         # checkpoints move between layouts: the run continues in the processes it has now
         defaults = TrainConfig()
         merged.update({k: getattr(defaults, k) for k in _LAYOUT_FIELDS})
         if notes is not None and world == 1:
-            layout = ", ".join(f"{k}={saved_train[k]}" for k in ("dp", "pp") if saved_train.get(k, 1) > 1)
+            layout = ", ".join(f"{k}={saved_train[k]}" for k in ("dp", "tp", "pp") if saved_train.get(k, 1) > 1)
             notes.append(f"the run was laid out over {saved_world} processes ({layout}); it continues in this one")
     return build_configs(None, merged)

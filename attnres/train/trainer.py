@@ -167,7 +167,7 @@ class Trainer:
             torch.set_num_threads(train_config.threads)
         self.device = resolve_device(train_config.device)
         c = train_config
-        world = check_layout(c.dp, c.pp)
+        world = check_layout(c.dp, c.pp, c.tp)
         if world > 1:
             if self.device.type == "cuda":
                 self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
