@@ -1,5 +1,8 @@
-"""scripts/downsample_runs.py's float compaction of the committed runs: every float keeps its float32
-value, a compacted file compacts to itself, and a run directory is compacted once."""
+"""What keeps the committed outputs under the repository's size cap (tests/test_repo_size.py).
+
+scripts/downsample_runs.py's float compaction of the committed runs: every float keeps its float32
+value, a compacted file compacts to itself, and a run directory is compacted once. The reports'
+figures (attnres/experiments/figures.py): deterministic palette PNGs, close to matplotlib's RGBA ones."""
 
 import importlib.util
 import json
@@ -96,3 +99,42 @@ def test_a_run_directory_is_compacted_once(thin, tmp_path):
     assert [r["val_loss"] for r in rows if r.get("kind") == "eval"] == [
         thin.float32_value(r["val_loss"]) for r in evals
     ]
+
+
+# --------------------------------------------------------------------------- the reports' PNG figures
+
+
+def _heatmaps(seed: int):
+    """A figure as the reports draw them at their hardest for a palette: viridis heatmaps, colour bars,
+    text and antialiased lines."""
+    from attnres.analysis.plots import pyplot
+
+    rng = np.random.default_rng(seed)
+    fig, axes = pyplot().subplots(1, 3, figsize=(11, 3.6))
+    for i, ax in enumerate(axes[:2]):
+        im = ax.imshow(np.tril(rng.random((24, 24))) * (i + 1), cmap="viridis")
+        fig.colorbar(im, ax=ax)
+        ax.set_title(f"random lower triangle {i}")
+    for k in range(6):
+        axes[2].plot(np.cumsum(rng.standard_normal(200)), label=f"walk {k}")
+    axes[2].legend(fontsize=7)
+    fig.suptitle("palette test")
+    return fig
+
+
+def test_saved_figures_are_deterministic_palette_pngs_close_to_matplotlibs(tmp_path):
+    from PIL import Image
+
+    from attnres.experiments import figures
+
+    paths = [figures._save(_heatmaps(seed=3), str(tmp_path / f"f{i}.png")) for i in range(2)]
+    assert Path(paths[0]).read_bytes() == Path(paths[1]).read_bytes()
+    reference = _heatmaps(seed=3)
+    reference.tight_layout()
+    reference.savefig(tmp_path / "rgba.png", dpi=figures.PNG_DPI)
+    with Image.open(paths[0]) as saved, Image.open(tmp_path / "rgba.png") as rgba:
+        assert (saved.format, saved.mode) == ("PNG", "P")
+        assert saved.size == rgba.size
+        diff = np.abs(np.asarray(saved.convert("RGB"), dtype=int) - np.asarray(rgba.convert("RGB"), dtype=int))
+    assert diff.mean() < 2.5 and diff.max() <= 24, (diff.mean(), diff.max())  # measured: 1.5 and 15
+    assert Path(paths[0]).stat().st_size < 0.6 * (tmp_path / "rgba.png").stat().st_size
