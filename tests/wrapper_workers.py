@@ -150,19 +150,20 @@ def tensor_parallel(rank: int, world: int, residual: str, out: str, kind: str = 
         torch.save(result, out)
 
 
-def tensor_parallel_strategy(rank: int, world: int, residuals: list[str], dp: int, out: str) -> None:
+def tensor_parallel_strategy(rank: int, world: int, cases: list[tuple[str, dict | None]], dp: int, out: str) -> None:
     """The trainer's TensorParallel layout (attnres.parallel.tensor: blocks, embedding and head sharded)
-    on a (dp, world/dp) mesh, in float64, for each residual scheme: the global-batch loss, the gradients
-    after the replicas' reduction, gathered whole, and the clipped gradient norm."""
+    on a (dp, world/dp) mesh, in float64, for each (residual scheme, ModelConfig options): the
+    global-batch loss, the gradients after the replicas' reduction, gathered whole, the clipped ones,
+    and which parameters were sharded."""
     from contextlib import nullcontext
 
     from distributed_workers import batch, reference_model
 
     from attnres.parallel.tensor import TensorParallel
 
-    results = {}
-    for residual in residuals:
-        model = reference_model(residual, 4)
+    results = []
+    for residual, options in cases:
+        model = reference_model(residual, 4, options)
         strategy = TensorParallel(model, nullcontext, tp=world // dp, dp=dp)
         sharded = sorted(n for n, p in model.named_parameters() if hasattr(p, "device_mesh"))
         x, y = batch()
@@ -171,6 +172,6 @@ def tensor_parallel_strategy(rank: int, world: int, residuals: list[str], dp: in
         grads = full_grads(model)
         strategy.clip_grad_norm(0.5)
         clipped = full_grads(model)
-        results[residual] = {"loss": loss, "grads": grads, "clipped": clipped, "sharded": sharded}
+        results.append({"loss": loss, "grads": grads, "clipped": clipped, "sharded": sharded})
     if rank == 0:
         torch.save(results, out)

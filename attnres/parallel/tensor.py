@@ -67,19 +67,19 @@ def check_tensor_parallel(config, tp: int) -> None:
         return
     from attnres.model.kimi_layout import kimi_sizes, moe_layers
 
-    split: list[tuple[str, int | None]] = [("d_ff", config.d_ff)]
+    # (field, its value, the width split over the ranks)
+    split: list[tuple[str, int | None, int | None]] = [("d_ff", config.d_ff, config.d_ff)]
     if config.backbone == "llama":
-        split = [("n_heads", config.n_heads), ("n_kv_heads", config.n_kv_heads), *split]
+        split += [("n_heads", config.n_heads, config.n_heads), ("n_kv_heads", config.n_kv_heads, config.n_kv_heads)]
     elif config.backbone == "kimi_linear" and any(moe_layers(config)) and config.moe_shared_experts:
-        shared = kimi_sizes(config)["moe_d_ff"] * config.moe_shared_experts
-        split.append(("moe_d_ff", shared))
-    for field, value in split:
-        if value is not None and value % tp:
-            what = "the shared experts' width moe_d_ff * moe_shared_experts" if field == "moe_d_ff" else field
+        moe_d_ff = kimi_sizes(config)["moe_d_ff"]  # the shared experts are one MLP this many times as wide
+        split.append(("moe_d_ff", moe_d_ff, moe_d_ff * config.moe_shared_experts))
+    for field, value, width in split:
+        if width is not None and width % tp:
+            what = field if value == width else f"the shared experts' width moe_d_ff * moe_shared_experts = {width}"
             raise ValueError(
-                f"ModelConfig.{field}={value} is not divisible by tp={tp}: tensor parallelism splits "
-                f"{what} evenly over the tp ranks. Fix: set {field} to a multiple of {tp}, or pick a --tp that "
-                "divides it"
+                f"ModelConfig.{field}={value} is not divisible by tp={tp}: tensor parallelism splits {what} "
+                f"evenly over the tp ranks. Fix: set {field} to a multiple of {tp}, or pick a --tp that divides it"
             )
 
 

@@ -421,7 +421,12 @@ def build_configs(
                 f"or lower --seq-len to {model_kw['max_seq_len']}"
             )
         model_kw["max_seq_len"] = max(model_kw["max_seq_len"], train.seq_len)
-    return ModelConfig(**model_kw), train
+    model = ModelConfig(**model_kw)
+    if train.tp > 1:  # the widths tensor parallelism splits, before any data or process is touched
+        from attnres.parallel.tensor import check_tensor_parallel
+
+        check_tensor_parallel(model, train.tp)
+    return model, train
 
 
 def _int(value: Any) -> bool:
