@@ -7,6 +7,9 @@ Every bench module has the same three parts, which the registry names:
   report);
 - ``format_table(result) -> str``: the markdown table printed by the command.
 
+``run_bench`` runs one, in this process or (``processes`` > 1) in several fresh ones whose headline
+numbers it reports as min / median / max (``attnres.bench.spread``); ``format_result`` prints it.
+
 ``train``: step time and peak memory of residual schemes; ``op``: the depth-attention op against
 the machine's copy bandwidth; ``graph``: the ops torch.compile traces per scheme; ``decode``:
 prefill throughput, decode latency and residual I/O; ``pipeline``: pipeline traffic and step time
@@ -22,7 +25,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from attnres.bench import decode, graph, kimi, op, pipeline, train
+import torch
+
+from attnres.bench import decode, graph, kimi, op, pipeline, spread, train
 
 
 @dataclass(frozen=True)
@@ -101,3 +106,24 @@ def bench_config(name: str, *, quick: bool = False, **options):
             raise ValueError(f"--set {key}: unknown benchmark option; known: {sorted(bench.options)}")
         setattr(cfg, key, value)
     return cfg
+
+
+def run_bench(name: str, cfg, *, processes: int = 1) -> dict:
+    """Bench ``name`` at ``cfg``: here, or with ``processes`` > 1 once in each of that many fresh
+    processes, merged by ``spread.aggregate`` (medians, with min / median / max in ``spread``)."""
+    if processes < 1:
+        raise ValueError(f"--processes {processes}: must be at least 1")
+    if processes == 1:
+        return BENCHES[name].run(cfg)
+    if name not in spread.HEADLINES:
+        raise ValueError(
+            f"--processes {processes}: bench {name} runs in one process only; --processes applies to "
+            f"{', '.join(sorted(spread.HEADLINES))}"
+        )
+    runs = spread.launch(name, cfg.__dict__, processes, threads=torch.get_num_threads())
+    return spread.aggregate(name, runs)
+
+
+def format_result(name: str, result: dict) -> str:
+    """The bench's table, and the spread over processes when there were several."""
+    return BENCHES[name].format_table(result) + spread.format_spread(result)

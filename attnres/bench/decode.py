@@ -201,11 +201,15 @@ def run(cfg: DecodeBenchConfig) -> dict:
             "prefill_ms": p * 1e3,
             "prefill_ms_p25": qp[0] * 1e3,
             "prefill_ms_p75": qp[2] * 1e3,
+            "prefill_ms_min": min(prefill[v]) * 1e3,
+            "prefill_ms_max": max(prefill[v]) * 1e3,
             "prefill_tokens_per_s": cfg.batch_size * cfg.prompt_len / p,
             "prefill_ratio": p / statistics.median(prefill[baseline(v)]),
             "decode_ms": d * 1e3,
             "decode_ms_p25": q[0] * 1e3,
             "decode_ms_p75": q[2] * 1e3,
+            "decode_ms_min": min(decode[v]) * 1e3,
+            "decode_ms_max": max(decode[v]) * 1e3,
             "decode_ratio": d / statistics.median(decode[baseline(v)]),
             "warmup_s": warmup[v],
             "io": residual_io(model, prompt),
@@ -224,18 +228,21 @@ def format_table(result: dict) -> str:
         f"{c['device']}, {result['threads']} threads, torch {result['torch']}; medians over "
         f"{c['repeats']} repeats ({c.get('prefill_repeats', 1)} prefills each)",
         "",
-        "| variant | prefill tokens/s | prefill ms (p25-p75) | prefill time vs prenorm "
-        "| decode ms/token (p25-p75) | decode vs prenorm | "
+        "| variant | prefill tokens/s | prefill ms (p25-p75; min-max) | prefill time vs prenorm "
+        "| decode ms/token (p25-p75; min-max) | decode vs prenorm | "
         "warm-up s | residual I/O per sublayer (reads + writes, d/token) | Table 1 formula |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
+    nan = float("nan")
     for v, r in result["rows"].items():
         io = r["io"]
         lines.append(
             f"| {v} | {r['prefill_tokens_per_s']:,.0f} | {r['prefill_ms']:.1f} "
-            f"({r.get('prefill_ms_p25', float('nan')):.1f}-{r.get('prefill_ms_p75', float('nan')):.1f}) | "
+            f"({r.get('prefill_ms_p25', nan):.1f}-{r.get('prefill_ms_p75', nan):.1f}; "
+            f"{r.get('prefill_ms_min', nan):.1f}-{r.get('prefill_ms_max', nan):.1f}) | "
             f"{r['prefill_ratio']:.3f} | {r['decode_ms']:.2f} "
-            f"({r['decode_ms_p25']:.2f}-{r['decode_ms_p75']:.2f}) | {r['decode_ratio']:.3f} | "
+            f"({r['decode_ms_p25']:.2f}-{r['decode_ms_p75']:.2f}; "
+            f"{r.get('decode_ms_min', nan):.2f}-{r.get('decode_ms_max', nan):.2f}) | {r['decode_ratio']:.3f} | "
             f"{r.get('warmup_s', float('nan')):.1f} | "
             f"{io['reads']:.2f} + {io['writes']:.2f} = {io['total']:.2f} | {r['io_formula']} |"
         )

@@ -157,6 +157,7 @@ def run(cfg: OpBenchConfig) -> dict:
             tb = max(min(times[name + " fwd+bwd"]) / per - tf, 1e-12)
             tf_med = statistics.median(times[name + " fwd"]) / per
             tb_med = max(statistics.median(times[name + " fwd+bwd"]) / per - tf_med, 1e-12)
+            tf_max = max(times[name + " fwd"]) / per
             rows.append(
                 {
                     "K": K,
@@ -165,6 +166,9 @@ def run(cfg: OpBenchConfig) -> dict:
                     "bwd_ms": tb * 1e3,
                     "fwd_ms_median": tf_med * 1e3,
                     "bwd_ms_median": tb_med * 1e3,
+                    # the slowest round (the fastest is fwd_ms); backward's max is not a difference of rounds
+                    "fwd_ms_max": tf_max * 1e3,
+                    "fwd_bwd_ms_max": max(times[name + " fwd+bwd"]) / per * 1e3,
                     "fwd_min_bytes": fwd_bytes,
                     "bwd_min_bytes": bwd_bytes,
                     "fwd_gbps": fwd_bytes / tf / 1e9,
@@ -185,7 +189,8 @@ def format_table(result: dict) -> str:
     lines = [
         f"bench op: B={c['batch_size']}, T={c['seq_len']}, D={c['d_model']}, {c['dtype']}, "
         f"device={c['device']}, {result['threads']} threads, torch {result['torch']}; best of "
-        f"{c['repeats']} rounds, each running the copy and every row in turn (medians in the JSON). "
+        f"{c['repeats']} rounds, each running the copy and every row in turn (medians and the slowest round "
+        "in the JSON). "
         f"Minimum bytes: fwd (K+1)BTD, bwd (2K+1)BTD elements.",
         "",
         "| K | impl | fwd ms | fwd GB/s | fwd / copy | bwd ms | bwd GB/s | bwd / copy | copy GB/s |",

@@ -374,6 +374,8 @@ def run(cfg: BenchConfig) -> dict:
             "step_ms_median": med * 1e3,
             "step_ms_p25": q[0] * 1e3,
             "step_ms_p75": q[2] * 1e3,
+            "step_ms_min": min(ts) * 1e3,
+            "step_ms_max": max(ts) * 1e3,
             "times_ms": [t * 1e3 for t in ts],
             "step_ratio": med / statistics.median(times[baseline(v)]),
             "repeat_ratio_median": statistics.median(paired),
@@ -412,9 +414,10 @@ def format_table(result: dict) -> str:
         )
         + ("; step time is process CPU time" if c.get("clock") == "process" else ""),
         "",
-        "| variant | step ms (median) | p25-p75 | vs prenorm | per repeat p25-p75 | vs eager | warm-up s | tokens/s | "
+        "| variant | step ms (median) | p25-p75 | min-max | vs prenorm | per repeat p25-p75 | vs eager | warm-up s | "
+        "tokens/s | "
         "peak MiB | vs prenorm | compiler MiB | step peak MiB | vs prenorm | tensor step peak MiB | vs prenorm |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for v, r in result["rows"].items():
         mem = (
@@ -429,6 +432,7 @@ def format_table(result: dict) -> str:
         vs_eager = f"{r['vs_eager']:.3f}" if "vs_eager" in r else "-"
         lines.append(
             f"| {v} | {r['step_ms_median']:.1f} | {r['step_ms_p25']:.1f}-{r['step_ms_p75']:.1f} | "
+            f"{r.get('step_ms_min', float('nan')):.1f}-{r.get('step_ms_max', float('nan')):.1f} | "
             f"{r['step_ratio']:.3f} | {r['repeat_ratio_p25']:.3f}-{r['repeat_ratio_p75']:.3f} | "
             f"{vs_eager} | {r.get('warmup_s', float('nan')):.1f} | "
             f"{r['tokens_per_s']:,.0f} | {mem} |"

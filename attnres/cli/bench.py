@@ -6,7 +6,8 @@ import json
 
 import torch
 
-from attnres.bench import BENCHES, bench_config
+from attnres.bench import BENCHES, bench_config, format_result, run_bench
+from attnres.bench.spread import HEADLINES
 from attnres.cli.options import add_compile_option, add_set_option, parse_set
 from attnres.files import atomic_write_text
 
@@ -38,6 +39,14 @@ def add_parser(sub) -> None:
             b.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
         if "compile" in bench.options:
             add_compile_option(b, "every variant as well (eager and compiled rows side by side)")
+        if name in HEADLINES:
+            b.add_argument(
+                "--processes",
+                type=int,
+                default=1,
+                help="run the bench in N fresh processes (variants' order rotated) and report min / median / "
+                "max over them",
+            )
         b.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
         b.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
         b.add_argument("--json", help="also write the results to this file")
@@ -55,11 +64,11 @@ def run(args) -> int:
     if getattr(args, "compile", False):
         options.setdefault("compile", True)  # keeps a --set compile=BACKEND
     options["device"] = args.device
-    bench = BENCHES[args.what]
-    result = bench.run(bench_config(args.what, quick=args.quick, **options))
+    cfg = bench_config(args.what, quick=args.quick, **options)
+    result = run_bench(args.what, cfg, processes=getattr(args, "processes", 1))
     if not result.get("is_main", True):  # other torchrun ranks: rank 0 reports
         return 0
-    print(bench.format_table(result))
+    print(format_result(args.what, result))
     if args.json:
         atomic_write_text(args.json, json.dumps(result, indent=2))
         print(f"\nwritten: {args.json}")
