@@ -94,6 +94,7 @@ class ModelConfig:
     attnres_values: str = "raw"
     attnres_score_scale: float | None = None
     attnres_read_queries: Sequence[int] | None = None
+    attnres_routing: str = "replacement"
 
     layerscale_init: float | None = None
     highway_rank: int | None = None
@@ -239,6 +240,8 @@ FIELD_DOCS: dict[str, str] = {
     "unscaled logits",
     "attnres_read_queries": "queries per read, L + 1 entries: a read with Q > 1 returns Q mixtures [Q, B, T, D] "
     "(Inkling-2: 3 before full attention, for its q, k and v inputs)",
+    "attnres_routing": "replacement (the paper: a sublayer reads sum_i alpha_i v_i) or additive (Delta AttnRes: it "
+    "reads the PreNorm stream plus g_l * sum_i alpha_i v_i, g_l a per-channel gain, zero at init: PreNorm at step 0)",
     "layerscale_init": "LayerScale's initial lambda (None: CaiT's rule by depth: 0.1 up to 18 blocks, "
     "1e-5 up to 24, 1e-6 beyond)",
     "highway_rank": "rank r of the Highway gate W_g = U V (None: a full d x d matrix)",

@@ -64,7 +64,13 @@ def schemes_table(config: ModelConfig | None = None) -> str:
             f"| {name} | {info.weight_type_of(cfg)} | {info.source} | {extra:,} | {100 * extra / base:.2f}% "
             f"| {info.depth_state(cfg)} | {info.description} |"
         )
+    full_additive = dataclasses.replace(scheme_config(config, "full"), attnres_routing="additive")
+    additive = RESIDUALS["full"].extra_params(full_additive)
     lines += [
+        "",
+        f"Full and Block AttnRes with additive routing (attnres_routing=additive: the PreNorm stream plus "
+        f"a zero-initialised per-channel gain times the depth mixture) add d parameters per read, the gain: "
+        f"full then adds {additive:,}.",
         "",
         "Depth state: d-vectors per token the residual keeps alive between sublayers, beyond the "
         "single running hidden state every scheme has (counted 0); multi-stream schemes count "

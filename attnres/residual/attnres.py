@@ -25,6 +25,12 @@ not from the paper). A states stream is the outputs stream whose partial sum
 starts from the last completed state instead of from nothing, so every
 implementation serves both.
 
+Routing (``attnres_routing``): "replacement" (the paper: a read is the depth mixture) or "additive"
+(Delta Attention Residuals' corrected form: a read is the ordinary PreNorm stream h_std plus g_l times
+the mixture, g_l a per-channel gain initialised to zero, so the model starts as PreNorm exactly). The
+stream keeps h_std beside its sources and wraps whatever its form's read computes, so every
+implementation serves both.
+
 Depth blocks may be uneven (``attnres_block_sizes``): the geometry lives in
 ``source_plan`` alone, which every path reads.
 """
@@ -51,6 +57,7 @@ WEIGHTS = ("pseudo_query", "input_query", "low_rank_query", "scalar")
 SOURCES = ("outputs", "states")
 KERNELS = ("softmax", "sigmoid")
 VALUES = ("raw", "normalized")
+ROUTINGS = ("replacement", "additive")
 IMPLS = ("two_phase", "fused", "reference")
 DEFAULT_TARGET_BLOCKS = 8  # the paper's N ≈ 8
 
@@ -224,6 +231,12 @@ def _read_queries(value, config):
     return _multi_query_variant(config)
 
 
+def _routing(value, config):
+    if value not in ROUTINGS:
+        return f"choose one of {ROUTINGS} (additive: the PreNorm stream plus a gained depth mixture)"
+    return None
+
+
 # read by Full and Block AttnRes; the first five are ignored by every other scheme (so one
 # --set attnres_kernel=sigmoid can apply to a whole prenorm/block/full comparison)
 SHARED_OPTIONS = {
@@ -238,6 +251,7 @@ SHARED_OPTIONS = {
     "attnres_values": Option(_values),
     "attnres_score_scale": Option(_score_scale),
     "attnres_read_queries": Option(_read_queries),
+    "attnres_routing": Option(_routing),
 }
 FULL_OPTIONS = {
     **SHARED_OPTIONS,
@@ -300,6 +314,11 @@ class DepthAttentionResidual(ResidualScheme):
         self.score_scale = config.attnres_score_scale
         self.read_queries = list(config.attnres_read_queries or [1] * (L + 1))
         self.multi_query = self.values != "raw" or self.score_scale is not None or max(self.read_queries) > 1
+        # additive routing (Delta AttnRes): read l is h_std + g_l * (the depth mixture), h_std the PreNorm
+        # stream; g zero-initialised, so that the model starts as PreNorm exactly
+        self.additive = config.attnres_routing == "additive"
+        if self.additive:
+            self.routing_gain = nn.Parameter(torch.zeros(L + 1, d))
         self.plan = source_plan(L, self.block_sizes)
         # the first sublayer of each sublayer's depth block (the final aggregation is its own block)
         self.block_start: list[int] = []
@@ -345,7 +364,10 @@ class DepthAttentionResidual(ResidualScheme):
     def prenorm_read_scale(self, l: int) -> float | None:
         """c, where at init (zero queries: uniform weights) read l returns c times the PreNorm residual
         sum: 1/K_l for softmax over K_l sources, 1/2 for sigmoid. None where no such c exists: with
-        "states" sources (a mix of running sums), normalized values, or a window that leaves sources out."""
+        "states" sources (a mix of running sums), normalized values, or a window that leaves sources out.
+        Additive routing reads the PreNorm sum itself at init (zero gains): c = 1."""
+        if self.additive:
+            return 1.0
         if (
             self.states
             or self.values != "raw"
@@ -362,7 +384,15 @@ class DepthAttentionResidual(ResidualScheme):
         return 1.0 if c is None else c * c
 
     def _begin(self, embedding: Tensor) -> Stream:
-        return stream_class(self, embedding)(self, [embedding])
+        stream = stream_class(self, embedding)(self, [embedding])
+        if self.additive:
+            stream.residual = embedding
+        return stream
 
     def _resume(self, history, state, cache=()):
-        return stream_class(self, history[0])(self, history, state[0] if state else None, cache)
+        # the state: [partial block sum] if a block is open, then with additive routing the PreNorm stream
+        residual = state[-1] if self.additive else None
+        partial = state[0] if len(state) > int(self.additive) else None
+        stream = stream_class(self, history[0])(self, history, partial, cache)
+        stream.residual = residual
+        return stream

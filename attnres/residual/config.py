@@ -42,6 +42,7 @@ class ResidualConfig:
     attnres_values: str = "raw"
     attnres_score_scale: float | None = None
     attnres_read_queries: Sequence[int] | None = None
+    attnres_routing: str = "replacement"
     layerscale_init: float | None = None
     highway_rank: int | None = None
     denseformer_dilation: int = 1

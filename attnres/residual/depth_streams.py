@@ -137,11 +137,26 @@ class DepthAttentionStream(Stream):
         assert weights is not None  # the reference op always returns its weights
         return weights
 
+    # ------------------------------------------------------------------ routing
+    # additive routing (``scheme.additive``): the ordinary PreNorm stream, embedding + every output so far
+    residual: Tensor | None = None
+
+    def _route(self, l: int, mixture: Tensor) -> Tensor:
+        """What read l returns: the depth mixture (replacement), or h_std + g_l * mixture (additive).
+        Wraps any form's ``_aggregate``, so every fast form routes additively without a path of its own."""
+        if not self.scheme.additive:
+            return mixture
+        assert self.residual is not None  # the scheme sets it on begin and resume
+        return self.residual + self.scheme.routing_gain[l].to(mixture.dtype) * mixture
+
     # ------------------------------------------------------------------ stream interface
     def _read(self, l: int) -> Tensor:
-        return self._aggregate(l)
+        return self._route(l, self._aggregate(l))
 
     def _write(self, l: int, f: Tensor) -> None:
+        if self.scheme.additive:
+            assert self.residual is not None  # the scheme sets it on begin and resume
+            self.residual = self.ops.accumulate(self.residual, f)
         if self.partial is not None:
             self.partial = self.ops.accumulate(self.partial, f)
         elif self.scheme.states:  # a running sum of the whole stream: it continues from the last state
@@ -154,10 +169,14 @@ class DepthAttentionStream(Stream):
             self.partial = None
 
     def _end(self) -> Tensor:
-        return self._aggregate(self.n_sublayers)
+        return self._route(self.n_sublayers, self._aggregate(self.n_sublayers))
 
     def _export(self):
-        return list(self.sources), ([self.partial] if self.partial is not None else [])
+        state = [self.partial] if self.partial is not None else []
+        if self.scheme.additive:
+            assert self.residual is not None  # the scheme sets it on begin and resume
+            state.append(self.residual)
+        return list(self.sources), state
 
     def state_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.sources)

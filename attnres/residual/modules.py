@@ -34,6 +34,7 @@ _VARIANTS = (
     "values",
     "score_scale",
     "read_queries",
+    "routing",
 )
 _FULL_ONLY = ("window", "group_size")
 
@@ -95,10 +96,13 @@ class FullAttnRes(DepthAttentionResidual):
     docs/options.md): ``weights`` ("pseudo_query", "input_query", "low_rank_query" with
     ``query_rank``, "scalar"), ``kernel`` ("softmax", "sigmoid"), ``key_norm``, ``heads``,
     ``sources`` ("outputs", "states"), ``window`` (the embedding and the last W outputs),
-    ``group_size`` and ``impl`` (how it is computed, never what), ``scale_norm_eps``.
+    ``group_size`` and ``impl`` (how it is computed, never what), ``scale_norm_eps``, ``routing``
+    ("replacement": a read is the depth mixture, the paper; "additive": the PreNorm stream plus a
+    zero-initialised per-channel gain times the mixture, Delta AttnRes).
 
     Parameters: ``queries`` [L + 1, D] and ``key_norm_weight`` [L + 1, D] (index L: the final
-    aggregation before your final norm); give them no weight decay (``attnres.param_groups``)."""
+    aggregation before your final norm), with additive routing ``routing_gain`` [L + 1, D]; give them no
+    weight decay (``attnres.param_groups``)."""
 
     def __init__(self, d_model: int, n_sublayers: int, *, norm_eps: float = 1e-6, **variants: Any):
         fields = _variant_fields("FullAttnRes", variants, _VARIANTS + _FULL_ONLY)

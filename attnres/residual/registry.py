@@ -65,20 +65,21 @@ def _attnres_params(config) -> int:
     input_query:    d*d (query projection) + d (key norm)       -> (d^2 + d)(L + 1)
     low_rank_query: d + 2rd (w, U: d x r, V: r x d) + d         -> (2d + 2rd)(L + 1)
     scalar:         one logit per source read, no key norm      -> sum over l of K_l
-    Without key norm the d of the key-norm weight drops.
+    Without key norm the d of the key-norm weight drops; additive routing adds d (the gain g) per read.
     """
     d, n_q = config.d_model, config.n_sublayers + 1
+    gains = d * n_q if config.attnres_routing == "additive" else 0  # additive routing: the gain g per read
     if config.attnres_weights == "scalar":
         scheme_plan = source_plan(config.n_sublayers, config.block_sizes)
         w = config.attnres_window
-        return sum((1 + min(w, c - 1)) if w is not None else c + int(p) for c, p in scheme_plan)
+        return gains + sum((1 + min(w, c - 1)) if w is not None else c + int(p) for c, p in scheme_plan)
     per = {"pseudo_query": d, "input_query": d * d, "low_rank_query": d + 2 * d * (config.attnres_query_rank or 0)}[
         config.attnres_weights
     ]
     if config.attnres_key_norm:
         per += d
     extra = sum(config.attnres_read_queries) - n_q if config.attnres_read_queries else 0  # queries beyond the first
-    return per * n_q + extra * d
+    return per * n_q + extra * d + gains
 
 
 def _full_state(config) -> int:
