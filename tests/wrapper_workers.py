@@ -5,6 +5,7 @@ Each rank writes its loss and full gradients with torch.save."""
 from __future__ import annotations
 
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -150,11 +151,13 @@ def tensor_parallel(rank: int, world: int, residual: str, out: str, kind: str = 
         torch.save(result, out)
 
 
-def tensor_parallel_strategy(rank: int, world: int, cases: list[tuple[str, dict | None]], dp: int, out: str) -> None:
-    """The trainer's TensorParallel layout (attnres.parallel.tensor: blocks, embedding and head sharded)
-    on a (dp, world/dp) mesh, in float64, for each (residual scheme, ModelConfig options): the
-    global-batch loss, the gradients after the replicas' reduction, gathered whole, the clipped ones,
-    and which parameters were sharded."""
+def tensor_parallel_strategy(
+    rank: int, world: int, cases: list[tuple[str, dict | None]], dp: int, out: str, sequence_parallel: bool = False
+) -> None:
+    """The trainer's TensorParallel layout (attnres.parallel.tensor: blocks, embedding and head sharded,
+    optionally the depth state split by position) on a (dp, world/dp) mesh, in float64, for each
+    (residual scheme, ModelConfig options): the global-batch loss, the gradients after the reduction,
+    gathered whole, the clipped ones, and which parameters were sharded."""
     from contextlib import nullcontext
 
     from distributed_workers import batch, reference_model
@@ -164,14 +167,20 @@ def tensor_parallel_strategy(rank: int, world: int, cases: list[tuple[str, dict 
     results = []
     for residual, options in cases:
         model = reference_model(residual, 4, options)
-        strategy = TensorParallel(model, nullcontext, tp=world // dp, dp=dp)
+        strategy = TensorParallel(model, nullcontext, tp=world // dp, dp=dp, sequence_parallel=sequence_parallel)
         sharded = sorted(n for n, p in model.named_parameters() if hasattr(p, "device_mesh"))
+        positions: list[int] = []  # how many positions of the depth state this rank holds (the final norm's input)
+        model.norm.register_forward_hook(partial(_count_positions, positions))
         x, y = batch()
         loss = strategy.forward_backward(x, y, 1.0)
         strategy.reduce_gradients()
         grads = full_grads(model)
         strategy.clip_grad_norm(0.5)
         clipped = full_grads(model)
-        results.append({"loss": loss, "grads": grads, "clipped": clipped, "sharded": sharded})
+        results.append({"loss": loss, "grads": grads, "clipped": clipped, "sharded": sharded, "positions": positions})
     if rank == 0:
         torch.save(results, out)
+
+
+def _count_positions(positions: list[int], module, inputs, output) -> None:
+    positions.append(inputs[0].shape[1])

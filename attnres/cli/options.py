@@ -167,6 +167,8 @@ def run_overrides(args: argparse.Namespace) -> dict[str, Any]:
         overrides["schedule"] = args.lr_schedule  # the TrainConfig field
     if getattr(args, "fsdp", False):
         overrides["fsdp"] = True
+    if getattr(args, "sequence_parallel", False):
+        overrides["sequence_parallel"] = True
     if getattr(args, "compile", False) and not overrides.get("compile"):  # keeps a --set compile=BACKEND
         overrides["compile"] = True
     if getattr(args, "no_pp_cache", False):

@@ -58,6 +58,12 @@ def add_parser(sub) -> None:
         help="tensor-parallel ranks: attention heads and MLP units split over them, the depth attention "
         "replicated (world = dp * tp * pp)",
     )
+    g.add_argument(
+        "--sequence-parallel",
+        dest="sequence_parallel",
+        action="store_true",
+        help="with --tp: split the depth state, the residual scheme and the norms by sequence position",
+    )
     g.add_argument("--pp", type=int, help="pipeline-parallel ranks")
     g.add_argument("--vpp", type=int, help="virtual pipeline stages per rank (Interleaved1F1B, LoopedBFS)")
     g.add_argument(

@@ -19,6 +19,11 @@ attention with its pseudo-queries and key norms: 2d numbers per sublayer), the n
 depth state. Their gradients are equal on every rank without communication: every row-wise layer hands
 each rank the full output, and every column-wise layer's input gradient is all-reduced.
 
+With ``sequence_parallel`` (LLaMA blocks, untied head) the depth state is split by sequence position
+instead: depth attention is per token, so each rank runs the residual scheme and the norms, on full
+d-vectors, for its T/tp positions, and the whole parameters' gradients are summed over tp
+(``parallelize_model``).
+
 With ``dp > 1`` each tp group computes B/dp rows of the global batch; the dp replicas average their
 gradients by all-reduce, or (``shard``) FSDP2 shards every sublayer over the dp dimension of the mesh.
 Checkpoints stay in the single-process format (``attnres.parallel.state`` gathers and re-shards DTensors).
@@ -60,12 +65,26 @@ BLOCK_PLANS: dict[str, dict[str, str]] = {
 }
 
 
-def check_tensor_parallel(config, tp: int) -> None:
-    """The widths ``tp`` ranks split must divide evenly: heads (LLaMA attention) and MLP hidden units.
-    Raises a ValueError naming the field, its value and the fix."""
+def check_tensor_parallel(config, tp: int, sequence_parallel: bool = False) -> None:
+    """The widths ``tp`` ranks split must divide evenly: heads (LLaMA attention) and MLP hidden units;
+    sequence parallelism needs a LLaMA backbone and an untied head. Raises a ValueError naming the
+    field, its value and the fix."""
     if tp == 1:
         return
     from attnres.model.kimi_layout import kimi_sizes, moe_layers
+
+    if sequence_parallel and config.backbone != "llama":
+        raise ValueError(
+            f"sequence_parallel with backbone={config.backbone!r} and tp={tp} is not supported: its attention "
+            "runs whole on every rank (see attnres.parallel.tensor), which would need the whole sequence. "
+            "Fix: drop --sequence-parallel (plain --tp works)"
+        )
+    if sequence_parallel and config.tie_embeddings:
+        raise ValueError(
+            f"ModelConfig.tie_embeddings=True with sequence_parallel and tp={tp} is not supported: the tied "
+            "embedding and head stay whole, and the head would read a sequence-sharded state. Fix: set "
+            "tie_embeddings=false, or drop --sequence-parallel"
+        )
 
     # (field, its value, the width split over the ranks)
     split: list[tuple[str, int | None, int | None]] = [("d_ff", config.d_ff, config.d_ff)]
@@ -83,23 +102,52 @@ def check_tensor_parallel(config, tp: int) -> None:
             )
 
 
-def parallelize_model(model: AttnResLM, tp_mesh) -> None:
-    """Shard ``model`` over the 1-D ``tp_mesh`` in place (see the module docstring); names are unchanged."""
-    from torch.distributed.tensor import Replicate
+def parallelize_model(model: AttnResLM, tp_mesh, sequence_parallel: bool = False) -> None:
+    """Shard ``model`` over the 1-D ``tp_mesh`` in place (see the module docstring); names are unchanged.
+
+    ``sequence_parallel``: the embedding reduce-scatters over T instead of all-reducing, so the depth
+    state, the residual scheme and the norms run on each rank's T/tp positions; each LLaMA sublayer
+    gathers its input over T once (``PrepareModuleInput``) and its row-wise projection reduce-scatters
+    its output back; the head gathers the final state. The replicated parameters then see a share of the
+    tokens each, and :meth:`TensorParallel.reduce_gradients` sums their gradients over tp."""
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
+        ParallelStyle,
+        PrepareModuleInput,
         RowwiseParallel,
         parallelize_module,
     )
 
-    styles = {"col": ColwiseParallel, "row": RowwiseParallel}
-    plan = BLOCK_PLANS[model.config.backbone]
+    stream = Shard(1) if sequence_parallel else Replicate()  # where the residual stream lives: [B, T, d]
+    styles: dict[str, Callable[[], ParallelStyle]] = {
+        "col": ColwiseParallel,
+        "row": lambda: RowwiseParallel(output_layouts=stream),
+    }
+    plan: dict = {}
+    if sequence_parallel:  # Attention takes (x, cos, sin): x gathered over T once, the rope tables as given
+        whole = Replicate()
+        plan = {
+            "attn": PrepareModuleInput(input_layouts=(stream, None, None), desired_input_layouts=(whole, None, None)),
+            "mlp": PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(whole,)),
+        }
     for block in model.blocks:
         names = {name for name, _ in block.named_modules()}
-        parallelize_module(block, tp_mesh, {k: styles[how]() for k, how in plan.items() if k in names})
+        splits = {k: styles[how]() for k, how in BLOCK_PLANS[model.config.backbone].items() if k in names}
+        parallelize_module(block, tp_mesh, {**plan, **splits})
     if not model.config.tie_embeddings:  # a tied weight cannot be split two ways: both stay whole
-        parallelize_module(model.embed, tp_mesh, RowwiseParallel(input_layouts=Replicate()))
-        parallelize_module(model.lm_head, tp_mesh, ColwiseParallel(output_layouts=Replicate()))
+        parallelize_module(model.embed, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=stream))
+        parallelize_module(model.lm_head, tp_mesh, ColwiseParallel(input_layouts=stream, output_layouts=Replicate()))
+
+
+def replicated_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters tensor parallelism leaves whole: plain tensors, or FSDP2 shards over dp only."""
+    return [p for p in model.parameters() if not _split_over_tp(p)]
+
+
+def _split_over_tp(p: Tensor) -> bool:
+    mesh = getattr(p, "device_mesh", None)
+    return mesh is not None and "tp" in (mesh.mesh_dim_names or ())
 
 
 def _local(t: Tensor) -> Tensor:
@@ -122,7 +170,7 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> Tensor:
 
 @torch.no_grad()
 def average_gradients(params: list[nn.Parameter], group, world: int) -> None:
-    """The mean of every gradient over ``group`` (the dp replicas), in one flat all-reduce of the local
+    """Every gradient summed over ``group`` and divided by ``world``, in one flat all-reduce of the local
     shards; a missing gradient takes part as zeros."""
     local = []
     for p in params:
@@ -143,16 +191,25 @@ class TensorParallel(_Distributed):
     global ranks i*tp .. i*tp+tp-1 and computes rows [i B/dp, (i+1) B/dp) of every batch. ``shard``:
     FSDP2 over the dp dimension instead of all-reducing gradients."""
 
-    def __init__(self, model: AttnResLM, autocast: Callable, *, tp: int, dp: int = 1, shard: bool = False):
+    def __init__(
+        self,
+        model: AttnResLM,
+        autocast: Callable,
+        *,
+        tp: int,
+        dp: int = 1,
+        shard: bool = False,
+        sequence_parallel: bool = False,
+    ):
         from torch.distributed.device_mesh import init_device_mesh
 
-        check_tensor_parallel(model.config, tp)
+        check_tensor_parallel(model.config, tp, sequence_parallel)
         super().__init__(model, autocast)
-        self.dp, self.tp, self.shard = dp, tp, shard
+        self.dp, self.tp, self.shard, self.sequence_parallel = dp, tp, shard, sequence_parallel
         device = next(model.parameters()).device
         self.mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
         self.dp_group, self.dp_rank = self.mesh.get_group("dp"), self.mesh.get_local_rank("dp")
-        parallelize_model(model, self.mesh["tp"])
+        parallelize_model(model, self.mesh["tp"], sequence_parallel)
         if shard:
             from torch.distributed.fsdp import fully_shard
 
@@ -195,6 +252,8 @@ class TensorParallel(_Distributed):
         return self._replica_mean(loss.item())
 
     def reduce_gradients(self) -> None:
+        if self.sequence_parallel:  # each tp rank saw T/tp of the positions: the whole parameters sum them
+            average_gradients(replicated_parameters(self.model), self.mesh.get_group("tp"), 1)
         if self.dp > 1 and not self.shard:  # FSDP2 reduce-scatters in backward
             average_gradients(list(self.model.parameters()), self.dp_group, self.dp)
 

@@ -14,7 +14,7 @@ from attnres.model.config import ModelConfig, check_field_types
 PRECISIONS = ("fp32", "bf16")
 # how a run is spread over processes: not what it computes (checkpoints move between layouts)
 PARALLEL_FIELDS = frozenset(
-    {"dp", "fsdp", "tp", "pp", "vpp", "pp_schedule", "microbatches", "pp_cache", "dist_timeout"}
+    {"dp", "fsdp", "tp", "sequence_parallel", "pp", "vpp", "pp_schedule", "microbatches", "pp_cache", "dist_timeout"}
 )
 TOKENIZERS = ("bpe", "byte")
 
@@ -55,6 +55,7 @@ class TrainConfig:
     dp: int = 1  # data-parallel ranks (each computes B / dp rows of every batch)
     fsdp: bool = False  # data parallel with FSDP2 (fully_shard) instead of DDP
     tp: int = 1  # tensor-parallel ranks (attention heads and MLP units split; attnres.parallel.tensor)
+    sequence_parallel: bool = False  # with tp: the depth state, residual scheme and norms split by position
     pp: int = 1  # pipeline-parallel ranks
     vpp: int = 1  # virtual stages per pipeline rank (chunks = pp * vpp)
     pp_schedule: str = "1F1B"  # GPipe | 1F1B | Interleaved1F1B | LoopedBFS
@@ -143,6 +144,10 @@ class TrainConfig:
             )
         if self.tp > 1 and self.batch_size % self.dp:
             raise bad("batch_size", f"must be divisible by dp={self.dp}")
+        if self.sequence_parallel and self.tp < 2:
+            raise bad("sequence_parallel", "splits positions over tensor-parallel ranks: set tp >= 2 as well")
+        if self.sequence_parallel and self.seq_len % self.tp:
+            raise bad("seq_len", f"must be divisible by tp={self.tp} with sequence_parallel (each rank takes T/tp)")
         if self.tp > 1 and self.compile:
             raise bad(
                 "compile",
@@ -425,7 +430,7 @@ def build_configs(
     if train.tp > 1:  # the widths tensor parallelism splits, before any data or process is touched
         from attnres.parallel.tensor import check_tensor_parallel
 
-        check_tensor_parallel(model, train.tp)
+        check_tensor_parallel(model, train.tp, train.sequence_parallel)
     return model, train
 
 

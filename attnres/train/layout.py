@@ -30,7 +30,7 @@ def build_layout(model: AttnResLM, c: TrainConfig, autocast: Callable):
     if c.tp > 1:
         from attnres.parallel.tensor import TensorParallel
 
-        return TensorParallel(model, autocast, tp=c.tp, dp=c.dp, shard=c.fsdp)
+        return TensorParallel(model, autocast, tp=c.tp, dp=c.dp, shard=c.fsdp, sequence_parallel=c.sequence_parallel)
     if c.dp > 1:
         return DataParallel(model, autocast, shard=c.fsdp)
     return SingleProcess(model, autocast)
@@ -45,7 +45,7 @@ def describe_layout(c: TrainConfig, compiled: str | None) -> str:
             f"caching {'on' if c.pp_cache else 'off'}" + (f", {c.dp} replicas" if c.dp > 1 else "")
         )
     elif c.tp > 1:
-        layout = f"; tensor parallel tp={c.tp}" + (
+        layout = f"; tensor parallel tp={c.tp}{' (sequence parallel)' if c.sequence_parallel else ''}" + (
             f" x data parallel dp={c.dp} ({'FSDP2' if c.fsdp else 'all-reduce'})" if c.dp > 1 else ""
         )
     elif c.dp > 1:

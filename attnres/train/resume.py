@@ -31,7 +31,7 @@ def _resume_fix(out_dir: Path) -> str:
 
 
 # how a run is spread over processes: the saved layout is kept only when it fits this launch
-_LAYOUT_FIELDS = ("dp", "fsdp", "tp", "pp", "vpp", "pp_schedule", "microbatches")
+_LAYOUT_FIELDS = ("dp", "fsdp", "tp", "sequence_parallel", "pp", "vpp", "pp_schedule", "microbatches")
 
 
 def resumed_configs(

@@ -32,13 +32,15 @@ def one_process(residual: str, options: dict | None, clip: float):
     return loss.item(), grads, {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("dp, world", [(1, 2), (2, 4)])
-def test_tensor_parallel_layout_equals_one_process_in_float64(dp, world, tmp_path):
+@pytest.mark.parametrize("dp, world, sequence_parallel", [(1, 2, False), (2, 4, False), (1, 2, True), (2, 4, True)])
+def test_tensor_parallel_layout_equals_one_process_in_float64(dp, world, sequence_parallel, tmp_path):
     """The loss, every gradient (sharded ones gathered) and the clipped gradients of tp = world/dp
-    ranks times dp replicas equal one float64 process."""
+    ranks times dp replicas equal one float64 process; with sequence parallelism too (the depth state,
+    the residual scheme and the norms on T/tp positions per rank)."""
     out = tmp_path / "tp.pt"
-    cases = CASES if dp == 1 else CASES[1:3]
-    spawn(tensor_parallel_strategy, world, cases, dp, str(out))
+    cases = CASES[:-1] if sequence_parallel else CASES  # a tied head is refused under sequence parallelism
+    cases = cases if dp == 1 else cases[1:3]
+    spawn(tensor_parallel_strategy, world, cases, dp, str(out), sequence_parallel)
     for (residual, options), got in zip(cases, torch.load(out, weights_only=True), strict=True):
         case = f"{residual} {options or ''}"
         loss, grads, clipped = one_process(residual, options, 0.5)
@@ -48,6 +50,8 @@ def test_tensor_parallel_layout_equals_one_process_in_float64(dp, world, tmp_pat
         tied = bool(options and options.get("tie_embeddings"))
         split = {n for n in grads if n.rsplit(".", 2)[-2] in SPLIT and not (tied and n.startswith("embed"))}
         assert set(got["sharded"]) == split, case
+        x, _ = batch()
+        assert got["positions"] == [x.shape[1] // (world // dp if sequence_parallel else 1)], case
         for name, g in grads.items():
             torch.testing.assert_close(got["grads"][name], g, rtol=0, atol=1e-10, msg=f"{case} {name}")
             torch.testing.assert_close(got["clipped"][name], clipped[name], rtol=0, atol=1e-10, msg=f"{case} {name}")
@@ -109,12 +113,13 @@ def test_checkpoints_move_between_tensor_parallel_and_one_process(corpus, tmp_pa
         assert got_val == pytest.approx(want_val, rel=1e-5), run
 
 
-@pytest.mark.parametrize("fsdp", [False, True])
-def test_tensor_parallel_times_data_parallel_on_four_ranks_equals_one_process(corpus, tmp_path, fsdp):
+@pytest.mark.parametrize("layout", [dict(), dict(fsdp=True), dict(fsdp=True, sequence_parallel=True)])
+def test_tensor_parallel_times_data_parallel_on_four_ranks_equals_one_process(corpus, tmp_path, layout):
     """A (dp 2, tp 2) mesh: two replicas of a tp pair, each on half the batch, averaging gradients by
-    all-reduce or sharding them with FSDP2 over dp; Muon (orthogonalising sharded matrices) included."""
+    all-reduce or sharding them with FSDP2 over dp, optionally with the depth state split by position;
+    Muon (orthogonalising sharded matrices) included."""
     train_one(corpus, tmp_path / "one", optimizer="muon", steps=2)
-    train_parallel(corpus, tmp_path / "2d", 4, optimizer="muon", steps=2, dp=2, tp=2, fsdp=fsdp)
+    train_parallel(corpus, tmp_path / "2d", 4, optimizer="muon", steps=2, dp=2, tp=2, **layout)
     (want_train, want_val), (got_train, got_val) = losses(tmp_path / "one"), losses(tmp_path / "2d")
     assert got_train == pytest.approx(want_train, rel=1e-5)
     assert got_val == pytest.approx(want_val, rel=1e-5)
@@ -153,6 +158,10 @@ def test_kimi_linear_under_tensor_parallel_trains_like_one_process(corpus, tmp_p
         (dict(tp=2, compile=True), r"TrainConfig.compile=True is invalid: with tp=2.*drop --compile"),
         (dict(tp=2, dp=3, batch_size=4), r"TrainConfig.batch_size=4 is invalid: must be divisible by dp=3"),
         (dict(tp=0), r"TrainConfig.tp=0 is invalid: must be a positive integer"),
+        (dict(sequence_parallel=True), r"TrainConfig.sequence_parallel=True is invalid: .*set tp >= 2"),
+        (dict(tp=2, sequence_parallel=True, seq_len=31), r"TrainConfig.seq_len=31 is invalid: must be divisible by"),
+        ({**KIMI, "tp": 2, "sequence_parallel": True}, r"sequence_parallel with backbone='kimi_linear' and tp=2"),
+        (dict(tp=2, sequence_parallel=True, tie_embeddings=True), r"ModelConfig.tie_embeddings=True with sequence_par"),
         (dict(tp=2, retrofit_step=2), r"TrainConfig.retrofit_step=2 is invalid: needs a single-process run"),
     ],
 )
