@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
@@ -18,6 +19,25 @@ def pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def save_png(fig, path: str, dpi: int) -> str:
+    """Write ``fig`` as a palette PNG and close it: matplotlib's RGBA output quantised to 256 colours
+    (maximum coverage, no dithering: deterministic, same figure -> same bytes; every pixel within about
+    15 of 255 of matplotlib's in each channel, where median cut moves some heatmap cells and line edges
+    by 40-80) and compressed with ``optimize``: a quarter to a third of the RGBA file's size with no
+    visible change. The figures are opaque (white background), so the alpha channel carries nothing."""
+    from PIL import Image
+
+    fig.tight_layout()
+    rgba = io.BytesIO()
+    fig.savefig(rgba, format="png", dpi=dpi)
+    pyplot().close(fig)
+    rgba.seek(0)
+    with Image.open(rgba) as image:
+        palette = image.convert("RGB").quantize(colors=256, method=Image.Quantize.MAXCOVERAGE, dither=Image.Dither.NONE)
+    palette.save(path, format="PNG", optimize=True)
+    return path
 
 
 def read_metrics(run_dir: str, notes: list[str] | None = None) -> dict[str, list[dict]]:
@@ -89,10 +109,7 @@ def plot_loss_curves(runs: dict[str, str], path: str, title: str = "", notes: li
             ax.legend()
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_png(fig, path, dpi=120)
 
 
 def plot_depth_heatmaps(matrix: np.ndarray, labels: list[str], path: str, title: str) -> str:
@@ -117,10 +134,7 @@ def plot_depth_heatmaps(matrix: np.ndarray, labels: list[str], path: str, title:
         ax.set_title(f"{name} inputs")
         fig.colorbar(im, ax=ax, fraction=0.046)
     fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_png(fig, path, dpi=120)
 
 
 def plot_run(run_dir, notes: list[str] | None = None) -> list[Path]:

@@ -2,38 +2,20 @@
 
 from __future__ import annotations
 
-import io
 import math
 from collections.abc import Mapping
 
 import numpy as np
 from numpy.typing import ArrayLike
 
-from attnres.analysis.plots import pyplot
+from attnres.analysis.plots import pyplot, save_png
 
 PNG_DPI = 110
-PNG_COLORS = 256  # the figures draw with a few line colours, antialiasing and viridis (256 colours)
 
 
 def _save(fig, path: str) -> str:
-    """Write ``fig`` as a palette PNG: matplotlib's RGBA output quantised to ``PNG_COLORS`` colours
-    (maximum coverage, no dithering: deterministic, same figure -> same bytes; every pixel within about
-    15 of 255 of matplotlib's in each channel, where median cut moves some heatmap cells and line edges
-    by 40-80) and compressed with ``optimize``: a quarter to a third of the RGBA file's size with no
-    visible change. The figures are opaque (white background), so the alpha channel carries nothing."""
-    from PIL import Image
-
-    fig.tight_layout()
-    rgba = io.BytesIO()
-    fig.savefig(rgba, format="png", dpi=PNG_DPI)
-    pyplot().close(fig)
-    rgba.seek(0)
-    with Image.open(rgba) as image:
-        palette = image.convert("RGB").quantize(
-            colors=PNG_COLORS, method=Image.Quantize.MAXCOVERAGE, dither=Image.Dither.NONE
-        )
-    palette.save(path, format="PNG", optimize=True)
-    return path
+    """Write ``fig`` as a palette PNG at the reports' resolution (see :func:`save_png`)."""
+    return save_png(fig, path, dpi=PNG_DPI)
 
 
 def scaling_plot(series: dict[str, dict], path: str, title: str) -> str:
