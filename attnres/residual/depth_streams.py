@@ -16,7 +16,8 @@ TwoPhaseStream              docs/method.md §6 in training too: one Phase-1 pass
                             with the partial sum per sublayer
 TokenQueryTwoPhaseStream    two-phase with low-rank per-token queries (their input: the block's)
 CompiledTwoPhaseStream      two-phase as torch.compile traces it for training and prefill: Phase 1
-                            over the sources as separate tensors, no buffer, recomputed in backward
+                            over the sources as separate tensors, no buffer (a custom op with its
+                            own backward, small ones pointwise), recomputed in backward
 ==========================  ====================================================================
 
 The state a stream holds is tensors: ``sources`` (the completed sources b_0 = embedding, b_1, ...),
@@ -485,7 +486,9 @@ class CompiledTwoPhaseStream(TwoPhaseStream):
         if self.recompute_phase1:
             # from the sources, which backward keeps anyway. Kept instead, a block's stacked
             # outputs (Block) or a group's and the in-group attentions (Full) are what made
-            # AttnRes keep more for backward than prenorm (`attnres bench graph`, docs/performance.md)
+            # AttnRes keep more for backward than prenorm (`attnres bench graph`, docs/performance.md).
+            # The custom op (larger Phase 1s) keeps only lse itself, but the merges after it would
+            # keep its outputs
             return checkpoint(
                 self.ops.phase1_sources,
                 self.sources[a:b],

@@ -10,6 +10,7 @@ import pytest
 import torch
 from reference import randomize
 
+from attnres.ops.two_phase import compiled as compiled_phase1
 from attnres.residual import BlockAttnRes, DepthState, FullAttnRes
 from attnres.residual import attnres as attnres_scheme
 from attnres.residual import depth_streams as forms
@@ -33,7 +34,13 @@ CASES = {
     ),
     "compiled": (lambda: BlockAttnRes(D, L, block_size=4), forms.CompiledTwoPhaseStream),
     "compiled_full": (lambda: FullAttnRes(D, L, group_size=2, key_norm=False), forms.CompiledTwoPhaseStream),
+    "compiled_full_grouped": (lambda: FullAttnRes(D, L, group_size=3), forms.CompiledTwoPhaseStream),
+    "compiled_heads_sigmoid": (
+        lambda: BlockAttnRes(D, L, block_size=4, heads=2, kernel="sigmoid"),
+        forms.CompiledTwoPhaseStream,
+    ),
 }
+COMPILED_CASES = sorted(c for c, (_, form) in CASES.items() if form is forms.CompiledTwoPhaseStream)
 
 
 def scheme_for(case: str):
@@ -94,6 +101,14 @@ def test_each_form_matches_the_reference_stream(case, monkeypatch):
     torch.testing.assert_close(got_x, x.grad, rtol=1e-9, atol=1e-12)
     for n, p in reference.named_parameters():
         torch.testing.assert_close(got_grads[n], p.grad, rtol=1e-9, atol=1e-12, msg=n)
+
+
+@pytest.mark.parametrize("pairs", [0, 10**6])
+@pytest.mark.parametrize("case", COMPILED_CASES)
+def test_compiled_forms_match_the_reference_with_either_phase1(case, pairs, monkeypatch):
+    """Every Phase 1 as the custom op (pairs 0) or every one pointwise and recomputed in backward."""
+    monkeypatch.setattr(compiled_phase1, "POINTWISE_PAIRS", pairs)
+    test_each_form_matches_the_reference_stream(case, monkeypatch)
 
 
 @pytest.mark.parametrize("handover", ["cache", "plain"])

@@ -1,28 +1,28 @@
-"""Two-phase depth attention in the form ``torch.compile`` traces for training: plain autograd over
-the sources as separate tensors.
+"""Two-phase depth attention in the form ``torch.compile`` traces for training and prefill: Phase 1
+over the sources as separate tensors, no buffer.
 
 The fused path (``fused.py``) reads the sources in place from a preallocated buffer that the
 stream writes row by row, and its custom backwards are traced as written. Under the compiler
 both cost what eager mode does not: functionalization turns every row write into a copy of the
 buffer, the partitioner keeps one version of the buffer per Phase-1 read for backward, and the
 matrix products inside the hand-written backwards cannot fuse with the loops around them. Here
-nothing is stacked or written in place, and every step is a pointwise op or a reduction over D:
+the sources arrive as a list, and ``phase1_sources`` runs one of two forms:
 
-- the logits of source i are ``r_i * (v_i . u_s)``, one reduction per source (no [B, T, n, D]);
-- the outputs are ``sum_i alpha_is v_i``, n multiply-adds, which inductor fuses into one loop.
+- small ones (``pointwise_phase1``: at most ``POINTWISE_PAIRS`` source-query pairs, as Full AttnRes'
+  in-group reads are) as plain autograd over pointwise ops and reductions over D
+  (``phase1_pointwise``): the logits of source i are ``r_i * (v_i . u_s)``, the outputs
+  ``sum_i alpha_is v_i``, which inductor fuses into its loops and differentiates itself;
+- the others as the custom op ``attnres::phase1`` (``library.py``): one opaque call forward and one
+  hand-written backward, saving only the sources (kept alive anyway), their inverse RMS and lse.
 
-Autograd then saves the sources themselves, which the stream keeps alive anyway, and the
-[B, T, n, S, H] weights; inductor generates the backward. For training the streams wrap this in
-``torch.utils.checkpoint`` (``DepthAttentionStream._phase1_over``), so backward recomputes the
-outputs from the sources instead of keeping them. Eager mode runs this too (the tests compare it with
-``reference.py`` in float64), but allocates an [B, T, S, D] temporary per source: the streams use it only while
-compiling.
+For training the streams wrap either in ``torch.utils.checkpoint``, so backward recomputes Phase 1's
+outputs from the sources: the merges that read them would otherwise keep them for backward
+(S d-vectors per token per group beyond what prenorm keeps).
 
-Merges are elementwise; the compiled streams use ``reference.merge`` and ``reference.merge_partial``.
-Compiled prefill runs this form too: without gradients no buffer versions are saved, but the
-fused Phase 1's matrix products still made Full's compiled prefill slower than this form
-(docs/performance.md, "Compiled decoding and prefill"). A compiled one-token step without
-gradients (decoding) keeps the buffered fused path, which decoded faster.
+Eager mode runs both too (the tests compare them with ``reference.py`` in float64); the streams use
+them only while compiling. Merges are elementwise; the compiled streams use ``reference.merge`` and
+``reference.merge_partial``. A compiled one-token step without gradients (decoding) keeps the
+buffered fused path, which decoded faster (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -34,7 +34,18 @@ from torch import Tensor
 
 from attnres.ops.common import compute_dtype, split_heads
 from attnres.ops.depth_attention.reference import check_kernel
+from attnres.ops.two_phase import library
 from attnres.ops.two_phase.reference import check_queries
+
+# Phase 1 over at most this many (source, query) pairs runs as plain pointwise ops (``phase1_pointwise``)
+# that inductor fuses into the loops around it; larger ones as the custom op of ``library.py``, whose
+# batched products and hand-written backward cost less than inductor's per-source loops
+POINTWISE_PAIRS = 4
+
+
+def pointwise_phase1(n_sources: int, n_queries: int) -> bool:
+    """Whether ``phase1_sources`` runs this Phase 1 as pointwise autograd rather than as the custom op."""
+    return n_sources * n_queries <= POINTWISE_PAIRS
 
 
 def phase1_sources(
@@ -47,19 +58,42 @@ def phase1_sources(
 ) -> tuple[tuple[Tensor, ...], Tensor]:
     """Phase 1 of S static queries over n completed sources given as n tensors.
 
-    sources: n tensors [B, T, D]; inv_rms: n tensors [B, T] (``inverse_rms(v_i, eps)``, with their
-    autograd graphs: the key-norm gradient flows through them) or None (no key norm); queries
-    [S, D] or [S, H, D/H]; key_weights [S, D] or None. Returns (S outputs h1_s [B, T, D],
-    lse [B, T, S, H]) in the compute dtype, as ``fused.phase1_outputs`` does. With the sigmoid
-    kernel h1 is the unnormalised sum and lse is zero.
+    sources: n tensors [B, T, D]; inv_rms: n tensors [B, T] (``inverse_rms(v_i, eps)``) or None (no key
+    norm); queries [S, D] or [S, H, D/H]; key_weights [S, D] or None. Returns (S outputs h1_s [B, T, D],
+    lse [B, T, S, H]) in the compute dtype, as ``fused.phase1_outputs`` does. With the sigmoid kernel h1
+    is the unnormalised sum and lse is zero. Small ones (``pointwise_phase1``) run ``phase1_pointwise``,
+    the others the custom op ``attnres::phase1`` (``library.py``), which takes the key-norm gradient
+    through the sources (inv_rms must be their inverse RMS; its own graph is not used).
     """
+    _check(sources, inv_rms, queries, key_weights, kernel)
+    if pointwise_phase1(len(sources), queries.shape[0]):
+        return phase1_pointwise(sources, inv_rms, queries, key_weights, kernel=kernel)
+    h, lse = library.phase1_op(list(sources), list(inv_rms or ()), queries, key_weights, kernel)
+    return tuple(h.unbind(2)), lse
+
+
+def _check(sources, inv_rms, queries, key_weights, kernel) -> int:
+    """The number of heads, after checking the arguments of ``phase1_sources``."""
     check_kernel(kernel)
     if not sources:
         raise ValueError("phase1_sources needs at least one source")
     if inv_rms is not None and len(inv_rms) != len(sources):
         raise ValueError(f"{len(inv_rms)} inverse RMS tensors for {len(sources)} sources")
+    return check_queries(queries, key_weights, sources[0].shape[-1])
+
+
+def phase1_pointwise(
+    sources: Sequence[Tensor],
+    inv_rms: Sequence[Tensor] | None,
+    queries: Tensor,
+    key_weights: Tensor | None = None,
+    *,
+    kernel: str = "softmax",
+) -> tuple[tuple[Tensor, ...], Tensor]:
+    """``phase1_sources`` as plain autograd over pointwise ops and reductions over D: inductor fuses it
+    and writes its backward. Here the key-norm gradient flows through inv_rms's own autograd graphs."""
+    heads = _check(sources, inv_rms, queries, key_weights, kernel)
     d = sources[0].shape[-1]
-    heads = check_queries(queries, key_weights, d)
     cd = compute_dtype(sources[0].dtype)
     s_count = queries.shape[0]
     u = queries.to(cd).reshape(s_count, d)

@@ -66,14 +66,8 @@ class _Phase1(torch.autograd.Function):
             saved_lse = lse.flatten(0, 1)
         else:
             v3 = values.to(cd).flatten(0, 1)  # [BT, n, D] (a view for float32 buffers)
-            dots, z = _logits(v3, inv_rms, queries, key_weights, heads)
-            if kernel == "softmax":
-                lse = torch.logsumexp(z, dim=1)  # [BT, S, H]
-                alpha = torch.exp(z - lse.unsqueeze(1))
-            else:
-                lse = torch.zeros(z.shape[0], s_count, heads, dtype=cd, device=z.device)
-                alpha = torch.sigmoid(z)
-            h1 = _mix(alpha, v3, heads).view(b, t, s_count, d)
+            h1, lse, alpha, dots = phase1_forward(v3, inv_rms, queries, key_weights, heads, kernel)
+            h1 = h1.view(b, t, s_count, d)
             lse = lse.view(b, t, s_count, heads)
             saved_lse = None
         # buffer views: kept on ctx, not saved (later writes go to other rows, which bumps the
@@ -96,7 +90,7 @@ class _Phase1(torch.autograd.Function):
         s_count = queries.shape[0]
         v3 = values.to(cd).flatten(0, 1)
         if alpha is None:  # a Triton forward: recompute the weights (one [BT, n, S, H] pass)
-            dots, z = _logits(v3, inv_rms, queries, key_weights, heads)
+            dots, z = phase1_logits(v3, inv_rms, queries, key_weights, heads)
             alpha = torch.exp(z - lse.unsqueeze(1)) if kernel == "softmax" else torch.sigmoid(z)
         gh = (
             torch.stack(
@@ -105,52 +99,17 @@ class _Phase1(torch.autograd.Function):
             .to(cd)
             .flatten(0, 1)
         )  # [BT, S, D]
-        q = queries.to(cd).reshape(s_count, d)
-        g = key_weights.to(cd) if key_weights is not None else None
-        u = q * g if g is not None else q
         r = inv_rms.to(cd).flatten(0, 1) if inv_rms is not None else None
-
-        # dL/dalpha[s, i] = gh_s . v_i (per head): [BT, n, S, H]
-        if heads == 1:
-            galpha = torch.bmm(v3, gh.transpose(1, 2)).unsqueeze(-1)
-        else:
-            galpha = torch.einsum("xnhe,xshe->xnsh", split_heads(v3, heads), split_heads(gh, heads))
-        if kernel == "softmax":
-            gz = alpha * (galpha - (alpha * galpha).sum(dim=1, keepdim=True))
-            if g_lse is not None:
-                gz = gz + alpha * g_lse.to(cd).flatten(0, 1).unsqueeze(1)
-        else:
-            gz = galpha * alpha * (1 - alpha)
-        gdots = gz * r[:, :, None, None] if r is not None else gz  # through z = r * dots
-
-        # dv_i = sum_s alpha_si gh_s + sum_s gdots_si u_s (+ key-norm term), one batched product
-        if heads == 1:
-            # u is shared by all tokens: a plain [BT*n, S] @ [S, D] product, then add alpha @ gh in place
-            gv = torch.mm(gdots.reshape(-1, s_count), u).view(v3.shape[0], n, d)
-            gv.baddbmm_(alpha.squeeze(-1), gh)
-        else:
-            gv = torch.einsum("xnsh,xshe->xnhe", alpha, split_heads(gh, heads))
-            gv = gv + torch.einsum("xnsh,she->xnhe", gdots, split_heads(u, heads))
-            gv = gv.flatten(-2)
-        if r is not None:
-            # r = rsqrt(mean(v^2) + eps): dr/dv = -r^3 v / D, weighted by sum_s gz * dots
-            cv = -(gz * dots).sum(dim=(2, 3)) * r.pow(3) / d  # [BT, n]
-            gv.addcmul_(cv.unsqueeze(-1), v3)
-
+        g_lse3 = g_lse.to(cd).flatten(0, 1) if g_lse is not None else None
+        needs_du = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        gv, du = phase1_backward(v3, r, queries, key_weights, alpha, dots, gh, g_lse3, heads, kernel, needs_du)
         gq = gg = None
-        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
-            # du_s = sum over tokens and sources of gdots_si v_i (per head)
-            if heads == 1:
-                # one [S, BT] @ [BT, D] product per source reads the strided buffer rows in place
-                gd = gdots.squeeze(-1)
-                du = torch.mm(gd[:, 0].t(), v3[:, 0])
-                for i in range(1, n):
-                    du = du + torch.mm(gd[:, i].t(), v3[:, i])
-            else:
-                du = torch.einsum("xnsh,xnhe->she", gdots, split_heads(v3, heads)).reshape(s_count, d)
+        if du is not None:
+            q = queries.to(cd).reshape(s_count, d)
             if ctx.needs_input_grad[0]:
-                gq = (du * g if g is not None else du).reshape(queries.shape).to(queries.dtype)
-            if g is not None and ctx.needs_input_grad[1]:
+                gq = du * key_weights.to(cd) if key_weights is not None else du
+                gq = gq.reshape(queries.shape).to(queries.dtype)
+            if key_weights is not None and ctx.needs_input_grad[1]:
                 gg = (du * q).to(key_weights.dtype)
 
         gv = gv.view(b, t, n, d)
@@ -158,7 +117,87 @@ class _Phase1(torch.autograd.Function):
         return (gq, gg, None, None, None, *grads)
 
 
-def _logits(
+def phase1_forward(
+    v3: Tensor, inv_rms: Tensor | None, queries: Tensor, key_weights: Tensor | None, heads: int, kernel: str
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Phase 1 over v3 [BT, n, D] (compute dtype; inv_rms [B, T, n] with B * T = BT, or None):
+    (h1 [BT, S, D], lse [BT, S, H], alpha and the raw dot products [BT, n, S, H])."""
+    dots, z = phase1_logits(v3, inv_rms, queries, key_weights, heads)
+    if kernel == "softmax":
+        lse = torch.logsumexp(z, dim=1)  # [BT, S, H]
+        alpha = torch.exp(z - lse.unsqueeze(1))
+    else:
+        lse = torch.zeros(z.shape[0], queries.shape[0], heads, dtype=v3.dtype, device=z.device)
+        alpha = torch.sigmoid(z)
+    return _mix(alpha, v3, heads), lse, alpha, dots
+
+
+def phase1_backward(
+    v3: Tensor,
+    r: Tensor | None,
+    queries: Tensor,
+    key_weights: Tensor | None,
+    alpha: Tensor,
+    dots: Tensor,
+    gh: Tensor,
+    g_lse: Tensor | None,
+    heads: int,
+    kernel: str,
+    needs_du: bool,
+) -> tuple[Tensor, Tensor | None]:
+    """Phase 1's backward over v3 [BT, n, D] (compute dtype): (dL/dv3 [BT, n, D], with the key-norm term
+    taken through the values; dL/du [S, D] for u = queries * key_weights, or None without ``needs_du``).
+
+    r [BT, n] the inverse RMS (None: no key norm); alpha, dots [BT, n, S, H] the forward's weights and raw
+    dot products; gh [BT, S, D] the outputs' gradient; g_lse [BT, S, H] the lse's, or None."""
+    cd, d = v3.dtype, v3.shape[-1]
+    n, s_count = v3.shape[1], queries.shape[0]
+    q = queries.to(cd).reshape(s_count, d)
+    g = key_weights.to(cd) if key_weights is not None else None
+    u = q * g if g is not None else q
+
+    # dL/dalpha[s, i] = gh_s . v_i (per head): [BT, n, S, H]
+    if heads == 1:
+        galpha = torch.bmm(v3, gh.transpose(1, 2)).unsqueeze(-1)
+    else:
+        galpha = torch.einsum("xnhe,xshe->xnsh", split_heads(v3, heads), split_heads(gh, heads))
+    if kernel == "softmax":
+        gz = alpha * (galpha - (alpha * galpha).sum(dim=1, keepdim=True))
+        if g_lse is not None:
+            gz = gz + alpha * g_lse.unsqueeze(1)
+    else:
+        gz = galpha * alpha * (1 - alpha)
+    gdots = gz * r[:, :, None, None] if r is not None else gz  # through z = r * dots
+
+    # dv_i = sum_s alpha_si gh_s + sum_s gdots_si u_s (+ key-norm term), one batched product
+    if heads == 1:
+        # u is shared by all tokens: a plain [BT*n, S] @ [S, D] product, then add alpha @ gh in place
+        gv = torch.mm(gdots.reshape(-1, s_count), u).view(v3.shape[0], n, d)
+        gv.baddbmm_(alpha.squeeze(-1), gh)
+    else:
+        gv = torch.einsum("xnsh,xshe->xnhe", alpha, split_heads(gh, heads))
+        gv = gv + torch.einsum("xnsh,she->xnhe", gdots, split_heads(u, heads))
+        gv = gv.flatten(-2)
+    if r is not None:
+        # r = rsqrt(mean(v^2) + eps): dr/dv = -r^3 v / D, weighted by sum_s gz * dots
+        cv = -(gz * dots).sum(dim=(2, 3)) * r.pow(3) / d  # [BT, n]
+        gv.addcmul_(cv.unsqueeze(-1), v3)
+
+    du = None
+    if needs_du:
+        # du_s = sum over tokens and sources of gdots_si v_i (per head)
+        if heads == 1:
+            # one [S, BT] @ [BT, D] product per source reads the strided buffer rows in place
+            gd = gdots.squeeze(-1)
+            du = torch.mm(gd[:, 0].t(), v3[:, 0])
+            for i in range(1, n):
+                du = du + torch.mm(gd[:, i].t(), v3[:, i])
+        else:
+            du = torch.einsum("xnsh,xnhe->she", gdots, split_heads(v3, heads)).reshape(s_count, d)
+    return gv, du
+
+
+def phase1_logits(
     v3: Tensor, inv_rms: Tensor | None, queries: Tensor, key_weights: Tensor | None, heads: int
 ) -> tuple[Tensor, Tensor]:
     """(raw dot products v_i . u_s, logits z = r_i dots), both [BT, n, S, H], from v3 [BT, n, D]."""
@@ -175,7 +214,7 @@ def _logits(
     return dots, (dots * r[:, :, None, None] if r is not None else dots)
 
 
-def _triton_for(x: Tensor):
+def triton_for(x: Tensor):
     """The Triton two-phase kernels for CUDA float32/bfloat16/float16 tensors, or None: torch runs
     float64 (the reference precision), CPU tensors, and everything when triton is missing or
     ``ATTNRES_TRITON=0``."""
@@ -212,7 +251,7 @@ def phase1_outputs(
     heads = check_phase1_inputs(values, inv_rms, queries, key_weights)
     if values.shape[2] != len(producers):
         raise ValueError(f"values hold {values.shape[2]} sources but {len(producers)} producers were given")
-    kernels = _triton_for(values)
+    kernels = triton_for(values)
     if kernels is not None and not kernels.fits(heads, values.shape[-1]):
         kernels = None
     *h1s, lse = apply_function(_Phase1, queries, key_weights, values, inv_rms, (kernel, heads, kernels), *producers)
@@ -287,7 +326,7 @@ class _MergePartial(torch.autograd.Function):
 def merge(a: DepthStats, b: DepthStats, kernel: str = "softmax") -> DepthStats:
     """The arguments and result of ``reference.merge``; the Triton kernel for CUDA statistics when no
     gradient is needed (it has no backward; the merge is elementwise, so autograd's is cheap)."""
-    kernels = _triton_for(a.h)
+    kernels = triton_for(a.h)
     if kernels is not None and not (torch.is_grad_enabled() and any(x.requires_grad for x in (*a, *b))):
         return kernels.merge(a, b, kernel)
     return reference.merge(a, b, kernel)

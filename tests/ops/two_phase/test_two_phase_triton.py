@@ -141,7 +141,7 @@ def route_to_triton(monkeypatch):
         calls.append(x.shape)
         return tp
 
-    monkeypatch.setattr(fused, "_triton_for", kernels_for)
+    monkeypatch.setattr(fused, "triton_for", kernels_for)
     return calls
 
 

@@ -1,0 +1,134 @@
+"""Phase 1 over the sources as separate tensors, as two custom ops that torch.compile traces whole.
+
+``attnres::phase1`` (forward) and ``attnres::phase1_backward`` are ``torch.library.custom_op``s with
+fake (meta) implementations and a registered autograd formula, so a compiled graph holds each as one
+call: nothing breaks the graph, and inductor neither functionalizes a buffer (the sources arrive as a
+list; the op stacks them in a temporary it frees) nor differentiates the op itself. What autograd saves
+for the backward is the sources (which the stream keeps alive anyway), their inverse RMS, the queries
+and the log-sum-exp [B, T, S, H]: the backward recomputes the weights from lse (one pass of dot
+products) instead of recomputing the whole Phase 1 as ``torch.utils.checkpoint`` does, and writes
+every source's gradient once.
+
+The math is ``fused.phase1_forward`` / ``fused.phase1_backward``, the eager buffered path's: batched
+products over a [BT, n, D] stack. For CUDA float32/bfloat16/float16 sources the forward runs the
+Triton Phase-1 kernel (``triton.py``) on the stack; the backward is torch's batched products on
+every device. The key-norm gradient is taken through the values: ``inv_rms`` must be
+``inverse_rms(source, eps)`` and gets no gradient of its own.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from attnres.ops.common import compute_dtype
+from attnres.ops.two_phase import fused
+from attnres.ops.two_phase.fused import phase1_backward, phase1_forward, phase1_logits
+
+
+def _heads(queries: Tensor) -> int:
+    return 1 if queries.dim() == 2 else queries.shape[1]
+
+
+def _stacked(sources: list[Tensor], inv_rms: list[Tensor]) -> tuple[Tensor, Tensor | None]:
+    """([B, T, n, D] in the compute dtype, [B, T, n] or None) from the lists."""
+    cd = compute_dtype(sources[0].dtype)
+    values = torch.stack([v.to(cd) for v in sources], dim=2)
+    return values, (torch.stack([r.to(cd) for r in inv_rms], dim=2) if inv_rms else None)
+
+
+@torch.library.custom_op("attnres::phase1", mutates_args=())
+def phase1_op(
+    sources: list[Tensor], inv_rms: list[Tensor], queries: Tensor, key_weights: Tensor | None, kernel: str
+) -> tuple[Tensor, Tensor]:
+    """(h [B, T, S, D], lse [B, T, S, H]) in the compute dtype; ``inv_rms`` empty: no key norm."""
+    b, t, d = sources[0].shape
+    heads, s_count = _heads(queries), queries.shape[0]
+    with torch.autocast(sources[0].device.type, enabled=False):
+        kernels = fused.triton_for(sources[0])  # read at call time: tests route it
+        if kernels is not None and kernels.fits(heads, d):
+            values = torch.stack(sources, dim=2)
+            inv = torch.stack(inv_rms, dim=2) if inv_rms else None
+            h, lse = kernels.phase1(values, inv, queries, key_weights, kernel=kernel)
+            return h, lse
+        values, inv = _stacked(sources, inv_rms)
+        h, lse, _, _ = phase1_forward(values.flatten(0, 1), inv, queries, key_weights, heads, kernel)
+        return h.view(b, t, s_count, d), lse.view(b, t, s_count, heads)
+
+
+@phase1_op.register_fake
+def _(sources, inv_rms, queries, key_weights, kernel):
+    b, t, d = sources[0].shape
+    cd = compute_dtype(sources[0].dtype)
+    s_count = queries.shape[0]
+    return sources[0].new_empty(b, t, s_count, d, dtype=cd), sources[0].new_empty(
+        b, t, s_count, _heads(queries), dtype=cd
+    )
+
+
+@torch.library.custom_op("attnres::phase1_backward", mutates_args=())
+def phase1_backward_op(
+    grad_h: Tensor,
+    grad_lse: Tensor,
+    sources: list[Tensor],
+    inv_rms: list[Tensor],
+    queries: Tensor,
+    key_weights: Tensor | None,
+    lse: Tensor,
+    kernel: str,
+) -> tuple[Tensor, Tensor]:
+    """(dL/dvalues [B, T, n, D], dL/du [S, D] for u = queries * key_weights), compute dtype."""
+    b, t, d = sources[0].shape
+    heads, n = _heads(queries), len(sources)
+    with torch.autocast(sources[0].device.type, enabled=False):
+        values, inv = _stacked(sources, inv_rms)
+        cd = values.dtype
+        v3 = values.flatten(0, 1)
+        # the weights again, from lse: one [BT, n, S, H] pass of dot products
+        dots, z = phase1_logits(v3, inv, queries, key_weights, heads)
+        r = inv.flatten(0, 1) if inv is not None else None
+        lse3 = lse.to(cd).flatten(0, 1)
+        alpha = torch.exp(z - lse3.unsqueeze(1)) if kernel == "softmax" else torch.sigmoid(z)
+        gh = grad_h.to(cd).flatten(0, 1)
+        g_lse = grad_lse.to(cd).flatten(0, 1)
+        gv, du = phase1_backward(v3, r, queries, key_weights, alpha, dots, gh, g_lse, heads, kernel, True)
+        assert du is not None  # asked for
+        return gv.view(b, t, n, d), du
+
+
+@phase1_backward_op.register_fake
+def _(grad_h, grad_lse, sources, inv_rms, queries, key_weights, lse, kernel):
+    b, t, d = sources[0].shape
+    cd = compute_dtype(sources[0].dtype)
+    return sources[0].new_empty(b, t, len(sources), d, dtype=cd), queries.new_empty(queries.shape[0], d, dtype=cd)
+
+
+def _setup_context(ctx, inputs, output):
+    sources, inv_rms, queries, key_weights, kernel = inputs
+    _, lse = output
+    ctx.n, ctx.kernel = len(sources), kernel
+    ctx.has_norm, ctx.has_weights = bool(inv_rms), key_weights is not None
+    ctx.meta = [(v.dtype, v.shape) for v in sources]
+    ctx.save_for_backward(*sources, *inv_rms, queries, key_weights, lse)
+
+
+def _backward(ctx, grad_h, grad_lse):
+    saved = ctx.saved_tensors
+    n = ctx.n
+    sources = list(saved[:n])
+    inv_rms = list(saved[n : 2 * n]) if ctx.has_norm else []
+    queries, key_weights, lse = saved[len(saved) - 3 :]
+    if grad_h is None:
+        grad_h = lse.new_zeros(*lse.shape[:3], sources[0].shape[-1])
+    if grad_lse is None:
+        grad_lse = torch.zeros_like(lse)
+    gv, du = phase1_backward_op(grad_h, grad_lse, sources, inv_rms, queries, key_weights, lse, ctx.kernel)
+    grads = [gv[:, :, i].to(dtype) for i, (dtype, _) in enumerate(ctx.meta)]
+    gq = du * key_weights.to(du.dtype) if key_weights is not None else du
+    gq = gq.reshape(queries.shape).to(queries.dtype)
+    gk = (du * queries.to(du.dtype).reshape(du.shape)).to(key_weights.dtype) if key_weights is not None else None
+    # no gradient through inv_rms: its key-norm term is in the sources' gradients
+    return grads, [None] * len(inv_rms), gq, gk, None
+
+
+phase1_op.register_autograd(_backward, setup_context=_setup_context)
