@@ -186,6 +186,21 @@ def _non_negative_number(value, config):
     return None
 
 
+def _positive_number_or_none(what: str) -> Callable:
+    def check(value, config):
+        if value is None or _positive_number(value, config) is None:
+            return None
+        return f"must be a positive number ({what})"
+
+    return check
+
+
+def _negative_number_or_none(value, config):
+    if value is None or (not isinstance(value, bool) and isinstance(value, (int, float)) and value < 0):
+        return None
+    return "must be a negative number (the log of the smallest decay per step, e.g. -5) or None (Kimi Linear's decay)"
+
+
 KIMI_OPTIONS = {
     "kimi_layer_pattern": Option(_pattern),
     "kda_heads": Option(_positive_or_none("KDA heads; default n_heads")),
@@ -204,6 +219,16 @@ KIMI_OPTIONS = {
     "moe_routed_scale": Option(_positive_number),
     "moe_renormalize": Option(boolean),
     "moe_bias_update_rate": Option(_non_negative_number),
+    "situ_beta": Option(_positive_number_or_none("SiTU's beta; None: SwiGLU")),
+    "situ_linear_beta": Option(_positive_number_or_none("SiTU's up-branch beta; None: off")),
+    "kda_full_rank_gate": Option(boolean),
+    "kda_gate_lower_bound": Option(_negative_number_or_none),
+    "mla_output_gate": Option(boolean),
+    "moe_layer_freq": Option(_positive("period of the MoE layers after the dense ones")),
+    "moe_groups": Option(_positive("expert groups")),
+    "moe_topk_groups": Option(_positive("expert groups a token's experts come from")),
+    "moe_latent_dim": Option(_positive_or_none("latent width of the routed experts; None: d_model")),
+    "moe_latent_norm": Option(boolean),
 }
 _MOE_ONLY = (
     "moe_top_k",
@@ -213,6 +238,11 @@ _MOE_ONLY = (
     "moe_routed_scale",
     "moe_renormalize",
     "moe_bias_update_rate",
+    "moe_layer_freq",
+    "moe_groups",
+    "moe_topk_groups",
+    "moe_latent_dim",
+    "moe_latent_norm",
 )
 
 
@@ -234,6 +264,10 @@ def _kimi_check(config) -> None:
             "applies to backbone='llama' only: Kimi Linear's MLA has no positional encoding "
             "(KDA carries position); drop it",
         )
+    if config.situ_linear_beta is not None and config.situ_beta is None:
+        raise bad_option(
+            "situ_linear_beta", config.situ_linear_beta, "squashes SiTU's up branch: set situ_beta too, or drop it"
+        )
     if config.moe_experts == 0:
         for name in _MOE_ONLY:
             if getattr(config, name) != defaults[name]:
@@ -245,6 +279,36 @@ def _kimi_check(config) -> None:
         return
     if config.moe_top_k > config.moe_experts:
         raise bad_option("moe_top_k", config.moe_top_k, f"must be at most moe_experts={config.moe_experts}")
+    _check_moe_k3(config)
+
+
+def _check_moe_k3(config) -> None:
+    """Kimi K3's routing and MoE-layout rules (grouped top-k, the latent norm, MoE layers exist)."""
+    groups, chosen = config.moe_groups, config.moe_topk_groups
+    if config.moe_experts % groups or config.moe_experts // groups < 2:
+        raise bad_option(
+            "moe_groups",
+            groups,
+            f"must divide moe_experts={config.moe_experts} into groups of at least 2 experts (a group "
+            "scores by its top two)",
+        )
+    if chosen > groups:
+        raise bad_option("moe_topk_groups", chosen, f"must be at most moe_groups={groups}")
+    if config.moe_top_k > chosen * (config.moe_experts // groups):
+        raise bad_option(
+            "moe_top_k",
+            config.moe_top_k,
+            f"exceeds the {chosen * (config.moe_experts // groups)} experts of moe_topk_groups={chosen} groups",
+        )
+    if config.moe_latent_norm and config.moe_latent_dim is None:
+        raise bad_option("moe_latent_norm", True, "normalises the latent MoE's sum: set moe_latent_dim too")
+    if config.moe_layer_freq != 1 and not any(moe_layers(config)):
+        raise bad_option(
+            "moe_layer_freq",
+            config.moe_layer_freq,
+            f"with moe_dense_layers={config.moe_dense_layers} leaves no MoE layer among n_layers="
+            f"{config.n_layers}; lower either, or set moe_experts=0",
+        )
 
 
 def kimi_params(config) -> int:
@@ -261,9 +325,8 @@ def kimi_params(config) -> int:
         + inner
         + heads  # forget gate: low-rank projection, dt bias, A_log
         + d * heads  # beta
-        + d * hd
-        + hd * inner
-        + hd  # output gate (low rank) and its gated norm
+        + (d * inner if config.kda_full_rank_gate else d * hd + hd * inner)
+        + hd  # output gate (full or low rank) and its gated norm
         + inner * d
     )  # output projection
     nh, nope, rope, v, rank = (
@@ -279,9 +342,11 @@ def kimi_params(config) -> int:
         else d * config.mla_q_rank + config.mla_q_rank + config.mla_q_rank * nh * (nope + rope)
     )
     mla = q + d * (rank + rope) + rank + rank * nh * (nope + v) + nh * v * d
+    mla += d * nh * v if config.mla_output_gate else 0
     dense = 3 * d * config.d_ff
-    w, e = s["moe_d_ff"], config.moe_experts
-    moe = 3 * e * w * d + e * d + 3 * d * w * config.moe_shared_experts
+    w, e, r = s["moe_d_ff"], config.moe_experts, config.moe_latent_dim
+    moe = 3 * e * w * (r or d) + e * d + 3 * d * w * config.moe_shared_experts
+    moe += 0 if r is None else 2 * d * r + (r if config.moe_latent_norm else 0)
     total = V * d + (0 if config.tie_embeddings else V * d) + d
     for kind, sparse in zip(layer_kinds(config), moe_layers(config), strict=True):
         total += 2 * d + (kda if kind == KDA else mla) + (moe if sparse else dense)

@@ -123,6 +123,16 @@ class ModelConfig:
     moe_routed_scale: float = 1.0
     moe_renormalize: bool = True
     moe_bias_update_rate: float = 1e-3
+    situ_beta: float | None = None
+    situ_linear_beta: float | None = None
+    kda_full_rank_gate: bool = False
+    kda_gate_lower_bound: float | None = None
+    mla_output_gate: bool = False
+    moe_layer_freq: int = 1
+    moe_groups: int = 1
+    moe_topk_groups: int = 1
+    moe_latent_dim: int | None = None
+    moe_latent_norm: bool = False
 
     def __post_init__(self):
         if self.n_kv_heads is None:
@@ -271,4 +281,20 @@ FIELD_DOCS: dict[str, str] = {
     "moe_renormalize": "renormalise the top-k routing weights (transformers' norm_topk_prob)",
     "moe_bias_update_rate": "aux-loss-free balancing: after each step every routing bias moves this much "
     "toward the mean load (0: off)",
+    "situ_beta": "Kimi K3's SiTU activation beta·tanh(gate/beta)·sigmoid(gate)·up in every MLP and expert "
+    "(K3's activation_situ_beta; None: SwiGLU)",
+    "situ_linear_beta": "SiTU's up branch squashed to b·tanh(up/b) (K3's activation_situ_linear_beta; "
+    "needs situ_beta; None: off)",
+    "kda_full_rank_gate": "KDA output gate as one d_model x heads·head_dim projection (K3's "
+    "use_full_rank_gate; False: Kimi Linear's low-rank pair)",
+    "kda_gate_lower_bound": "KDA decay exp(bound·sigmoid(exp(A_log)·(f + dt_bias))), a negative bound "
+    "(K3's gate_lower_bound; None: Kimi Linear's exp(-exp(A_log)·softplus(f + dt_bias)))",
+    "mla_output_gate": "MLA output times sigmoid of a projection of the layer input (K3's mla_use_output_gate)",
+    "moe_layer_freq": "after the dense layers, every moe_layer_freq-th layer (index divisible by it) is MoE "
+    "(K3's moe_layer_freq)",
+    "moe_groups": "expert groups for routing (K3's num_expert_group; 1: ungrouped top-k)",
+    "moe_topk_groups": "groups, best by their top-2 scores, a token's experts are chosen from (K3's topk_group)",
+    "moe_latent_dim": "latent MoE: routed experts run at this width between a down and an up projection "
+    "(K3's routed_expert_hidden_size; None: at d_model)",
+    "moe_latent_norm": "RMSNorm on the routed experts' latent sum (K3's latent_moe_use_norm; needs moe_latent_dim)",
 }

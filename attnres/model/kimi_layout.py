@@ -16,8 +16,10 @@ def layer_kinds(config) -> list[str]:
 
 
 def moe_layers(config) -> list[bool]:
-    """Per Transformer block, whether its MLP is the mixture of experts (after the dense first layers)."""
-    return [config.moe_experts > 0 and i >= config.moe_dense_layers for i in range(config.n_layers)]
+    """Per Transformer block, whether its MLP is the mixture of experts: after the dense first layers,
+    every ``moe_layer_freq``-th one (index divisible by it; K3's rule, 1: all of them)."""
+    freq = config.moe_layer_freq
+    return [config.moe_experts > 0 and i >= config.moe_dense_layers and i % freq == 0 for i in range(config.n_layers)]
 
 
 def kimi_sizes(config) -> dict[str, int]:

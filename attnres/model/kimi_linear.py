@@ -35,6 +35,7 @@ except ImportError as e:  # the optional extra is missing
         f"pip install 'attnres[hf]' (transformers>=5) ({e})"
     ) from e
 
+from attnres.model import k3_blocks as k3
 from attnres.model.kimi_layout import KDA, kimi_sizes, layer_kinds, moe_layers
 
 # ----------------------------------------------------------------------------- transformers' config
@@ -74,8 +75,8 @@ def kimi_linear_config(config, **extra) -> KimiLinearConfig:
         moe_intermediate_size=s["moe_d_ff"],
         routed_scaling_factor=float(config.moe_routed_scale),
         norm_topk_prob=config.moe_renormalize,
-        n_group=1,
-        topk_group=1,
+        n_group=config.moe_groups,
+        topk_group=config.moe_topk_groups,
         pad_token_id=None,
         bos_token_id=None,
         eos_token_id=None,
@@ -107,11 +108,11 @@ class KimiLinearBlock(nn.Module):
         self.kind = layer_kinds(config)[index]
         self.attn_norm = kimi.KimiLinearRMSNorm(config.d_model, eps=config.norm_eps)
         self.attn = (
-            kimi.KimiLinearDeltaAttention(hf, index) if self.kind == KDA else kimi.KimiLinearAttention(hf, index)
+            k3.delta_attention(hf, index, config) if self.kind == KDA else k3.latent_attention(hf, index, config)
         )
         self.mlp_norm = kimi.KimiLinearRMSNorm(config.d_model, eps=config.norm_eps)
         self.is_moe = moe_layers(config)[index]
-        self.mlp = kimi.KimiLinearMoE(hf) if self.is_moe else kimi.KimiLinearMLP(hf)
+        self.mlp = k3.mixture_of_experts(hf, config) if self.is_moe else k3.dense_mlp(hf, config)
         self.expert_load: Tensor | None = None
         if isinstance(self.mlp, kimi.KimiLinearMoE):
             self.mlp.gate.register_forward_hook(self._count_routed_tokens)
@@ -167,6 +168,7 @@ def init_kimi_weights(model) -> None:
             module.A_log.copy_(torch.empty_like(module.A_log).uniform_(1.0, 16.0).log())
             dt = torch.empty_like(module.dt_bias).uniform_(math.log(1e-3), math.log(1e-1)).exp().clamp_min(1e-4)
             module.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus(dt_bias) = dt
+    k3.init_k3_weights(model)
 
 
 def matrix_stacks(model) -> list[str]:

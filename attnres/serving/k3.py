@@ -32,9 +32,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from attnres.model.backbones import KDA, MLA, kimi_sizes, layer_kinds, moe_layers
+from attnres.model.k3 import (
+    situ as situ,  # K3's activation, re-exported beside the SwiGLU constants
+)
 
 # SiTU's beta that makes it SwiGLU (see the module docstring): a power of two, so x/beta and
 # beta·y are exact
@@ -47,15 +48,6 @@ SWIGLU_EXACT_ABOVE = 2.0**-66
 
 class ServingError(ValueError):
     """A model a serving format cannot express; the message names the field, its value and the fix."""
-
-
-def situ(up: torch.Tensor, gate: torch.Tensor, beta: float, linear_beta: float | None = None) -> torch.Tensor:
-    """K3's activation (the reference formula, in the input dtype): beta·tanh(gate/beta)·sigmoid(gate)
-    times ``up`` (squashed to linear_beta·tanh(up/linear_beta) when linear_beta is set)."""
-    a = beta * torch.tanh(gate / beta) * torch.sigmoid(gate)
-    if linear_beta is not None and linear_beta > 0:
-        up = linear_beta * torch.tanh(up / linear_beta)
-    return a * up
 
 
 def check_kimi_backbone(config, target: str) -> None:
@@ -73,22 +65,40 @@ def layout_block_size(config, target: str) -> int | None:
     """§10's B (``attn_res_block_size``) for ``config``, None for a PreNorm model; ServingError
     (naming the field and the fix) for residual schemes the layout cannot store."""
     from attnres.hf.convert import ConversionError
-    from attnres.hf.kimi import kimi_config_dict
+    from attnres.hf.kimi.save import released_block_size
 
-    try:  # the released layout's config.json: its rules decide what Block AttnRes it stores
-        return kimi_config_dict(config).get("attn_res_block_size")
+    try:  # the released layout's rules decide what Block AttnRes it stores
+        return released_block_size(config)
     except ConversionError as e:
         raise ServingError(f"cannot write {target}: {e}") from None
 
 
 def k3_text_config(config) -> dict[str, Any]:
     """The text config of a K3 checkpoint (``config.json``'s ``text_config``, the fields mlx-lm's
-    ``kimi_k3`` and vLLM / SGLang read) describing ``config``'s model: Kimi Linear's sizes, SiTU with
-    :data:`SWIGLU_SITU_BETA` (= SwiGLU), §10's ``attn_res_block_size``, no K3-only extras."""
+    ``kimi_k3`` and vLLM / SGLang read) describing ``config``'s model: Kimi Linear's sizes, the
+    activation (SiTU with ``situ_beta``, or with :data:`SWIGLU_SITU_BETA` for SwiGLU), §10's
+    ``attn_res_block_size`` and K3's options (``attnres.model.k3_blocks``)."""
     check_kimi_backbone(config, "a Kimi K3 checkpoint")
     b = layout_block_size(config, "a Kimi K3 checkpoint")
     s, kinds, sparse = kimi_sizes(config), layer_kinds(config), moe_layers(config)
     moe = any(sparse)
+    if moe and config.moe_top_k == 1 and config.moe_renormalize:
+        raise ServingError(
+            "ModelConfig.moe_top_k=1 with moe_renormalize=True (every routing weight 1) cannot be written as "
+            "Kimi K3, which renormalises only two or more experts (one keeps its sigmoid score); train with "
+            "--set moe_renormalize=false or moe_top_k >= 2"
+        )
+    linear_attn: dict[str, Any] = {
+        "num_heads": s["kda_heads"],
+        "head_dim": s["kda_head_dim"],
+        "short_conv_kernel_size": config.kda_conv_kernel,
+        "kda_layers": [i + 1 for i, k in enumerate(kinds) if k == KDA],
+        "full_attn_layers": [i + 1 for i, k in enumerate(kinds) if k == MLA],
+        "use_full_rank_gate": bool(config.kda_full_rank_gate),
+    }
+    if config.kda_gate_lower_bound is not None:
+        linear_attn["gate_lower_bound"] = float(config.kda_gate_lower_bound)
+    swiglu = config.situ_beta is None
     return {
         "model_type": "kimi_linear",
         "architectures": ["KimiLinearForCausalLM"],
@@ -104,16 +114,10 @@ def k3_text_config(config) -> dict[str, Any]:
         "pad_token_id": None,  # the tokenizer's files name the special tokens
         "bos_token_id": None,
         "eos_token_id": None,
-        "linear_attn_config": {
-            "num_heads": s["kda_heads"],
-            "head_dim": s["kda_head_dim"],
-            "short_conv_kernel_size": config.kda_conv_kernel,
-            "kda_layers": [i + 1 for i, k in enumerate(kinds) if k == KDA],
-            "full_attn_layers": [i + 1 for i, k in enumerate(kinds) if k == MLA],
-        },
+        "linear_attn_config": linear_attn,
         "hidden_act": "situ",
-        "activation_situ_beta": SWIGLU_SITU_BETA,
-        "activation_situ_linear_beta": None,
+        "activation_situ_beta": SWIGLU_SITU_BETA if swiglu else float(config.situ_beta),
+        "activation_situ_linear_beta": None if swiglu else config.situ_linear_beta,
         "attn_res_block_size": b,
         "q_lora_rank": config.mla_q_rank,
         "kv_lora_rank": s["mla_kv_rank"],
@@ -121,7 +125,7 @@ def k3_text_config(config) -> dict[str, Any]:
         "qk_rope_head_dim": s["mla_qk_rope_dim"],
         "v_head_dim": s["mla_v_dim"],
         "mla_use_nope": True,
-        "mla_use_output_gate": False,
+        "mla_use_output_gate": bool(config.mla_output_gate),
         "num_experts": config.moe_experts if moe else 0,
         "num_experts_per_token": config.moe_top_k,
         "num_shared_experts": config.moe_shared_experts if moe else 0,
@@ -129,9 +133,11 @@ def k3_text_config(config) -> dict[str, Any]:
         "moe_router_activation_func": "sigmoid",
         "moe_renormalize": bool(config.moe_renormalize),
         "routed_scaling_factor": float(config.moe_routed_scale),
-        "first_k_dense_replace": sparse.index(True) if moe else config.n_layers,
-        "moe_layer_freq": 1,
-        "use_grouped_topk": False,
-        "num_expert_group": 1,
-        "topk_group": 1,
+        "first_k_dense_replace": config.moe_dense_layers if moe else config.n_layers,
+        "moe_layer_freq": config.moe_layer_freq,
+        "use_grouped_topk": config.moe_groups > 1,
+        "num_expert_group": config.moe_groups,
+        "topk_group": config.moe_topk_groups,
+        "routed_expert_hidden_size": config.moe_latent_dim,
+        "latent_moe_use_norm": bool(config.moe_latent_norm),
     }

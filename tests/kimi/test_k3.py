@@ -1,6 +1,6 @@
-"""Kimi K3 directories (model_type "kimi_k3") load into the Kimi Linear backbone when K3's additions are
-off or exact (SiTU with the SwiGLU beta): the directory `attnres convert --to mlx` writes comes back
-bit for bit; each addition the backbone lacks is refused by name (attnres.hf.kimi.k3)."""
+"""Kimi K3 directories (model_type "kimi_k3") load into the Kimi Linear backbone with K3's options
+(attnres.model.k3_blocks): the directory `attnres convert --to mlx` writes comes back bit for bit, with
+each option; what the backbone lacks is refused by name (attnres.hf.kimi.k3_layout)."""
 
 import json
 
@@ -49,30 +49,108 @@ def test_a_k3_directory_loads_bit_for_bit(k3_dir):
         assert torch.equal(model(ids).logits, lm(ids))
 
 
+K3_FEATURES = {
+    "situ": dict(situ_beta=2.0),
+    "situ-linear-beta": dict(situ_beta=1.0, situ_linear_beta=3.0),
+    "kda-full-rank-gate": dict(kda_full_rank_gate=True),
+    "kda-gate-lower-bound": dict(kda_gate_lower_bound=-5.0),
+    "mla-output-gate": dict(mla_output_gate=True),
+    "latent-moe": dict(moe_latent_dim=16, moe_latent_norm=True),
+    "moe-layer-freq": dict(moe_layer_freq=2),
+    "grouped-routing": dict(moe_groups=2, moe_topk_groups=1),
+}
+
+
+def k3_model(seed: int = 0, **options) -> AttnResLM:
+    torch.manual_seed(seed)
+    config = ModelConfig(
+        backbone="kimi_linear",
+        vocab_size=64,
+        d_model=32,
+        n_layers=4,
+        n_heads=2,
+        max_seq_len=32,
+        moe_experts=4,
+        moe_top_k=2,
+        residual="block",
+        attnres_block_size=4,
+        **options,
+    )
+    return AttnResLM(config).eval()
+
+
+@pytest.mark.parametrize("options", K3_FEATURES.values(), ids=K3_FEATURES.keys())
+def test_each_k3_option_round_trips_through_a_k3_directory(tmp_path, options):
+    lm = k3_model(**options)
+    path = save_mlx(lm, tmp_path / "k3")
+    model = convert_kimi_linear(path)
+    back = model.config.model_config()
+    assert all(getattr(back, k) == v for k, v in options.items())
+    ours, theirs = lm.state_dict(), model.model.state_dict()
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, lm(ids))
+
+
 @pytest.mark.parametrize(
-    "field, value",
+    "field, value, match",
     [
-        ("activation_situ_beta", 1.0),
-        ("activation_situ_linear_beta", 2.0),
-        ("linear_attn_config.use_full_rank_gate", True),
-        ("linear_attn_config.gate_lower_bound", -5.0),
-        ("mla_use_output_gate", True),
-        ("routed_expert_hidden_size", 16),
-        ("moe_layer_freq", 2),
+        ("hidden_act", "silu", "hidden_act='silu'"),
+        ("mla_use_nope", False, "mla_use_nope=False"),
+        ("num_shared_experts", 0, "num_shared_experts=0"),
+        ("moe_router_activation_func", "softmax", "moe_router_activation_func='softmax'"),
+        ("quantization_config", {"quant_method": "compressed-tensors"}, "quantization_config='compressed-tensors'"),
     ],
 )
-def test_k3_additions_are_refused_by_name(k3_dir, tmp_path, field, value):
+def test_what_the_backbone_lacks_is_refused_by_name(k3_dir, tmp_path, field, value, match):
     _, path = k3_dir
     data = json.loads((path / "config.json").read_text())
-    text = data["text_config"]
-    if field.startswith("linear_attn_config."):
-        text["linear_attn_config"][field.split(".", 1)[1]] = value
-    else:
-        text[field] = value
+    data["text_config"][field] = value
     (tmp_path / "config.json").write_text(json.dumps(data))
-    with pytest.raises(ConversionError, match=f"{field}={value!r}") as info:
+    with pytest.raises(ConversionError, match=match) as info:
         convert_kimi_linear(tmp_path)
     assert "\n" not in str(info.value)
+
+
+def test_a_k3_release_drops_its_vision_tower_and_mtp_layers_and_reads_flat_a_log(k3_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    lm, path = k3_dir
+    tensors = {"language_model." + k: v for k, v in load_file(str(path / "model.safetensors")).items()}
+    for k in [k for k in tensors if k.endswith("A_log")]:
+        tensors[k] = tensors[k].flatten()  # mlx-lm's spelling
+    tensors["vision_tower.patch_embed.weight"] = torch.ones(3)
+    tensors["language_model.model.mtp.0.proj.weight"] = torch.ones(3)
+    tensors["language_model.model.layers.4.input_layernorm.weight"] = torch.ones(32)  # an MTP layer
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text((path / "config.json").read_text())
+    model = convert_kimi_linear(tmp_path)
+    assert all(torch.equal(v, model.model.state_dict()[k]) for k, v in lm.state_dict().items())
+
+
+def test_k3_options_are_refused_in_a_kimi_linear_checkpoint(tmp_path):
+    from attnres.hf.kimi import save_kimi_linear
+
+    with pytest.raises(ConversionError, match="mla_output_gate=True is a Kimi K3 option.*--to mlx"):
+        save_kimi_linear(k3_model(mla_output_gate=True), tmp_path / "kimi")
+
+
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        (dict(situ_linear_beta=2.0), "situ_linear_beta=2.0 is invalid: squashes SiTU's up branch: set situ_beta"),
+        (dict(situ_beta=0.0), "situ_beta=0.0 is invalid: must be a positive number"),
+        (dict(kda_gate_lower_bound=1.0), "kda_gate_lower_bound=1.0 is invalid: must be a negative number"),
+        (dict(moe_groups=3), "moe_groups=3 is invalid: must divide moe_experts=4"),
+        (dict(moe_groups=2, moe_topk_groups=3), "moe_topk_groups=3 is invalid: must be at most moe_groups=2"),
+        (dict(moe_latent_norm=True), "moe_latent_norm=True is invalid: .*set moe_latent_dim"),
+        (dict(moe_layer_freq=8, moe_dense_layers=1), "moe_layer_freq=8 is invalid: .*leaves no MoE layer"),
+    ],
+)
+def test_bad_k3_options_name_the_field(options, match):
+    with pytest.raises(ValueError, match=match):
+        k3_model(**options)
 
 
 def test_attnres_convert_takes_a_k3_directory(k3_dir, tmp_path):

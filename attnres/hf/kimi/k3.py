@@ -1,10 +1,13 @@
-"""Kimi K3 checkpoints (``model_type = "kimi_k3"``), as far as the Kimi Linear backbone expresses them.
+"""Kimi K3 checkpoints (``model_type = "kimi_k3"``): reading their config.json.
 
 The released K3 is a Kimi Linear text model (``text_config``, model_type ``kimi_linear``) with
-docs/method.md §10's attention residuals and some additions of its own. A K3 directory loads here
-when those additions are off or are exact re-expressions of what the backbone has; the directories
-``attnres convert --to mlx`` writes are such (docs/serving.md). What K3 has and the backbone does not
-is a :class:`ConversionError` naming the field:
+docs/method.md §10's attention residuals and additions of its own, each a ``ModelConfig`` option of
+the Kimi Linear backbone (``attnres.model.k3_blocks``); a K3 directory loads through
+``attnres.hf.kimi.k3_layout`` (its keys as fields, its tensor names as ours).
+
+A checkpoint of ``model_type = "kimi_linear"`` is read by transformers' ``KimiLinearConfig``, which
+knows none of K3's keys: :func:`check_k3_features` refuses them there by name (write such a model as
+``kimi_k3``), rather than silently dropping them:
 
 - ``hidden_act = "situ"`` (beta·tanh(gate/beta)·sigmoid(gate)·up) loads as SwiGLU only with no
   ``activation_situ_linear_beta`` and an ``activation_situ_beta`` that is a power of two >= 2^60,
@@ -27,22 +30,28 @@ K3_MODEL_TYPE = "kimi_k3"
 SWIGLU_SITU_MIN_BETA = 2.0**60
 
 
-def read_k3_config(path) -> Any:
-    """The text model's ``KimiLinearConfig`` of a K3 directory (None when ``path`` holds another model
-    type); transformers reads K3's own field names (``linear_attn_config``, ``num_experts``, ...).
-    K3 additions the backbone lacks raise here; SiTU with the SwiGLU beta comes back as "silu"."""
+def read_k3_text(path) -> dict[str, Any] | None:
+    """The text config (a dict) of a K3 directory's config.json; None when ``path`` holds another model type."""
     file = Path(path) / "config.json"
     data = json.loads(file.read_text(encoding="utf-8")) if file.is_file() else {}
     if not isinstance(data, dict) or data.get("model_type") != K3_MODEL_TYPE:
         return None
+    text = dict(data.get("text_config") or data)
+    return {k: v for k, v in text.items() if k not in ("model_type", "architectures", "transformers_version")}
+
+
+def read_k3_config(path) -> Any:
+    """The text model of a K3 directory as a ``KimiLinearConfig`` (None for another model type), for
+    what it says besides the model's fields (``attn_res_block_size``, special token ids); transformers
+    reads K3's own key names (``linear_attn_config``, ``num_experts``, ...). The model's fields come
+    from :func:`attnres.hf.kimi.k3_layout.k3_model_fields`."""
+    text = read_k3_text(path)
+    if text is None:
+        return None
     from transformers import KimiLinearConfig
 
-    text = dict(data.get("text_config") or data)
-    text = {k: v for k, v in text.items() if k not in ("model_type", "architectures", "transformers_version")}
-    config = KimiLinearConfig(**text)
-    check_k3_features(config)
-    if config.hidden_act == "situ":  # the exact SwiGLU check_k3_features lets through, under its own name
-        config.hidden_act = "silu"
+    config = KimiLinearConfig(**{**text, "hidden_act": "silu"})  # SiTU is ours to read, not transformers'
+    config.k3_text = text
     return config
 
 

@@ -18,6 +18,7 @@ from attnres.hf.convert import (
     read_source_config,
 )
 from attnres.hf.kimi.k3 import read_k3_config
+from attnres.hf.kimi.k3_layout import k3_model_fields, runtime_names
 from attnres.hf.kimi.layout import (
     MULTIMODAL_PREFIX,
     attn_res_block_size,
@@ -104,6 +105,30 @@ def _load_directory(path: Path, config) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def _load_k3_directory(path: Path, config) -> dict[str, torch.Tensor]:
+    """The tensors of a K3 directory under transformers' runtime names (pure renames and splits of
+    the released names, ``attnres.hf.kimi.k3_layout``; nothing is rounded)."""
+    raw = read_safetensors_dir(path)
+    if raw is None:
+        raise ConversionError(
+            f"{path} holds no model.safetensors (or sharded index); K3 checkpoints convert from safetensors only"
+        )
+    for name, t in raw.items():
+        if not t.is_floating_point():
+            raise ConversionError(
+                f"cannot convert: {name} is a {t.dtype} tensor (quantised weights, such as K3's MXFP4 "
+                "experts); only float checkpoints convert, dequantise first"
+            )
+    fields = k3_model_fields(config.k3_text)
+    return runtime_names(strip_prefix(raw), ModelConfig(**fields))
+
+
+def _model_fields(config, max_seq_len: int | None = None) -> dict[str, Any]:
+    """ModelConfig fields of a Kimi Linear config, or of a K3 one (``read_k3_config``'s)."""
+    text = getattr(config, "k3_text", None)
+    return k3_model_fields(text, max_seq_len) if text is not None else kimi_model_fields(config, max_seq_len)
+
+
 def _load_source(source) -> tuple[Any, dict[str, torch.Tensor]]:
     """(config, tensors under transformers' runtime names) of a checkpoint directory or a transformers
     model object."""
@@ -112,7 +137,9 @@ def _load_source(source) -> tuple[Any, dict[str, torch.Tensor]]:
         config = read_k3_config(path) or read_source_config(
             path, "a kimi_linear checkpoint directory (config.json + safetensors)"
         )
-        kimi_model_fields(config)  # what the backbone cannot express fails before anything is loaded
+        _model_fields(config)  # what the backbone cannot express fails before anything is loaded
+        if getattr(config, "k3_text", None) is not None:
+            return config, _load_k3_directory(path, config)
         return config, _load_directory(path, config)
     config = getattr(source, "config", None)
     if config is None or not hasattr(source, "state_dict"):
@@ -183,7 +210,7 @@ def convert_kimi_linear(
     ``model_options``: other ModelConfig fields (``attnres_impl``, ``moe_bias_update_rate``, ...).
     """
     config, tensors = _load_source(source)
-    fields = kimi_model_fields(config, max_seq_len)
+    fields = _model_fields(config, max_seq_len)
     b = attn_res_block_size(config)
     options = dict(model_options)
     if b is not None:

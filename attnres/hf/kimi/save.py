@@ -19,10 +19,11 @@ from attnres.hf.kimi.layout import (
 )
 from attnres.hf.modeling import AttnResForCausalLM
 from attnres.model.config import ModelConfig
+from attnres.model.k3 import K3_OPTIONS
 from attnres.model.lm import AttnResLM
 
 
-def _layout_block_size(model_config: ModelConfig) -> int | None:
+def released_block_size(model_config: ModelConfig) -> int | None:
     """B for the §10 layout (None: prenorm, written as a plain checkpoint); or a ConversionError
     naming the option the layout cannot store."""
     c = model_config
@@ -64,13 +65,21 @@ def _layout_block_size(model_config: ModelConfig) -> int | None:
     return S // 2
 
 
+def k3_options_set(model_config: ModelConfig) -> list[str]:
+    """The Kimi K3 options (``attnres.model.k3_blocks``) ``model_config`` sets away from their default."""
+    import dataclasses
+
+    defaults = {f.name: f.default for f in dataclasses.fields(model_config)}
+    return [name for name in K3_OPTIONS if getattr(model_config, name) != defaults[name]]
+
+
 @torch.no_grad()
 def kimi_state_dict(lm: AttnResLM, *, language_model: bool = False) -> dict[str, torch.Tensor]:
     """Our model's tensors under the names of transformers' Kimi Linear modules, plus the §10
     depth-attention weights for Block AttnRes (what :func:`save_kimi_linear` writes, before
     transformers turns the module names into the released checkpoint layout)."""
     c = lm.config
-    b = _layout_block_size(c)
+    b = released_block_size(c)
     out = {}
     for name, t in lm.state_dict().items():
         if name.startswith("residual.") or (name == "lm_head.weight" and c.tie_embeddings):
@@ -96,7 +105,14 @@ def kimi_config_dict(model_config: ModelConfig) -> dict[str, Any]:
             f"ModelConfig.backbone={model_config.backbone!r}: only kimi_linear models are "
             "written as Kimi Linear checkpoints"
         )
-    b = _layout_block_size(model_config)
+    b = released_block_size(model_config)
+    k3 = k3_options_set(model_config)
+    if k3:
+        raise ConversionError(
+            f"ModelConfig.{k3[0]}={getattr(model_config, k3[0])!r} is a Kimi K3 option, which a kimi_linear "
+            "checkpoint (transformers' KimiLinearForCausalLM) cannot hold: write a K3 checkpoint instead "
+            "(attnres convert RUN OUT --to mlx, attnres.serving.mlx.save_mlx)"
+        )
     hf = kimi_linear_config(model_config, tie_word_embeddings=False)
     data = hf.to_dict()
     data["architectures"] = ["KimiLinearForCausalLM"]
