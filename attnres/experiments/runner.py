@@ -539,6 +539,11 @@ def _advance(
     s = status_of(s.run, runs_root, spec.name)  # fresh: an earlier entry or another process may have made it
     if s.state == "done" or (s.state == "diverged" and not retry_diverged):
         return "skipped"
+    source = s.source if s.state == "reusable" else None
+    if source is not None and spec.keep_checkpoint and not (source / CHECKPOINT_DIR).is_dir():
+        # a spec that keeps checkpoints (to measure the models later) trains the same config again
+        log(f"[{s.run.name}] {s.source} has no checkpoint to keep: training the same config here")
+        s = RunStatus(s.run, s.dir, "missing")
     if s.state == "reusable":
         _reuse(s, spec, log, command)
         return "reused"

@@ -95,6 +95,8 @@ REPORT_AXES = {
     "demo": ("scheme",),
     "kimi-linear": ("backbone", "scheme"),
     "retrofit": ("arm",),
+    "routing": ("backbone", "scheme"),
+    "importance": ("backbone", "scheme"),
     "generic": (),
 }
 DEFAULT_TOKENS_PER_SECOND = 6000.0

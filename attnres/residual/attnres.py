@@ -383,8 +383,13 @@ class DepthAttentionResidual(ResidualScheme):
         c = self.prenorm_read_scale(l) if self.scale_norm_eps else None
         return 1.0 if c is None else c * c
 
+    def stream_form(self, embedding: Tensor) -> type:
+        """The stream class this scheme runs (``attnres_impl``, its weights, the compiler); an
+        instance may override it to run a measuring form (``attnres.experiments.importance``)."""
+        return stream_class(self, embedding)
+
     def _begin(self, embedding: Tensor) -> Stream:
-        stream = stream_class(self, embedding)(self, [embedding])
+        stream = self.stream_form(embedding)(self, [embedding])
         if self.additive:
             stream.residual = embedding
         return stream
@@ -393,6 +398,6 @@ class DepthAttentionResidual(ResidualScheme):
         # the state: [partial block sum] if a block is open, then with additive routing the PreNorm stream
         residual = state[-1] if self.additive else None
         partial = state[0] if len(state) > int(self.additive) else None
-        stream = stream_class(self, history[0])(self, history, partial, cache)
+        stream = self.stream_form(history[0])(self, history, partial, cache)
         stream.residual = residual
         return stream

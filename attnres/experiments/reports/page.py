@@ -14,8 +14,10 @@ from attnres.experiments.reports.common import Report
 from attnres.experiments.reports.demo import demo_page
 from attnres.experiments.reports.dynamics import dynamics_report
 from attnres.experiments.reports.generic import generic_report
+from attnres.experiments.reports.importance import importance_report
 from attnres.experiments.reports.kimi_linear import kimi_linear_report
 from attnres.experiments.reports.retrofit import retrofit_report
+from attnres.experiments.reports.routing import routing_report
 from attnres.experiments.reports.scaling import scaling_report
 from attnres.experiments.reports.sections import (
     provenance,
@@ -39,6 +41,8 @@ BUILDERS: dict[str, Callable[[Report], None]] = {
     "arch-sweep": arch_sweep_report,
     "kimi-linear": kimi_linear_report,
     "retrofit": retrofit_report,
+    "routing": routing_report,
+    "importance": importance_report,
     "generic": generic_report,
 }
 

@@ -1,0 +1,146 @@
+"""The routing report (``experiments/routing.toml``, issue 39): source (outputs | states) x routing
+(replacement | additive) for Block and Full AttnRes, plus PreNorm, on two backbones.
+
+Each scheme point carries the tags ``family`` (prenorm | block | full), ``source`` and ``routing``. Per
+backbone: every cell's loss, its paired Δ against PreNorm and, for the other cells of a family, against
+the paper's cell of that family (outputs, replacement); the 2 x 2 grids of Δ vs PreNorm; which cell wins
+and whether by more than the seed noise; a one-line verdict on Delta Attention Residuals' claim that
+additive routing is the lever.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from attnres.experiments.reports.common import Report, fmt, md_table
+from attnres.experiments.reports.kimi_linear import BACKBONE_NAMES, _median_step_seconds
+from attnres.experiments.results import Collected
+from attnres.experiments.stats import Paired, fmt_mean_std, paired
+
+PAPER_CELL = ("outputs", "replacement")  # the paper's AttnRes: sublayer outputs, replacement routing
+
+
+def _tags(col: Collected, scheme: str) -> tuple[str, str, str]:
+    point = col.point("scheme", scheme)
+    tags = point.tags if point is not None else {}
+    return tags.get("family", scheme), tags.get("source", "-"), tags.get("routing", "-")
+
+
+def _paper_cell(col: Collected, family: str) -> str | None:
+    return next((s for s in col.points("scheme") if _tags(col, s) == (family, *PAPER_CELL)), None)
+
+
+def _word(p: Paired) -> str:
+    return {"better": "lower than", "worse": "higher than"}.get(p.verdict, "within noise of")
+
+
+def routing_verdict(col: Collected) -> str:
+    """One line: per backbone and family, additive against replacement (outputs source) and the winner."""
+    base = col.spec.baseline or "prenorm"
+    parts = []
+    for bb in col.points("backbone"):
+        ref = col.losses(backbone=bb, scheme=base)
+        cells = [s for s in col.points("scheme") if s != base and col.losses(backbone=bb, scheme=s)]
+        if not cells:
+            continue
+        claims = []
+        for family in ("block", "full"):
+            paper = _paper_cell(col, family)
+            additive = next(
+                (s for s in cells if _tags(col, s) == (family, "outputs", "additive")),
+                None,
+            )
+            if paper is None or additive is None:
+                continue
+            p = paired(col.losses(backbone=bb, scheme=additive), col.losses(backbone=bb, scheme=paper))
+            if p.n:
+                claims.append(f"{family} additive {p.mean:+.3f} vs replacement ({p.verdict})")
+        best = min(cells, key=lambda s: float(np.mean(list(col.losses(backbone=bb, scheme=s).values()))))
+        win = paired(col.losses(backbone=bb, scheme=best), ref)
+        claims.append(f"best cell {best} {win.mean:+.3f} vs {base} ({win.verdict})")
+        parts.append(f"{bb}: " + ", ".join(claims))
+    if not parts:
+        return "Verdict: no runs yet."
+    return "Verdict (Delta AttnRes: additive routing beats replacement and PreNorm): " + "; ".join(parts) + "."
+
+
+def routing_report(rep: Report) -> None:
+    col = rep.col
+    base = col.spec.baseline or "prenorm"
+    schemes = col.points("scheme")
+    for bb in col.points("backbone"):
+        ref = col.losses(backbone=bb, scheme=base)
+        base_runs = [r for r in col.select(backbone=bb, scheme=base) if r.done]
+        base_step = float(np.mean([_median_step_seconds(r) for r in base_runs])) if base_runs else float("nan")
+        rows, means = [], {}
+        for s in schemes:
+            family, source, routing = _tags(col, s)
+            done = [r for r in col.select(backbone=bb, scheme=s) if r.done]
+            losses = col.losses(backbone=bb, scheme=s)
+            if losses:
+                means[s] = float(np.mean(list(losses.values())))
+            paper = _paper_cell(col, family)
+            vs_paper = (
+                rep.paired_cell(losses, col.losses(backbone=bb, scheme=paper))
+                if paper is not None and paper != s and losses
+                else "—"
+            )
+            step = float(np.mean([_median_step_seconds(r) for r in done])) if done else float("nan")
+            rows.append(
+                [
+                    s,
+                    source,
+                    routing,
+                    str(len(done)),
+                    fmt_mean_std(list(losses.values())),
+                    "—" if s == base or not losses else rep.paired_cell(losses, ref),
+                    vs_paper,
+                    "—" if not done or not base_runs else f"{step / base_step:.2f}",
+                ]
+            )
+        rep.add(
+            f"## {BACKBONE_NAMES.get(bb, bb)}",
+            "",
+            md_table(
+                [
+                    "cell",
+                    "source",
+                    "routing",
+                    "seeds",
+                    "val loss",
+                    f"Δ vs {base} (paired)",
+                    "Δ vs the paper's cell of its family (outputs, replacement)",
+                    f"step time / {base}",
+                ],
+                rows,
+                "llllrllr",
+            ),
+            "",
+        )
+        grid_rows = []
+        for family in ("block", "full"):
+            for source in ("outputs", "states"):
+                row = [family, source]
+                for routing in ("replacement", "additive"):
+                    cell = next((s for s in schemes if _tags(col, s) == (family, source, routing)), None)
+                    losses = col.losses(backbone=bb, scheme=cell) if cell else {}
+                    row.append(fmt(paired(losses, ref).mean, 4, sign=True) if losses and ref else "—")
+                grid_rows.append(row)
+        rep.add(
+            f"Mean paired Δ vs {base} in the 2 x 2 of each family (negative: lower loss than {base}):",
+            "",
+            md_table(["family", "source", "replacement", "additive"], grid_rows, "llrr"),
+            "",
+        )
+        cells = [s for s in means if s != base]
+        if cells and ref:
+            ranked = sorted(cells, key=means.__getitem__)
+            best = ranked[0]
+            lines = [f"Winner on {bb}: **{best}** (mean {means[best]:.4f}); against {base}: "]
+            lines[0] += paired(col.losses(backbone=bb, scheme=best), ref).describe()
+            if len(ranked) > 1:
+                runner = ranked[1]
+                p = paired(col.losses(backbone=bb, scheme=best), col.losses(backbone=bb, scheme=runner))
+                lines.append(f"; against the runner-up {runner}: {p.describe()} ({_word(p)} it).")
+            rep.add("".join(lines), "")
+    rep.add("## Verdict", "", routing_verdict(col), "")

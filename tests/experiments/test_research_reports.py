@@ -1,0 +1,180 @@
+"""Issue 39's reports from tiny cached runs: routing (the 2 x 2 with paired Δ and a verdict) and importance
+(knockouts measured once from kept checkpoints, then from their cache alone); the knockout stream against
+a float64 read written out; a spec that keeps checkpoints trains a config again instead of copying a run
+that has none."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import textwrap
+
+import pytest
+import torch
+from reference import randomize
+
+from attnres.experiments import load_spec, run_experiment
+from attnres.experiments.importance import KNOCKOUT_FILE, knockout_form, knockout_table
+from attnres.experiments.reports import write_report
+from attnres.residual import FullAttnRes
+from attnres.train.trainer import Trainer
+
+ROUTING = """
+    [experiment]
+    name = "routing"
+    report = "routing"
+    seeds = [0, 1]
+    baseline = "prenorm"
+    {base}
+    [[axis.scheme]]
+    label = "prenorm"
+    residual = "prenorm"
+    tags = {{ family = "prenorm", source = "-", routing = "-" }}
+    [[axis.scheme]]
+    label = "block"
+    residual = "block"
+    attnres_block_size = 2
+    tags = {{ family = "block", source = "outputs", routing = "replacement" }}
+    [[axis.scheme]]
+    label = "block-additive"
+    residual = "block"
+    attnres_block_size = 2
+    attnres_routing = "additive"
+    tags = {{ family = "block", source = "outputs", routing = "additive" }}
+    [[axis.backbone]]
+    label = "llama"
+"""
+
+IMPORTANCE = """
+    [experiment]
+    name = "importance"
+    report = "importance"
+    seeds = [0]
+    keep_checkpoint = true
+    {base}
+    [[axis.backbone]]
+    label = "llama"
+    [[axis.scheme]]
+    label = "block"
+    residual = "block"
+    attnres_block_size = 2
+    [[axis.scheme]]
+    label = "full"
+    residual = "full"
+"""
+
+
+def quiet(_msg):
+    pass
+
+
+@pytest.fixture(scope="module")
+def suite(tmp_path_factory, tiny_base):
+    root = tmp_path_factory.mktemp("research")
+    specs, runs = root / "specs", root / "runs"
+    specs.mkdir()
+    for name, body in (("routing", ROUTING), ("importance", IMPORTANCE)):
+        (specs / f"{name}.toml").write_text(textwrap.dedent(body).format(base=tiny_base()))
+    run_experiment(load_spec("routing", specs), runs, progress=False, log=quiet)
+    return specs, runs, root
+
+
+def test_the_routing_report_pairs_each_cell_and_states_a_verdict(suite):
+    specs, runs, root = suite
+    text = write_report(load_spec("routing", specs), runs, root / "reports" / "routing").read_text()
+    assert "**Status: complete.**" in text
+    assert "| block-additive | outputs | additive | 2 |" in text
+    assert "Δ vs the paper's cell of its family" in text
+    assert "| block | outputs | -" in text  # the 2 x 2 grid row of Block's outputs source
+    assert "Winner on llama:" in text
+    assert "Verdict (Delta AttnRes: additive routing beats replacement and PreNorm): llama: block additive" in text
+
+
+def test_importance_trains_again_rather_than_copy_a_run_without_checkpoint(suite):
+    specs, runs, root = suite
+    logs: list[str] = []
+    counts = run_experiment(load_spec("importance", specs), runs, progress=False, log=logs.append)
+    # routing's block run has the same config but no checkpoint: trained again, with its checkpoint kept
+    assert counts["trained"] == 2 and counts["reused"] == 0, counts
+    assert any("has no checkpoint to keep" in line for line in logs)
+    assert all((d / "checkpoint").is_dir() for d in (runs / "importance").iterdir() if d.is_dir())
+
+
+def test_the_importance_report_measures_once_then_reads_its_cache(suite, monkeypatch):
+    specs, runs, root = suite
+    run_experiment(load_spec("importance", specs), runs, progress=False, log=quiet)
+    spec = load_spec("importance", specs)
+    text = write_report(spec, runs, root / "reports" / "importance").read_text()
+    assert "ρ overall (zero)" in text and "importance.png" in text
+    assert "Verdict (arXiv 2606.13168: routing mass is not causal importance):" in text
+    caches = sorted((runs / "importance").glob(f"*/{KNOCKOUT_FILE}"))
+    assert len(caches) == 2
+    table = json.loads(caches[0].read_text())
+    assert table["batches"] >= 1 and len(table["consumers"]) > 2
+    # without checkpoints (a fresh clone) the same report comes from the caches alone
+    for d in (runs / "importance").glob("*/checkpoint"):
+        shutil.rmtree(d)
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("the report must read the cache")
+
+    monkeypatch.setattr(Trainer, "__init__", no_training)
+    again = write_report(spec, runs, root / "reports" / "importance2").read_text()
+    section = text.split("## Routing mass")[1].split("## All runs")[0]
+    assert section.replace("importance2", "importance") in again
+
+
+def test_a_knockout_removes_or_averages_one_source_of_one_read():
+    torch.manual_seed(0)
+    scheme = randomize(FullAttnRes(8, 5, impl="reference").double(), seed=2)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 3, 8, dtype=torch.float64, generator=g)
+    fs = [torch.randn(2, 3, 8, dtype=torch.float64, generator=g) for _ in range(5)]
+
+    def reads(form=None):
+        if form is not None:
+            scheme.stream_form = lambda e: form
+        try:
+            stream, out = scheme.begin(x), []
+            for f in fs:
+                out.append(stream.read())
+                stream.write(None, f)
+            return out
+        finally:
+            if form is not None:
+                del scheme.stream_form
+
+    def read_by_hand(read, values):
+        q, w = scheme.queries[read], scheme.key_norm_weight[read]
+        keys = [v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + scheme.eps) * w for v in values]
+        logits = torch.stack([(k * q).sum(-1) for k in keys])
+        alpha = torch.softmax(logits, 0)
+        return sum(a[..., None] * v for a, v in zip(alpha, values, strict=True))
+
+    plain = reads()
+    values = [x, *fs[:3]]  # the sources read 3 reads: the embedding and outputs 0-2
+    dropped = reads(knockout_form(3, 1, "zero"))
+    torch.testing.assert_close(dropped[3], read_by_hand(3, [values[0], values[2], values[3]]), rtol=1e-12, atol=1e-12)
+    averaged = reads(knockout_form(3, 2, "mean"))
+    mean_source = values[2].mean(dim=(0, 1), keepdim=True).expand_as(values[2])
+    torch.testing.assert_close(
+        averaged[3], read_by_hand(3, [values[0], values[1], mean_source, values[3]]), rtol=1e-12, atol=1e-12
+    )
+    for read in (0, 1, 2):  # the reads before it are untouched
+        torch.testing.assert_close(dropped[read], plain[read], rtol=0, atol=0)
+
+
+def test_the_knockout_table_covers_every_read_with_more_than_one_source():
+    from attnres import AttnResLM, ModelConfig
+
+    torch.manual_seed(0)
+    model = AttnResLM(ModelConfig(vocab_size=31, d_model=16, n_layers=2, n_heads=2, max_seq_len=8, residual="full"))
+    randomize(model.residual, seed=1)
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randint(0, 31, (2, 8), generator=g), torch.randint(0, 31, (2, 8), generator=g))]
+    table = knockout_table(model, batches, log=quiet)
+    rows = table["consumers"]
+    assert [len(r["sources"]) for r in rows] == [1, 2, 3, 4, 5]
+    assert rows[0]["zero"] == [] and all(len(r["zero"]) == len(r["sources"]) == len(r["mean"]) for r in rows[1:])
+    assert all(abs(sum(r["weight"]) - 1) < 1e-5 for r in rows)
+    assert any(abs(d) > 0 for r in rows for d in r["zero"])
