@@ -162,7 +162,7 @@ def tensor_parallel_strategy(
 
     from distributed_workers import batch, reference_model
 
-    from attnres.parallel.tensor import TensorParallel
+    from attnres.parallel.runtime import TensorParallel
 
     results = []
     for residual, options in cases:
@@ -175,7 +175,7 @@ def tensor_parallel_strategy(
         loss = strategy.forward_backward(x, y, 1.0)
         strategy.reduce_gradients()
         grads = full_grads(model)
-        strategy.clip_grad_norm(0.5)
+        strategy.clip_grad_norm(0.1)  # below every test model's gradient norm: clipping acts
         clipped = full_grads(model)
         results.append({"loss": loss, "grads": grads, "clipped": clipped, "sharded": sharded, "positions": positions})
     if rank == 0:
@@ -184,3 +184,27 @@ def tensor_parallel_strategy(
 
 def _count_positions(positions: list[int], module, inputs, output) -> None:
     positions.append(inputs[0].shape[1])
+
+
+def pipeline_tensor_parallel(rank: int, world: int, residual: str, out_dir: str) -> None:
+    """The trainer's PipelineParallel layout on a (pp 2, tp world/2) mesh in float64: each rank writes the
+    loss, its stage's gradients (gathered over tp) before and after clipping, and which were sharded."""
+    from contextlib import nullcontext
+
+    from distributed_workers import BATCH, SEQ, batch, reference_model
+
+    from attnres.parallel.runtime import PipelineParallel
+
+    model = reference_model(residual, 4)
+    strategy = PipelineParallel(
+        model, nullcontext, pp=2, vpp=1, schedule="1F1B", microbatches=2, batch_size=BATCH, seq_len=SEQ, tp=world // 2
+    )
+    sharded = sorted(n for n, p in strategy.model.named_parameters() if hasattr(p, "device_mesh"))
+    x, y = batch()
+    loss = strategy.forward_backward(x, y, 1.0)
+    strategy.reduce_gradients()
+    grads = full_grads(strategy.model)
+    strategy.clip_grad_norm(0.1)  # below every test model's gradient norm: clipping acts
+    clipped = full_grads(strategy.model)
+    result = {"loss": loss, "grads": grads, "clipped": clipped, "sharded": sharded}
+    torch.save(result, f"{out_dir}/rank{rank}.pt")

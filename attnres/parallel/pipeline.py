@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from attnres.model.llama import lm_loss, output_logits, run_blocks
 from attnres.model.lm import AttnResLM
 from attnres.parallel import PIPELINE_SCHEDULES as SCHEDULES
+from attnres.parallel.state import full_tensor, local_shard
 from attnres.residual import DepthState
 
 if TYPE_CHECKING:  # torch.distributed.pipelining is imported when a pipeline is built
@@ -321,14 +322,19 @@ def all_reduce_gradients(params: list[nn.Parameter], group: dist.ProcessGroup | 
     gradient takes part as zeros."""
     if not params:
         return
-    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+    local = []  # DTensor gradients (tensor parallel, FSDP2) take part by this rank's shard, in place
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        local.append(local_shard(p.grad))
+    flat = torch.cat([g.reshape(-1) for g in local])
     dist.all_reduce(flat, group=group)
     if divide != 1:
         flat /= divide
     offset = 0
-    for p in params:
-        p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
-        offset += p.numel()
+    for g in local:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
 
 
 class CountingStage(_StageBase):
@@ -441,18 +447,18 @@ class Pipeline:
         ``reduce_shared_gradients``. Returns the norm before clipping."""
         shared = {id(p) for p in self.shared_parameters()}
         with_grad = [(p.grad, id(p) in shared) for p in self.model.parameters() if p.grad is not None]
-        device = with_grad[0][0].device
+        device = local_shard(with_grad[0][0]).device
         own = sum(
-            (g.double().pow(2).sum() for g, is_shared in with_grad if not is_shared),
+            (_squares(g) for g, is_shared in with_grad if not is_shared),
             torch.zeros((), dtype=torch.float64, device=device),
         )
         dist.all_reduce(own, group=self.group)
-        common = sum(p.grad.double().pow(2).sum() for p in self.shared_parameters() if p.grad is not None)
+        common = sum(_squares(p.grad) for p in self.shared_parameters() if p.grad is not None)
         norm = float((own + common).sqrt())
         coef = max_norm / (norm + 1e-6)
         if coef < 1:
             for g, _ in with_grad:
-                g.mul_(coef)
+                local_shard(g).mul_(coef)
         return norm
 
     def bytes_sent(self) -> dict[tuple[int, str], int]:
@@ -467,6 +473,11 @@ class Pipeline:
         self.steps_run = 0
         for stage in self.stages:
             stage.bytes_sent.clear()
+
+
+def _squares(grad: Tensor) -> Tensor:
+    """The sum of squares of a gradient in float64, over all of it when it is a DTensor (tensor parallel)."""
+    return full_tensor(grad.double().pow(2).sum())
 
 
 def prune_to_chunks(model: AttnResLM, layout: PipelineLayout, rank: int) -> AttnResLM:

@@ -1,5 +1,6 @@
-"""How the Trainer runs a step: in one process, data parallel (DDP or FSDP2), or pipeline parallel
-(tensor parallel, alone or with data parallel: ``attnres.parallel.tensor``).
+"""How the Trainer runs a step: in one process, data parallel (DDP or FSDP2), tensor parallel (on a
+(dp, tp) mesh; the sharding itself is ``attnres.parallel.tensor``), or pipeline parallel (on a
+(dp, pp, tp) mesh).
 
 Each strategy takes the *global* batch every rank samples alike (same seed) and
 returns the global mean loss, so a run's numbers do not depend on its layout:
@@ -37,6 +38,12 @@ from attnres.parallel.state import (
     load_named_optimizer_state,
     named_optimizer_state,
 )
+from attnres.parallel.tensor import (
+    check_tensor_parallel,
+    parallelize_model,
+    replicated_parameters,
+)
+from attnres.parallel.tensor import clip_grad_norm as clip_mixed_grad_norm
 
 
 def launched_by_torchrun() -> bool:
@@ -221,8 +228,10 @@ class DataParallel(_Distributed):
 class PipelineParallel(_Distributed):
     """``attnres.parallel.pipeline`` on ``pp`` ranks, optionally replicated ``dp`` times (a (dp, pp)
     device mesh: replica i holds global ranks i*pp .. i*pp+pp-1 and computes rows
-    [i B/dp, (i+1) B/dp) of every batch; gradients are averaged over replicas). ``self.model`` is this
-    rank's part of the model."""
+    [i B/dp, (i+1) B/dp) of every batch; gradients are averaged over replicas), and optionally each
+    stage split over ``tp`` ranks (a (dp, pp, tp) mesh: ``attnres.parallel.tensor`` before the cut;
+    the stages send the replicated residual stream between ranks of equal tp coordinate).
+    ``self.model`` is this rank's part of the model."""
 
     def __init__(
         self,
@@ -237,17 +246,21 @@ class PipelineParallel(_Distributed):
         seq_len: int,
         cache: bool = True,
         dp: int = 1,
+        tp: int = 1,
     ):
         self.dp, self.pp_group, self.dp_group, self.dp_rank = dp, None, None, 0
-        if dp > 1:
+        if dp > 1 or tp > 1:
             from torch.distributed.device_mesh import init_device_mesh
 
             if batch_size % dp:
                 raise ValueError(f"TrainConfig.batch_size={batch_size} is not divisible by dp={dp}; use a multiple")
+            check_tensor_parallel(model.config, tp)
             device = next(model.parameters()).device
-            mesh = init_device_mesh(device.type, (dp, pp), mesh_dim_names=("dp", "pp"))
+            mesh = init_device_mesh(device.type, (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
             self.pp_group, self.dp_group = mesh.get_group("pp"), mesh.get_group("dp")
             self.dp_rank = mesh.get_local_rank("dp")
+            if tp > 1:
+                parallelize_model(model, mesh["tp"])
         self.pipeline = build_pipeline(
             model,
             pp=pp,
@@ -322,3 +335,88 @@ class PipelineParallel(_Distributed):
             for key, by_name in o.items():
                 optim_state.setdefault(key, {}).update(by_name)
         return model_state, optim_state
+
+
+class TensorParallel(_Distributed):
+    """``model`` sharded over ``tp`` ranks, replicated ``dp`` times on a (dp, tp) mesh: tp group i is
+    global ranks i*tp .. i*tp+tp-1 and computes rows [i B/dp, (i+1) B/dp) of every batch. ``shard``:
+    FSDP2 over the dp dimension instead of all-reducing gradients."""
+
+    def __init__(
+        self,
+        model: AttnResLM,
+        autocast: Callable,
+        *,
+        tp: int,
+        dp: int = 1,
+        shard: bool = False,
+        sequence_parallel: bool = False,
+    ):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        check_tensor_parallel(model.config, tp, sequence_parallel)
+        super().__init__(model, autocast)
+        self.dp, self.tp, self.shard, self.sequence_parallel = dp, tp, shard, sequence_parallel
+        device = next(model.parameters()).device
+        self.mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
+        self.dp_group, self.dp_rank = self.mesh.get_group("dp"), self.mesh.get_local_rank("dp")
+        parallelize_model(model, self.mesh["tp"], sequence_parallel)
+        if shard:
+            from torch.distributed.fsdp import fully_shard
+
+            # the sublayers are FSDP2's units, as in DataParallel: the residual stream passes between them
+            for block in model.blocks:
+                fully_shard(block.get_submodule("attn"), mesh=self.mesh["dp"])
+                fully_shard(block.get_submodule("mlp"), mesh=self.mesh["dp"])
+            fully_shard(model, mesh=self.mesh["dp"])
+
+    def compile(self, setting) -> str:
+        raise ValueError(
+            "TrainConfig.compile with tp > 1 is not supported: the tensor-parallel sublayers run on DTensors, "
+            "which this trainer does not compile. Fix: drop --compile, or train with --tp 1"
+        )
+
+    def _rows(self, x: Tensor) -> slice:
+        n = x.shape[0] // self.dp
+        return slice(self.dp_rank * n, (self.dp_rank + 1) * n)
+
+    def _replica_mean(self, value: float) -> float:
+        """The mean over dp replicas (every tp rank of a replica holds the same loss)."""
+        if self.dp == 1:
+            return value
+        t = torch.tensor(value, dtype=torch.float64, device=self._device())
+        dist.all_reduce(t, group=self.dp_group)
+        return float(t) / self.dp
+
+    def forward_backward(self, x: Tensor, y: Tensor, scale: float) -> float:
+        rows = self._rows(x)
+        with self.autocast():
+            loss = lm_loss(self.model(x[rows]), y[rows])
+        (loss * scale).backward()  # every rank joins the collectives of backward, finite loss or not
+        return self._replica_mean(loss.item())
+
+    @torch.no_grad()
+    def eval_loss(self, x: Tensor, y: Tensor) -> float:
+        rows = self._rows(x)
+        with self.autocast():
+            loss = lm_loss(self.model(x[rows]), y[rows])
+        return self._replica_mean(loss.item())
+
+    def reduce_gradients(self) -> None:
+        if self.sequence_parallel:  # each tp rank saw T/tp of the positions: the whole parameters sum them
+            all_reduce_gradients(replicated_parameters(self.model), self.mesh.get_group("tp"))
+        if self.dp > 1 and not self.shard:  # FSDP2 reduce-scatters in backward
+            all_reduce_gradients(list(self.model.parameters()), self.dp_group, divide=self.dp)
+
+    def clip_grad_norm(self, max_norm: float) -> None:
+        clip_mixed_grad_norm(list(self.model.parameters()), max_norm)
+
+    def end_step(self) -> dict[str, object]:
+        if self.dp > 1:  # MoE counts: equal over a tp group (the router is replicated), summed over replicas
+            for counter in self.model.step_counters():
+                dist.all_reduce(counter, group=self.dp_group)
+        return self.model.end_step()
+
+    def gather(self, optimizer):
+        state = full_model_state(self.model), named_optimizer_state(optimizer)  # collective over the mesh
+        return state if self.is_main else None

@@ -35,6 +35,11 @@ def full_tensor(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
+def local_shard(t: Tensor) -> Tensor:
+    """A DTensor's shard on this rank (sharing its storage); other tensors as they are."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def named_optimizer_state(optimizer) -> NamedOptimizerState:
     """The per-parameter state of a CombinedOptimizer, keyed by parameter name (DTensors gathered)."""
     out: NamedOptimizerState = {}

@@ -34,13 +34,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
-from attnres.model.llama import lm_loss
 from attnres.model.lm import AttnResLM
-from attnres.parallel.runtime import _Distributed
-from attnres.parallel.state import full_model_state, full_tensor, named_optimizer_state
+from attnres.parallel.state import full_tensor, local_shard
 
 # per Transformer block: submodule -> how its weight is split ("col": output features, "row": input
 # features); a submodule a block does not have is skipped (Kimi Linear's dense and MoE layers differ)
@@ -109,7 +106,8 @@ def parallelize_model(model: AttnResLM, tp_mesh, sequence_parallel: bool = False
     state, the residual scheme and the norms run on each rank's T/tp positions; each LLaMA sublayer
     gathers its input over T once (``PrepareModuleInput``) and its row-wise projection reduce-scatters
     its output back; the head gathers the final state. The replicated parameters then see a share of the
-    tokens each, and :meth:`TensorParallel.reduce_gradients` sums their gradients over tp."""
+    tokens each, and ``TensorParallel.reduce_gradients`` (``attnres.parallel.runtime``) sums their
+    gradients over tp."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -150,11 +148,6 @@ def _split_over_tp(p: Tensor) -> bool:
     return mesh is not None and "tp" in (mesh.mesh_dim_names or ())
 
 
-def _local(t: Tensor) -> Tensor:
-    """A DTensor's shard on this rank (sharing its storage); other tensors as they are."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 @torch.no_grad()
 def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> Tensor:
     """``torch.nn.utils.clip_grad_norm_`` over a mix of DTensor (sharded) and plain (replicated)
@@ -164,108 +157,5 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> Tensor:
     total = torch.linalg.vector_norm(torch.stack(norms))
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in grads:
-        _local(g).mul_(coef)
+        local_shard(g).mul_(coef)
     return total
-
-
-@torch.no_grad()
-def average_gradients(params: list[nn.Parameter], group, world: int) -> None:
-    """Every gradient summed over ``group`` and divided by ``world``, in one flat all-reduce of the local
-    shards; a missing gradient takes part as zeros."""
-    local = []
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        local.append(_local(p.grad))
-    flat = torch.cat([g.reshape(-1) for g in local])
-    dist.all_reduce(flat, group=group)
-    flat /= world
-    offset = 0
-    for g in local:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
-class TensorParallel(_Distributed):
-    """``model`` sharded over ``tp`` ranks, replicated ``dp`` times on a (dp, tp) mesh: tp group i is
-    global ranks i*tp .. i*tp+tp-1 and computes rows [i B/dp, (i+1) B/dp) of every batch. ``shard``:
-    FSDP2 over the dp dimension instead of all-reducing gradients."""
-
-    def __init__(
-        self,
-        model: AttnResLM,
-        autocast: Callable,
-        *,
-        tp: int,
-        dp: int = 1,
-        shard: bool = False,
-        sequence_parallel: bool = False,
-    ):
-        from torch.distributed.device_mesh import init_device_mesh
-
-        check_tensor_parallel(model.config, tp, sequence_parallel)
-        super().__init__(model, autocast)
-        self.dp, self.tp, self.shard, self.sequence_parallel = dp, tp, shard, sequence_parallel
-        device = next(model.parameters()).device
-        self.mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
-        self.dp_group, self.dp_rank = self.mesh.get_group("dp"), self.mesh.get_local_rank("dp")
-        parallelize_model(model, self.mesh["tp"], sequence_parallel)
-        if shard:
-            from torch.distributed.fsdp import fully_shard
-
-            # the sublayers are FSDP2's units, as in DataParallel: the residual stream passes between them
-            for block in model.blocks:
-                fully_shard(block.get_submodule("attn"), mesh=self.mesh["dp"])
-                fully_shard(block.get_submodule("mlp"), mesh=self.mesh["dp"])
-            fully_shard(model, mesh=self.mesh["dp"])
-
-    def compile(self, setting) -> str:
-        raise ValueError(
-            "TrainConfig.compile with tp > 1 is not supported: the tensor-parallel sublayers run on DTensors, "
-            "which this trainer does not compile. Fix: drop --compile, or train with --tp 1"
-        )
-
-    def _rows(self, x: Tensor) -> slice:
-        n = x.shape[0] // self.dp
-        return slice(self.dp_rank * n, (self.dp_rank + 1) * n)
-
-    def _replica_mean(self, value: float) -> float:
-        """The mean over dp replicas (every tp rank of a replica holds the same loss)."""
-        if self.dp == 1:
-            return value
-        t = torch.tensor(value, dtype=torch.float64, device=self._device())
-        dist.all_reduce(t, group=self.dp_group)
-        return float(t) / self.dp
-
-    def forward_backward(self, x: Tensor, y: Tensor, scale: float) -> float:
-        rows = self._rows(x)
-        with self.autocast():
-            loss = lm_loss(self.model(x[rows]), y[rows])
-        (loss * scale).backward()  # every rank joins the collectives of backward, finite loss or not
-        return self._replica_mean(loss.item())
-
-    @torch.no_grad()
-    def eval_loss(self, x: Tensor, y: Tensor) -> float:
-        rows = self._rows(x)
-        with self.autocast():
-            loss = lm_loss(self.model(x[rows]), y[rows])
-        return self._replica_mean(loss.item())
-
-    def reduce_gradients(self) -> None:
-        if self.sequence_parallel:  # each tp rank saw T/tp of the positions: the whole parameters sum them
-            average_gradients(replicated_parameters(self.model), self.mesh.get_group("tp"), 1)
-        if self.dp > 1 and not self.shard:  # FSDP2 reduce-scatters in backward
-            average_gradients(list(self.model.parameters()), self.dp_group, self.dp)
-
-    def clip_grad_norm(self, max_norm: float) -> None:
-        clip_grad_norm(list(self.model.parameters()), max_norm)
-
-    def end_step(self) -> dict[str, object]:
-        if self.dp > 1:  # MoE counts: equal over a tp group (the router is replicated), summed over replicas
-            for counter in self.model.step_counters():
-                dist.all_reduce(counter, group=self.dp_group)
-        return self.model.end_step()
-
-    def gather(self, optimizer):
-        state = full_model_state(self.model), named_optimizer_state(optimizer)  # collective over the mesh
-        return state if self.is_main else None

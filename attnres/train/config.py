@@ -136,11 +136,10 @@ class TrainConfig:
             raise bad("fsdp", "shards over data-parallel ranks: set dp >= 2 as well")
         if self.fsdp and self.pp > 1:
             raise bad("fsdp", "with pp > 1 the pipeline replicas average gradients by all-reduce; drop fsdp")
-        if self.tp > 1 and self.pp > 1:
+        if self.sequence_parallel and self.pp > 1:
             raise bad(
-                "tp",
-                f"tensor parallelism inside pipeline stages (pp={self.pp}) is not supported. Fix: drop --tp "
-                "or --pp (--tp composes with --dp and --fsdp)",
+                "sequence_parallel",
+                f"with pp={self.pp}: the pipeline stages send whole sequences. Fix: drop --sequence-parallel or --pp",
             )
         if self.tp > 1 and self.batch_size % self.dp:
             raise bad("batch_size", f"must be divisible by dp={self.dp}")

@@ -8,7 +8,12 @@ from collections.abc import Callable
 
 from attnres.model import AttnResLM
 from attnres.model.compile import compile_backend
-from attnres.parallel.runtime import DataParallel, PipelineParallel, SingleProcess
+from attnres.parallel.runtime import (
+    DataParallel,
+    PipelineParallel,
+    SingleProcess,
+    TensorParallel,
+)
 from attnres.train.config import TrainConfig
 
 
@@ -26,10 +31,9 @@ def build_layout(model: AttnResLM, c: TrainConfig, autocast: Callable):
             seq_len=c.seq_len,
             cache=c.pp_cache,
             dp=c.dp,
+            tp=c.tp,
         )
     if c.tp > 1:
-        from attnres.parallel.tensor import TensorParallel
-
         return TensorParallel(model, autocast, tp=c.tp, dp=c.dp, shard=c.fsdp, sequence_parallel=c.sequence_parallel)
     if c.dp > 1:
         return DataParallel(model, autocast, shard=c.fsdp)
@@ -42,7 +46,9 @@ def describe_layout(c: TrainConfig, compiled: str | None) -> str:
     if c.pp > 1:
         layout = (
             f"; pipeline pp={c.pp} vpp={c.vpp} {c.pp_schedule}, {c.pipeline_microbatches} microbatches, "
-            f"caching {'on' if c.pp_cache else 'off'}" + (f", {c.dp} replicas" if c.dp > 1 else "")
+            f"caching {'on' if c.pp_cache else 'off'}"
+            + (f", {c.dp} replicas" if c.dp > 1 else "")
+            + (f", each stage tensor parallel tp={c.tp}" if c.tp > 1 else "")
         )
     elif c.tp > 1:
         layout = f"; tensor parallel tp={c.tp}{' (sequence parallel)' if c.sequence_parallel else ''}" + (

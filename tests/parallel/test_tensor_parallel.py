@@ -9,7 +9,7 @@ import pytest
 import torch
 from corpora import write_pseudo_english
 from distributed_workers import batch, reference_model, spawn, trainer_run
-from wrapper_workers import tensor_parallel_strategy
+from wrapper_workers import pipeline_tensor_parallel, tensor_parallel_strategy
 
 from attnres.model.llama import lm_loss
 from attnres.train.config import build_configs
@@ -43,7 +43,7 @@ def test_tensor_parallel_layout_equals_one_process_in_float64(dp, world, sequenc
     spawn(tensor_parallel_strategy, world, cases, dp, str(out), sequence_parallel)
     for (residual, options), got in zip(cases, torch.load(out, weights_only=True), strict=True):
         case = f"{residual} {options or ''}"
-        loss, grads, clipped = one_process(residual, options, 0.5)
+        loss, grads, clipped = one_process(residual, options, 0.1)
         assert got["loss"] == pytest.approx(loss, abs=1e-10), case
         assert set(got["grads"]) == set(grads), case
         # heads, MLP units, embedding rows and head columns split (not a tied pair); the scheme and norms whole
@@ -55,6 +55,25 @@ def test_tensor_parallel_layout_equals_one_process_in_float64(dp, world, sequenc
         for name, g in grads.items():
             torch.testing.assert_close(got["grads"][name], g, rtol=0, atol=1e-10, msg=f"{case} {name}")
             torch.testing.assert_close(got["clipped"][name], clipped[name], rtol=0, atol=1e-10, msg=f"{case} {name}")
+
+
+@pytest.mark.parametrize("residual", ["block", "full"])
+def test_tensor_parallel_inside_pipeline_stages_equals_one_process_in_float64(residual, tmp_path):
+    """A (pp 2, tp 2) mesh: each pipeline stage's blocks (and the embedding or head) split over a tp
+    pair; every rank's loss and gradients, gathered over tp, before and after clipping, equal one
+    float64 process."""
+    spawn(pipeline_tensor_parallel, 4, residual, str(tmp_path))
+    loss, grads, clipped = one_process(residual, None, 0.1)
+    seen = set()
+    for rank in range(4):
+        got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        assert got["loss"] == pytest.approx(loss, abs=1e-10)
+        assert {n for n in got["grads"] if n.rsplit(".", 2)[-2] in SPLIT} == set(got["sharded"]) != set()
+        for name, g in got["grads"].items():
+            torch.testing.assert_close(g, grads[name], rtol=0, atol=1e-10, msg=f"rank {rank} {name}")
+            torch.testing.assert_close(got["clipped"][name], clipped[name], rtol=0, atol=1e-10, msg=name)
+        seen |= set(got["grads"])
+    assert seen == set(grads)
 
 
 # ----------------------------------------------------------------------------- through the Trainer
@@ -125,6 +144,18 @@ def test_tensor_parallel_times_data_parallel_on_four_ranks_equals_one_process(co
     assert got_val == pytest.approx(want_val, rel=1e-5)
 
 
+def test_tensor_parallel_inside_pipeline_stages_trains_and_resumes_like_one_process(corpus, tmp_path):
+    """`--pp 2 --tp 2`: two pipeline stages, each split over a tp pair, through the Trainer; its
+    checkpoint (gathered over tp and pp) continues in one process like a run that never left it."""
+    model = {**MODEL, "n_layers": 4, "attnres_block_size": 2}
+    train_one(corpus, tmp_path / "one", model=model)
+    train_parallel(corpus, tmp_path / "3d", 4, model=model, steps=2, pp=2, tp=2, microbatches=2)
+    train_one(corpus, tmp_path / "3d", model=model, resume=True)
+    (want_train, want_val), (got_train, got_val) = losses(tmp_path / "one"), losses(tmp_path / "3d")
+    assert got_train == pytest.approx(want_train, rel=1e-5)
+    assert got_val == pytest.approx(want_val, rel=1e-5)
+
+
 KIMI = {"backbone": "kimi_linear", "n_layers": 2, "kimi_layer_pattern": "KM", "moe_experts": 4, "moe_top_k": 2}
 
 
@@ -154,7 +185,7 @@ def test_kimi_linear_under_tensor_parallel_trains_like_one_process(corpus, tmp_p
         (dict(tp=2, d_ff=91), r"ModelConfig.d_ff=91 is not divisible by tp=2"),
         ({**KIMI, "tp": 2, "d_ff": 95}, r"ModelConfig.d_ff=95 is not divisible by tp=2"),
         ({**KIMI, "tp": 2, "moe_d_ff": 15}, r"ModelConfig.moe_d_ff=15 is not divisible by tp=2"),
-        (dict(tp=2, pp=2), r"TrainConfig.tp=2 is invalid: tensor parallelism inside pipeline stages.*--tp or --pp"),
+        (dict(tp=2, pp=2, sequence_parallel=True), r"TrainConfig.sequence_parallel=True is invalid: with pp=2"),
         (dict(tp=2, compile=True), r"TrainConfig.compile=True is invalid: with tp=2.*drop --compile"),
         (dict(tp=2, dp=3, batch_size=4), r"TrainConfig.batch_size=4 is invalid: must be divisible by dp=3"),
         (dict(tp=0), r"TrainConfig.tp=0 is invalid: must be a positive integer"),
