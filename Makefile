@@ -7,8 +7,11 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 # test extras: triton lets the kernel tests run in Triton's CPU interpreter (about 1 GB installed),
 # hf brings transformers for attnres.hf, eval the lm-evaluation-harness that tests/hf/test_harness.py
-# drives; `make test TEST_EXTRAS=dev` skips those tests
-TEST_EXTRAS ?= dev,hf,triton,eval,serving
+# drives; torchtitan the dependencies of attnres.integrations.torchtitan (torchtitan itself comes with
+# --no-deps, below); `make test TEST_EXTRAS=dev` skips those tests
+TEST_EXTRAS ?= dev,hf,triton,eval,serving,torchtitan
+# installed without its dependencies when TEST_EXTRAS has torchtitan (pyproject.toml's torchtitan extra says why)
+TORCHTITAN ?= torchtitan==0.3.0
 
 .PHONY: install test test-fast lint demo clean
 
@@ -21,6 +24,7 @@ $(BIN)/.installed: pyproject.toml Makefile
 
 $(BIN)/.installed-test: $(BIN)/.installed
 	$(BIN)/python -m pip install -q -e '.[$(TEST_EXTRAS)]'
+	case ',$(TEST_EXTRAS),' in *,torchtitan,*) $(BIN)/python -m pip install -q --no-deps '$(TORCHTITAN)';; esac
 	touch $@
 
 install: $(BIN)/.installed

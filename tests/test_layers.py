@@ -24,6 +24,7 @@ LAYER = {
     "analysis": 6,  # caches, prefill, sampling; depth-weight analysis
     "train": 7,  # optimizer, schedules, metrics, the trainer
     "hf": 8,
+    "integrations": 8,  # torchtitan's model spec of AttnResLM
     "experiments": 8,  # transformers integration; specs, runner, reports
     "bench": 9,  # timing and traffic measurements
     "serving": 9,  # GGUF (llama.cpp) and mlx-lm exports of Kimi Linear models

@@ -1,0 +1,59 @@
+"""attnres' torchtitan parallelize function on 2 gloo ranks equals one process: tensor parallel (the
+plan of attnres.integrations.torchtitan.parallelize, AttnRes parameters replicated) and FSDP2 over
+data-parallel ranks, with activation checkpointing and compile, within 1e-5 (float32)."""
+
+import os
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("torchtitan")
+
+sys.path.insert(0, os.path.dirname(__file__))  # the spawned workers import titan_workers by name
+
+import titan_workers
+from distributed_workers import spawn
+
+
+def reference(residual):
+    from attnres.model import AttnResLM
+    from attnres.model.llama import lm_loss
+
+    model = AttnResLM(titan_workers.model_config(residual))
+    model.load_state_dict(titan_workers.reference_state(residual))
+    x, y = titan_workers.batch()
+    loss = lm_loss(model(x), y)
+    loss.backward()
+    return loss.item(), {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(residual="block", tp=2, ac=True, compile=None),
+        dict(residual="full", tp=2, ac=False, compile=None),
+        dict(residual="block", tp=1, ac=True, compile="aot_eager"),
+        dict(residual="mhc", tp=1, ac=False, compile=None),
+    ],
+    ids=["tp2-block-ac", "tp2-full", "fsdp2-block-ac-compile", "fsdp2-mhc"],
+)
+def test_two_ranks_equal_one_process(tmp_path, case):
+    state = titan_workers.reference_state(case["residual"])
+    out = tmp_path / "rank0.pt"
+    spawn(titan_workers.titan_case, 2, {**case, "state": state}, str(out))
+    got = torch.load(out)
+    want_loss, want_grads = reference(case["residual"])
+    assert abs(got["loss"] - want_loss) <= 1e-5
+    assert got["grads"].keys() == want_grads.keys()
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got["grads"][name], grad, rtol=1e-5, atol=1e-5, msg=name)
+    # what was sharded: the projections over both ranks (tensor parallel: by heads, with FSDP2 by
+    # rows); the AttnRes pseudo-queries only by FSDP2, replicated under tensor parallelism
+    if case["tp"] == 2:  # mesh (fsdp, tp): the projection has a placement on the tp axis, the queries none
+        assert got["placements"]["blocks.0.attn.q_proj.weight"].endswith(", Shard(dim=0))")
+        assert got["placements"]["residual.queries"] == "(Shard(dim=0),)"
+    else:
+        assert got["placements"]["blocks.0.attn.q_proj.weight"] == "(Shard(dim=0),)"
+    # the AttnRes parameters took part: their gradients are not zero
+    assert any(want_grads[n].abs().sum() > 0 for n in want_grads if n.startswith("residual."))
