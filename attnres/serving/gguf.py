@@ -6,19 +6,25 @@ with the ``gguf`` package (``pip install 'attnres[serving]'``); its constants pr
 so the K3 keys and tensor names are written literally. The re-expressions (all exact, see
 :mod:`attnres.serving.k3`):
 
-- SwiGLU -> SiTU with ``activation.situ_beta`` = 2^60 and ``situ_linear_beta`` = 0 (off);
+- SwiGLU -> SiTU with ``activation.situ_beta`` = 2^60 and ``situ_linear_beta`` = 0 (off); a model
+  with ``situ_beta`` / ``situ_linear_beta`` (K3's SiTU) writes its own;
 - the depth attention's query w and key-norm weight g -> ``*_res_score`` = g ⊙ w, and
   ``attn_res.block_size`` = B in decoder layers (S = 2B sublayers; Full AttnRes is refused);
-- KDA's low-rank output gate g_b · g_a -> K3's full-rank ``ssm_g`` (their product, float64);
+- KDA's low-rank output gate g_b · g_a -> K3's full-rank ``ssm_g`` (their product, float64; with
+  ``kda_full_rank_gate`` the gate itself); ``kda_gate_lower_bound`` -> ``kda.gate_lower_bound``;
   ``A_log`` -> ``ssm_a`` = -exp(A_log) (llama.cpp folds it at conversion); the fused q/k/v short
   convolution -> three [1, P, 1, K] tensors;
 - MLA's ``kv_b_proj`` -> the absorbed ``attn_k_b`` [H, rank, nope] and ``attn_v_b`` [H, v, rank];
+- ``mla_output_gate`` -> ``attn_gate``; the latent MoE (``moe_latent_dim``, ``moe_latent_norm``) ->
+  ``expert_latent_length`` and ``ffn_routed_down`` / ``ffn_routed_up`` / ``ffn_routed_norm``;
 - per-layer ``head_count_kv``: 1 for MLA (served as MQA over the latent), 0 marks a KDA layer;
 - the tokenizer (byte-level BPE, or bytes as 256 tokens without merges) as ``gpt2``.
 
 Refused with the field named: a non-Kimi backbone, residual schemes §10 cannot store, KDA head
 counts other than ``n_heads`` (llama.cpp's kimi-k3 has one ``attention.head_count`` for both), and
-layer patterns without both KDA and MLA layers (llama.cpp's hybrid cache aborts on them).
+layer patterns without both KDA and MLA layers (llama.cpp's hybrid cache aborts on them), and two K3
+options llama.cpp's kimi-k3 has no key for: ``moe_layer_freq`` != 1 (every layer after the dense ones
+is MoE there) and grouped routing (``moe_groups`` > 1).
 Numbers llama.cpp computes differently without a field to say so: the l2 norm of KDA's q / k and
 MLA's latent RMSNorms use ``rms_norm_eps`` there (1e-6 in transformers); equal when norm_eps = 1e-6.
 """
@@ -73,6 +79,18 @@ def check_gguf(config) -> int | None:
             f"ModelConfig.kimi_layer_pattern={config.kimi_layer_pattern!r} over {config.n_layers} layers "
             "has only one attention kind: llama.cpp's kimi-k3 keeps a hybrid cache (KDA states and "
             "MLA latents) and aborts without both; use a pattern with K and M (such as 'KKKM')"
+        )
+    if any(moe_layers(config)) and config.moe_layer_freq != 1:
+        raise ServingError(
+            f"ModelConfig.moe_layer_freq={config.moe_layer_freq} cannot be written for llama.cpp's kimi-k3, "
+            "which makes every layer after leading_dense_block_count a mixture of experts; use "
+            "moe_layer_freq=1, or serve the model through mlx-lm (attnres convert --to mlx)"
+        )
+    if any(moe_layers(config)) and config.moe_groups != 1:
+        raise ServingError(
+            f"ModelConfig.moe_groups={config.moe_groups} cannot be written for llama.cpp's kimi-k3: its model "
+            "(src/models/kimi-k3.cpp) reads no expert-group keys, and a router that ignored the groups "
+            "would choose other experts; use moe_groups=1, or serve the model through mlx-lm (--to mlx)"
         )
     heads = kimi_sizes(config)["kda_heads"]
     if heads != config.n_heads:
@@ -129,7 +147,8 @@ def gguf_tensors(model) -> dict[str, np.ndarray]:
             out[t + "ssm_beta.weight"] = sd[a + "b_proj.weight"]
             out[t + "ssm_a"] = -torch.exp(sd[a + "forget_gate.A_log"].reshape(-1))
             out[t + "ssm_dt.bias"] = sd[a + "forget_gate.dt_bias"].reshape(-1)
-            out[t + "ssm_g.weight"] = sd[a + "g_b_proj.weight"] @ sd[a + "g_a_proj.weight"]
+            gate = sd[a + "g_b_proj.weight"]  # full rank: g_b_proj alone (g_a_proj is the identity)
+            out[t + "ssm_g.weight"] = gate if c.kda_full_rank_gate else gate @ sd[a + "g_a_proj.weight"]
             out[t + "ssm_norm.weight"] = sd[a + "o_norm.weight"]
         else:
             if c.mla_q_rank:
@@ -144,6 +163,8 @@ def gguf_tensors(model) -> dict[str, np.ndarray]:
             kv_b = sd[a + "kv_b_proj.weight"].reshape(c.n_heads, nope + v, rank)
             out[t + "attn_k_b.weight"] = kv_b[:, :nope].transpose(1, 2)  # [H, rank, nope]
             out[t + "attn_v_b.weight"] = kv_b[:, nope:]  # [H, v, rank]
+            if c.mla_output_gate:
+                out[t + "attn_gate.weight"] = sd[a + "g_proj.weight"]
         out[t + "attn_output.weight"] = sd[a + "o_proj.weight"]
         m = p + "mlp."
         if sparse[i]:
@@ -153,6 +174,11 @@ def gguf_tensors(model) -> dict[str, np.ndarray]:
             out[t + "ffn_gate_exps.weight"] = gate_up[:, :width]
             out[t + "ffn_up_exps.weight"] = gate_up[:, width:]
             out[t + "ffn_down_exps.weight"] = sd[m + "experts.down_proj"]
+            if c.moe_latent_dim is not None:  # the routed experts' latent: down, (norm), up
+                out[t + "ffn_routed_down.weight"] = sd[m + "routed_expert_down_proj.weight"]
+                out[t + "ffn_routed_up.weight"] = sd[m + "routed_expert_up_proj.weight"]
+                if c.moe_latent_norm:
+                    out[t + "ffn_routed_norm.weight"] = sd[m + "routed_expert_norm.weight"]
             if c.moe_shared_experts:
                 for n in ("gate", "up", "down"):
                     out[t + f"ffn_{n}_shexp.weight"] = sd[m + f"shared_experts.{n}_proj.weight"]
@@ -175,6 +201,7 @@ def gguf_metadata(config, block_size: int | None) -> dict[str, tuple[str, Any]]:
     """key -> (GGUF value kind, value) of the kimi-k3 hyperparameters (llama.cpp's key names)."""
     s, kinds, sparse = kimi_sizes(config), layer_kinds(config), moe_layers(config)
     moe = any(sparse)
+    swiglu = config.situ_beta is None
     a = ARCH
     meta: dict[str, tuple[str, Any]] = {
         f"{a}.context_length": ("u32", config.max_seq_len),
@@ -201,12 +228,17 @@ def gguf_metadata(config, block_size: int | None) -> dict[str, tuple[str, Any]]:
         f"{a}.expert_weights_scale": ("f32", float(config.moe_routed_scale)),
         f"{a}.expert_weights_norm": ("bool", bool(config.moe_renormalize)),
         f"{a}.expert_gating_func": ("u32", _GATING_SIGMOID),
-        f"{a}.activation.situ_beta": ("f32", SWIGLU_SITU_BETA),
-        f"{a}.activation.situ_linear_beta": ("f32", 0.0),  # <= 0: the up branch is left as is
+        f"{a}.activation.situ_beta": ("f32", SWIGLU_SITU_BETA if swiglu else float(config.situ_beta)),
+        # <= 0: the up branch is left as is
+        f"{a}.activation.situ_linear_beta": ("f32", float(config.situ_linear_beta or 0.0)),
         f"{a}.attn_res.block_size": ("u32", block_size or 0),  # 0: plain PreNorm residual
     }
     if config.mla_q_rank:
         meta[f"{a}.attention.q_lora_rank"] = ("u32", config.mla_q_rank)
+    if config.kda_gate_lower_bound is not None:  # absent: Kimi Linear's softplus decay
+        meta[f"{a}.kda.gate_lower_bound"] = ("f32", float(config.kda_gate_lower_bound))
+    if moe and config.moe_latent_dim is not None:
+        meta[f"{a}.expert_latent_length"] = ("u32", config.moe_latent_dim)
     return meta
 
 

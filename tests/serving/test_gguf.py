@@ -262,6 +262,8 @@ def test_16_bit_files(tmp_path):
         (dict(attnres_scale_norm_eps=True), "attnres_scale_norm_eps=True"),
         (dict(kda_heads=4), "kda_heads=4"),
         (dict(kimi_layer_pattern="M"), "kimi_layer_pattern='M'"),
+        (dict(moe_layer_freq=2), "moe_layer_freq=2"),
+        (dict(moe_groups=2), "moe_groups=2"),
     ],
 )
 def test_refusals_name_the_field(tmp_path, overrides, field):
@@ -270,6 +272,44 @@ def test_refusals_name_the_field(tmp_path, overrides, field):
     assert "\n" not in str(info.value)
     if "llama" in field:
         assert "LLaMA-backbone AttnRes models have none" in str(info.value)
+
+
+def test_k3_options_are_written_as_llama_cpp_reads_them(tmp_path):
+    """K3's options of the backbone in llama.cpp's kimi-k3 terms: SiTU's betas, the KDA gate's lower bound
+    (key present only when set), the full-rank KDA gate as ssm_g itself, MLA's output gate as attn_gate,
+    the latent MoE's projections and norm with expert_latent_length."""
+    options = dict(
+        situ_beta=2.0,
+        situ_linear_beta=3.0,
+        kda_gate_lower_bound=-5.0,
+        kda_full_rank_gate=True,
+        mla_output_gate=True,
+        moe_latent_dim=8,
+        moe_latent_norm=True,
+    )
+    lm = tiny(**options)
+    sd = {k: v.double() for k, v in lm.state_dict().items()}
+    fields, tensors = read(write_gguf(lm, tmp_path / "k3.gguf"))
+    assert fields["kimi-k3.activation.situ_beta"] == 2.0 and fields["kimi-k3.activation.situ_linear_beta"] == 3.0
+    assert fields["kimi-k3.kda.gate_lower_bound"] == -5.0 and fields["kimi-k3.expert_latent_length"] == 8
+
+    def got(name):
+        t = tensors[name]
+        return torch.from_numpy(np.array(t.data, dtype=np.float64)).reshape([int(x) for x in reversed(t.shape)])
+
+    pairs = {
+        "blk.0.ssm_g.weight": "blocks.0.attn.g_b_proj.weight",
+        "blk.3.attn_gate.weight": "blocks.3.attn.g_proj.weight",
+        "blk.2.ffn_routed_down.weight": "blocks.2.mlp.routed_expert_down_proj.weight",
+        "blk.2.ffn_routed_up.weight": "blocks.2.mlp.routed_expert_up_proj.weight",
+        "blk.2.ffn_routed_norm.weight": "blocks.2.mlp.routed_expert_norm.weight",
+    }
+    for name, ours in pairs.items():
+        torch.testing.assert_close(got(name), sd[ours].float().double(), rtol=0, atol=0)
+    assert ne(tensors["blk.2.ffn_gate_exps.weight"]) == [8, 64 // 3 + 1, 4]  # experts at the latent width
+    plain, _ = read(write_gguf(tiny(), tmp_path / "plain.gguf"))
+    assert "kimi-k3.kda.gate_lower_bound" not in plain and "kimi-k3.expert_latent_length" not in plain
+    assert plain["kimi-k3.activation.situ_beta"] == SWIGLU_SITU_BETA
 
 
 def test_cli_exports_a_hugging_face_directory(tmp_path, capsys):
