@@ -97,6 +97,7 @@ REPORT_AXES = {
     "retrofit": ("arm",),
     "routing": ("backbone", "scheme"),
     "importance": ("backbone", "scheme"),
+    "kimi-scaling": ("size", "scheme"),
     "generic": (),
 }
 DEFAULT_TOKENS_PER_SECOND = 6000.0

@@ -64,6 +64,32 @@ IMPORTANCE = """
 """
 
 
+KIMI_SCALING = """
+    [experiment]
+    name = "kimi-scaling"
+    report = "kimi-scaling"
+    seeds = [0, 1]
+    baseline = "prenorm"
+    {base}
+    [[axis.size]]
+    label = "k1"
+    d_model = 24
+    n_heads = 2
+    [[axis.size]]
+    label = "k2"
+    d_model = 32
+    n_heads = 2
+    steps = 6
+    eval_every = 3
+    [[axis.scheme]]
+    label = "prenorm"
+    residual = "prenorm"
+    [[axis.scheme]]
+    label = "block"
+    residual = "block"
+"""
+
+
 def quiet(_msg):
     pass
 
@@ -73,7 +99,7 @@ def suite(tmp_path_factory, tiny_base):
     root = tmp_path_factory.mktemp("research")
     specs, runs = root / "specs", root / "runs"
     specs.mkdir()
-    for name, body in (("routing", ROUTING), ("importance", IMPORTANCE)):
+    for name, body in (("routing", ROUTING), ("importance", IMPORTANCE), ("kimi-scaling", KIMI_SCALING)):
         (specs / f"{name}.toml").write_text(textwrap.dedent(body).format(base=tiny_base()))
     run_experiment(load_spec("routing", specs), runs, progress=False, log=quiet)
     return specs, runs, root
@@ -178,3 +204,13 @@ def test_the_knockout_table_covers_every_read_with_more_than_one_source():
     assert rows[0]["zero"] == [] and all(len(r["zero"]) == len(r["sources"]) == len(r["mean"]) for r in rows[1:])
     assert all(abs(sum(r["weight"]) - 1) < 1e-5 for r in rows)
     assert any(abs(d) > 0 for r in rows for d in r["zero"])
+
+
+def test_the_kimi_scaling_report_fits_and_compares_at_equal_time(suite):
+    specs, runs, root = suite
+    run_experiment(load_spec("kimi-scaling", specs), runs, progress=False, log=quiet)
+    text = write_report(load_spec("kimi-scaling", specs), runs, root / "reports" / "kimi-scaling").read_text()
+    assert "## Power-law fits" in text and "## Beside the LLaMA backbone" in text
+    assert "| Kimi Linear (this experiment) | block |" in text
+    assert "## Equal wall-clock time (Kimi Linear)" in text and "| k2 | block |" in text
+    assert "Verdict (does the Kimi-backbone advantage grow with scale?): block Δ" in text

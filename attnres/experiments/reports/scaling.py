@@ -10,6 +10,7 @@ from attnres.experiments import figures
 from attnres.experiments.fit import (
     FLOPS_FORMULA,
     PFLOPS_DAY,
+    PowerLaw,
     compute_multiplier,
     fit_power_law,
     flops_per_token,
@@ -22,7 +23,7 @@ from attnres.experiments.reports.common import (
     model_of,
     shares_sublayer_init,
 )
-from attnres.experiments.results import finite
+from attnres.experiments.results import Collected, finite
 from attnres.experiments.stats import fmt_mean_std, mean_std
 
 
@@ -32,6 +33,33 @@ def _fmt_multipliers(values: list[float]) -> str:
     if n == 0:
         return "—"
     return f"{m:.2f}× (1 seed)" if n == 1 else f"{m:.2f}× ± {sd:.2f} ({n} seeds)"
+
+
+def fitted_laws(col: Collected) -> tuple[dict[str, PowerLaw], dict[str, float]]:
+    """(scheme -> L = A·C^-α over the per-size mean losses, size -> C in PF-days) of a collection with
+    axes size and scheme; a scheme with fewer than two sizes has no fit. What ``scaling_report`` fits,
+    for a report that sets another experiment's fits beside its own."""
+    base = col.spec.baseline or "prenorm"
+    C_of: dict[str, float] = {}
+    points: dict[str, tuple[list[float], list[float]]] = {}
+    for size in col.points("size"):
+        model = model_of(col, size=size, scheme=base) or model_of(col, size=size)
+        runs = col.select(size=size)
+        if model is None or not runs:
+            continue
+        C_of[size] = flops_per_token(model, runs[0].run.train.seq_len) * runs[0].run.tokens / PFLOPS_DAY
+        for s in col.points("scheme"):
+            m, _, n = mean_std(col.losses(size=size, scheme=s).values())
+            if n:
+                points.setdefault(s, ([], []))[0].append(C_of[size])
+                points[s][1].append(m)
+    fits = {}
+    for s, (Cs, Ls) in points.items():
+        try:
+            fits[s] = fit_power_law(Cs, Ls)
+        except ValueError:
+            continue
+    return fits, C_of
 
 
 def scaling_report(rep: Report) -> None:
@@ -82,14 +110,13 @@ def scaling_report(rep: Report) -> None:
     )
     rep.add("## Losses per size", "", f"Compute: {FLOPS_FORMULA}.", "", md_table(headers, rows), "")
 
-    fits = {}
+    fits, _ = fitted_laws(col)
     fit_rows = []
     for s in schemes:
-        try:
-            fits[s] = fit_power_law(series[s]["C"], series[s]["mean"])
+        if s in fits:
             series[s]["fit"] = fits[s]
             fit_rows.append([s, f"{fits[s].A:.4g}", f"{fits[s].alpha:.4f}", f"{fits[s].r2:.3f}", str(fits[s].n)])
-        except ValueError:
+        else:
             fit_rows.append([s, "—", "—", "—", str(len(series[s]["C"]))])
     rep.add(
         "## Power-law fits",

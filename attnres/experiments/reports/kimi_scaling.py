@@ -1,0 +1,161 @@
+"""The kimi-scaling report (``experiments/kimi-scaling.toml``, issue 39 item 4): the scaling report's
+sections on the Kimi Linear backbone, the LLaMA-backbone fit of ``experiments/scaling.toml`` beside it,
+and every comparison at equal wall-clock time as well as at equal tokens.
+
+Equal wall-clock: per size, each scheme's median optimizer-step time over its runs against the
+baseline's (the step-time ratio r, measured in the same suite on this machine); at the baseline's
+training time a scheme has made steps / r steps, and its validation loss there is read off its own
+evaluation curve (linear in the step between evaluations; a scheme faster than the baseline keeps its
+final loss, which understates it). The paired Δ against the baseline's final loss is then taken per seed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from attnres.experiments.fit import compute_multiplier
+from attnres.experiments.reports.common import Report, md_table
+from attnres.experiments.reports.kimi_linear import _median_step_seconds
+from attnres.experiments.reports.scaling import fitted_laws, scaling_report
+from attnres.experiments.results import Collected, Result, collect
+from attnres.experiments.spec import ExperimentError, load_spec
+from attnres.experiments.stats import paired
+
+LLAMA_SPEC = "scaling"  # the LLaMA-backbone scaling experiment, beside this one
+
+
+def _loss_at_step(r: Result, step: float) -> float:
+    curve = r.eval_curve()
+    if not len(curve["step"]):
+        return float("nan")
+    return float(np.interp(step, curve["step"], curve["val_loss"]))
+
+
+def equal_time_rows(col: Collected) -> list[list[str]]:
+    """Per size and non-baseline scheme: the step-time ratio and the paired Δ at equal tokens and at
+    the baseline's training time."""
+    base = col.spec.baseline or "prenorm"
+    rows = []
+    for size in col.points("size"):
+        base_runs = [r for r in col.select(size=size, scheme=base) if r.done]
+        if not base_runs:
+            continue
+        base_step = float(np.median([_median_step_seconds(r) for r in base_runs]))
+        ref = col.losses(size=size, scheme=base)
+        for s in col.points("scheme"):
+            runs = [r for r in col.select(size=size, scheme=s) if r.done]
+            if s == base or not runs:
+                continue
+            ratio = float(np.median([_median_step_seconds(r) for r in runs])) / base_step
+            steps = runs[0].run.train.steps
+            at_time = {r.run.seed: _loss_at_step(r, min(steps, steps / ratio)) for r in runs}
+            rows.append(
+                [
+                    size,
+                    s,
+                    f"{ratio:.2f}",
+                    f"{min(steps, steps / ratio):.0f} of {steps}",
+                    paired(col.losses(size=size, scheme=s), ref).describe(),
+                    paired(at_time, ref).describe(),
+                ]
+            )
+    return rows
+
+
+def equal_time_section(rep: Report, col: Collected, title: str) -> None:
+    base = col.spec.baseline or "prenorm"
+    rows = equal_time_rows(col)
+    if not rows:
+        return
+    rep.add(
+        title,
+        "",
+        f"Step-time ratio: median optimizer-step seconds against {base}'s at the same size (all runs on "
+        f"one thread of this 2-core machine, shared with other jobs and trained at different times, so the "
+        f"ratio carries load noise). At equal time a scheme has made the steps {base} made in its training "
+        "time divided by the ratio; its loss there is read off its own evaluation curve, mid-schedule (its "
+        "learning rate not yet decayed), where a run scheduled for that many steps would end lower: the "
+        "Δ at equal time is an upper bound on the cost of the slower step (the arena experiment trains "
+        "equal-time runs for real).",
+        "",
+        md_table(
+            [
+                "size",
+                "scheme",
+                f"step time / {base}",
+                "steps at equal time",
+                "Δ at equal tokens",
+                "Δ at equal time (upper bound)",
+            ],
+            rows,
+        ),
+        "",
+    )
+
+
+def _laws_table(label: str, col: Collected) -> list[list[str]]:
+    base = col.spec.baseline or "prenorm"
+    fits, C_of = fitted_laws(col)
+    if not C_of:
+        return []
+    C_max = max(C_of.values())
+    out = []
+    for s, fit in fits.items():
+        mult = f"{compute_multiplier(fits[base], fit, C_max):.2f}×" if base in fits and s != base else "—"
+        out.append([label, s, f"{fit.alpha:.4f}", f"{fit.r2:.3f}", str(fit.n), f"{C_max:.3g}", mult])
+    return out
+
+
+def kimi_scaling_report(rep: Report) -> None:
+    col = rep.col
+    scaling_report(rep)
+    runs_root = next((r.dir.parent.parent for r in col.results if r.done), None)
+    llama: Collected | None = None
+    if runs_root is not None:
+        try:
+            llama = collect(load_spec(LLAMA_SPEC, col.spec.path.parent), runs_root)
+        except ExperimentError:
+            llama = None
+    rows = _laws_table("Kimi Linear (this experiment)", col)
+    if llama is not None:
+        rows += _laws_table(f"LLaMA ({LLAMA_SPEC}.toml)", llama)
+    if rows:
+        rep.add(
+            "## Beside the LLaMA backbone",
+            "",
+            "α of L = A·C^-α per scheme and the compute multiplier at each experiment's largest budget (how "
+            "much more compute the baseline needs on its fitted curve to reach the scheme's fitted loss). "
+            "The two experiments differ in backbone, sizes, budgets and batch shape (LLaMA: 16 x 128 "
+            "tokens, 1.5x more tokens per size; Kimi: 16 x 64, equal tokens per parameter), so compare "
+            "the multipliers, not the losses. Does the Kimi advantage grow with scale? Read the Δ column "
+            "of the per-size table from the smallest size to the largest.",
+            "",
+            md_table(["backbone", "scheme", "α", "R²", "sizes", "largest C (PF-days)", "compute multiplier"], rows),
+            "",
+        )
+    equal_time_section(rep, col, "## Equal wall-clock time (Kimi Linear)")
+    if llama is not None and llama.n_done:
+        equal_time_section(rep, llama, f"## Equal wall-clock time (LLaMA, {LLAMA_SPEC}.toml)")
+    rep.add("## Verdict", "", kimi_scaling_verdict(col), "")
+
+
+def kimi_scaling_verdict(col: Collected) -> str:
+    """One line: the paired Δ of each scheme at the smallest and the largest size, and the multiplier."""
+    base = col.spec.baseline or "prenorm"
+    sizes = [s for s in col.points("size") if col.losses(size=s, scheme=base)]
+    if len(sizes) < 2:
+        return "Verdict: fewer than two sizes finished."
+    fits, C_of = fitted_laws(col)
+    parts = []
+    for s in col.points("scheme"):
+        if s == base:
+            continue
+        ds = [paired(col.losses(size=z, scheme=s), col.losses(size=z, scheme=base)) for z in sizes]
+        trend = " → ".join(f"{d.mean:+.3f}" for d in ds if d.n)
+        mult = (
+            f", {compute_multiplier(fits[base], fits[s], max(C_of.values())):.2f}× compute"
+            if base in fits and s in fits
+            else ""
+        )
+        parts.append(f"{s} Δ {trend} from {sizes[0]} to {sizes[-1]} ({ds[-1].verdict} at {sizes[-1]}{mult})")
+    return "Verdict (does the Kimi-backbone advantage grow with scale?): " + "; ".join(parts) + "."
