@@ -121,7 +121,7 @@ def test_checkpoints_move_between_tensor_parallel_and_one_process(corpus, tmp_pa
     """`attnres train --tp 2` trains like one process; a checkpoint written under tp=2 continues in one
     process, and one written by one process continues under tp=2, with the same next losses."""
     train_one(corpus, tmp_path / "one")
-    train_parallel(corpus, tmp_path / "tp-then-one", 2, tp=2, steps=2)
+    train_parallel(corpus, tmp_path / "tp-then-one", 2, tp=2, steps=2, activation_checkpointing="block")
     train_one(corpus, tmp_path / "tp-then-one", resume=True)
     train_one(corpus, tmp_path / "one-then-tp", steps=2)
     train_parallel(corpus, tmp_path / "one-then-tp", 2, resume=True, tp=2)
@@ -132,11 +132,14 @@ def test_checkpoints_move_between_tensor_parallel_and_one_process(corpus, tmp_pa
         assert got_val == pytest.approx(want_val, rel=1e-5), run
 
 
-@pytest.mark.parametrize("layout", [dict(), dict(fsdp=True), dict(fsdp=True, sequence_parallel=True)])
+@pytest.mark.parametrize(
+    "layout",
+    [dict(), dict(fsdp=True), dict(fsdp=True, sequence_parallel=True, activation_checkpointing="sublayer")],
+)
 def test_tensor_parallel_times_data_parallel_on_four_ranks_equals_one_process(corpus, tmp_path, layout):
     """A (dp 2, tp 2) mesh: two replicas of a tp pair, each on half the batch, averaging gradients by
-    all-reduce or sharding them with FSDP2 over dp, optionally with the depth state split by position;
-    Muon (orthogonalising sharded matrices) included."""
+    all-reduce or sharding them with FSDP2 over dp, optionally with the depth state split by position
+    (and each sublayer recomputed in backward); Muon (orthogonalising sharded matrices) included."""
     train_one(corpus, tmp_path / "one", optimizer="muon", steps=2)
     train_parallel(corpus, tmp_path / "2d", 4, optimizer="muon", steps=2, dp=2, tp=2, **layout)
     (want_train, want_val), (got_train, got_val) = losses(tmp_path / "one"), losses(tmp_path / "2d")
