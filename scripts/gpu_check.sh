@@ -2,8 +2,10 @@
 # The GPU check, one prepared script (docs/performance.md, "On a GPU"). On a CUDA machine (one H100/H200):
 #   1. env       torch, CUDA, the device, this checkout's commit                          -> env.json
 #   2. tests     the CUDA tests: Triton kernels against the reference (fp32 and bf16), the default
-#                (Triton) path through whole Block / Full models, a compiled training step vs eager -> tests.xml
-#   3. op        attnres bench op: depth attention against the device's copy bandwidth     -> op.json
+#                (Triton) path through whole Block / Full models, a compiled training step vs eager,
+#                the Phase-1 custom op (attnres::phase1: reference, gradcheck, opcheck, fullgraph) -> tests.xml
+#   3. op        attnres bench op: depth attention (and the Phase-1 custom op) against the device's
+#                copy bandwidth                                                          -> op.json
 #   4. train     attnres bench train, eager and compiled, bf16 autocast, PreNorm / Block / Full -> train.json
 #   5. decode    attnres bench decode: prefill and per-token decoding                       -> decode.json
 # at a GPU-sized config (d_model 1024, 24 layers, 4096 tokens), all results in one folder. Each step
@@ -27,7 +29,7 @@ while [ $# -gt 0 ]; do
         --dry-run) dry_run=1 ;;
         --force) force=1 ;;
         --out) out="$2"; shift ;;
-        -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
         *) echo "gpu_check.sh: error: unknown argument '$1' (--dry-run, --force, --out DIR)" >&2; exit 2 ;;
     esac
     shift
@@ -98,7 +100,7 @@ EOF
 tests() {
     "$py" -m pytest -p no:cacheprovider -q -o addopts="" --junitxml="$out/tests.xml" \
         tests/ops/depth_attention/test_depth_attention_triton.py tests/ops/two_phase/test_two_phase_triton.py \
-        tests/model/test_cuda.py
+        tests/ops/two_phase/test_two_phase_library.py tests/model/test_cuda.py
 }
 
 step env env.json env_json

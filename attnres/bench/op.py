@@ -19,8 +19,9 @@ the same conditions. Backward = (forward + backward) - forward, the backward tak
 leaf tensors' ``.grad`` across repeats.
 
 Implementations: `fused` (the per-sublayer custom autograd op), `reference`
-(plain autograd over a stacked tensor), and `two_phase` (one Phase-1 pass for S
-queries, reported per query, i.e. per sublayer).
+(plain autograd over a stacked tensor), `two_phase` (one Phase-1 pass for S
+queries over the buffer, reported per query, i.e. per sublayer), and `two_phase custom op`
+(the same over the sources as a list: the ``attnres::phase1`` op compiled streams run).
 
 ``time_triton_vs_torch`` times the Triton kernels against the torch paths on a GPU (not part of
 the command: no GPU here).
@@ -41,6 +42,7 @@ import torch
 from attnres.ops.common import inverse_rms
 from attnres.ops.depth_attention import depth_attention_reference, fused_depth_attention
 from attnres.ops.two_phase.fused import phase1_outputs
+from attnres.ops.two_phase.library import phase1_op
 from attnres.train.progress import progress_bar
 
 
@@ -108,6 +110,8 @@ def _impls(cfg: OpBenchConfig, K: int, dtype: torch.dtype) -> dict[str, _Impl]:
     qs = torch.randn(S, D, generator=g, dtype=dtype).to(cfg.device).requires_grad_()
     ws = (torch.rand(S, D, generator=g, dtype=dtype) + 0.5).to(cfg.device).requires_grad_()
     inv = inverse_rms(view, 1e-6)
+    inv_list = list(inv.unbind(2))  # the compiled streams' form: each source's inverse RMS on its own
+    gh_all = gh.unsqueeze(2).expand(B, T, S, D).contiguous()
 
     # backward through torch.autograd.grad: the gradients the op returns, not their
     # accumulation into leaves' .grad across repeats (which a model step does not do either)
@@ -125,6 +129,12 @@ def _impls(cfg: OpBenchConfig, K: int, dtype: torch.dtype) -> dict[str, _Impl]:
         f"two_phase (S={S}, per query)": (
             lambda: phase1_outputs(view, inv, qs, ws, producers)[0],
             lambda h1s: torch.autograd.grad(h1s, [*producers, qs, ws], [gh] * len(h1s)),
+            S,
+        ),
+        # the custom op of the compiled streams over the sources as a list (attnres.ops.two_phase.library)
+        f"two_phase custom op (S={S}, per query)": (
+            lambda: phase1_op(producers, inv_list, qs, ws, "softmax")[0],
+            lambda h: torch.autograd.grad(h, [*producers, qs, ws], gh_all),
             S,
         ),
     }

@@ -140,3 +140,39 @@ def test_compiled_with_fullgraph_and_no_graph_break(monkeypatch):
 def test_small_phase1_runs_pointwise():
     assert compiled.pointwise_phase1(1, 1) and compiled.pointwise_phase1(2, 2)
     assert not compiled.pointwise_phase1(3, 2) and not compiled.pointwise_phase1(8, 1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (scripts/gpu_check.sh)")
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("heads", [1, 4])
+def test_custom_op_on_cuda_against_the_float64_cpu_reference(dtype, tol, heads):
+    """The op on a GPU (the Triton forward, torch's backward) at a realistic width, values and gradients
+    relative to the float64 CPU reference's scale; and traced whole by the compiler (inductor)."""
+    v, q, kw, _ = two_phase_inputs(n=9, S=4, B=2, T=64, D=256, heads=heads, seed=11)
+    g = torch.Generator().manual_seed(12)
+    gh = torch.randn(2, 64, 4, 256, generator=g, dtype=torch.float64)
+    glse = torch.randn(2, 64, 4, heads, generator=g, dtype=torch.float64)
+    want = run_phase1("reference", v, q, kw, "softmax", True, gh, glse)
+    # sources in the activations' dtype, queries and key weights float32 (parameters under autocast)
+    cuda = [v.to("cuda", dtype), q.to("cuda", torch.float32), kw.to("cuda", torch.float32)]
+    cuda += [gh.to("cuda", dtype), glse.to("cuda", dtype)]
+    got = run_phase1("compiled", *cuda[:3], "softmax", True, *cuda[3:])
+    for a, b in zip(got, want, strict=True):
+        scale = b.abs().max().item()
+        torch.testing.assert_close(a.double().cpu(), b, rtol=tol, atol=tol * scale)
+
+    def loss(sources, query, weights):
+        inv = [inverse_rms(x, EPS) for x in sources]
+        h1s, lse = compiled.phase1_sources(sources, inv, query, weights)
+        return sum(h.float().square().sum() for h in h1s) + lse.sum()
+
+    sources = [x.clone().requires_grad_() for x in cuda[0].unbind(0)]
+    step = torch.compile(loss, fullgraph=True)
+    compiled_loss = step(sources, cuda[1], cuda[2])
+    compiled_loss.backward()
+    eager_sources = [x.clone().requires_grad_() for x in cuda[0].unbind(0)]
+    eager_loss = loss(eager_sources, cuda[1], cuda[2])
+    eager_loss.backward()
+    torch.testing.assert_close(compiled_loss, eager_loss, rtol=tol, atol=0)
+    for a, b in zip(sources, eager_sources, strict=True):
+        torch.testing.assert_close(a.grad.float(), b.grad.float(), rtol=tol, atol=tol * b.grad.abs().max().item())

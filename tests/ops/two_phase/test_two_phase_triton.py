@@ -10,7 +10,7 @@ tp = import_kernels("attnres.ops.two_phase.triton")
 
 from attnres.ops import depth_attention  # noqa: E402
 from attnres.ops.common import DepthStats, inverse_rms  # noqa: E402
-from attnres.ops.two_phase import fused  # noqa: E402
+from attnres.ops.two_phase import fused, library  # noqa: E402
 from attnres.ops.two_phase import reference as two_phase_reference  # noqa: E402
 
 EPS = 1e-6
@@ -173,6 +173,38 @@ def test_routed_phase1_equals_torch_forward_and_backward(monkeypatch, kernel, ke
     tol = F64 if dtype == torch.float64 else F32
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, **tol)
+
+
+@pytest.mark.parametrize("kernel,key_norm,heads", [("softmax", True, 1), ("softmax", False, 2), ("sigmoid", True, 1)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_routed_phase1_custom_op_equals_torch_forward_and_backward(monkeypatch, kernel, key_norm, heads, dtype):
+    """attnres::phase1 over a list of sources: the Triton forward (then torch's backward from its lse)
+    against the torch forward, values and gradients; opcheck with the route on."""
+    values, queries, kws = make_block(K=4, S=3, D=8, heads=heads, dtype=dtype, seed=21)
+    g = torch.Generator().manual_seed(22)
+    gh = torch.randn(2, 3, 3, 8, generator=g, dtype=torch.float64).to(DEVICE, dtype)
+    glse = torch.randn(2, 3, 3, heads, generator=g, dtype=torch.float64).to(DEVICE, dtype)
+
+    def run():
+        sources = [values[:, :, i].clone().requires_grad_() for i in range(4)]
+        q, kw = queries.clone().requires_grad_(), kws.clone().requires_grad_()
+        inv = [inverse_rms(v, EPS).detach() for v in sources] if key_norm else []
+        h, lse = library.phase1_op(sources, inv, q, kw if key_norm else None, kernel)
+        loss = (h * gh).sum() + ((lse * glse).sum() if kernel == "softmax" else 0)
+        grads = torch.autograd.grad(loss, [q, kw, *sources] if key_norm else [q, *sources])
+        return (h, lse, *grads)
+
+    want = run()
+    calls = route_to_triton(monkeypatch)
+    got = run()
+    assert len(calls) == 1
+    tol = F64 if dtype == torch.float64 else F32
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, **tol)
+    sources = [values[:, :, i].clone().requires_grad_() for i in range(4)]
+    inv = [inverse_rms(v, EPS).detach() for v in sources] if key_norm else []
+    kw = kws.clone().requires_grad_() if key_norm else None
+    torch.library.opcheck(library.phase1_op, (sources, inv, queries.clone().requires_grad_(), kw, kernel))
 
 
 def test_routed_merge_only_without_gradients(monkeypatch):
