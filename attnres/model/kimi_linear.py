@@ -7,7 +7,8 @@ encoding), 3 KDA : 1 MLA by default, and replaces the MLP of all but the first l
 of experts (sigmoid top-k router with a balancing bias, plus shared experts).
 
 The sublayers and their RMSNorms are transformers' own modules (``transformers.models.kimi_linear``),
-used unchanged; this file builds them from a ``ModelConfig``, reads and writes the residual stream
+used unchanged unless one of Kimi K3's options is set (``attnres.model.k3_blocks`` switches those in);
+this file builds them from a ``ModelConfig``, reads and writes the residual stream
 around them exactly like ``attnres.model.llama.TransformerBlock`` (so every residual scheme runs on
 them), and adds what training with them needs: their initialisation, and the aux-loss-free
 balancing of the routers (the per-expert routing bias that transformers' router reads, updated after

@@ -6,7 +6,7 @@ around Kimi Linear's KDA / MLA / MoE sublayers, plus what K3 adds. What we write
 
 - **activation**: K3 replaces SwiGLU by SiTU,
   ``situ(gate, up) = beta·tanh(gate/beta)·sigmoid(gate) · up`` (``up`` optionally squashed by a
-  second ``linear_beta``, off here). As beta grows, ``beta·tanh(gate/beta)`` -> ``gate``, so SiTU
+  second ``linear_beta``). As beta grows, ``beta·tanh(gate/beta)`` -> ``gate``, so SiTU
   -> ``silu(gate)·up``, our SwiGLU. With beta a power of two large enough
   (:data:`SWIGLU_SITU_BETA` = 2^60) the division and product by beta are exact in binary floating
   point, and a faithful tanh returns a tiny argument unchanged (its cubic term is under half an
@@ -18,14 +18,19 @@ around Kimi Linear's KDA / MLA / MoE sublayers, plus what K3 adds. What we write
   as their product, which llama.cpp stores fused: ``*_res_score = g ⊙ w`` (computed in float64).
 - **MoE**: the router (sigmoid scores, balancing bias for the choice only, top-k, renormalised,
   scaled), routed and shared experts: as in Kimi Linear; the bias is written even when zero.
-- what K3 has and our backbone does not (full-rank KDA gate, MLA output gate, latent MoE, a KDA
-  gate lower bound, SiTU's linear_beta) is simply absent from what we write: each is optional in
-  both K3 implementations and off means Kimi Linear's behaviour. Reading such checkpoints back
-  (K3 as a backbone of ours) is not implemented: docs/serving.md lists what remains.
+- **K3's own additions** are options of our backbone (``attnres.model.k3_blocks``): SiTU with any
+  beta and ``linear_beta`` (``situ_beta`` / ``situ_linear_beta``), the full-rank KDA gate, the KDA
+  gate lower bound, the MLA output gate, the latent MoE (with its norm), ``moe_layer_freq`` and
+  grouped routing. :func:`k3_text_config` writes each under K3's key (mlx-lm's ``kimi_k3`` agrees
+  with our logits to 1e-4 in float32 with every one of them, ``tests/serving/test_mlx.py``);
+  ``attnres.hf.kimi.k3_layout`` reads K3 configs and checkpoints back into them. For GGUF,
+  :mod:`attnres.serving.gguf` writes what llama.cpp's kimi-k3 reads and refuses ``moe_layer_freq`` != 1
+  and grouped routing, which it has no key for.
 
 What a K3 stack cannot express at all raises :class:`ServingError` naming the field: a LLaMA
 backbone (no llama.cpp / mlx-lm architecture has AttnRes around LLaMA blocks), Full AttnRes or any
-Block AttnRes variant the §10 layout cannot store (``attnres.hf.kimi``'s rules, with their fixes).
+Block AttnRes variant the §10 layout cannot store (``attnres.hf.kimi``'s rules, with their fixes),
+and for the K3 checkpoint one routed expert with renormalisation (K3 renormalises two or more only).
 """
 
 from __future__ import annotations

@@ -12,7 +12,12 @@ pytest.importorskip("transformers")
 from attnres.model import AttnResLM, ModelConfig
 from attnres.model.backbones import kimi_params
 from attnres.model.k3 import bounded_log_decay, situ
-from attnres.model.k3_blocks import BoundedForgetGate, GatedLatentAttention, K3MoE, SiTUMLP
+from attnres.model.k3_blocks import (
+    BoundedForgetGate,
+    GatedLatentAttention,
+    K3MoE,
+    SiTUMLP,
+)
 from attnres.model.kimi_linear import kimi_linear_config
 
 F64 = torch.float64
@@ -197,3 +202,33 @@ def test_defaults_build_transformers_modules_unchanged():
     lm = AttnResLM(config(moe_experts=4, kimi_layer_pattern="KM"))
     types = {type(b.attn) for b in lm.blocks} | {type(b.mlp) for b in lm.blocks}
     assert types == {kimi.KimiLinearDeltaAttention, kimi.KimiLinearAttention, kimi.KimiLinearMLP, kimi.KimiLinearMoE}
+
+
+def test_cached_decoding_with_every_k3_option_matches_the_full_forward():
+    """Prefill, then one token at a time through the hybrid cache (KDA's recurrent step with the bounded
+    decay and the full-rank gate, MLA's gated output over cached latents) = the full forward."""
+    from attnres.inference import make_cache
+
+    options = dict(
+        situ_beta=1.0,
+        situ_linear_beta=2.0,
+        kda_full_rank_gate=True,
+        kda_gate_lower_bound=-5.0,
+        mla_output_gate=True,
+        moe_experts=8,
+        moe_latent_dim=8,
+        moe_latent_norm=True,
+        moe_layer_freq=2,
+        moe_dense_layers=0,
+        moe_groups=4,
+        moe_topk_groups=2,
+    )
+    torch.manual_seed(3)
+    lm = AttnResLM(config(n_layers=4, kimi_layer_pattern="KM", residual="block", attnres_block_size=4, **options))
+    lm = lm.to(F64).eval()
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        full = lm(ids)
+        cache = make_cache(lm, batch_size=2)
+        steps = [lm(ids[:, :5], cache=cache)] + [lm(ids[:, t : t + 1], cache=cache) for t in range(5, 9)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-6, atol=1e-6)
