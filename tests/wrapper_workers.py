@@ -163,12 +163,15 @@ def tensor_parallel_strategy(
     from distributed_workers import batch, reference_model
 
     from attnres.parallel.runtime import TensorParallel
+    from attnres.train.optim import build_optimizer
 
     results = []
     for residual, options in cases:
         model = reference_model(residual, 4, options)
         strategy = TensorParallel(model, nullcontext, tp=world // dp, dp=dp, sequence_parallel=sequence_parallel)
         sharded = sorted(n for n, p in model.named_parameters() if hasattr(p, "device_mesh"))
+        # torch's foreach kernels (its default on GPUs) refuse DTensors beside plain tensors
+        foreach = build_optimizer(model, "adamw", lr=1e-3, weight_decay=0.1).optimizers["adamw"].defaults["foreach"]
         positions: list[int] = []  # how many positions of the depth state this rank holds (the final norm's input)
         model.norm.register_forward_hook(partial(_count_positions, positions))
         x, y = batch()
@@ -177,7 +180,9 @@ def tensor_parallel_strategy(
         grads = full_grads(model)
         strategy.clip_grad_norm(0.1)  # below every test model's gradient norm: clipping acts
         clipped = full_grads(model)
-        results.append({"loss": loss, "grads": grads, "clipped": clipped, "sharded": sharded, "positions": positions})
+        results.append(
+            dict(loss=loss, grads=grads, clipped=clipped, sharded=sharded, positions=positions, foreach=foreach)
+        )
     if rank == 0:
         torch.save(results, out)
 
