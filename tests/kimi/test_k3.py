@@ -63,7 +63,7 @@ K3_FEATURES = {
 
 def k3_model(seed: int = 0, **options) -> AttnResLM:
     torch.manual_seed(seed)
-    config = ModelConfig(
+    fields = dict(
         backbone="kimi_linear",
         vocab_size=64,
         d_model=32,
@@ -74,9 +74,8 @@ def k3_model(seed: int = 0, **options) -> AttnResLM:
         moe_top_k=2,
         residual="block",
         attnres_block_size=4,
-        **options,
     )
-    return AttnResLM(config).eval()
+    return AttnResLM(ModelConfig(**{**fields, **options})).eval()
 
 
 @pytest.mark.parametrize("options", K3_FEATURES.values(), ids=K3_FEATURES.keys())
@@ -161,3 +160,25 @@ def test_attnres_convert_takes_a_k3_directory(k3_dir, tmp_path):
     assert main(["convert", str(path), str(tmp_path / "hf"), "--to", "hf"]) == 0
     model = AttnResForCausalLM.from_pretrained(str(tmp_path / "hf"))
     assert all(torch.equal(v, model.model.state_dict()[k]) for k, v in lm.state_dict().items())
+
+
+def test_k3_keys_read_with_mlx_lms_defaults():
+    """What a K3 text config leaves out means what mlx-lm's kimi_k3 takes it to mean: SiTU's beta 1,
+    and one expert per token is not renormalised (K3 renormalises two or more only)."""
+    from attnres.hf.kimi.k3_layout import k3_model_fields
+    from attnres.serving.k3 import k3_text_config
+
+    text = k3_text_config(k3_model(situ_beta=1.0).config)
+    del text["activation_situ_beta"]
+    text.update(num_experts_per_token=1, moe_renormalize=True)
+    fields = k3_model_fields(text)
+    assert fields["situ_beta"] == 1.0 and fields["situ_linear_beta"] is None
+    assert fields["moe_top_k"] == 1 and fields["moe_renormalize"] is False
+    ModelConfig(**fields)  # a valid model
+
+
+def test_one_renormalised_expert_is_refused_as_k3(tmp_path):
+    from attnres.serving.k3 import ServingError
+
+    with pytest.raises(ServingError, match="moe_top_k=1 with moe_renormalize=True"):
+        save_mlx(k3_model(moe_top_k=1), tmp_path / "k3")

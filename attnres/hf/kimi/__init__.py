@@ -19,11 +19,15 @@ layout. After ``import attnres.hf``, ``AutoModelForCausalLM.from_pretrained`` on
 returns our model (``AttnResForCausalLM``); plain Kimi Linear directories still get transformers'
 own class.
 
+Kimi K3 directories (``model_type = "kimi_k3"``) load too, with K3's additions as the backbone's
+options (``attnres.model.k3_blocks``); ``attnres.serving.mlx.save_mlx`` writes them.
+
 Everything a checkpoint may hold that these models do not implement (another activation, grouped
-or differently activated routing, attention biases, quantised weights, vision towers or other
+routing in a kimi_linear checkpoint, another router activation, attention biases, quantised weights,
 unknown tensors) is rejected with a :class:`ConversionError` naming it.
 
-Modules: ``layout`` (config fields and tensor names), ``load`` (``convert_kimi_linear``,
+Modules: ``layout`` (config fields and tensor names), ``k3`` (K3's config.json), ``k3_layout`` (K3's
+keys as fields, its tensor names as ours), ``load`` (``convert_kimi_linear``,
 ``kimi_conversion_error``), ``save`` (``save_kimi_linear``), ``auto`` (the ``AutoModelForCausalLM`` hook).
 """
 
