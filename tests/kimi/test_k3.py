@@ -4,6 +4,7 @@ each option; what the backbone lacks is refused by name (attnres.hf.kimi.k3_layo
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -182,3 +183,73 @@ def test_one_renormalised_expert_is_refused_as_k3(tmp_path):
 
     with pytest.raises(ServingError, match="moe_top_k=1 with moe_renormalize=True"):
         save_mlx(k3_model(moe_top_k=1), tmp_path / "k3")
+
+
+def random_mxfp4(*shape, seed: int):
+    """uint8 bytes and scales of an MXFP4 matrix [*shape] (scales 2^-4 … 2^1, like trained weights')."""
+    gen = torch.Generator().manual_seed(seed)
+    packed = torch.randint(0, 256, (*shape[:-1], shape[-1] // 2), generator=gen, dtype=torch.uint8)
+    scales = torch.randint(123, 129, (*shape[:-1], shape[-1] // 32), generator=gen, dtype=torch.uint8)
+    return packed, scales
+
+
+def test_mxfp4_dequantisation_is_the_e2m1_table_times_the_group_scale():
+    from attnres.hf.kimi.mxfp4 import E2M1, dequantize_mxfp4
+
+    packed, scales = random_mxfp4(3, 64, seed=0)
+    got = dequantize_mxfp4(packed, scales)
+    for r in range(3):
+        for c in range(64):
+            byte = int(packed[r, c // 2])
+            nibble = byte & 15 if c % 2 == 0 else byte >> 4
+            assert got[r, c].item() == E2M1[nibble] * 2.0 ** (int(scales[r, c // 32]) - 127)
+    try:
+        import mlx.core as mx
+    except ImportError:
+        return
+    mx.set_default_device(mx.cpu)
+    theirs = mx.dequantize(
+        mx.array(packed.numpy()).view(mx.uint32), mx.array(scales.numpy()), group_size=32, bits=4, mode="mxfp4"
+    )
+    assert torch.equal(torch.from_numpy(np.array(theirs.astype(mx.float32))), got)
+
+
+def test_a_k3_directory_with_mxfp4_experts_loads_dequantised(tmp_path):
+    """K3's release layout for its experts (compressed-tensors' weight_packed / weight_scale per expert
+    matrix, quantization_config at the top of config.json) loads as the float model it encodes."""
+    from safetensors.torch import load_file, save_file
+
+    from attnres.hf.kimi.mxfp4 import dequantize_mxfp4
+
+    lm = k3_model(moe_d_ff=32)
+    packs = {}
+    with torch.no_grad():
+        for i, block in enumerate(lm.blocks):
+            if block.is_moe:
+                experts = block.mlp.experts
+                for name, param in (("gate_up", experts.gate_up_proj), ("down", experts.down_proj)):
+                    packed, scales = random_mxfp4(*param.shape, seed=10 * i + len(name))
+                    param.copy_(dequantize_mxfp4(packed, scales))
+                    packs[(i, name)] = packed, scales
+    path = save_mlx(lm, tmp_path / "k3")
+    tensors = load_file(str(path / "model.safetensors"))
+    for (i, name), (packed, scales) in packs.items():
+        for e in range(4):
+            parts = (
+                {"w2": (packed[e], scales[e])}
+                if name == "down"
+                else {
+                    "w1": (packed[e, :32], scales[e, :32]),
+                    "w3": (packed[e, 32:], scales[e, 32:]),
+                }
+            )
+            for w, (p, s) in parts.items():
+                key = f"model.layers.{i}.block_sparse_moe.experts.{e}.{w}"
+                assert torch.equal(tensors.pop(f"{key}.weight"), dequantize_mxfp4(p, s))
+                tensors[f"{key}.weight_packed"], tensors[f"{key}.weight_scale"] = p.contiguous(), s.contiguous()
+    save_file(tensors, str(path / "model.safetensors"))
+    data = json.loads((path / "config.json").read_text())
+    data["quantization_config"] = {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized"}
+    (path / "config.json").write_text(json.dumps(data))
+    model = convert_kimi_linear(path)
+    assert all(torch.equal(v, model.model.state_dict()[k]) for k, v in lm.state_dict().items())

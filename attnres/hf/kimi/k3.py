@@ -37,6 +37,8 @@ def read_k3_text(path) -> dict[str, Any] | None:
     if not isinstance(data, dict) or data.get("model_type") != K3_MODEL_TYPE:
         return None
     text = dict(data.get("text_config") or data)
+    if "quantization_config" in data:  # a multimodal release says it beside text_config
+        text.setdefault("quantization_config", data["quantization_config"])
     return {k: v for k, v in text.items() if k not in ("model_type", "architectures", "transformers_version")}
 
 

@@ -16,6 +16,7 @@ mixture of experts ``block_sparse_moe.*`` with per-expert ``experts.{e}.w1`` (ga
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Mapping
@@ -65,13 +66,13 @@ def k3_model_fields(text: Mapping[str, Any], max_seq_len: int | None = None) -> 
     """The ModelConfig fields (backbone, sizes, K3 options) of a K3 ``text_config``; what the backbone
     cannot express is a :class:`ConversionError` naming the key."""
     quant = text.get("quantization_config")
-    if quant:
+    if quant and "mxfp4" not in json.dumps(quant).lower():  # MXFP4 experts dequantise on loading
         method = quant.get("quant_method", quant) if isinstance(quant, Mapping) else quant
         raise _error(
             "quantization_config",
             method,
-            "quantised weights (K3 ships its experts in MXFP4) do not convert here; dequantise to a float "
-            "checkpoint first",
+            "only float weights and MXFP4 ones (K3's experts, compressed-tensors' weight_packed / "
+            "weight_scale) convert here; dequantise to a float checkpoint first",
         )
     if not text.get("mla_use_nope", True):
         raise _error("mla_use_nope", False, "MLA here has no rotary positions (mlx-lm's kimi_k3 refuses it too)")

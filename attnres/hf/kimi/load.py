@@ -28,6 +28,7 @@ from attnres.hf.kimi.layout import (
     strip_prefix,
     text_config,
 )
+from attnres.hf.kimi.mxfp4 import dequantize_packed
 from attnres.hf.modeling import AttnResForCausalLM
 from attnres.model.config import ModelConfig
 from attnres.model.llama import rope_tables
@@ -113,11 +114,12 @@ def _load_k3_directory(path: Path, config) -> dict[str, torch.Tensor]:
         raise ConversionError(
             f"{path} holds no model.safetensors (or sharded index); K3 checkpoints convert from safetensors only"
         )
+    raw = dequantize_packed(raw)  # K3's MXFP4 experts, to float32 exactly
     for name, t in raw.items():
         if not t.is_floating_point():
             raise ConversionError(
-                f"cannot convert: {name} is a {t.dtype} tensor (quantised weights, such as K3's MXFP4 "
-                "experts); only float checkpoints convert, dequantise first"
+                f"cannot convert: {name} is a {t.dtype} tensor (quantised weights other than MXFP4 "
+                "weight_packed / weight_scale pairs); dequantise first"
             )
     fields = k3_model_fields(config.k3_text)
     return runtime_names(strip_prefix(raw), ModelConfig(**fields))
