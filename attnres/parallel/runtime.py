@@ -11,6 +11,8 @@ returns the global mean loss, so a run's numbers do not depend on its layout:
   the global-batch mean.
 - ``PipelineParallel``: ``attnres.parallel.pipeline`` with cross-stage caching;
   residual-scheme parameters exist on every rank and their gradients are summed.
+- ``TensorParallel``: ``attnres.parallel.tensor``'s sharding on a (dp, tp) mesh; the residual scheme
+  runs replicated on the full hidden state (or, with sequence parallelism, on each rank's positions).
 
 Checkpoints are always the single-process format (``attnres.parallel.state``):
 ``gather`` collects the pieces on rank 0, ``scatter`` hands each rank its own.
@@ -225,7 +227,27 @@ class DataParallel(_Distributed):
         return state if self.is_main else None
 
 
-class PipelineParallel(_Distributed):
+class _Replicas(_Distributed):
+    """A layout of ``dp`` replicas on a device mesh (pipelines, tensor-parallel groups): replica i
+    computes rows [i B/dp, (i+1) B/dp) of every batch, and every rank of a replica holds its loss."""
+
+    dp: int
+    dp_rank: int
+    dp_group: Any
+
+    def _rows(self, x: Tensor) -> slice:
+        n = x.shape[0] // self.dp
+        return slice(self.dp_rank * n, (self.dp_rank + 1) * n)
+
+    def _replica_mean(self, value: float) -> float:
+        if self.dp == 1:
+            return value
+        t = torch.tensor(value, dtype=torch.float64, device=self._device())
+        dist.all_reduce(t, group=self.dp_group)
+        return float(t) / self.dp
+
+
+class PipelineParallel(_Replicas):
     """``attnres.parallel.pipeline`` on ``pp`` ranks, optionally replicated ``dp`` times (a (dp, pp)
     device mesh: replica i holds global ranks i*pp .. i*pp+pp-1 and computes rows
     [i B/dp, (i+1) B/dp) of every batch; gradients are averaged over replicas), and optionally each
@@ -281,17 +303,6 @@ class PipelineParallel(_Distributed):
         compile_model(self.model, setting, granularity="sublayer")
         return "per attention/MLP sublayer (pipeline stages; the residual stream stays eager)"
 
-    def _rows(self, x: Tensor) -> slice:
-        n = x.shape[0] // self.dp
-        return slice(self.dp_rank * n, (self.dp_rank + 1) * n)
-
-    def _replica_mean(self, value: float) -> float:
-        if self.dp == 1:
-            return value
-        t = torch.tensor(value, dtype=torch.float64, device=self._device())
-        dist.all_reduce(t, group=self.dp_group)
-        return float(t) / self.dp
-
     def forward_backward(self, x: Tensor, y: Tensor, scale: float) -> float:
         rows = self._rows(x)
         return self._replica_mean(self.pipeline.train_step(x[rows], y[rows], scale=scale))
@@ -337,10 +348,12 @@ class PipelineParallel(_Distributed):
         return model_state, optim_state
 
 
-class TensorParallel(_Distributed):
-    """``model`` sharded over ``tp`` ranks, replicated ``dp`` times on a (dp, tp) mesh: tp group i is
-    global ranks i*tp .. i*tp+tp-1 and computes rows [i B/dp, (i+1) B/dp) of every batch. ``shard``:
-    FSDP2 over the dp dimension instead of all-reducing gradients."""
+class TensorParallel(_Replicas):
+    """``model`` sharded over ``tp`` ranks (``attnres.parallel.tensor``), replicated ``dp`` times on a
+    (dp, tp) mesh: tp group i is global ranks i*tp .. i*tp+tp-1 and computes rows [i B/dp, (i+1) B/dp)
+    of every batch; the replicas average their gradients by all-reduce, or (``shard``) FSDP2 shards
+    every sublayer over the dp dimension. ``sequence_parallel``: the depth state split by position
+    over tp, the whole parameters' gradients summed over tp."""
 
     def __init__(
         self,
@@ -375,18 +388,6 @@ class TensorParallel(_Distributed):
             "TrainConfig.compile with tp > 1 is not supported: the tensor-parallel sublayers run on DTensors, "
             "which this trainer does not compile. Fix: drop --compile, or train with --tp 1"
         )
-
-    def _rows(self, x: Tensor) -> slice:
-        n = x.shape[0] // self.dp
-        return slice(self.dp_rank * n, (self.dp_rank + 1) * n)
-
-    def _replica_mean(self, value: float) -> float:
-        """The mean over dp replicas (every tp rank of a replica holds the same loss)."""
-        if self.dp == 1:
-            return value
-        t = torch.tensor(value, dtype=torch.float64, device=self._device())
-        dist.all_reduce(t, group=self.dp_group)
-        return float(t) / self.dp
 
     def forward_backward(self, x: Tensor, y: Tensor, scale: float) -> float:
         rows = self._rows(x)

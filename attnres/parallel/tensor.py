@@ -1,4 +1,5 @@
-"""Tensor parallelism for the trainer (``attnres train --tp N``), alone or on a (dp, tp) device mesh.
+"""How tensor parallelism (``attnres train --tp N``) splits a model; ``TensorParallel`` and
+``PipelineParallel`` in ``attnres.parallel.runtime`` run it on a (dp, tp) or (dp, pp, tp) device mesh.
 
 What is sharded over the ``tp`` ranks (``torch.distributed.tensor.parallel.parallelize_module``):
 
@@ -24,8 +25,6 @@ instead: depth attention is per token, so each rank runs the residual scheme and
 d-vectors, for its T/tp positions, and the whole parameters' gradients are summed over tp
 (``parallelize_model``).
 
-With ``dp > 1`` each tp group computes B/dp rows of the global batch; the dp replicas average their
-gradients by all-reduce, or (``shard``) FSDP2 shards every sublayer over the dp dimension of the mesh.
 Checkpoints stay in the single-process format (``attnres.parallel.state`` gathers and re-shards DTensors).
 """
 
