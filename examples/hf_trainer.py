@@ -1,6 +1,6 @@
 """Fine-tune a retrofitted model with transformers' Trainer, in one process or under accelerate + FSDP2.
 
-    python examples/hf_trainer.py --out runs/hf_trainer                  # one process, about 20 s on 2 CPU cores
+    python examples/hf_trainer.py --out runs/hf_trainer                  # one process, about 10 s on 2 CPU cores
     python examples/hf_trainer.py --out runs/hf_trainer --steps 12 --resume   # continue from its last checkpoint
     accelerate launch --config_file examples/accelerate_fsdp2_cpu.yaml \\
         examples/hf_trainer.py --out runs/hf_trainer_fsdp2               # FSDP2 on 2 CPU processes (gloo)
