@@ -108,6 +108,7 @@ def test_each_form_matches_the_reference_stream(case, monkeypatch):
 def test_compiled_forms_match_the_reference_with_either_phase1(case, pairs, monkeypatch):
     """Every Phase 1 as the custom op (pairs 0) or every one pointwise and recomputed in backward."""
     monkeypatch.setattr(compiled_phase1, "POINTWISE_PAIRS", pairs)
+    monkeypatch.setattr(compiled_phase1, "CUSTOM_OP_DEVICES", frozenset({"cpu", "cuda"}))
     test_each_form_matches_the_reference_stream(case, monkeypatch)
 
 

@@ -8,12 +8,15 @@ buffer, the partitioner keeps one version of the buffer per Phase-1 read for bac
 matrix products inside the hand-written backwards cannot fuse with the loops around them. Here
 the sources arrive as a list, and ``phase1_sources`` runs one of two forms:
 
-- small ones (``pointwise_phase1``: at most ``POINTWISE_PAIRS`` source-query pairs, as Full AttnRes'
-  in-group reads are) as plain autograd over pointwise ops and reductions over D
+- on the CPU and for small ones elsewhere (``pointwise_phase1``: at most ``POINTWISE_PAIRS``
+  source-query pairs, as Full AttnRes' in-group reads are) as plain autograd over pointwise ops and
+  reductions over D
   (``phase1_pointwise``): the logits of source i are ``r_i * (v_i . u_s)``, the outputs
   ``sum_i alpha_is v_i``, which inductor fuses into its loops and differentiates itself;
-- the others as the custom op ``attnres::phase1`` (``library.py``): one opaque call forward and one
-  hand-written backward, saving only the sources (kept alive anyway), their inverse RMS and lse.
+- the others (on CUDA) as the custom op ``attnres::phase1`` (``library.py``): one opaque call forward
+  (the Triton Phase-1 kernel) and one hand-written backward, saving only the sources (kept alive
+  anyway), their inverse RMS and lse. Measured on the CPU it lost to the pointwise form
+  (``CUSTOM_OP_DEVICES``); it has not been timed on a GPU.
 
 For training the streams wrap either in ``torch.utils.checkpoint``, so backward recomputes Phase 1's
 outputs from the sources: the merges that read them would otherwise keep them for backward
@@ -38,14 +41,18 @@ from attnres.ops.two_phase import library
 from attnres.ops.two_phase.reference import check_queries
 
 # Phase 1 over at most this many (source, query) pairs runs as plain pointwise ops (``phase1_pointwise``)
-# that inductor fuses into the loops around it; larger ones as the custom op of ``library.py``, whose
-# batched products and hand-written backward cost less than inductor's per-source loops
+# that the compiler fuses into the loops around it, on every device (Full AttnRes' in-group reads)
 POINTWISE_PAIRS = 4
+# devices whose larger Phase 1s run the custom op of ``library.py`` (the Triton forward on CUDA). On the CPU
+# the pointwise form is faster: inductor's loops beat the op's batched products, whose [BT] batches of
+# n x D by D x S products are tiny (compiled Block 1.40-1.69x compiled prenorm with the op against 0.99x
+# pointwise, d128 x 8, T128, B8, one process each; docs/performance.md)
+CUSTOM_OP_DEVICES = frozenset({"cuda"})
 
 
-def pointwise_phase1(n_sources: int, n_queries: int) -> bool:
+def pointwise_phase1(n_sources: int, n_queries: int, device: torch.device | str = "cpu") -> bool:
     """Whether ``phase1_sources`` runs this Phase 1 as pointwise autograd rather than as the custom op."""
-    return n_sources * n_queries <= POINTWISE_PAIRS
+    return n_sources * n_queries <= POINTWISE_PAIRS or torch.device(device).type not in CUSTOM_OP_DEVICES
 
 
 def phase1_sources(
@@ -66,7 +73,7 @@ def phase1_sources(
     through the sources (inv_rms must be their inverse RMS; its own graph is not used).
     """
     _check(sources, inv_rms, queries, key_weights, kernel)
-    if pointwise_phase1(len(sources), queries.shape[0]):
+    if pointwise_phase1(len(sources), queries.shape[0], sources[0].device):
         return phase1_pointwise(sources, inv_rms, queries, key_weights, kernel=kernel)
     h, lse = library.phase1_op(list(sources), list(inv_rms or ()), queries, key_weights, kernel)
     return tuple(h.unbind(2)), lse

@@ -17,10 +17,15 @@ F64 = dict(rtol=1e-10, atol=1e-12)
 CASES = [("softmax", True, 1), ("softmax", True, 2), ("softmax", False, 1), ("sigmoid", True, 1), ("sigmoid", False, 2)]
 
 
+def force_form(monkeypatch, custom_op: bool) -> None:
+    """phase1_sources onto one form whatever the size and device (the CPU runs pointwise by default)."""
+    monkeypatch.setattr(compiled, "POINTWISE_PAIRS", 0 if custom_op else 10**6)
+    monkeypatch.setattr(compiled, "CUSTOM_OP_DEVICES", frozenset({"cpu", "cuda"}))
+
+
 @pytest.fixture(params=["custom_op", "pointwise"])
 def form(request, monkeypatch):
-    """Force phase1_sources onto one form whatever the size."""
-    monkeypatch.setattr(compiled, "POINTWISE_PAIRS", 0 if request.param == "custom_op" else 10**6)
+    force_form(monkeypatch, request.param == "custom_op")
     return request.param
 
 
@@ -60,7 +65,7 @@ def test_both_forms_equal_the_reference_in_float64(form, kernel, key_norm, heads
 
 @pytest.mark.parametrize("kernel,key_norm,heads", CASES)
 def test_custom_op_float32_is_close_to_float64(kernel, key_norm, heads, monkeypatch):
-    monkeypatch.setattr(compiled, "POINTWISE_PAIRS", 0)
+    force_form(monkeypatch, True)
     v, q, kw, _ = two_phase_inputs(n=5, S=2, T=4, D=16, heads=heads, seed=5)
     g = torch.Generator().manual_seed(6)
     gh = torch.randn(2, 4, 2, 16, generator=g, dtype=torch.float64)
@@ -111,7 +116,7 @@ def test_opcheck(kernel, key_norm, heads, dtype):
 def test_compiled_with_fullgraph_and_no_graph_break(monkeypatch):
     """Forward and backward traced whole (dynamo + AOT autograd over the fake implementations): one graph,
     the same values and gradients as eager."""
-    monkeypatch.setattr(compiled, "POINTWISE_PAIRS", 0)
+    force_form(monkeypatch, True)
     v, q, kw, _ = two_phase_inputs(n=4, S=3, T=4, heads=1, seed=10)
     v, q, kw = v.float(), q.float(), kw.float()
 
@@ -137,9 +142,10 @@ def test_compiled_with_fullgraph_and_no_graph_break(monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_small_phase1_runs_pointwise():
-    assert compiled.pointwise_phase1(1, 1) and compiled.pointwise_phase1(2, 2)
-    assert not compiled.pointwise_phase1(3, 2) and not compiled.pointwise_phase1(8, 1)
+def test_small_phase1_and_the_cpu_run_pointwise():
+    assert compiled.pointwise_phase1(1, 1, "cuda") and compiled.pointwise_phase1(2, 2, "cuda")
+    assert not compiled.pointwise_phase1(3, 2, "cuda") and not compiled.pointwise_phase1(8, 1, "cuda:0")
+    assert compiled.pointwise_phase1(8, 4, "cpu")  # measured faster there (CUSTOM_OP_DEVICES)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (scripts/gpu_check.sh)")
