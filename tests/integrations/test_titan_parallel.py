@@ -15,13 +15,15 @@ sys.path.insert(0, os.path.dirname(__file__))  # the spawned workers import tita
 import titan_workers
 from distributed_workers import spawn
 
+KIMI = dict(backbone="kimi_linear", n_heads=2, moe_experts=4, moe_top_k=2)
 
-def reference(residual):
+
+def reference(residual, options=None):
     from attnres.model import AttnResLM
     from attnres.model.llama import lm_loss
 
-    model = AttnResLM(titan_workers.model_config(residual))
-    model.load_state_dict(titan_workers.reference_state(residual))
+    model = AttnResLM(titan_workers.model_config(residual, options))
+    model.load_state_dict(titan_workers.reference_state(residual, options))
     x, y = titan_workers.batch()
     loss = lm_loss(model(x), y)
     loss.backward()
@@ -35,15 +37,16 @@ def reference(residual):
         dict(residual="full", tp=2, ac=False, compile=None),
         dict(residual="block", tp=1, ac=True, compile="aot_eager"),
         dict(residual="mhc", tp=1, ac=False, compile=None),
+        dict(residual="block", tp=1, ac=True, compile=None, options=KIMI),
     ],
-    ids=["tp2-block-ac", "tp2-full", "fsdp2-block-ac-compile", "fsdp2-mhc"],
+    ids=["tp2-block-ac", "tp2-full", "fsdp2-block-ac-compile", "fsdp2-mhc", "fsdp2-kimi_linear-block-ac"],
 )
 def test_two_ranks_equal_one_process(tmp_path, case):
-    state = titan_workers.reference_state(case["residual"])
+    state = titan_workers.reference_state(case["residual"], case.get("options"))
     out = tmp_path / "rank0.pt"
     spawn(titan_workers.titan_case, 2, {**case, "state": state}, str(out))
     got = torch.load(out)
-    want_loss, want_grads = reference(case["residual"])
+    want_loss, want_grads = reference(case["residual"], case.get("options"))
     grad_difference = max((got["grads"][n] - g).abs().max().item() for n, g in want_grads.items())
     # docs/distributed.md quotes these (pytest -s prints them)
     loss_difference = abs(got["loss"] - want_loss)

@@ -149,3 +149,30 @@ def test_optimizer_keeps_attnres_parameters_out_of_weight_decay():
         assert decay[name] == (0.0 if kind == "no_decay" else 0.1), name
         if name.startswith("residual."):
             assert decay[name] == 0.0, name
+
+
+def test_kimi_linears_router_bias_balances_after_each_optimizer_step():
+    from torchtitan.components.optimizer import OptimizersContainer
+    from torchtitan.distributed import ParallelDims
+
+    from attnres.integrations.torchtitan import adamw_param_groups, model_spec
+
+    config = tiny(backbone="kimi_linear", n_heads=2, moe_experts=4, moe_top_k=2, moe_dense_layers=1)
+    spec = model_spec(config)
+    model = built(config)
+    groups = adamw_param_groups(model.config, lr=1e-3, weight_decay=0.1)
+    optimizers = OptimizersContainer.Config(param_groups=groups, implementation="for-loop").build(model_parts=[model])
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, world_size=1)
+    spec.post_optimizer_build_fn(optimizers, [model], dims)
+    biases = {n: b.clone() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")}
+    assert biases  # MoE layers after the dense one
+    x = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    lm_loss(model(x), x).backward()
+    loads = [c.clone() for c in model.step_counters()]
+    assert all(load.sum() > 0 for load in loads)
+    optimizers.step()
+    rate = config.moe_bias_update_rate
+    for (name, before), load in zip(biases.items(), loads, strict=True):
+        moved = dict(model.named_buffers())[name] - before
+        torch.testing.assert_close(moved, rate * torch.sign(load.mean() - load), msg=name)
+    assert all(c.sum() == 0 for c in model.step_counters())  # the counts start again

@@ -7,20 +7,20 @@ from reference import randomize
 VOCAB, BATCH, SEQ = 64, 4, 16
 
 
-def model_config(residual: str):
+def model_config(residual: str, options=None):
+    """``options``: further ModelConfig fields (another backbone)."""
     from attnres.model import ModelConfig
 
-    return ModelConfig(
-        vocab_size=VOCAB, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=SEQ, residual=residual
-    )
+    fields = dict(vocab_size=VOCAB, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=SEQ)
+    return ModelConfig(**{**fields, **(options or {})}, residual=residual)
 
 
-def reference_state(residual: str) -> dict:
+def reference_state(residual: str, options=None) -> dict:
     """float32 weights of a plain AttnResLM, the residual parameters moved off their zero init."""
     from attnres.model import AttnResLM
 
     torch.manual_seed(0)
-    model = AttnResLM(model_config(residual))
+    model = AttnResLM(model_config(residual, options))
     randomize(model.residual, seed=2)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
@@ -62,7 +62,7 @@ def titan_case(rank, world, case, out_path):
         dp_replicate=1, dp_shard=dp, cp=1, tp=tp, pp=1, ep=1, world_size=world, spmd_backend="partial_dtensor"
     )
     dims.build_mesh()
-    spec = model_spec(model_config(case["residual"]))
+    spec = model_spec(model_config(case["residual"], case.get("options")))
     with torch.device("meta"):
         model = spec.model.build()
     model = spec.parallelize_fn(

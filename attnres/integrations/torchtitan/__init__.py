@@ -13,6 +13,8 @@ torchtitan model spec (needs ``pip install 'attnres[torchtitan]'``; torchtitan 0
 - :func:`model_registry` (flavor, scheme) -> ``ModelSpec``: the model (``AttnResTitanModel``, an
   ``AttnResLM``), the parallelize function (``parallelize.parallelize_attnres``: tensor parallel,
   activation checkpointing at depth-block boundaries, compile, FSDP2);
+- ``parallelize.post_optimizer_build``: after each optimizer step, the model's per-step updates
+  (Kimi Linear's router-bias balancing from the expert loads summed over data-parallel ranks);
 - ``parallelize.adamw_param_groups``: the optimizer's parameter groups, the AttnRes parameters (and
   norms) without weight decay, as ``attnres.param_groups`` has it.
 
@@ -30,6 +32,7 @@ from attnres.integrations.torchtitan.model import AttnResTitanModel
 from attnres.integrations.torchtitan.parallelize import (
     adamw_param_groups,
     parallelize_attnres,
+    post_optimizer_build,
 )
 from attnres.model.config import ModelConfig
 from attnres.residual import RESIDUALS
@@ -86,7 +89,7 @@ def model_spec(config: ModelConfig, flavor: str = "custom") -> ModelSpec:
         model=AttnResTitanModel.Config(lm=config),
         parallelize_fn=parallelize_attnres,
         pipelining_fn=None,
-        post_optimizer_build_fn=None,
+        post_optimizer_build_fn=post_optimizer_build,
         state_dict_adapter=None,
     )
 

@@ -154,6 +154,28 @@ def parallelize_attnres(
     return model
 
 
+def post_optimizer_build(optimizers, model_parts: list, parallel_dims) -> None:
+    """torchtitan's ``post_optimizer_build_fn``: after every optimizer step, the model's per-step
+    updates (``AttnResLM.end_step``: Kimi Linear's aux-loss-free router-bias balancing), from the
+    expert loads summed over the data-parallel ranks, as ``attnres train`` does. Nothing for models
+    without step counters (dense blocks)."""
+    import torch.distributed as dist
+
+    models = [m for m in model_parts if m.step_counters()]
+    if not models:
+        return
+    group = parallel_dims.get_mesh("batch").get_group() if parallel_dims.dp_enabled else None
+
+    def end_step(*args, **kwargs) -> None:
+        for model in models:
+            if group is not None:
+                for counter in model.step_counters():
+                    dist.all_reduce(counter, group=group)
+            model.end_step()
+
+    optimizers.register_step_post_hook(end_step)
+
+
 def no_decay_names(config: ModelConfig) -> list[str]:
     """The parameter names ``attnres.param_groups`` keeps out of weight decay for a model of ``config``:
     every residual-scheme parameter, norms and other vectors (``AttnResLM.param_kinds`` "no_decay"),
