@@ -147,12 +147,6 @@ class TrainConfig:
             raise bad("sequence_parallel", "splits positions over tensor-parallel ranks: set tp >= 2 as well")
         if self.sequence_parallel and self.seq_len % self.tp:
             raise bad("seq_len", f"must be divisible by tp={self.tp} with sequence_parallel (each rank takes T/tp)")
-        if self.tp > 1 and self.compile:
-            raise bad(
-                "compile",
-                f"with tp={self.tp} the sublayers run on DTensors, which are not compiled here. Fix: "
-                "drop --compile, or --tp",
-            )
         if not (isinstance(self.dist_timeout, (int, float)) and self.dist_timeout > 0):
             raise bad("dist_timeout", "must be a positive number of seconds")
         if self.pp > 1 or self.vpp > 1 or self.microbatches is not None:

@@ -190,7 +190,6 @@ def test_kimi_linear_under_tensor_parallel_trains_like_one_process(corpus, tmp_p
         ({**KIMI, "tp": 2, "d_ff": 95}, r"ModelConfig.d_ff=95 is not divisible by tp=2"),
         ({**KIMI, "tp": 2, "moe_d_ff": 15}, r"ModelConfig.moe_d_ff=15 is not divisible by tp=2"),
         (dict(tp=2, pp=2, sequence_parallel=True), r"TrainConfig.sequence_parallel=True is invalid: with pp=2"),
-        (dict(tp=2, compile=True), r"TrainConfig.compile=True is invalid: with tp=2.*drop --compile"),
         (dict(tp=2, dp=3, batch_size=4), r"TrainConfig.batch_size=4 is invalid: must be divisible by dp=3"),
         (dict(tp=0), r"TrainConfig.tp=0 is invalid: must be a positive integer"),
         (dict(sequence_parallel=True), r"TrainConfig.sequence_parallel=True is invalid: .*set tp >= 2"),
@@ -220,3 +219,15 @@ def test_cli_tp_without_torchrun_names_the_launch(corpus, tmp_path, monkeypatch,
     args = ["train", "--preset", "tiny", "--data", corpus, "--out", str(tmp_path / "run"), "--no-progress", *argv]
     assert main(args) != 0
     assert re.search(match, capsys.readouterr().err)
+
+
+@pytest.mark.compile_heavy
+@pytest.mark.parametrize("layout", [dict(tp=2), dict(tp=2, sequence_parallel=True)])
+def test_compiled_tensor_parallel_equals_one_eager_process(corpus, tmp_path, layout):
+    """torch.compile per attention/MLP sublayer, where the DTensors are (aot_eager: the tracing and
+    autograd of a real compile without inductor's code generation)."""
+    train_one(corpus, tmp_path / "one", steps=2)
+    train_parallel(corpus, tmp_path / "compiled", 2, steps=2, compile="aot_eager", **layout)
+    (want_train, want_val), (got_train, got_val) = losses(tmp_path / "one"), losses(tmp_path / "compiled")
+    assert got_train == pytest.approx(want_train, rel=1e-5)
+    assert got_val == pytest.approx(want_val, rel=1e-5)
