@@ -1,6 +1,6 @@
 """The run's checkpoint, as the trainer uses it: a ``--resume`` checked against it before anything
-costly, loaded into whatever layout the run has (single process, DDP/FSDP2, pipeline), and written
-in the single-process format whatever the layout (rank 0 writes, every rank takes part)."""
+costly, loaded into whatever layout the run has (single process, DDP/FSDP2, tensor parallel, pipeline),
+and written in the single-process format whatever the layout (rank 0 writes, every rank takes part)."""
 
 from __future__ import annotations
 

@@ -231,3 +231,19 @@ def test_compiled_tensor_parallel_equals_one_eager_process(corpus, tmp_path, lay
     (want_train, want_val), (got_train, got_val) = losses(tmp_path / "one"), losses(tmp_path / "compiled")
     assert got_train == pytest.approx(want_train, rel=1e-5)
     assert got_val == pytest.approx(want_val, rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    "options, line",
+    [
+        (dict(tp=2), "; tensor parallel tp=2"),
+        (dict(tp=2, sequence_parallel=True), "; tensor parallel tp=2 (sequence parallel)"),
+        (dict(tp=2, dp=2, fsdp=True), "; tensor parallel tp=2 x data parallel dp=2 (FSDP2)"),
+        (dict(tp=2, dp=2), "; tensor parallel tp=2 x data parallel dp=2 (all-reduce)"),
+    ],
+)
+def test_the_run_line_names_the_tensor_parallel_layout(options, line):
+    from attnres.train.config import TrainConfig
+    from attnres.train.layout import describe_layout
+
+    assert describe_layout(TrainConfig(**options), None) == line
