@@ -75,8 +75,9 @@ def _largest_batch(model: ModelConfig, train, available: int, checkpointing: str
 def check_memory(model: ModelConfig, train, device: torch.device, available: int | None = None) -> None:
     """Refuse a single-pipeline-stage run whose step clearly does not fit on ``device`` (ValueError
     naming batch_size, the estimate and the largest batch size that fits). ``train`` is a TrainConfig;
-    its batch is split over ``dp`` ranks. Pipeline runs (``pp > 1``) spread the model and are not checked."""
-    if train.pp > 1:
+    its batch is split over ``dp`` ranks. Pipeline and tensor-parallel runs (``pp > 1``, ``tp > 1``)
+    spread the model, which the estimate holds whole on one rank: they are not checked."""
+    if train.pp > 1 or train.tp > 1:
         return
     available = available_memory(device) if available is None else available
     if available is None:

@@ -22,6 +22,8 @@ def test_the_estimate_grows_with_the_batch_and_skips_pipelines():
     assert estimate_step_memory(model, 8, 32) > estimate_step_memory(model, 4, 32) > 0
     _, piped = build_configs("tiny", {"pp": 2})
     check_memory(model, piped, torch.device("cpu"), available=1)  # pipeline stages split the model: not checked
+    _, split = build_configs("tiny", {"tp": 2})
+    check_memory(model, split, torch.device("cpu"), available=1)  # so does tensor parallelism
 
 
 def test_checkpointing_lowers_the_estimate_and_is_offered_when_it_would_fit():
