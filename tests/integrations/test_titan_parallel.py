@@ -35,7 +35,8 @@ def reference(residual, options=None):
     [
         dict(residual="block", tp=2, ac=True, compile=None),
         dict(residual="full", tp=2, ac=False, compile=None),
-        dict(residual="block", tp=1, ac=True, compile="aot_eager"),
+        # several processes compiling (aot_eager): the repo's compile_heavy set, `pytest -m compile_heavy`
+        pytest.param(dict(residual="block", tp=1, ac=True, compile="aot_eager"), marks=pytest.mark.compile_heavy),
         dict(residual="mhc", tp=1, ac=False, compile=None),
         dict(residual="block", tp=1, ac=True, compile=None, options=KIMI),
     ],
