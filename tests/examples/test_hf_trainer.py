@@ -1,6 +1,6 @@
 """examples/hf_trainer.py: transformers' Trainer fine-tunes a retrofitted model with attnres' parameter
 groups; a resumed run logs the losses of an uninterrupted one; accelerate launch with FSDP2 on 2 gloo
-CPU processes logs the losses of one process (within 1e-5)."""
+CPU processes logs the losses of one process (within 1e-5), and resumes from its own checkpoint."""
 
 from __future__ import annotations
 
@@ -81,19 +81,41 @@ def test_resume_from_checkpoint_logs_the_losses_of_an_uninterrupted_run(tmp_path
     assert queries and any(v.abs().sum() > 0 and not torch.equal(v, torch.ones_like(v)) for v in queries)
 
 
-def test_accelerate_fsdp2_on_two_cpu_processes_equals_one_process(tmp_path):
+def accelerate_launch(out: Path, *args: str) -> None:
     from distributed_workers import free_port
 
-    args = ["--steps", "4", "--save-steps", "0", "--batch-size", "4", "--seq-len", "32"]
-    one = load_example().main(["--out", str(tmp_path / "one"), *args])
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ACCELERATE_CONFIG)]
-    command += ["--main_process_port", str(free_port()), str(EXAMPLE), "--out", str(tmp_path / "two"), *args]
+    command += ["--main_process_port", str(free_port()), str(EXAMPLE), "--out", str(out), *args]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    layout = json.loads((tmp_path / "two" / "layout.json").read_text())
+    layout = json.loads((out / "layout.json").read_text())
     assert layout == {"distributed_type": "FSDP", "processes": 2}
-    two = losses(tmp_path / "two")
+
+
+ARGS = ["--steps", "4", "--save-steps", "2", "--batch-size", "4", "--seq-len", "32"]
+
+
+@pytest.fixture(scope="module")
+def fsdp2_run(tmp_path_factory) -> Path:
+    """The example under accelerate launch with FSDP2 on 2 CPU processes (checkpoints at steps 2 and 4)."""
+    out = tmp_path_factory.mktemp("fsdp2") / "two"
+    accelerate_launch(out, *ARGS)
+    return out
+
+
+def test_accelerate_fsdp2_on_two_cpu_processes_equals_one_process(tmp_path, fsdp2_run):
+    one = load_example().main(["--out", str(tmp_path / "one"), *ARGS])
+    two = losses(fsdp2_run)
     assert sorted(two) == sorted(one) == [1, 2, 3, 4]
     for step, loss in one.items():
         assert two[step] == pytest.approx(loss, rel=0, abs=1e-5), step
+
+
+def test_accelerate_fsdp2_run_resumes_from_its_checkpoint(tmp_path, fsdp2_run):
+    shutil.copytree(fsdp2_run / "checkpoint-2", tmp_path / "checkpoint-2")
+    accelerate_launch(tmp_path, *ARGS, "--resume")
+    resumed, whole = losses(tmp_path), losses(fsdp2_run)
+    assert sorted(resumed) == [3, 4]
+    for step in (3, 4):
+        assert resumed[step] == pytest.approx(whole[step], rel=0, abs=1e-6), step
