@@ -16,15 +16,16 @@ so the K3 keys and tensor names are written literally. The re-expressions (all e
   convolution -> three [1, P, 1, K] tensors;
 - MLA's ``kv_b_proj`` -> the absorbed ``attn_k_b`` [H, rank, nope] and ``attn_v_b`` [H, v, rank];
 - ``mla_output_gate`` -> ``attn_gate``; the latent MoE (``moe_latent_dim``, ``moe_latent_norm``) ->
-  ``expert_latent_length`` and ``ffn_routed_down`` / ``ffn_routed_up`` / ``ffn_routed_norm``;
+  ``expert_latent_length`` and ``ffn_routed_down`` / ``ffn_routed_up`` / ``ffn_routed_norm``; grouped
+  routing -> the general ``expert_group_count`` / ``expert_group_used_count``;
 - per-layer ``head_count_kv``: 1 for MLA (served as MQA over the latent), 0 marks a KDA layer;
 - the tokenizer (byte-level BPE, or bytes as 256 tokens without merges) as ``gpt2``.
 
 Refused with the field named: a non-Kimi backbone, residual schemes §10 cannot store, KDA head
 counts other than ``n_heads`` (llama.cpp's kimi-k3 has one ``attention.head_count`` for both), and
-layer patterns without both KDA and MLA layers (llama.cpp's hybrid cache aborts on them), and two K3
-options llama.cpp's kimi-k3 has no key for: ``moe_layer_freq`` != 1 (every layer after the dense ones
-is MoE there) and grouped routing (``moe_groups`` > 1).
+layer patterns without both KDA and MLA layers (llama.cpp's hybrid cache aborts on them), , and the one K3
+option llama.cpp's kimi-k3 has no key for: ``moe_layer_freq`` != 1 (every layer after the dense ones
+is MoE there).
 Numbers llama.cpp computes differently without a field to say so: the l2 norm of KDA's q / k and
 MLA's latent RMSNorms use ``rms_norm_eps`` there (1e-6 in transformers); equal when norm_eps = 1e-6.
 """
@@ -85,12 +86,6 @@ def check_gguf(config) -> int | None:
             f"ModelConfig.moe_layer_freq={config.moe_layer_freq} cannot be written for llama.cpp's kimi-k3, "
             "which makes every layer after leading_dense_block_count a mixture of experts; use "
             "moe_layer_freq=1, or serve the model through mlx-lm (attnres convert --to mlx)"
-        )
-    if any(moe_layers(config)) and config.moe_groups != 1:
-        raise ServingError(
-            f"ModelConfig.moe_groups={config.moe_groups} cannot be written for llama.cpp's kimi-k3: its model "
-            "(src/models/kimi-k3.cpp) reads no expert-group keys, and a router that ignored the groups "
-            "would choose other experts; use moe_groups=1, or serve the model through mlx-lm (--to mlx)"
         )
     heads = kimi_sizes(config)["kda_heads"]
     if heads != config.n_heads:
@@ -237,6 +232,9 @@ def gguf_metadata(config, block_size: int | None) -> dict[str, tuple[str, Any]]:
         meta[f"{a}.attention.q_lora_rank"] = ("u32", config.mla_q_rank)
     if config.kda_gate_lower_bound is not None:  # absent: Kimi Linear's softplus decay
         meta[f"{a}.kda.gate_lower_bound"] = ("f32", float(config.kda_gate_lower_bound))
+    if moe and config.moe_groups > 1:  # llama.cpp's loader reads these for every architecture
+        meta[f"{a}.expert_group_count"] = ("u32", config.moe_groups)
+        meta[f"{a}.expert_group_used_count"] = ("u32", config.moe_topk_groups)
     if moe and config.moe_latent_dim is not None:
         meta[f"{a}.expert_latent_length"] = ("u32", config.moe_latent_dim)
     return meta

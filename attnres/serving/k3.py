@@ -24,8 +24,8 @@ around Kimi Linear's KDA / MLA / MoE sublayers, plus what K3 adds. What we write
   grouped routing. :func:`k3_text_config` writes each under K3's key (mlx-lm's ``kimi_k3`` agrees
   with our logits to 1e-4 in float32 with every one of them, ``tests/serving/test_mlx.py``);
   ``attnres.hf.kimi.k3_layout`` reads K3 configs and checkpoints back into them. For GGUF,
-  :mod:`attnres.serving.gguf` writes what llama.cpp's kimi-k3 reads and refuses ``moe_layer_freq`` != 1
-  and grouped routing, which it has no key for.
+  :mod:`attnres.serving.gguf` writes what llama.cpp's kimi-k3 reads and refuses ``moe_layer_freq`` != 1,
+  which it has no key for.
 
 What a K3 stack cannot express at all raises :class:`ServingError` naming the field: a LLaMA
 backbone (no llama.cpp / mlx-lm architecture has AttnRes around LLaMA blocks), Full AttnRes or any

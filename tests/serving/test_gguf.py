@@ -263,7 +263,6 @@ def test_16_bit_files(tmp_path):
         (dict(kda_heads=4), "kda_heads=4"),
         (dict(kimi_layer_pattern="M"), "kimi_layer_pattern='M'"),
         (dict(moe_layer_freq=2), "moe_layer_freq=2"),
-        (dict(moe_groups=2), "moe_groups=2"),
     ],
 )
 def test_refusals_name_the_field(tmp_path, overrides, field):
@@ -276,8 +275,9 @@ def test_refusals_name_the_field(tmp_path, overrides, field):
 
 def test_k3_options_are_written_as_llama_cpp_reads_them(tmp_path):
     """K3's options of the backbone in llama.cpp's kimi-k3 terms: SiTU's betas, the KDA gate's lower bound
-    (key present only when set), the full-rank KDA gate as ssm_g itself, MLA's output gate as attn_gate,
-    the latent MoE's projections and norm with expert_latent_length."""
+        (key present only when set), the full-rank KDA gate as ssm_g itself, MLA's output gate as attn_gate,
+        the latent MoE's projections and norm with expert_latent_length, grouped routing as the general
+    expert-group keys (llama.cpp's own logits with them: docs/serving.md)."""
     options = dict(
         situ_beta=2.0,
         situ_linear_beta=3.0,
@@ -286,12 +286,15 @@ def test_k3_options_are_written_as_llama_cpp_reads_them(tmp_path):
         mla_output_gate=True,
         moe_latent_dim=8,
         moe_latent_norm=True,
+        moe_groups=2,
+        moe_topk_groups=1,
     )
     lm = tiny(**options)
     sd = {k: v.double() for k, v in lm.state_dict().items()}
     fields, tensors = read(write_gguf(lm, tmp_path / "k3.gguf"))
     assert fields["kimi-k3.activation.situ_beta"] == 2.0 and fields["kimi-k3.activation.situ_linear_beta"] == 3.0
     assert fields["kimi-k3.kda.gate_lower_bound"] == -5.0 and fields["kimi-k3.expert_latent_length"] == 8
+    assert fields["kimi-k3.expert_group_count"] == 2 and fields["kimi-k3.expert_group_used_count"] == 1
 
     def got(name):
         t = tensors[name]
@@ -308,7 +311,8 @@ def test_k3_options_are_written_as_llama_cpp_reads_them(tmp_path):
         torch.testing.assert_close(got(name), sd[ours].float().double(), rtol=0, atol=0)
     assert ne(tensors["blk.2.ffn_gate_exps.weight"]) == [8, 64 // 3 + 1, 4]  # experts at the latent width
     plain, _ = read(write_gguf(tiny(), tmp_path / "plain.gguf"))
-    assert "kimi-k3.kda.gate_lower_bound" not in plain and "kimi-k3.expert_latent_length" not in plain
+    only_k3 = {"kimi-k3.kda.gate_lower_bound", "kimi-k3.expert_latent_length", "kimi-k3.expert_group_count"}
+    assert not only_k3 & set(plain)
     assert plain["kimi-k3.activation.situ_beta"] == SWIGLU_SITU_BETA
 
 
