@@ -70,18 +70,28 @@ def test_update_from_config_extends_the_rotary_tables_and_refuses_what_it_cannot
     config.model_spec.model.update_from_config(config=config)
     assert config.model_spec.model.lm.max_seq_len == 4096
     refusals = [
-        (("--parallelism.tensor_parallel_degree", "3"), "n_heads=16 is not divisible by"),
-        (("--parallelism.tensor_parallel_degree", "2", "--parallelism.enable-sequence-parallel"), "sequence_parallel"),
-        (("--parallelism.tensor_parallel_degree", "2", "--parallelism.spmd_backend", "spmd_types"), "spmd_backend"),
+        (("--parallelism.tensor_parallel_degree", "2"), "tensor_parallel_degree=2 is not supported by torchtitan's"),
         (("--parallelism.context_parallel_degree", "2"), "context_parallel_degree=2"),
     ]
     for args, message in refusals:
         config = parse("block_debugmodel", *args)
         with pytest.raises(ValueError, match=message):
             config.model_spec.model.update_from_config(config=config)
-    config = parse("block_kimi_debugmodel", "--parallelism.tensor_parallel_degree", "2")
-    with pytest.raises(ValueError, match="backbone='kimi_linear'"):
-        config.model_spec.model.update_from_config(config=config)
+
+
+def test_the_tensor_parallel_plan_refuses_what_it_cannot_shard():
+    from attnres.integrations.torchtitan.parallelize import check_tensor_parallel
+
+    refusals = [
+        ("block_debugmodel", ("--parallelism.tensor_parallel_degree", "3"), "n_heads=16 is not divisible by"),
+        ("block_debugmodel", ("--parallelism.enable-sequence-parallel",), "sequence_parallel"),
+        ("block_debugmodel", ("--parallelism.spmd_backend", "spmd_types"), "spmd_backend"),
+        ("block_kimi_debugmodel", (), "backbone='kimi_linear'"),
+    ]
+    for name, args, message in refusals:
+        config = parse(name, "--parallelism.tensor_parallel_degree", "2", *args)
+        with pytest.raises(ValueError, match=message):
+            check_tensor_parallel(config.model_spec.model.lm, config.parallelism)
 
 
 @pytest.mark.parametrize("residual", ["block", "full", "prenorm", "mhc"])
@@ -126,8 +136,12 @@ def test_forward_backward_through_torchtitans_interface_equals_attnres(config):
     grads = dict(plain.named_parameters())
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, grads[name].grad, rtol=1e-5, atol=1e-6, msg=name)
-    with pytest.raises(ValueError, match="positions"):
-        model(x, positions=torch.arange(12))
+    # torchtitan's text loaders' per-document positions are accepted and change nothing (the window
+    # is one sequence to attnres); document masks are refused
+    with torch.no_grad():
+        torch.testing.assert_close(model(x, positions=torch.arange(12).remainder(5)), plain(x), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="attention_masks"):
+        model(x, attention_masks=torch.ones(12, 12))
 
 
 def test_optimizer_keeps_attnres_parameters_out_of_weight_decay():

@@ -24,7 +24,6 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torchtitan.protocols.model import BaseModel
 
-from attnres.integrations.torchtitan.parallelize import check_tensor_parallel
 from attnres.model.config import ModelConfig
 from attnres.model.llama import rope_tables
 from attnres.model.lm import AttnResLM
@@ -67,7 +66,14 @@ class AttnResTitanModel(AttnResLM, BaseModel):
                         "FSDP and tensor parallelism (or attnres train --pp for pipeline parallelism)"
                     )
 
-            check_tensor_parallel(self.lm, parallelism)
+            tp = parallelism.tensor_parallel_degree
+            if tp > 1:
+                raise ValueError(
+                    f"parallelism.tensor_parallel_degree={tp} is not supported by torchtitan's Trainer for attnres "
+                    "models: it clips gradients over all parameters as DTensors of one mesh, and the replicated "
+                    "residual-scheme parameters (which the depth attention uses with plain tensors) are not on "
+                    "the tp mesh; use FSDP/HSDP here, or attnres train --tp for tensor parallelism"
+                )
 
         def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
             """(parameter count, training FLOPs per token): 6 per non-embedding parameter (forward and
@@ -83,15 +89,19 @@ class AttnResTitanModel(AttnResLM, BaseModel):
     def __init__(self, config: Config):
         AttnResLM.__init__(self, config.lm)
 
-    def forward(self, tokens: Tensor, **kwargs: Any) -> Tensor:  # type: ignore[override]  # torchtitan calls model(tokens, **extra)
-        """tokens [B, T] -> logits [B, T, V]. torchtitan passes the batch's extra fields as keyword
-        arguments (``positions`` for document-masked attention); an attnres model attends causally
-        over the whole sequence, so it refuses them rather than silently ignoring them."""
+    def forward(self, tokens: Tensor, positions: Tensor | None = None, **kwargs: Any) -> Tensor:  # type: ignore[override]  # torchtitan calls model(tokens, **extra)
+        """tokens [B, T] -> logits [B, T, V].
+
+        torchtitan passes the batch's extra fields as keyword arguments. ``positions`` (its text
+        loaders' positions restarting at each packed document) is accepted and not used: an attnres
+        model reads the window as one sequence, positions 0..T-1 and causal attention across the
+        documents in it, as ``attnres train`` trains on windows of its corpus. Anything else
+        (``attention_masks`` of document-masked attention) is refused rather than silently ignored."""
         extra = {k: v for k, v in kwargs.items() if v is not None}
         if extra:
             raise ValueError(
                 f"AttnResTitanModel.forward got {sorted(extra)}: attnres models attend causally over the "
-                "whole sequence (no per-document positions or masks); use a dataloader without them"
+                "whole window (no document masks); use a dataloader and attention without them"
             )
         return AttnResLM.forward(self, tokens)
 
