@@ -8,11 +8,13 @@ torchtitan model spec (needs ``pip install 'attnres[torchtitan]'``; torchtitan 0
 ``attnres.integrations.torchtitan.config_registry``: ``<scheme>_<flavor>`` for every scheme of
 ``attnres.residual.RESIDUALS`` (``block``, ``full``, ``prenorm``, ``mhc``, ...) and every flavor of
 :data:`FLAVORS`; the rest of the Trainer's config comes from torchtitan's command line as usual
-(``--training.steps 100 --parallelism.tensor_parallel_degree 2``).
+(``--training.steps 100 --parallelism.data_parallel_shard_degree 8``).
 
 - :func:`model_registry` (flavor, scheme) -> ``ModelSpec``: the model (``AttnResTitanModel``, an
-  ``AttnResLM``), the parallelize function (``parallelize.parallelize_attnres``: tensor parallel,
-  activation checkpointing at depth-block boundaries, compile, FSDP2);
+  ``AttnResLM``), the parallelize function (``parallelize.parallelize_attnres``: a tensor-parallel
+  plan, activation checkpointing at depth-block boundaries, compile, FSDP2). torchtitan's Trainer
+  runs FSDP/HSDP; it refuses tensor parallelism for these models (``AttnResTitanModel.Config``
+  says why), which ``attnres train --tp`` provides;
 - ``parallelize.post_optimizer_build``: after each optimizer step, the model's per-step updates
   (Kimi Linear's router-bias balancing from the expert loads summed over data-parallel ranks);
 - ``parallelize.adamw_param_groups``: the optimizer's parameter groups, the AttnRes parameters (and

@@ -5,8 +5,8 @@ that returns a ``torchtitan.trainer.Trainer.Config``, as torchtitan's ``--module
 The defaults are torchtitan's llama3 ones for the same flavor (its c4_test data and test tokenizer
 for the debug models: run from a torchtitan checkout, or pass ``--hf_assets_path`` and
 ``--dataloader.dataset_path``), with what attnres models need: AdamW whose no-decay group holds the
-AttnRes parameters and norms, plain cross-entropy over the logits, the DTensor tensor-parallel
-backend without sequence parallelism, and attnres' depth-block activation checkpointing.
+AttnRes parameters and norms, plain cross-entropy over the logits, torchtitan's DTensor backend
+(``partial_dtensor``) without sequence parallelism, and attnres' depth-block activation checkpointing.
 """
 
 from __future__ import annotations

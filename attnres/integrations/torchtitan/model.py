@@ -50,7 +50,11 @@ class AttnResTitanModel(AttnResLM, BaseModel):
 
         def update_from_config(self, *, config: Any, **kwargs: Any) -> None:
             """Read what the Trainer's config decides about the model: the rotary tables must cover
-            ``training.seq_len``; and refuse parallelisms this model does not implement."""
+            ``training.seq_len``; and refuse parallelisms this model does not run under the Trainer.
+            Tensor parallelism among them: the parallelize function has a plan (tested on its own),
+            but torchtitan 0.3's Trainer clips gradients over all parameters as DTensors of one mesh,
+            and the residual-scheme parameters stay replicated plain tensors under it (the depth
+            attention's kernels take plain tensors)."""
             seq_len = config.training.seq_len
             if seq_len > self.lm.max_seq_len:
                 self.lm = dataclasses.replace(self.lm, max_seq_len=seq_len)
@@ -63,7 +67,7 @@ class AttnResTitanModel(AttnResLM, BaseModel):
                     raise ValueError(
                         f"parallelism.{name}={degree} is not supported for attnres models: the depth "
                         "attention reads every token's whole depth history on one rank; use data, "
-                        "FSDP and tensor parallelism (or attnres train --pp for pipeline parallelism)"
+                        "FSDP (or attnres train --pp / --tp for pipeline and tensor parallelism)"
                     )
 
             tp = parallelism.tensor_parallel_degree

@@ -11,6 +11,8 @@ checkpointing, compile, then FSDP2.
   and key norms are a few vectors of width D; the depth attention runs on the full hidden state each
   rank holds after the row-parallel all-reduce, and the gradients of replicated parameters are
   equal on every tensor-parallel rank). No sequence parallelism: the stream stays whole per rank.
+  torchtitan's Trainer refuses this for attnres models (``AttnResTitanModel.Config.update_from_config``
+  says why); the function applies it for a loop of your own.
 - **Activation checkpointing** (any of torchtitan's ``full`` / ``selective`` policies): attnres' own
   ``"block"`` mode (``AttnResLM.set_activation_checkpointing``): between depth blocks only the
   embedding and the completed block representations are kept, everything inside a segment is
@@ -128,8 +130,8 @@ def parallelize_attnres(
 
     if parallel_dims.pp_enabled or parallel_dims.cp_enabled:
         raise ValueError(
-            "attnres' torchtitan spec has no pipeline or context parallelism; use tensor parallel and "
-            "FSDP here, or attnres train --pp for pipeline parallelism"
+            "attnres' torchtitan spec has no pipeline or context parallelism; use FSDP here, or "
+            "attnres train --pp for pipeline parallelism"
         )
     if parallel_dims.tp_enabled:
         check_tensor_parallel(model.config, parallelism)
