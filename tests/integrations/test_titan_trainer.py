@@ -1,7 +1,7 @@
 """torchtitan's own Trainer on attnres' model spec, on the CPU (tests/integrations/titan_cpu_trainer.py
 points torchtitan's CUDA device globals at the CPU): it trains Block AttnRes from torchtitan's
-command line and data loader, resumes from its own (DCP) checkpoint to the same losses, and runs FSDP2
-on 2 gloo processes under torchrun."""
+command line and data loader, resumes from its own (DCP) checkpoint to the same losses, compiles to
+the same losses, and runs FSDP2 on 2 gloo processes under torchrun."""
 
 import json
 import math
@@ -35,20 +35,38 @@ def run(work: Path, steps: int, *flags: str, processes: int = 1) -> dict[int, fl
     return {int(k): v for k, v in json.loads(line.removeprefix("LOSSES ")).items()}
 
 
-def test_trainer_trains_and_resumes_from_its_checkpoint_to_the_same_losses(tmp_path):
-    whole = run(tmp_path / "whole", 4, "--checkpoint.enable", "--checkpoint.interval", "2")
+@pytest.fixture(scope="module")
+def eager_run(tmp_path_factory) -> tuple[Path, dict[int, float]]:
+    """4 steps of block_debugmodel in one process, checkpoints at steps 2 and 4."""
+    work = tmp_path_factory.mktemp("titan") / "whole"
+    return work, run(work, 4, "--checkpoint.enable", "--checkpoint.interval", "2")
+
+
+def test_trainer_trains_and_resumes_from_its_checkpoint_to_the_same_losses(tmp_path, eager_run):
+    work, whole = eager_run
     assert sorted(whole) == [1, 2, 3, 4] and all(math.isfinite(v) for v in whole.values())
     assert whole[4] < whole[1] - 0.5  # it learns (byte-level Shakespeare from about ln 256)
-    checkpoints = tmp_path / "whole" / "out" / "checkpoint"
+    checkpoints = work / "out" / "checkpoint"
     assert {p.name for p in checkpoints.iterdir()} == {"step-2", "step-4"}
     resumed = tmp_path / "resumed"
     shutil.copytree(checkpoints / "step-2", resumed / "out" / "checkpoint" / "step-2")
     for assets in ("tokenizer", "data"):
-        shutil.copytree(tmp_path / "whole" / assets, resumed / assets)
+        shutil.copytree(work / assets, resumed / assets)
     again = run(resumed, 4, "--checkpoint.enable", "--checkpoint.interval", "2")
     assert sorted(again) == [3, 4]
     for step in (3, 4):
         assert again[step] == pytest.approx(whole[step], rel=0, abs=1e-6), step
+
+
+def test_trainer_with_compile_logs_the_eager_losses(tmp_path, eager_run):
+    """--compile.enable (aot_eager: the tracing and autograd of a real compile without inductor's code
+    generation) compiles every attention and MLP sublayer, and torchtitan's loss."""
+    work, whole = eager_run
+    for assets in ("tokenizer", "data"):
+        shutil.copytree(work / assets, tmp_path / assets)
+    compiled = run(tmp_path, 4, "--compile.enable", "--compile.backend", "aot_eager")
+    for step, loss in whole.items():
+        assert compiled[step] == pytest.approx(loss, rel=0, abs=1e-5), step
 
 
 def test_trainer_runs_fsdp2_on_two_gloo_processes(tmp_path):
