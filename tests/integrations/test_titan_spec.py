@@ -3,6 +3,7 @@ torchtitan runs, the model through torchtitan's interface (meta build, to_empty,
 forward, torchtitan's loss, backward) against a plain AttnResLM, and the optimizer's groups."""
 
 import dataclasses
+import importlib.util
 
 import pytest
 import torch
@@ -16,6 +17,8 @@ from attnres.model.llama import lm_loss
 from attnres.residual import RESIDUALS, build_residual
 
 MODULE = "attnres.integrations.torchtitan"
+# Kimi Linear's sublayers are transformers' (the hf extra)
+NEEDS_TRANSFORMERS = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
 
 
 def parse(config_name: str, *args: str):
@@ -113,7 +116,11 @@ def test_init_weights_gives_the_schemes_own_initialisation(residual):
 
 @pytest.mark.parametrize(
     "config",
-    [tiny(residual="block", attnres_block_size=4), tiny(residual="hyper"), tiny(backbone="kimi_linear", n_heads=2)],
+    [
+        tiny(residual="block", attnres_block_size=4),
+        tiny(residual="hyper"),
+        pytest.param(tiny(backbone="kimi_linear", n_heads=2), marks=NEEDS_TRANSFORMERS),
+    ],
     ids=["llama-block", "llama-hyper", "kimi_linear-block"],
 )
 def test_forward_backward_through_torchtitans_interface_equals_attnres(config):
@@ -165,6 +172,7 @@ def test_optimizer_keeps_attnres_parameters_out_of_weight_decay():
             assert decay[name] == 0.0, name
 
 
+@NEEDS_TRANSFORMERS
 def test_kimi_linears_router_bias_balances_after_each_optimizer_step():
     from torchtitan.components.optimizer import OptimizersContainer
     from torchtitan.distributed import ParallelDims

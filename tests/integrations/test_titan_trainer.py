@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("torchtitan")
+pytest.importorskip("transformers")  # the worker's tokenizer is attnres.hf's
 
 from distributed_workers import free_port
 
