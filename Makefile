@@ -10,7 +10,8 @@ TORCH ?= torch==2.13.0
 # drives; torchtitan the dependencies of attnres.integrations.torchtitan (torchtitan itself comes with
 # --no-deps, below); `make test TEST_EXTRAS=dev` skips those tests
 TEST_EXTRAS ?= dev,hf,triton,eval,serving,torchtitan
-# installed without its dependencies when TEST_EXTRAS has torchtitan (pyproject.toml's torchtitan extra says why)
+# installed without its dependencies when TEST_EXTRAS has torchtitan (pyproject.toml's torchtitan extra says why);
+# torchtitan needs Python 3.11+, so older interpreters skip it (and its tests skip)
 TORCHTITAN ?= torchtitan==0.3.0
 
 .PHONY: install test test-fast lint demo clean
@@ -24,7 +25,8 @@ $(BIN)/.installed: pyproject.toml Makefile
 
 $(BIN)/.installed-test: $(BIN)/.installed
 	$(BIN)/python -m pip install -q -e '.[$(TEST_EXTRAS)]'
-	case ',$(TEST_EXTRAS),' in *,torchtitan,*) $(BIN)/python -m pip install -q --no-deps '$(TORCHTITAN)';; esac
+	case ',$(TEST_EXTRAS),' in *,torchtitan,*) if $(BIN)/python -c 'import sys; sys.exit(sys.version_info < (3, 11))'; \
+		then $(BIN)/python -m pip install -q --no-deps '$(TORCHTITAN)'; fi;; esac
 	touch $@
 
 install: $(BIN)/.installed
