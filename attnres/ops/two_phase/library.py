@@ -108,7 +108,7 @@ def _setup_context(ctx, inputs, output):
     _, lse = output
     ctx.n, ctx.kernel = len(sources), kernel
     ctx.has_norm, ctx.has_weights = bool(inv_rms), key_weights is not None
-    ctx.meta = [(v.dtype, v.shape) for v in sources]
+    ctx.dtypes = [v.dtype for v in sources]
     ctx.save_for_backward(*sources, *inv_rms, queries, key_weights, lse)
 
 
@@ -123,7 +123,7 @@ def _backward(ctx, grad_h, grad_lse):
     if grad_lse is None:
         grad_lse = torch.zeros_like(lse)
     gv, du = phase1_backward_op(grad_h, grad_lse, sources, inv_rms, queries, key_weights, lse, ctx.kernel)
-    grads = [gv[:, :, i].to(dtype) for i, (dtype, _) in enumerate(ctx.meta)]
+    grads = [gv[:, :, i].to(dtype) for i, dtype in enumerate(ctx.dtypes)]
     gq = du * key_weights.to(du.dtype) if key_weights is not None else du
     gq = gq.reshape(queries.shape).to(queries.dtype)
     gk = (du * queries.to(du.dtype).reshape(du.shape)).to(key_weights.dtype) if key_weights is not None else None
