@@ -106,9 +106,21 @@ def cached_knockouts(run_dir: Path, compute: Callable[[], dict]) -> dict:
     stored = read_json(path)
     if isinstance(stored, dict) and stored.get("version") == KNOCKOUT_VERSION:
         return stored
-    table = {"version": KNOCKOUT_VERSION, **compute()}
+    table = _rounded({"version": KNOCKOUT_VERSION, **compute()})
     atomic_write_json(path, table)
     return table
+
+
+def _rounded(obj):
+    """Floats to 6 significant digits (loss increases of 1e-5 nats keep their two leading digits): the
+    cache is committed, and the report reads the rounded values the first time too."""
+    if isinstance(obj, float):
+        return float(f"{obj:.6g}")
+    if isinstance(obj, dict):
+        return {k: _rounded(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_rounded(v) for v in obj]
+    return obj
 
 
 def knockouts_of_run(run, run_dir: Path, batches: int, log: Callable[[str], None] = print) -> dict:

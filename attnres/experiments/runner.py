@@ -543,7 +543,7 @@ def _advance(
     if source is not None and spec.keep_checkpoint and not (source / CHECKPOINT_DIR).is_dir():
         # a spec that keeps checkpoints (to measure the models later) trains the same config again
         log(f"[{s.run.name}] {s.source} has no checkpoint to keep: training the same config here")
-        s = RunStatus(s.run, s.dir, "missing")
+        s = RunStatus(s.run, experiment_dir(runs_root, spec.name) / s.run.hash, "missing")
     if s.state == "reusable":
         _reuse(s, spec, log, command)
         return "reused"

@@ -85,8 +85,9 @@ def importance_verdict(stats: dict[tuple[str, str], list[dict[str, float]]]) -> 
     if not parts:
         return "Verdict: no knockouts measured yet."
     rhos = [r["zero_rho"] for runs in stats.values() for r in runs if not math.isnan(r["zero_rho"])]
+    tops = [r["zero_top_agree"] for runs in stats.values() for r in runs if not math.isnan(r["zero_top_agree"])]
     strong = rhos and min(rhos) >= 0.7
-    weak = rhos and max(rhos) < 0.4
+    weak = rhos and max(rhos) < 0.4 and tops and max(tops) < 0.7
     summary = (
         "routing mass tracks causal importance closely"
         if strong
@@ -94,7 +95,11 @@ def importance_verdict(stats: dict[tuple[str, str], list[dict[str, float]]]) -> 
         if weak
         else "routing mass tracks causal importance only partly"
     )
-    return f"Verdict (arXiv 2606.13168: routing mass is not causal importance): {summary} — " + "; ".join(parts) + "."
+    return (
+        f"Verdict (arXiv 2606.13168: routing mass is not causal importance): {summary} (Spearman ρ of the "
+        "zero knockout over all (read, source) pairs; the share of reads whose most weighted source costs "
+        "most) — " + "; ".join(parts) + "."
+    )
 
 
 def _plot(tables: dict[str, dict], path: str) -> str:

@@ -15,7 +15,7 @@ import numpy as np
 from attnres.experiments.reports.common import Report, fmt, md_table
 from attnres.experiments.reports.kimi_linear import BACKBONE_NAMES, _median_step_seconds
 from attnres.experiments.results import Collected
-from attnres.experiments.stats import Paired, fmt_mean_std, paired
+from attnres.experiments.stats import fmt_mean_std, paired
 
 PAPER_CELL = ("outputs", "replacement")  # the paper's AttnRes: sublayer outputs, replacement routing
 
@@ -28,10 +28,6 @@ def _tags(col: Collected, scheme: str) -> tuple[str, str, str]:
 
 def _paper_cell(col: Collected, family: str) -> str | None:
     return next((s for s in col.points("scheme") if _tags(col, s) == (family, *PAPER_CELL)), None)
-
-
-def _word(p: Paired) -> str:
-    return {"better": "lower than", "worse": "higher than"}.get(p.verdict, "within noise of")
 
 
 def routing_verdict(col: Collected) -> str:
@@ -116,6 +112,11 @@ def routing_report(rep: Report) -> None:
                 "llllrllr",
             ),
             "",
+            f"Step time / {base}: the median optimizer step of each cell's runs against {base}'s; the runs "
+            "trained at different times on 2 shared cores whose load varied from 1 to 7, so these ratios "
+            "say more about the machine than about the scheme (`attnres bench train` measures the step "
+            "cost side by side).",
+            "",
         )
         grid_rows = []
         for family in ("block", "full"):
@@ -141,6 +142,6 @@ def routing_report(rep: Report) -> None:
             if len(ranked) > 1:
                 runner = ranked[1]
                 p = paired(col.losses(backbone=bb, scheme=best), col.losses(backbone=bb, scheme=runner))
-                lines.append(f"; against the runner-up {runner}: {p.describe()} ({_word(p)} it).")
+                lines.append(f"; against the runner-up {runner}: {p.describe()}.")
             rep.add("".join(lines), "")
     rep.add("## Verdict", "", routing_verdict(col), "")
