@@ -61,10 +61,11 @@ def test_two_ranks_equal_one_process(tmp_path, case):
     for name, grad in want_grads.items():
         torch.testing.assert_close(got["grads"][name], grad, rtol=1e-5, atol=1e-5, msg=name)
     # what was sharded: the projections over both ranks (tensor parallel: by heads, with FSDP2 by
-    # rows); the AttnRes pseudo-queries only by FSDP2, replicated under tensor parallelism
-    if case["tp"] == 2:  # mesh (fsdp, tp): the projection has a placement on the tp axis, the queries none
+    # rows); the AttnRes pseudo-queries only by FSDP2, Replicate DTensors on the tp axis of the same
+    # mesh (torchtitan's gradient clipping wants every parameter on one mesh)
+    if case["tp"] == 2:  # mesh (fsdp, tp)
         assert got["placements"]["blocks.0.attn.q_proj.weight"].endswith(", Shard(dim=0))")
-        assert got["placements"]["residual.queries"] == "(Shard(dim=0),)"
+        assert got["placements"]["residual.queries"] == "(Shard(dim=0), Replicate())"
     else:
         assert got["placements"]["blocks.0.attn.q_proj.weight"] == "(Shard(dim=0),)"
     # the AttnRes parameters took part: their gradients are not zero

@@ -72,8 +72,15 @@ def test_update_from_config_extends_the_rotary_tables_and_refuses_what_it_cannot
     config = parse("block_debugmodel", "--training.seq_len", "4096")
     config.model_spec.model.update_from_config(config=config)
     assert config.model_spec.model.lm.max_seq_len == 4096
+    # tensor parallelism (the configs leave sequence parallelism off) is taken: test_titan_trainer.py trains it
+    config = parse("block_debugmodel", "--parallelism.tensor_parallel_degree", "2")
+    config.model_spec.model.update_from_config(config=config)
     refusals = [
-        (("--parallelism.tensor_parallel_degree", "2"), "tensor_parallel_degree=2 is not supported by torchtitan's"),
+        (
+            ("--parallelism.tensor_parallel_degree", "2", "--parallelism.enable-sequence-parallel"),
+            "enable_sequence_parallel=True is not supported",
+        ),
+        (("--parallelism.tensor_parallel_degree", "3"), "n_heads=16 is not divisible by"),
         (("--parallelism.context_parallel_degree", "2"), "context_parallel_degree=2"),
     ]
     for args, message in refusals:

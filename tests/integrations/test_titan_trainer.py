@@ -1,7 +1,8 @@
 """torchtitan's own Trainer on attnres' model spec, on the CPU (tests/integrations/titan_cpu_trainer.py
 points torchtitan's CUDA device globals at the CPU): it trains Block AttnRes from torchtitan's
 command line and data loader, resumes from its own (DCP) checkpoint to the same losses, compiles to
-the same losses, and runs FSDP2 on 2 gloo processes under torchrun."""
+the same losses, runs FSDP2 on 2 gloo processes under torchrun, and tensor parallelism (TP=2) on 2
+gloo processes to the losses of one process."""
 
 import json
 import math
@@ -57,6 +58,25 @@ def test_trainer_trains_and_resumes_from_its_checkpoint_to_the_same_losses(tmp_p
     assert sorted(again) == [3, 4]
     for step in (3, 4):
         assert again[step] == pytest.approx(whole[step], rel=0, abs=1e-6), step
+
+
+def test_trainer_with_tensor_parallelism_on_two_processes_logs_the_losses_of_one(tmp_path, eager_run):
+    """TP=2 (2 gloo processes, one data-parallel rank, so the same batches) resumed from the
+    one-process step-2 checkpoint (DCP reshards it onto the tp mesh) logs that run's losses for steps 3
+    and 4. Resumed rather than from scratch: on a CPU mesh DTensor's random initialisation of a
+    sharded projection differs from the whole one's (torchtitan keeps them equal on CUDA only), so
+    fresh TP and one-process runs start from different weights. Gradient clipping
+    (training.max_norm 1) runs over every parameter, the tp-replicated ones included."""
+    work, whole = eager_run
+    resumed = tmp_path / "tp2"
+    shutil.copytree(work / "out" / "checkpoint" / "step-2", resumed / "out" / "checkpoint" / "step-2")
+    for assets in ("tokenizer", "data"):
+        shutil.copytree(work / assets, resumed / assets)
+    tp = ("--parallelism.tensor_parallel_degree", "2")  # the configs leave sequence parallelism off
+    again = run(resumed, 4, "--checkpoint.enable", "--checkpoint.interval", "2", *tp, processes=2)
+    assert sorted(again) == [3, 4]
+    for step in (3, 4):
+        assert again[step] == pytest.approx(whole[step], rel=0, abs=1e-5), step
 
 
 def test_trainer_with_compile_logs_the_eager_losses(tmp_path, eager_run):

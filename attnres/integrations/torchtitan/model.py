@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torchtitan.protocols.model import BaseModel
 
+from attnres.integrations.torchtitan.parallelize import check_tensor_parallel
 from attnres.model.config import ModelConfig
 from attnres.model.llama import rope_tables
 from attnres.model.lm import AttnResLM
@@ -50,11 +51,9 @@ class AttnResTitanModel(AttnResLM, BaseModel):
 
         def update_from_config(self, *, config: Any, **kwargs: Any) -> None:
             """Read what the Trainer's config decides about the model: the rotary tables must cover
-            ``training.seq_len``; and refuse parallelisms this model does not run under the Trainer.
-            Tensor parallelism among them: the parallelize function has a plan (tested on its own),
-            but torchtitan 0.3's Trainer clips gradients over all parameters as DTensors of one mesh,
-            and the residual-scheme parameters stay replicated plain tensors under it (the depth
-            attention's kernels take plain tensors)."""
+            ``training.seq_len``; and refuse parallelisms this model does not run under the Trainer,
+            and tensor-parallel layouts its plan cannot shard (``check_tensor_parallel``), before
+            anything is built."""
             seq_len = config.training.seq_len
             if seq_len > self.lm.max_seq_len:
                 self.lm = dataclasses.replace(self.lm, max_seq_len=seq_len)
@@ -69,15 +68,7 @@ class AttnResTitanModel(AttnResLM, BaseModel):
                         "attention reads every token's whole depth history on one rank; use data, "
                         "FSDP (or attnres train --pp / --tp for pipeline and tensor parallelism)"
                     )
-
-            tp = parallelism.tensor_parallel_degree
-            if tp > 1:
-                raise ValueError(
-                    f"parallelism.tensor_parallel_degree={tp} is not supported by torchtitan's Trainer for attnres "
-                    "models: it clips gradients over all parameters as DTensors of one mesh, and the replicated "
-                    "residual-scheme parameters (which the depth attention uses with plain tensors) are not on "
-                    "the tp mesh; use FSDP/HSDP here, or attnres train --tp for tensor parallelism"
-                )
+            check_tensor_parallel(self.lm, parallelism)
 
         def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
             """(parameter count, training FLOPs per token): 6 per non-embedding parameter (forward and

@@ -11,8 +11,9 @@ checkpointing, compile, then FSDP2.
   and key norms are a few vectors of width D; the depth attention runs on the full hidden state each
   rank holds after the row-parallel all-reduce, and the gradients of replicated parameters are
   equal on every tensor-parallel rank). No sequence parallelism: the stream stays whole per rank.
-  torchtitan's Trainer refuses this for attnres models (``AttnResTitanModel.Config.update_from_config``
-  says why); the function applies it for a loop of your own.
+  The replicated parameters are Replicate DTensors on the tp mesh (torchtitan's gradient clipping
+  takes the norm over all parameters as DTensors of one mesh), but every module computes on their
+  local tensors (:func:`compute_on_local_views`): the depth attention's fused ops never see a DTensor.
 - **Activation checkpointing** (any of torchtitan's ``full`` / ``selective`` policies): attnres' own
   ``"block"`` mode (``AttnResLM.set_activation_checkpointing``): between depth blocks only the
   embedding and the completed block representations are kept, everything inside a segment is
@@ -33,7 +34,9 @@ import re
 from typing import Any
 
 import torch
+from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     RowwiseParallel,
@@ -96,6 +99,49 @@ def apply_tensor_parallel(model: AttnResLM, tp_mesh) -> None:
         parallelize_module(block, tp_mesh, {name: styles[style]() for name, style in BLOCK_TP_PLAN.items()})
 
 
+def replicate_on_tp_mesh(model: AttnResLM, tp_mesh) -> None:
+    """Make every parameter the plan does not shard a Replicate DTensor on ``tp_mesh``, so that
+    (after FSDP2) all parameters are DTensors of one mesh, as torchtitan's gradient clipping needs.
+    The modules still compute on plain tensors: :func:`compute_on_local_views` hands them local views."""
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if not isinstance(param, DTensor):
+                replicated = DTensor.from_local(param.data, tp_mesh, [Replicate()], run_check=False)
+                module.register_parameter(name, nn.Parameter(replicated, requires_grad=param.requires_grad))
+
+
+def _local_views(modules: list[nn.Module]):
+    """A forward pre-hook: each tp-replicated parameter of ``modules`` is shadowed, for attribute
+    access only, by its local tensor (``module.__dict__`` comes before ``_parameters`` in lookup),
+    so norms, the embedding, the head and the residual scheme's (fused) ops see plain tensors, while
+    ``parameters()``, the state dict and the optimizer keep the DTensor. The view is taken after
+    FSDP2's own pre-forward hook (registered first) has put the unsharded parameter in place, and
+    stays until the next forward, so activation checkpointing's recomputation in backward reads it
+    too; its gradient comes back as a Replicate DTensor (the same on every tensor-parallel rank:
+    each rank computes the whole stream)."""
+
+    def hook(*_: Any) -> None:
+        for module in modules:
+            # typed as Tensor: torch's stub types the values as Parameter, which mypy takes as
+            # disjoint from DTensor, while FSDP2 + TP's unsharded parameters are both
+            params: dict[str, torch.Tensor | None] = dict(module._parameters)
+            for name, param in params.items():
+                if isinstance(param, DTensor) and param.placements == (Replicate(),):
+                    module.__dict__[name] = param.to_local(grad_placements=(Replicate(),))
+
+    return hook
+
+
+def compute_on_local_views(model: AttnResLM) -> None:
+    """After FSDP2: a forward pre-hook per FSDP unit (each block, and the root for everything outside
+    the blocks) that installs the local views of :func:`_local_views`."""
+    blocks = list(model.blocks.children())
+    inside = {id(m) for block in blocks for m in block.modules()}
+    for block in blocks:
+        block.register_forward_pre_hook(_local_views(list(block.modules())))
+    model.register_forward_pre_hook(_local_views([m for m in model.modules() if id(m) not in inside]))
+
+
 def apply_fsdp(model: AttnResLM, dp_mesh, *, param_dtype, reduce_dtype, reshard_after_forward: bool) -> None:
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     blocks = list(model.blocks.children())
@@ -136,6 +182,7 @@ def parallelize_attnres(
     if parallel_dims.tp_enabled:
         check_tensor_parallel(model.config, parallelism)
         apply_tensor_parallel(model, parallel_dims.get_mesh("tp"))
+        replicate_on_tp_mesh(model, parallel_dims.get_mesh("tp"))
     if ac_config is not None:
         if not isinstance(ac_config, (FullAC.Config, SelectiveAC.Config)):
             raise ValueError(
@@ -153,6 +200,8 @@ def parallelize_attnres(
         reduce_dtype=_DTYPES[training.mixed_precision_reduce],
         reshard_after_forward=_reshard_after_forward(parallelism.fsdp_reshard_after_forward, parallel_dims.pp_enabled),
     )
+    if parallel_dims.tp_enabled:
+        compute_on_local_views(model)
     return model
 
 
