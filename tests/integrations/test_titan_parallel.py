@@ -1,4 +1,4 @@
-"""attnres' torchtitan parallelize function on 2 gloo ranks equals one process: tensor parallel (the
+"""attnres' torchtitan parallelize function on 2 (or 4) gloo ranks equals one process: tensor parallel (the
 plan of attnres.integrations.torchtitan.parallelize, AttnRes parameters replicated) and FSDP2 over
 data-parallel ranks, with activation checkpointing and compile, within 1e-5 (float32)."""
 
@@ -36,6 +36,8 @@ def reference(residual, options=None):
     [
         dict(residual="block", tp=2, ac=True, compile=None),
         dict(residual="full", tp=2, ac=False, compile=None),
+        # 4 processes: mesh (fsdp 2, tp 2), FSDP2 over the tp-replicated parameters as well
+        dict(residual="block", tp=2, ac=True, compile=None, world=4),
         # several processes compiling (aot_eager): the repo's compile_heavy set, `pytest -m compile_heavy`
         pytest.param(dict(residual="block", tp=1, ac=True, compile="aot_eager"), marks=pytest.mark.compile_heavy),
         dict(residual="mhc", tp=1, ac=False, compile=None),
@@ -44,12 +46,19 @@ def reference(residual, options=None):
             marks=pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers"),
         ),
     ],
-    ids=["tp2-block-ac", "tp2-full", "fsdp2-block-ac-compile", "fsdp2-mhc", "fsdp2-kimi_linear-block-ac"],
+    ids=[
+        "tp2-block-ac",
+        "tp2-full",
+        "fsdp2-tp2-block-ac",
+        "fsdp2-block-ac-compile",
+        "fsdp2-mhc",
+        "fsdp2-kimi_linear-block-ac",
+    ],
 )
 def test_two_ranks_equal_one_process(tmp_path, case):
     state = titan_workers.reference_state(case["residual"], case.get("options"))
     out = tmp_path / "rank0.pt"
-    spawn(titan_workers.titan_case, 2, {**case, "state": state}, str(out))
+    spawn(titan_workers.titan_case, case.get("world", 2), {**case, "state": state}, str(out))
     got = torch.load(out)
     want_loss, want_grads = reference(case["residual"], case.get("options"))
     grad_difference = max((got["grads"][n] - g).abs().max().item() for n, g in want_grads.items())
