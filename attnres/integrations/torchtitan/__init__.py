@@ -13,8 +13,7 @@ torchtitan model spec (needs ``pip install 'attnres[torchtitan]'``; torchtitan 0
 - :func:`model_registry` (flavor, scheme) -> ``ModelSpec``: the model (``AttnResTitanModel``, an
   ``AttnResLM``), the parallelize function (``parallelize.parallelize_attnres``: a tensor-parallel
   plan, activation checkpointing at depth-block boundaries, compile, FSDP2). torchtitan's Trainer
-  runs FSDP/HSDP; it refuses tensor parallelism for these models (``AttnResTitanModel.Config``
-  says why), which ``attnres train --tp`` provides;
+  runs FSDP/HSDP and tensor parallelism (LLaMA backbone, without sequence parallelism) with it;
 - ``parallelize.post_optimizer_build``: after each optimizer step, the model's per-step updates
   (Kimi Linear's router-bias balancing from the expert loads summed over data-parallel ranks);
 - ``parallelize.adamw_param_groups``: the optimizer's parameter groups, the AttnRes parameters (and
