@@ -150,12 +150,20 @@ def kimi_scaling_verdict(col: Collected) -> str:
     for s in col.points("scheme"):
         if s == base:
             continue
-        ds = [paired(col.losses(size=z, scheme=s), col.losses(size=z, scheme=base)) for z in sizes]
-        trend = " → ".join(f"{d.mean:+.3f}" for d in ds if d.n)
+        pairs = [(z, paired(col.losses(size=z, scheme=s), col.losses(size=z, scheme=base))) for z in sizes]
+        pairs = [(z, d) for z, d in pairs if d.n]
+        if not pairs:
+            continue
+        if len(pairs) < 2:
+            z, d = pairs[0]
+            parts.append(f"{s} Δ {d.mean:+.3f} at {z} only ({d.verdict}): no trend yet")
+            continue
+        (first, _), (last, ds_last) = pairs[0], pairs[-1]
+        trend = " → ".join(f"{d.mean:+.3f}" for _, d in pairs)
         mult = (
             f", {compute_multiplier(fits[base], fits[s], max(C_of.values())):.2f}× compute"
             if base in fits and s in fits
             else ""
         )
-        parts.append(f"{s} Δ {trend} from {sizes[0]} to {sizes[-1]} ({ds[-1].verdict} at {sizes[-1]}{mult})")
+        parts.append(f"{s} Δ {trend} from {first} to {last} ({ds_last.verdict} at {last}{mult})")
     return "Verdict (does the Kimi-backbone advantage grow with scale?): " + "; ".join(parts) + "."
