@@ -146,10 +146,12 @@ def runs_table(col: Collected) -> list[str]:
             state = f"done (in {r.dir.parent.name})"
         if r.diverged:
             state = f"diverged at step {r.diverged.get('step')}"
+        # a finished run is named by its directory: a run hashed before a config field was added keeps
+        # its directory (the runner finds it as compatible), and the table should point at it
         rows.append(
             [
                 names,
-                f"`{h}`",
+                f"`{r.dir.name if r.done else h}`",
                 state,
                 fmt(r.loss) if r.done else "—",
                 f"{r.run.tokens:,}",
