@@ -18,20 +18,7 @@ from attnres.serving.mlx import save_mlx
 
 @pytest.fixture(scope="module")
 def k3_dir(tmp_path_factory):
-    torch.manual_seed(0)
-    config = ModelConfig(
-        backbone="kimi_linear",
-        vocab_size=64,
-        d_model=32,
-        n_layers=4,
-        n_heads=2,
-        max_seq_len=32,
-        moe_experts=4,
-        moe_top_k=2,
-        residual="block",
-        attnres_block_size=4,
-    )
-    lm = AttnResLM(config).eval()
+    lm = k3_model()
     with torch.no_grad():
         lm.residual.queries.normal_(0.0, 0.5)
         lm.residual.key_norm_weight.uniform_(0.5, 1.5)
