@@ -214,6 +214,11 @@ def main(argv=None) -> dict[int, float]:
         (Path(args.out) / "layout.json").write_text(json.dumps(layout) + "\n")
         for step, loss in sorted(log.losses.items()):
             print(f"step {step:4d}  loss {loss:.6f}")
+    if torch.distributed.is_initialized():
+        # an orderly end of the gloo group: left to interpreter exit, its threads can abort a rank
+        # ("terminate called without an active exception") after training has finished
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
     return log.losses
 
 
