@@ -14,7 +14,9 @@ reused by every reader; its gradient is recomputed here from the values.
 
 Triton. For CUDA float32/bfloat16/float16 tensors, ``_Phase1``'s forward and ``merge`` (when no
 gradient is needed) run the kernels of ``triton.py`` (imported on first use; ``ATTNRES_TRITON=0``
-turns them off); ``_Phase1``'s backward then recomputes the weights from the saved lse.
+turns them off); ``_Phase1``'s backward then runs the backward kernel of ``triton_backward.py``,
+which recomputes the weights from the saved lse (torch's batched products when S queries of D
+channels are too wide for one program, or when a graph of the gradient is wanted).
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ class _Phase1(torch.autograd.Function):
             saved_lse = None
         # buffer views: kept on ctx, not saved (later writes go to other rows, which bumps the
         # buffer's version counter but never changes the rows read here)
-        ctx.values, ctx.inv_rms = values, inv_rms
+        ctx.values, ctx.inv_rms, ctx.kernels = values, inv_rms, kernels
         ctx.opts = (kernel, heads, cd, [(p.shape, p.dtype) for p in producers])
         ctx.save_for_backward(queries, key_weights, alpha, dots, saved_lse)
         # one output per query: each sublayer's gradient then arrives on its own, with no
@@ -88,21 +90,35 @@ class _Phase1(torch.autograd.Function):
         values, inv_rms = ctx.values, ctx.inv_rms
         b, t, n, d = values.shape
         s_count = queries.shape[0]
-        v3 = values.to(cd).flatten(0, 1)
-        if alpha is None:  # a Triton forward: recompute the weights (one [BT, n, S, H] pass)
-            dots, z = phase1_logits(v3, inv_rms, queries, key_weights, heads)
-            alpha = torch.exp(z - lse.unsqueeze(1)) if kernel == "softmax" else torch.sigmoid(z)
-        gh = (
-            torch.stack(
-                [g if g is not None else torch.zeros(b, t, d, dtype=cd, device=values.device) for g in g_h1s], dim=2
-            )
-            .to(cd)
-            .flatten(0, 1)
-        )  # [BT, S, D]
-        r = inv_rms.to(cd).flatten(0, 1) if inv_rms is not None else None
-        g_lse3 = g_lse.to(cd).flatten(0, 1) if g_lse is not None else None
+        gh = torch.stack(
+            [g if g is not None else torch.zeros(b, t, d, dtype=cd, device=values.device) for g in g_h1s], dim=2
+        ).to(cd)  # [B, T, S, D]
         needs_du = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        gv, du = phase1_backward(v3, r, queries, key_weights, alpha, dots, gh, g_lse3, heads, kernel, needs_du)
+        # the Triton backward when the forward ran the Triton kernel and no graph of the gradient is
+        # wanted (create_graph: the kernel's results are not differentiable, torch's are)
+        kernels = ctx.kernels
+        if alpha is None and not torch.is_grad_enabled() and kernels.backward_fits(heads, d, s_count):
+            gv, du = kernels.phase1_backward(
+                values,
+                inv_rms,
+                queries,
+                key_weights,
+                lse.view(b, t, s_count, heads),
+                gh,
+                g_lse,
+                kernel=kernel,
+                needs_du=needs_du,
+            )
+        else:
+            v3 = values.to(cd).flatten(0, 1)
+            if alpha is None:  # a Triton forward: recompute the weights (one [BT, n, S, H] pass)
+                dots, z = phase1_logits(v3, inv_rms, queries, key_weights, heads)
+                alpha = torch.exp(z - lse.unsqueeze(1)) if kernel == "softmax" else torch.sigmoid(z)
+            r = inv_rms.to(cd).flatten(0, 1) if inv_rms is not None else None
+            g_lse3 = g_lse.to(cd).flatten(0, 1) if g_lse is not None else None
+            gv, du = phase1_backward(
+                v3, r, queries, key_weights, alpha, dots, gh.flatten(0, 1), g_lse3, heads, kernel, needs_du
+            )
         gq = gg = None
         if du is not None:
             q = queries.to(cd).reshape(s_count, d)

@@ -1,11 +1,13 @@
 """Two-phase depth attention as Triton kernels (docs/method.md §6): Phase 1 and the merge, for CUDA.
 
 The same contract as ``reference.py`` (read that first): ``phase1`` reads the n completed sources once
-for all S queries of a depth block, ``merge`` combines two ``DepthStats`` exactly. Forward only:
-neither has a backward kernel (called directly they refuse inputs that require grad while grad mode
-is on). ``fused.py`` routes CUDA calls here: its Phase-1 autograd Function runs this forward and
-recomputes the weights from lse in its backward; its ``merge`` uses the kernel when no gradient is
-needed.
+for all S queries of a depth block, ``merge`` combines two ``DepthStats`` exactly. Phase 1's backward
+is a kernel of its own, ``phase1_backward`` (``triton_backward.py``, re-exported here): the result of
+``fused.phase1_backward``, with the weights recomputed from the forward's lse. ``phase1`` and
+``merge`` are not autograd ops: called directly they refuse inputs that require grad while grad mode
+is on. ``fused.py`` routes CUDA calls here: its Phase-1 autograd Function runs ``phase1`` forward
+and ``phase1_backward`` backward (when ``backward_fits``); its ``merge`` uses the kernel when no
+gradient is needed (autograd's elementwise backward is cheap).
 
 - phase 1: each program owns a tile of BLOCK_T tokens and BLOCK_S queries; it walks the sources
   once with an online softmax (running max m and normaliser l per token, query and head, as in
@@ -35,8 +37,9 @@ from attnres.ops.depth_attention.triton import (
 )
 from attnres.ops.depth_attention.triton_kernels import tile_coords
 from attnres.ops.two_phase.reference import check_phase1_inputs
+from attnres.ops.two_phase.triton_backward import backward_fits, phase1_backward
 
-__all__ = ["fits", "merge", "phase1"]
+__all__ = ["backward_fits", "fits", "merge", "phase1", "phase1_backward"]
 
 
 @triton.jit
@@ -175,7 +178,7 @@ def fits(heads: int, d: int) -> bool:
 def _refuse_autograd(name: str, *tensors: Tensor | None) -> None:
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         raise RuntimeError(
-            f"the Triton {name} has no backward; use attnres.ops.two_phase.fused "
+            f"the Triton {name} is no autograd op (no backward wired to it); use attnres.ops.two_phase.fused "
             "for training, or call it under torch.no_grad()"
         )
 
