@@ -1,16 +1,17 @@
-"""The Triton Phase-1 and merge kernels against the reference two-phase ops (tests/interpreted_triton.py
-says how they run without a GPU). float64 runs the kernels in float64: 1e-12; float32 must match
-the float64 reference to rtol 1e-4, atol 1e-5."""
+"""The Triton Phase-1 (forward and backward) and merge kernels against the reference two-phase ops (the
+backward against float64 autograd through it; tests/interpreted_triton.py says how they run without a
+GPU). float64 runs the kernels in float64: 1e-12; float32 must match the float64 reference to rtol 1e-4,
+atol 1e-5."""
 
 import pytest
 import torch
-from interpreted_triton import DEVICE, import_kernels
+from interpreted_triton import DEVICE, ON_GPU, import_kernels
 
 tp = import_kernels("attnres.ops.two_phase.triton")
 
 from attnres.ops import depth_attention  # noqa: E402
 from attnres.ops.common import DepthStats, inverse_rms  # noqa: E402
-from attnres.ops.two_phase import fused, library  # noqa: E402
+from attnres.ops.two_phase import fused, library, triton_backward  # noqa: E402
 from attnres.ops.two_phase import reference as two_phase_reference  # noqa: E402
 
 EPS = 1e-6
@@ -274,3 +275,157 @@ def test_whole_model_through_the_routed_two_phase_path(monkeypatch, residual, ov
     assert got.keys() == want.keys()
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-10, atol=1e-12, msg=name)
+
+
+# ----------------------------------------------------------------------------- Phase 1's backward kernel
+
+
+def backward_reference(values, key_norm, queries, key_weights, gh, glse, kernel):
+    """(dL/dvalues, dL/du) in float64 by autograd through reference.phase1 with u = queries * key_weights as
+    the leaf, the key-norm term through inverse_rms(values) (the kernel's contract)."""
+    s_count, d = queries.shape[0], values.shape[-1]
+    v = values.detach().cpu().double().requires_grad_()
+    u = queries.detach().cpu().double().reshape(s_count, d)
+    if key_norm:
+        u = u * key_weights.detach().cpu().double()
+    u = u.reshape(queries.shape).requires_grad_()
+    stats = two_phase_reference.phase1(v, inverse_rms(v, EPS) if key_norm else None, u, None, kernel=kernel)
+    loss = (stats.h * gh.cpu().double()).sum()
+    if kernel == "softmax" and glse is not None:
+        loss = loss + (stats.lse * glse.cpu().double()).sum()
+    gv, gu = torch.autograd.grad(loss, [v, u])
+    return gv, gu.reshape(s_count, d)
+
+
+def backward_case(K, S, B, T, D, heads, key_norm, kernel, dtype, seed, glse=True):
+    """Inputs of the backward kernel (values a strided view into a wider buffer, lse from the Triton forward)
+    and the float64 reference gradients."""
+    values, queries, kws = make_block(K=K, S=S, B=B, T=T, D=D, heads=heads, dtype=torch.float64, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    gh = torch.randn(B, T, S, D, generator=g, dtype=torch.float64).to(DEVICE)
+    g_lse = torch.randn(B, T, S, heads, generator=g, dtype=torch.float64).to(DEVICE) if glse else None
+    want = backward_reference(values, key_norm, queries, kws, gh, g_lse, kernel)
+    values = values.to(dtype)
+    inv = inverse_rms(values, EPS) if key_norm else None
+    kw = kws.to(dtype) if key_norm else None
+    lse = tp.phase1(values, inv, queries.to(dtype), kw, kernel=kernel).lse
+    args = (values, inv, queries.to(dtype), kw, lse, gh.to(dtype), None if g_lse is None else g_lse.to(dtype))
+    return args, want
+
+
+@pytest.mark.parametrize("K,S", [(1, 3), (3, 1), (5, 3)])
+@pytest.mark.parametrize("heads", [1, 2])
+@pytest.mark.parametrize("key_norm", [True, False])
+@pytest.mark.parametrize("kernel", ["softmax", "sigmoid"])
+def test_phase1_backward_matches_float64_autograd(K, S, heads, key_norm, kernel):
+    # B * T = 5 (odd), sources read in place from a strided buffer view
+    args, (want_v, want_u) = backward_case(K, S, 1, 5, 8, heads, key_norm, kernel, torch.float64, seed=30 + K + S)
+    assert args[0].stride(2) == 8 and not args[0].is_contiguous()
+    gv, du = tp.phase1_backward(*args, kernel=kernel)
+    torch.testing.assert_close(gv.cpu(), want_v, **F64)
+    torch.testing.assert_close(du.cpu(), want_u, **F64)
+    # float32 sources: float32 gradients, close to the float64 ones
+    args, _ = backward_case(K, S, 1, 5, 8, heads, key_norm, kernel, torch.float32, seed=30 + K + S)
+    gv, du = tp.phase1_backward(*args, kernel=kernel)
+    assert gv.dtype == du.dtype == torch.float32 and gv.shape == (1, 5, K, 8) and gv.is_contiguous()
+    torch.testing.assert_close(gv.double().cpu(), want_v, **F32)
+    torch.testing.assert_close(du.double().cpu(), want_u, **F32)
+
+
+def test_phase1_backward_over_many_tiles_permuted_strides_and_without_du():
+    # D = 64: 4 tokens a tile, 6 tiles over the CPU's 4 programs (two programs reduce du over two tiles);
+    # values a [T, B, ...] buffer read as [B, T, ...]; no lse gradient; needs_du=False leaves dv alone
+    B, T, K, S, D = 3, 7, 3, 3, 64
+    values, queries, kws = make_block(K=K + 1, S=S, B=T, T=B, D=D, heads=2, dtype=torch.float64, seed=40)
+    values = values.transpose(0, 1)[:, :, 1:]
+    g = torch.Generator().manual_seed(41)
+    gh = torch.randn(B, T, S, D, generator=g, dtype=torch.float64).to(DEVICE)
+    want_v, want_u = backward_reference(values, True, queries, kws, gh, None, "softmax")
+    inv = inverse_rms(values, EPS)
+    lse = tp.phase1(values, inv, queries, kws).lse
+    assert triton_backward._backward_tile(2, D, S)[0] == 4
+    gv, du = tp.phase1_backward(values, inv, queries, kws, lse, gh, None)
+    torch.testing.assert_close(gv.cpu(), want_v, **F64)
+    torch.testing.assert_close(du.cpu(), want_u, **F64)
+    gv_only, none = tp.phase1_backward(values, inv, queries, kws, lse, gh, None, needs_du=False)
+    assert none is None
+    torch.testing.assert_close(gv_only, gv, rtol=0, atol=0)
+
+
+def test_phase1_backward_refuses_bad_input():
+    args, _ = backward_case(2, 3, 1, 3, 8, 1, True, "softmax", torch.float32, seed=50)
+    values, inv, queries, kws, lse, gh, glse = args
+    with pytest.raises(ValueError, match=r"lse must be \[B, T, S, H\] = \(1, 3, 3, 1\); got \(1, 3, 2, 1\)"):
+        tp.phase1_backward(values, inv, queries, kws, lse[:, :, :2], gh, glse)
+    with pytest.raises(ValueError, match="grad_h must be"):
+        tp.phase1_backward(values, inv, queries, kws, lse, gh[..., :4], glse)
+    with pytest.raises(ValueError, match="grad_lse must be"):
+        tp.phase1_backward(values, inv, queries, kws, lse, gh, glse[:1, :1])
+    with pytest.raises(ValueError, match="inv_rms must be"):
+        tp.phase1_backward(values, inv[:, :, :1], queries, kws, lse, gh, glse)
+    with pytest.raises(ValueError, match="kernel"):
+        tp.phase1_backward(values, inv, queries, kws, lse, gh, glse, kernel="relu")
+    wide = torch.zeros(1, 1, 1, 8192, device=DEVICE)
+    lse, gh = torch.zeros(1, 1, 3, 1, device=DEVICE), torch.zeros(1, 1, 3, 8192, device=DEVICE)
+    assert tp.backward_fits(1, 8192, 2) and not tp.backward_fits(1, 8192, 3)
+    with pytest.raises(ValueError, match=r"S=3 queries of D=8192 channels \(1 heads\) are too wide"):
+        tp.phase1_backward(wide, None, torch.ones(3, 8192, device=DEVICE), None, lse, gh, None)
+
+
+@pytest.mark.parametrize("fits", [True, False])
+@pytest.mark.parametrize("kernel,heads", [("softmax", 2), ("sigmoid", 1)])
+def test_routed_phase1_backward_runs_the_kernel_when_it_fits(monkeypatch, fits, kernel, heads):
+    # fused._Phase1 with the Triton forward: the backward kernel when it fits (else torch, from lse), the
+    # same gradients as the torch path; create_graph (a gradient with a graph) always stays with torch
+    values, queries, kws = make_block(K=5, S=3, B=1, T=5, D=8, heads=heads, dtype=torch.float32, seed=60)
+    g = torch.Generator().manual_seed(61)
+    gh = [torch.randn(1, 5, 8, generator=g).to(DEVICE) for _ in range(3)]
+    glse = torch.randn(1, 5, 3, heads, generator=g).to(DEVICE)
+
+    def run(create_graph=False):
+        producers = [values[:, :, i].clone().requires_grad_() for i in range(5)]
+        q, kw = queries.clone().requires_grad_(), kws.clone().requires_grad_()
+        h1s, lse = fused.phase1_outputs(values, inverse_rms(values, EPS), q, kw, producers, kernel=kernel)
+        loss = sum((h * g_).sum() for h, g_ in zip(h1s, gh, strict=True)) + (lse * glse).sum()
+        return torch.autograd.grad(loss, [q, kw, *producers], create_graph=create_graph)
+
+    want = run()
+    kernel_calls = []
+
+    def spy(*args, **kwargs):
+        kernel_calls.append(kwargs)
+        return triton_backward.phase1_backward(*args, **kwargs)
+
+    route_to_triton(monkeypatch)
+    monkeypatch.setattr(tp, "phase1_backward", spy)
+    monkeypatch.setattr(tp, "backward_fits", lambda heads, d, s: fits)
+    got = run()
+    assert kernel_calls == ([{"kernel": kernel, "needs_du": True}] if fits else [])
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, **F32)
+    kernel_calls.clear()
+    got = run(create_graph=True)
+    assert kernel_calls == [] and all(x.requires_grad for x in got)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a.detach(), b, **F32)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (scripts/gpu_check.sh)")
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 1e-3)])
+@pytest.mark.parametrize("heads,kernel", [(1, "softmax"), (4, "softmax"), (1, "sigmoid")])
+def test_phase1_backward_on_cuda_against_float64(dtype, tol, heads, kernel):
+    """The compiled kernel at a realistic width (D 256, 9 sources, S 4, several tiles per program) against
+    the float64 CPU reference of the same (rounded) inputs, relative to the gradients' scale."""
+    args, (want_v, want_u) = backward_case(9, 4, 2, 300, 256, heads, True, kernel, torch.float64, seed=70)
+    values, inv, queries, kws, _, gh, glse = args
+    values, gh, glse = values.to(dtype), gh.to(dtype), glse.to(dtype)
+    # the reference of the rounded values and output gradients: only the kernel's arithmetic is measured
+    want_v, want_u = backward_reference(values, True, queries, kws, gh, glse, kernel)
+    inv = inverse_rms(values, EPS)
+    q32, kw32 = queries.float(), kws.float()
+    lse = tp.phase1(values, inv, q32, kw32, kernel=kernel).lse
+    gv, du = tp.phase1_backward(values, inv, q32, kw32, lse, gh, glse, kernel=kernel)
+    assert gv.dtype == du.dtype == torch.float32
+    for got, want in ((gv, want_v), (du, want_u)):
+        scale = want.abs().max().item()
+        torch.testing.assert_close(got.double().cpu(), want, rtol=tol, atol=tol * scale)
