@@ -158,8 +158,10 @@ def _phase1_bwd_kernel(
 def _backward_tile(heads: int, d: int, s: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_T, BLOCK_S, BLOCK_H, BLOCK_DH, num_warps) of the backward.
 
-    All S queries in one program; the output gradient tile [BLOCK_T, BLOCK_S, D] is held for both
-    walks over the sources, about 16 float32 per thread (up to 32 at 16 warps for the widest rows).
+    All S queries in one program. The output gradient tile [BLOCK_T, BLOCK_S, D] is held for both
+    walks over the sources, about 8 float32 per thread (up to 32 at 16 warps for the widest rows that
+    ``backward_fits`` admits): u and the du accumulator, [BLOCK_S, D] each, live beside it and are as
+    large as it when BLOCK_T is 1.
     """
     bh, bdh, bs = pow2(heads), pow2(d // heads), pow2(s)
     row = bs * bh * bdh
@@ -197,11 +199,11 @@ def phase1_backward(
 
     values [B, T, n, D] (any strides over B, T, n; unit stride over D), inv_rms [B, T, n] or None
     (no key norm), queries [S, D] or [S, H, D/H], key_weights [S, D] or None: the forward's inputs;
-    lse [B, T, S, H] its log-sum-exp (unread for the sigmoid kernel), grad_h [B, T, S, D] and
-    grad_lse [B, T, S, H] (or None) the gradients of its outputs. Returns (dL/dvalues [B, T, n, D]
-    contiguous, with the key-norm term taken through the values; dL/du [S, D] for
-    u = queries * key_weights, or None without ``needs_du``), both in the compute dtype: the result of
-    ``fused.phase1_backward``.
+    lse [B, T, S, H] its log-sum-exp, grad_h [B, T, S, D] and grad_lse [B, T, S, H] (or None) the
+    gradients of its outputs (the sigmoid kernel reads neither lse nor grad_lse: its lse is a
+    constant). Returns (dL/dvalues [B, T, n, D] contiguous, with the key-norm term taken through the
+    values; dL/du [S, D] for u = queries * key_weights, or None without ``needs_du``), both in the
+    compute dtype: the result of ``fused.phase1_backward``.
     """
     check_kernel(kernel)
     heads = check_phase1_inputs(values, inv_rms, queries, key_weights)
