@@ -36,7 +36,7 @@ from attnres.ops.common import (
     triton_kernels,
 )
 from attnres.ops.depth_attention.reference import check_kernel
-from attnres.ops.two_phase import reference
+from attnres.ops.two_phase import cpu, reference
 from attnres.ops.two_phase.reference import check_phase1_inputs
 
 
@@ -239,6 +239,16 @@ def triton_for(x: Tensor):
     return triton_kernels("attnres.ops.two_phase.triton")
 
 
+def phase1_kernels_for(x: Tensor):
+    """The Phase-1 kernels for sources like ``x``: the Triton ones on CUDA (``triton_for``), the compiled C++
+    one (``cpu.py``) for CPU tensors when it is available, else None (torch's batched products). Both have
+    ``phase1``, ``phase1_backward``, ``fits`` and ``backward_fits``."""
+    kernels = triton_for(x)  # first: tests route CPU tensors to the interpreted Triton kernels through it
+    if kernels is None and cpu.handles(x):
+        return cpu
+    return kernels
+
+
 def _mix(alpha: Tensor, v3: Tensor, heads: int) -> Tensor:
     """sum_i alpha[x, i, s, h] v3[x, i, h-channels] -> [BT, S, D]."""
     if heads == 1:
@@ -267,7 +277,7 @@ def phase1_outputs(
     heads = check_phase1_inputs(values, inv_rms, queries, key_weights)
     if values.shape[2] != len(producers):
         raise ValueError(f"values hold {values.shape[2]} sources but {len(producers)} producers were given")
-    kernels = triton_for(values)
+    kernels = phase1_kernels_for(values)
     if kernels is not None and not kernels.fits(heads, values.shape[-1]):
         kernels = None
     *h1s, lse = apply_function(_Phase1, queries, key_weights, values, inv_rms, (kernel, heads, kernels), *producers)

@@ -3,17 +3,21 @@
 ``attnres::phase1`` (forward) and ``attnres::phase1_backward`` are ``torch.library.custom_op``s with
 fake (meta) implementations and a registered autograd formula, so a compiled graph holds each as one
 call: nothing breaks the graph, and inductor neither functionalizes a buffer (the sources arrive as a
-list; the op stacks them in a temporary it frees) nor differentiates the op itself. What autograd saves
-for the backward is the sources (which the stream keeps alive anyway), their inverse RMS, the queries
-and the log-sum-exp [B, T, S, H]: the backward recomputes the weights from lse (one pass of dot
-products) instead of recomputing the whole Phase 1 as ``torch.utils.checkpoint`` does, and writes
-every source's gradient once.
+list) nor differentiates the op itself. What autograd saves for the backward is the sources (which the
+stream keeps alive anyway), their inverse RMS, the queries and the log-sum-exp [B, T, S, H]: the backward
+recomputes the weights from lse (one pass of dot products) instead of recomputing the whole Phase 1 as
+``torch.utils.checkpoint`` does, and writes every source's gradient once.
 
-The math is ``fused.phase1_forward`` / ``fused.phase1_backward``, the eager buffered path's: batched
-products over a [BT, n, D] stack. For CUDA float32/bfloat16/float16 sources the forward runs the
-Triton Phase-1 kernel (``triton.py``) on the stack; the backward is torch's batched products on
-every device. The key-norm gradient is taken through the values: ``inv_rms`` must be
-``inverse_rms(source, eps)`` and gets no gradient of its own.
+Each call runs the fastest kernel the device has:
+
+- CPU tensors: the compiled C++ kernel (``cpu.py``), which reads the list in place, forward and backward;
+- CUDA float32/bfloat16/float16: the Triton kernels (``triton.py``, ``triton_backward.py``) on a stack of
+  the sources;
+- otherwise (no compiler, ``ATTNRES_CPU_KERNEL=0``, no triton, float64 on CUDA) torch's batched products
+  over a [BT, n, D] stack, the math of ``fused.phase1_forward`` / ``fused.phase1_backward``.
+
+The key-norm gradient is taken through the values: ``inv_rms`` must be ``inverse_rms(source, eps)`` and
+gets no gradient of its own.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import torch
 from torch import Tensor
 
 from attnres.ops.common import compute_dtype
-from attnres.ops.two_phase import fused
+from attnres.ops.two_phase import cpu, fused
 from attnres.ops.two_phase.fused import phase1_backward, phase1_forward, phase1_logits
 
 
@@ -46,6 +50,9 @@ def phase1_op(
     heads, s_count = _heads(queries), queries.shape[0]
     with torch.autocast(sources[0].device.type, enabled=False):
         kernels = fused.triton_for(sources[0])  # read at call time: tests route it
+        if kernels is None and cpu.handles(sources[0]):  # the compiled C++ kernel reads the list in place
+            h, lse = cpu.phase1(sources, inv_rms or None, queries, key_weights, kernel=kernel)
+            return h, lse
         if kernels is not None and kernels.fits(heads, d):
             values = torch.stack(sources, dim=2)
             inv = torch.stack(inv_rms, dim=2) if inv_rms else None
@@ -81,6 +88,22 @@ def phase1_backward_op(
     b, t, d = sources[0].shape
     heads, n = _heads(queries), len(sources)
     with torch.autocast(sources[0].device.type, enabled=False):
+        kernels = fused.triton_for(sources[0])
+        values_in: Tensor | list[Tensor]
+        inv_in: Tensor | list[Tensor] | None
+        if kernels is None and cpu.handles(sources[0]):
+            kernels, values_in, inv_in = cpu, list(sources), (list(inv_rms) or None)
+        elif kernels is not None and kernels.backward_fits(heads, d, queries.shape[0]):
+            values_in = torch.stack(sources, dim=2)  # the Triton kernel reads one strided stack
+            inv_in = torch.stack(inv_rms, dim=2) if inv_rms else None
+        else:
+            kernels = None
+        if kernels is not None:
+            gv, du = kernels.phase1_backward(
+                values_in, inv_in, queries, key_weights, lse, grad_h, grad_lse, kernel=kernel
+            )
+            assert du is not None  # asked for
+            return gv, du
         values, inv = _stacked(sources, inv_rms)
         cd = values.dtype
         v3 = values.flatten(0, 1)

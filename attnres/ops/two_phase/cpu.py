@@ -1,0 +1,291 @@
+"""Phase 1 on the CPU as a compiled C++ kernel (``cpu_kernel.cpp``), with the torch formulation as fallback.
+
+``phase1`` and ``phase1_backward`` have the contract of ``fused.phase1_forward`` / ``fused.phase1_backward``
+over a [B, T, n, D] stack or a list of n [B, T, D] sources, in float32 and float64 (the compute dtypes of the
+CPU; other dtypes are cast). Per token the kernel keeps the n source rows, the S outputs and the S x H
+statistics in cache, so a source row is read from memory once per direction and its gradient written once;
+torch's form runs [B*T]-batched n x D by D x S products and materialises every [B*T, n, S, H] intermediate.
+
+Building: nothing is compiled at install time. The first call compiles the kernel with the machine's C++
+compiler (``$CXX``, else ``c++``; no torch headers, about a second) into the cache directory
+(``$ATTNRES_CACHE_DIR``, else ``$XDG_CACHE_HOME/attnres``, else ``~/.cache/attnres``), keyed by the source,
+the flags and the CPU, written atomically so concurrent processes share it. Without a compiler, or when the
+build fails, ``kernel()`` is None, ``status()`` says why, and callers keep the torch formulation.
+``ATTNRES_CPU_KERNEL=0`` turns the kernel off (read on every call, so tests run both ways); ``=1`` makes a
+failed build an error instead of a fallback.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from attnres.ops.common import DepthStats, compute_dtype
+
+SOURCE = Path(__file__).with_name("cpu_kernel.cpp")
+FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-Wno-psabi")
+NATIVE = ("-march=native",)  # dropped when the compiler refuses it
+ABI = 1
+# below this many source values per call one thread does the work: starting threads costs more
+PARALLEL_MIN_VALUES = 1 << 16
+ENV = "ATTNRES_CPU_KERNEL"
+
+
+@dataclass
+class _Loaded:
+    lib: ctypes.CDLL | None
+    reason: str
+
+
+_STATE: dict[str, _Loaded] = {}
+
+
+def _cache_dir() -> Path:
+    if os.environ.get("ATTNRES_CACHE_DIR"):
+        return Path(os.environ["ATTNRES_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "attnres"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _compile(compiler: str, out: Path) -> str:
+    """Build the shared library at ``out`` (atomically); '' or the compiler's complaint."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    errors = ""
+    for extra in (NATIVE, ()):
+        fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.tmp")
+        os.close(fd)
+        cmd = [compiler, *FLAGS, *extra, str(SOURCE), "-o", tmp]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        except (OSError, subprocess.TimeoutExpired) as err:
+            proc = None
+            errors = str(err)
+        if proc is not None and proc.returncode == 0:
+            os.replace(tmp, out)
+            return ""
+        Path(tmp).unlink(missing_ok=True)
+        if proc is not None:
+            errors = (proc.stderr or proc.stdout).strip()[-600:]
+    return errors or "the compiler failed"
+
+
+def _load() -> _Loaded:
+    compiler = os.environ.get("CXX", "c++")
+    path = shutil.which(compiler)
+    if path is None:
+        return _Loaded(None, f"no C++ compiler ({compiler!r} is not on PATH; set CXX to one)")
+    key = hashlib.sha256(
+        b"\0".join(s.encode() for s in (SOURCE.read_text(), path, *FLAGS, *NATIVE, platform.machine(), _cpu_model()))
+    ).hexdigest()[:16]
+    lib_path = _cache_dir() / f"phase1-{key}.so"
+    if not lib_path.exists():
+        try:
+            complaint = _compile(path, lib_path)
+        except OSError as err:
+            complaint = f"cannot write {lib_path.parent}: {err} (set ATTNRES_CACHE_DIR to a writable folder)"
+        if complaint:
+            return _Loaded(None, f"building {SOURCE.name} with {path} failed: {complaint}")
+    try:
+        lib = ctypes.CDLL(str(lib_path))
+        if lib.attnres_phase1_abi() != ABI:
+            return _Loaded(None, f"{lib_path} has another ABI; delete it to rebuild")
+    except (OSError, AttributeError) as err:
+        return _Loaded(None, f"loading {lib_path} failed: {err}")
+    return _Loaded(lib, f"compiled kernel {lib_path}")
+
+
+def _loaded() -> _Loaded:
+    if "lib" not in _STATE:
+        _STATE["lib"] = _load()
+    return _STATE["lib"]
+
+
+def kernel() -> ctypes.CDLL | None:
+    """The compiled kernel library, or None (turned off by ``ATTNRES_CPU_KERNEL=0``, or it cannot build)."""
+    setting = os.environ.get(ENV, "auto")
+    if setting == "0":
+        return None
+    state = _loaded()
+    if state.lib is None and setting == "1":
+        raise RuntimeError(f"{ENV}=1 but the CPU kernel is not available: {state.reason}")
+    return state.lib
+
+
+@torch.compiler.assume_constant_result
+def available() -> bool:
+    """``kernel() is not None``; a constant to torch.compile (traced code asks it without a graph break)."""
+    return kernel() is not None
+
+
+def status() -> str:
+    """One line: whether the compiled CPU kernel runs, and why not."""
+    if os.environ.get(ENV, "auto") == "0":
+        return f"off ({ENV}=0)"
+    state = _loaded()
+    return ("on: " if state.lib is not None else "off: ") + state.reason
+
+
+def handles(x: Tensor) -> bool:
+    """Whether Phase 1 over sources like ``x`` runs the compiled kernel (CPU tensors, the kernel available)."""
+    return x.device.type == "cpu" and kernel() is not None
+
+
+def _pointers(rows: Sequence[Tensor]) -> ctypes.Array:
+    return (ctypes.c_void_p * len(rows))(*[r.data_ptr() for r in rows])
+
+
+def _rows(sources: Tensor | Sequence[Tensor], dtype: torch.dtype) -> tuple[list[Tensor], int]:
+    """The n sources as tensors whose tokens are ``stride`` elements apart, each token's D values contiguous."""
+    if isinstance(sources, Tensor):  # [B, T, n, D]: read a buffer view in place when B and T flatten
+        b, t, n, d = sources.shape
+        v = sources.to(dtype)
+        if v.stride(3) != 1 or (b > 1 and v.stride(0) != t * v.stride(1)):
+            v = v.contiguous()
+        return [v[:, :, i] for i in range(n)], v.stride(1) if t > 1 else v.stride(0) // max(t, 1)
+    rows = [s.to(dtype).contiguous() for s in sources]
+    return rows, rows[0].shape[-1]
+
+
+def _norms(inv_rms: Tensor | Sequence[Tensor] | None, dtype: torch.dtype) -> tuple[list[Tensor], int]:
+    if inv_rms is None or (not isinstance(inv_rms, Tensor) and not inv_rms):
+        return [], 0
+    if isinstance(inv_rms, Tensor):  # [B, T, n]
+        r = inv_rms.to(dtype)
+        b, t, n = r.shape
+        if b > 1 and r.stride(0) != t * r.stride(1):
+            r = r.contiguous()
+        return [r[:, :, i] for i in range(n)], r.stride(1) if t > 1 else r.stride(0) // max(t, 1)
+    rows = [s.to(dtype).contiguous() for s in inv_rms]
+    return rows, 1
+
+
+def _query_matrix(queries: Tensor, key_weights: Tensor | None, dtype: torch.dtype) -> Tensor:
+    s_count = queries.shape[0]
+    u = queries.detach().to(dtype).reshape(s_count, -1)
+    if key_weights is not None:
+        u = u * key_weights.detach().to(dtype)
+    return u.contiguous()
+
+
+def _threads(values: int) -> int:
+    return torch.get_num_threads() if values >= PARALLEL_MIN_VALUES else 1
+
+
+def fits(heads: int, d: int) -> bool:
+    """Any width runs (the Triton kernels' question, asked of every kernel set)."""
+    return d % heads == 0
+
+
+def backward_fits(heads: int, d: int, s_count: int) -> bool:
+    """Any width and number of queries runs the backward too."""
+    return d % heads == 0
+
+
+def _heads(queries: Tensor) -> int:
+    return 1 if queries.dim() == 2 else queries.shape[1]
+
+
+def _call(name: str, dtype: torch.dtype, *args: object) -> None:
+    lib = kernel()
+    if lib is None:
+        raise RuntimeError(f"the compiled CPU Phase-1 kernel is not available: {status()}")
+    getattr(lib, f"attnres_phase1_{name}_{'f64' if dtype == torch.float64 else 'f32'}")(*args)
+
+
+def _pointer(t: Tensor | None) -> ctypes.c_void_p | None:
+    return ctypes.c_void_p(t.data_ptr()) if t is not None else None
+
+
+def _operands(sources, inv_rms, queries, key_weights):
+    first = sources if isinstance(sources, Tensor) else sources[0]
+    if first.device.type != "cpu":
+        raise ValueError(f"the CPU Phase-1 kernel got {first.device} tensors; it runs CPU tensors only")
+    cd = compute_dtype(first.dtype)
+    rows, stride = _rows(sources, cd)
+    norms, norm_stride = _norms(inv_rms, cd)
+    u = _query_matrix(queries, key_weights, cd)
+    b, t, d = rows[0].shape
+    n, s_count, heads = len(rows), u.shape[0], _heads(queries)
+    common = (
+        _pointers(rows),
+        ctypes.c_int64(stride),
+        _pointers(norms) if norms else None,
+        ctypes.c_int64(norm_stride),
+        _pointer(u),
+        ctypes.c_int64(b * t),
+        ctypes.c_int64(n),
+        ctypes.c_int64(s_count),
+        ctypes.c_int64(heads),
+        ctypes.c_int64(d),
+    )
+    # rows, norms and u must outlive the call: they are returned with the pointers to them
+    return cd, (b, t, n, d, s_count, heads), common, (rows, norms, u)
+
+
+def phase1(
+    values: Tensor | Sequence[Tensor],
+    inv_rms: Tensor | Sequence[Tensor] | None,
+    queries: Tensor,
+    key_weights: Tensor | None = None,
+    *,
+    kernel: str = "softmax",
+) -> DepthStats:
+    """Phase 1 in one call; the arguments and result of ``reference.phase1``, in the compute dtype.
+
+    values: a [B, T, n, D] stack (a buffer view is read in place when B and T flatten with one stride) or n
+    tensors [B, T, D]; inv_rms: [B, T, n], n tensors [B, T], or None (no key norm)."""
+    cd, (b, t, n, d, s_count, heads), common, _alive = _operands(values, inv_rms, queries, key_weights)
+    h = torch.empty(b, t, s_count, d, dtype=cd)
+    lse = torch.empty(b, t, s_count, heads, dtype=cd)
+    threads = ctypes.c_int(_threads(b * t * n * d))
+    _call("forward", cd, *common, ctypes.c_int(kernel == "softmax"), _pointer(h), _pointer(lse), threads)
+    return DepthStats(h, lse)
+
+
+def phase1_backward(
+    values: Tensor | Sequence[Tensor],
+    inv_rms: Tensor | Sequence[Tensor] | None,
+    queries: Tensor,
+    key_weights: Tensor | None,
+    lse: Tensor,
+    grad_h: Tensor,
+    grad_lse: Tensor | None,
+    *,
+    kernel: str = "softmax",
+    needs_du: bool = True,
+) -> tuple[Tensor, Tensor | None]:
+    """(dL/dvalues [B, T, n, D], dL/du [S, D] for u = queries * key_weights, or None without ``needs_du``)
+    in the compute dtype, the key-norm term taken through the values as ``fused.phase1_backward`` does.
+    lse [B, T, S, H] is the forward's; grad_h [B, T, S, D]; grad_lse [B, T, S, H] or None."""
+    cd, (b, t, n, d, s_count, _), common, _alive = _operands(values, inv_rms, queries, key_weights)
+    lse_c = lse.detach().to(cd).contiguous()
+    gh = grad_h.detach().to(cd).contiguous()
+    g_lse = grad_lse.detach().to(cd).contiguous() if grad_lse is not None else None
+    gv = torch.empty(b, t, n, d, dtype=cd)
+    du = torch.empty(s_count, d, dtype=cd) if needs_du else None
+    threads = ctypes.c_int(_threads(b * t * n * d))
+    softmax = ctypes.c_int(kernel == "softmax")
+    outputs = (_pointer(gv), _pointer(du))
+    _call("backward", cd, *common, softmax, _pointer(lse_c), _pointer(gh), _pointer(g_lse), *outputs, threads)
+    return gv, du

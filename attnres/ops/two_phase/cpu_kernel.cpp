@@ -1,0 +1,307 @@
+// Phase 1 of two-phase depth attention on the CPU: forward and backward, one pass over the sources per token.
+//
+// attnres/ops/two_phase/cpu.py compiles this file on first use (a plain C ABI called through ctypes, no torch
+// headers, so it builds in about a second) and falls back to the torch formulation when no compiler is there.
+// The math is fused.phase1_forward / fused.phase1_backward's (read those first); here a token's n source rows,
+// its S query outputs and its S x H statistics stay in cache while they are used, so each source row is read
+// from memory once per direction and each gradient row written once. The PyTorch products it replaces run
+// [B*T] batches of tiny n x D by D x S matrices and materialise every [B*T, n, S, H] intermediate.
+//
+// Layout: source i of token x is src[i] + x * src_stride (x = b * T + t; the caller checks that B and T flatten
+// with one stride), D contiguous values; its inverse RMS is rinv[i][x * rinv_stride] (rinv null: no key norm).
+// u [S, D] = queries * key_weights. Head h of H owns channels [h * D / H, (h + 1) * D / H).
+// Outputs: h [N, S, D], lse [N, S, H] (zero for the sigmoid kernel); backward gv [N, n, D] and du [S, D].
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <thread>
+#include <utility>
+#include <vector>
+
+namespace {
+
+// Explicit 64-byte vectors (GCC/Clang vector extensions: one AVX-512 register, two AVX2 or four NEON ones), two
+// per chunk. A chunk's partial sums stay in registers while the terms stream past, and the two partial sums
+// keep the multiply-adds from waiting on one another. The compiler's own vectoriser did neither here.
+typedef float vfloat __attribute__((vector_size(64)));
+typedef double vdouble __attribute__((vector_size(64)));
+template <typename T>
+struct Vector;
+template <>
+struct Vector<float> {
+  using type = vfloat;
+};
+template <>
+struct Vector<double> {
+  using type = vdouble;
+};
+template <typename T>
+using vec = typename Vector<T>::type;
+template <typename T>
+constexpr int64_t WIDTH = sizeof(vec<T>) / sizeof(T);
+
+template <typename T>
+inline vec<T> load(const T* p) {
+  vec<T> v;
+  __builtin_memcpy(&v, p, sizeof v);
+  return v;
+}
+template <typename T>
+inline void store(T* p, vec<T> v) {
+  __builtin_memcpy(p, &v, sizeof v);
+}
+template <typename T>
+inline T total(vec<T> v) {
+  T acc = 0;
+  for (int64_t j = 0; j < WIDTH<T>; ++j) acc += v[j];
+  return acc;
+}
+
+// (a . b1, a . b2) over len values, reading a once
+template <typename T>
+inline void dot2(const T* a, const T* b1, const T* b2, int64_t len, T& out1, T& out2) {
+  constexpr int64_t W = WIDTH<T>;
+  vec<T> p1{}, p2{}, q1{}, q2{};
+  int64_t c = 0;
+  for (; c + 2 * W <= len; c += 2 * W) {
+    const vec<T> x = load(a + c), y = load(a + c + W);
+    p1 += x * load(b1 + c);
+    q1 += y * load(b1 + c + W);
+    p2 += x * load(b2 + c);
+    q2 += y * load(b2 + c + W);
+  }
+  for (; c + W <= len; c += W) {
+    const vec<T> x = load(a + c);
+    p1 += x * load(b1 + c);
+    p2 += x * load(b2 + c);
+  }
+  T s1 = total<T>(p1 + q1), s2 = total<T>(p2 + q2);
+  for (; c < len; ++c) s1 += a[c] * b1[c], s2 += a[c] * b2[c];
+  out1 = s1;
+  out2 = s2;
+}
+
+template <typename T>
+inline T dot(const T* a, const T* b, int64_t len) {
+  constexpr int64_t W = WIDTH<T>;
+  vec<T> p{}, q{};
+  int64_t c = 0;
+  for (; c + 2 * W <= len; c += 2 * W) {
+    p += load(a + c) * load(b + c);
+    q += load(a + c + W) * load(b + c + W);
+  }
+  for (; c + W <= len; c += W) p += load(a + c) * load(b + c);
+  T acc = total<T>(p + q);
+  for (; c < len; ++c) acc += a[c] * b[c];
+  return acc;
+}
+
+// out[0:len] (+)= sum_k w_k x_k[0:len] for the `count` terms term(k) = (w_k, x_k), one chunk of out at a time
+template <typename T, typename Terms>
+inline void combine(T* out, int64_t len, int64_t count, bool accumulate, Terms term) {
+  constexpr int64_t W = WIDTH<T>;
+  int64_t c = 0;
+  for (; c + 2 * W <= len; c += 2 * W) {
+    vec<T> a0{}, a1{};
+    if (accumulate) a0 = load(out + c), a1 = load(out + c + W);
+    for (int64_t k = 0; k < count; ++k) {
+      const auto [w, x] = term(k);
+      a0 += w * load(x + c);
+      a1 += w * load(x + c + W);
+    }
+    store(out + c, a0);
+    store(out + c + W, a1);
+  }
+  for (; c + W <= len; c += W) {
+    vec<T> a0{};
+    if (accumulate) a0 = load(out + c);
+    for (int64_t k = 0; k < count; ++k) {
+      const auto [w, x] = term(k);
+      a0 += w * load(x + c);
+    }
+    store(out + c, a0);
+  }
+  for (; c < len; ++c) {
+    T acc = accumulate ? out[c] : T(0);
+    for (int64_t k = 0; k < count; ++k) {
+      const auto [w, x] = term(k);
+      acc += w * x[c];
+    }
+    out[c] = acc;
+  }
+}
+
+template <typename T>
+struct Phase1 {
+  const T* const* src;
+  int64_t src_stride;
+  const T* const* rinv;  // null: no key norm
+  int64_t rinv_stride;
+  const T* u;
+  int64_t n, S, H, D;
+  bool softmax;
+
+  int64_t width() const { return D / H; }
+  const T* row(int64_t i, int64_t x) const { return src[i] + x * src_stride; }
+  T inv(int64_t i, int64_t x) const { return rinv ? rinv[i][x * rinv_stride] : T(1); }
+
+  // dots[(i * S + s) * H + h] = v_i . u_s over head h's channels
+  void dots(int64_t x, T* out) const {
+    const int64_t e = width();
+    for (int64_t i = 0; i < n; ++i) {
+      const T* v = row(i, x);
+      for (int64_t s = 0; s < S; ++s)
+        for (int64_t h = 0; h < H; ++h) out[(i * S + s) * H + h] = dot(v + h * e, u + s * D + h * e, e);
+    }
+  }
+
+  void forward(int64_t x0, int64_t x1, T* h_out, T* lse_out) const {
+    const int64_t SH = S * H, e = width();
+    std::vector<T> a(n * SH);
+    for (int64_t x = x0; x < x1; ++x) {
+      dots(x, a.data());
+      for (int64_t i = 0; i < n; ++i) {
+        const T r = inv(i, x);
+        for (int64_t k = 0; k < SH; ++k) a[i * SH + k] *= r;
+      }
+      T* lse = lse_out + x * SH;
+      for (int64_t k = 0; k < SH; ++k) {  // the logits become the weights, in place
+        if (softmax) {
+          T m = a[k];
+          for (int64_t i = 1; i < n; ++i) m = std::max(m, a[i * SH + k]);
+          T l = 0;
+          for (int64_t i = 0; i < n; ++i) l += std::exp(a[i * SH + k] - m);
+          const T ls = m + std::log(l);
+          for (int64_t i = 0; i < n; ++i) a[i * SH + k] = std::exp(a[i * SH + k] - ls);
+          lse[k] = ls;
+        } else {
+          for (int64_t i = 0; i < n; ++i) a[i * SH + k] = T(1) / (T(1) + std::exp(-a[i * SH + k]));
+          lse[k] = 0;
+        }
+      }
+      T* hx = h_out + x * S * D;
+      for (int64_t s = 0; s < S; ++s)
+        for (int64_t h = 0; h < H; ++h)
+          combine(hx + s * D + h * e, e, n, false, [&](int64_t i) {
+            return std::pair<T, const T*>(a[(i * S + s) * H + h], row(i, x) + h * e);
+          });
+    }
+  }
+
+  // gv [N, n, D]; du_part [S, D] accumulates this range's share (null: not wanted)
+  void backward(int64_t x0, int64_t x1, const T* lse_in, const T* gh_in, const T* glse_in, T* gv_out,
+                T* du_part) const {
+    const int64_t SH = S * H, e = width();
+    std::vector<T> dot_vu(n * SH), alpha(n * SH), gz(n * SH);
+    for (int64_t x = x0; x < x1; ++x) {
+      const T* lse = lse_in + x * SH;
+      const T* gh = gh_in + x * S * D;
+      for (int64_t i = 0; i < n; ++i) {  // the weights again, and dL/dalpha = gh_s . v_i per head
+        const T* v = row(i, x);
+        const T r = inv(i, x);
+        for (int64_t s = 0; s < S; ++s)
+          for (int64_t h = 0; h < H; ++h) {
+            const int64_t k = (i * S + s) * H + h;
+            dot2(v + h * e, u + s * D + h * e, gh + s * D + h * e, e, dot_vu[k], gz[k]);
+            const T z = r * dot_vu[k];
+            alpha[k] = softmax ? std::exp(z - lse[s * H + h]) : T(1) / (T(1) + std::exp(-z));
+          }
+      }
+      for (int64_t k = 0; k < SH; ++k) {  // dL/dz
+        if (softmax) {
+          T mean = 0;
+          for (int64_t i = 0; i < n; ++i) mean += alpha[i * SH + k] * gz[i * SH + k];
+          const T g_lse = glse_in ? glse_in[x * SH + k] : T(0);
+          for (int64_t i = 0; i < n; ++i) gz[i * SH + k] = alpha[i * SH + k] * (gz[i * SH + k] - mean + g_lse);
+        } else {
+          for (int64_t i = 0; i < n; ++i) {
+            const T a = alpha[i * SH + k];
+            gz[i * SH + k] *= a * (1 - a);
+          }
+        }
+      }
+      // dv_i = sum_s alpha_si gh_s + r_i gz_si u_s, plus the key norm's -r_i^3 / D (sum_s gz_si dot_si) v_i
+      for (int64_t i = 0; i < n; ++i) {
+        const T* v = row(i, x);
+        const T r = inv(i, x);
+        T norm_term = 0;
+        for (int64_t k = i * SH; k < (i + 1) * SH; ++k) norm_term += gz[k] * dot_vu[k];
+        const T c_norm = rinv ? -norm_term * r * r * r / T(D) : T(0);
+        T* gv = gv_out + (x * n + i) * D;
+        for (int64_t h = 0; h < H; ++h)
+          combine(gv + h * e, e, 2 * S + 1, false, [&](int64_t k) {
+            if (k < S) return std::pair<T, const T*>(alpha[(i * S + k) * H + h], gh + k * D + h * e);
+            if (k < 2 * S) return std::pair<T, const T*>(gz[(i * S + k - S) * H + h] * r, u + (k - S) * D + h * e);
+            return std::pair<T, const T*>(c_norm, v + h * e);
+          });
+      }
+      if (du_part)  // du_s = sum over tokens and sources of r_i gz_si v_i
+        for (int64_t s = 0; s < S; ++s)
+          for (int64_t h = 0; h < H; ++h)
+            combine(du_part + s * D + h * e, e, n, true, [&](int64_t i) {
+              return std::pair<T, const T*>(gz[(i * S + s) * H + h] * inv(i, x), row(i, x) + h * e);
+            });
+    }
+  }
+};
+
+// Runs body(x0, x1, part) over `threads` contiguous token ranges (one in this thread when threads <= 1).
+template <typename F>
+void split_tokens(int64_t N, int threads, F body) {
+  const int64_t t = std::max<int64_t>(1, std::min<int64_t>(threads, N));
+  if (t == 1) {
+    body(0, N, 0);
+    return;
+  }
+  std::vector<std::thread> pool;
+  const int64_t chunk = (N + t - 1) / t;
+  for (int64_t p = 1; p < t; ++p)
+    pool.emplace_back([=] { body(std::min(N, p * chunk), std::min(N, (p + 1) * chunk), p); });
+  body(0, std::min(N, chunk), 0);
+  for (auto& th : pool) th.join();
+}
+
+template <typename T>
+void run_forward(const Phase1<T>& op, int64_t N, int threads, T* h, T* lse) {
+  split_tokens(N, threads, [&](int64_t x0, int64_t x1, int64_t) { op.forward(x0, x1, h, lse); });
+}
+
+template <typename T>
+void run_backward(const Phase1<T>& op, int64_t N, int threads, const T* lse, const T* gh, const T* glse, T* gv,
+                  T* du) {
+  const int64_t t = std::max<int64_t>(1, std::min<int64_t>(threads, N));
+  // one [S, D] partial per range, summed in a fixed order: the result does not depend on scheduling
+  std::vector<T> parts(du ? t * op.S * op.D : 0, T(0));
+  split_tokens(N, static_cast<int>(t), [&](int64_t x0, int64_t x1, int64_t p) {
+    op.backward(x0, x1, lse, gh, glse, gv, du ? parts.data() + p * op.S * op.D : nullptr);
+  });
+  if (du) {
+    std::fill(du, du + op.S * op.D, T(0));
+    for (int64_t p = 0; p < t; ++p)
+      for (int64_t c = 0; c < op.S * op.D; ++c) du[c] += parts[p * op.S * op.D + c];
+  }
+}
+
+}  // namespace
+
+#define ATTNRES_PHASE1(T, SUFFIX)                                                                              \
+  extern "C" void attnres_phase1_forward_##SUFFIX(const T* const* src, int64_t src_stride, const T* const* rinv, \
+                                                  int64_t rinv_stride, const T* u, int64_t N, int64_t n,       \
+                                                  int64_t S, int64_t H, int64_t D, int softmax, T* h, T* lse,   \
+                                                  int threads) {                                               \
+    const Phase1<T> op{src, src_stride, rinv, rinv_stride, u, n, S, H, D, softmax != 0};                       \
+    run_forward(op, N, threads, h, lse);                                                                       \
+  }                                                                                                            \
+  extern "C" void attnres_phase1_backward_##SUFFIX(                                                            \
+      const T* const* src, int64_t src_stride, const T* const* rinv, int64_t rinv_stride, const T* u,           \
+      int64_t N, int64_t n, int64_t S, int64_t H, int64_t D, int softmax, const T* lse, const T* gh,            \
+      const T* glse, T* gv, T* du, int threads) {                                                              \
+    const Phase1<T> op{src, src_stride, rinv, rinv_stride, u, n, S, H, D, softmax != 0};                       \
+    run_backward(op, N, threads, lse, gh, glse, gv, du);                                                       \
+  }
+
+ATTNRES_PHASE1(float, f32)
+ATTNRES_PHASE1(double, f64)
+
+extern "C" int attnres_phase1_abi() { return 1; }
