@@ -21,7 +21,9 @@ leaf tensors' ``.grad`` across repeats.
 Implementations: `fused` (the per-sublayer custom autograd op), `reference`
 (plain autograd over a stacked tensor), `two_phase` (one Phase-1 pass for S
 queries over the buffer, reported per query, i.e. per sublayer), and `two_phase custom op`
-(the same over the sources as a list: the ``attnres::phase1`` op compiled streams run).
+(the same over the sources as a list: the ``attnres::phase1`` op compiled streams run). The two
+two-phase rows run the device's kernel (the compiled C++ one on the CPU, ``ops/two_phase/cpu.py``;
+Triton on CUDA); their `torch products` twins run the same with the kernels switched off.
 
 ``time_triton_vs_torch`` times the Triton kernels against the torch paths on a GPU (not part of
 the command: no GPU here).
@@ -113,6 +115,17 @@ def _impls(cfg: OpBenchConfig, K: int, dtype: torch.dtype) -> dict[str, _Impl]:
     inv_list = list(inv.unbind(2))  # the compiled streams' form: each source's inverse RMS on its own
     gh_all = gh.unsqueeze(2).expand(B, T, S, D).contiguous()
 
+    two_phase: _Impl = (
+        lambda: phase1_outputs(view, inv, qs, ws, producers)[0],
+        lambda h1s: torch.autograd.grad(h1s, [*producers, qs, ws], [gh] * len(h1s)),
+        S,
+    )
+    # the custom op of the compiled streams over the sources as a list (attnres.ops.two_phase.library)
+    custom_op: _Impl = (
+        lambda: phase1_op(producers, inv_list, qs, ws, "softmax")[0],
+        lambda h: torch.autograd.grad(h, [*producers, qs, ws], gh_all),
+        S,
+    )
     # backward through torch.autograd.grad: the gradients the op returns, not their
     # accumulation into leaves' .grad across repeats (which a model step does not do either)
     return {
@@ -126,17 +139,11 @@ def _impls(cfg: OpBenchConfig, K: int, dtype: torch.dtype) -> dict[str, _Impl]:
             lambda h: torch.autograd.grad(h, [stacked, q, w], gh),
             1,
         ),
-        f"two_phase (S={S}, per query)": (
-            lambda: phase1_outputs(view, inv, qs, ws, producers)[0],
-            lambda h1s: torch.autograd.grad(h1s, [*producers, qs, ws], [gh] * len(h1s)),
-            S,
-        ),
-        # the custom op of the compiled streams over the sources as a list (attnres.ops.two_phase.library)
-        f"two_phase custom op (S={S}, per query)": (
-            lambda: phase1_op(producers, inv_list, qs, ws, "softmax")[0],
-            lambda h: torch.autograd.grad(h, [*producers, qs, ws], gh_all),
-            S,
-        ),
+        # the kernel of the device (the compiled C++ one on the CPU, Triton on CUDA), then torch's products
+        f"two_phase (S={S}, per query)": two_phase,
+        f"two_phase torch products (S={S}, per query)": (_plain(two_phase[0]), _plain(two_phase[1]), S),
+        f"two_phase custom op (S={S}, per query)": custom_op,
+        f"two_phase custom op torch products (S={S}, per query)": (_plain(custom_op[0]), _plain(custom_op[1]), S),
     }
 
 
@@ -216,17 +223,29 @@ def format_table(result: dict) -> str:
 
 
 @contextmanager
-def _without_triton() -> Iterator[None]:
-    """The torch fused path even for CUDA tensors (its documented switch, read on every call)."""
-    before = os.environ.get("ATTNRES_TRITON")
-    os.environ["ATTNRES_TRITON"] = "0"
+def _without_kernels() -> Iterator[None]:
+    """The torch products even where a kernel would run: the documented switches of the Triton kernels and the
+    compiled CPU kernel (both read on every call)."""
+    before = {name: os.environ.get(name) for name in ("ATTNRES_TRITON", "ATTNRES_CPU_KERNEL")}
+    os.environ.update(dict.fromkeys(before, "0"))
     try:
         yield
     finally:
-        if before is None:
-            del os.environ["ATTNRES_TRITON"]
-        else:
-            os.environ["ATTNRES_TRITON"] = before
+        for name, value in before.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
+
+
+def _plain(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` under ``_without_kernels``."""
+
+    def run(*args: Any) -> Any:
+        with _without_kernels():
+            return fn(*args)
+
+    return run
 
 
 def time_triton_vs_torch(
@@ -268,7 +287,7 @@ def time_triton_vs_torch(
     opts: dict[str, Any] = dict(kernel=kernel, normalize_keys=normalize_keys)
 
     def torch_fwd():
-        with _without_triton():
+        with _without_kernels():
             return fused_depth_attention(segments, producers, query, key_weight, **opts)
 
     def triton_fwd():
@@ -301,7 +320,7 @@ def time_triton_vs_torch(
         phase1_args = (values, inv, queries, kws)
 
         def phase1_torch():
-            with _without_triton():
+            with _without_kernels():
                 return two_phase_fused.phase1(*phase1_args, kernel=kernel)
 
         out["phase1_torch_ms"] = bench(phase1_torch, rep=rep_ms)

@@ -244,7 +244,9 @@ def phase1_kernels_for(x: Tensor):
     one (``cpu.py``) for CPU tensors when it is available, else None (torch's batched products). Both have
     ``phase1``, ``phase1_backward``, ``fits`` and ``backward_fits``."""
     kernels = triton_for(x)  # first: tests route CPU tensors to the interpreted Triton kernels through it
-    if kernels is None and cpu.handles(x):
+    # the compiler cannot trace into a ctypes call (the compiled streams reach the kernel through the
+    # attnres::phase1 custom op instead, which it keeps opaque)
+    if kernels is None and not torch.compiler.is_compiling() and cpu.handles(x):
         return cpu
     return kernels
 
