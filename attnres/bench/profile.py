@@ -9,6 +9,9 @@ its wall time, using each event's self time so that nothing counts twice, into
 - ``generated_ms``: inductor's compiled graphs' own time, where their loops run
   (``generated_backward_ms`` of it inside the backward graphs, which also recompute what the
   forward did not keep);
+- ``kernels_ms``: the depth attention's own kernels where they run as ops of their own: the
+  ``attnres::`` custom ops (Phase 1 forward and backward under torch.compile, the compiled C++ kernel on
+  the CPU), which a compiled graph calls but cannot fuse;
 - ``optimizer_ms``: everything inside an optimizer's step and zero_grad (Muon's matmuls included);
 - ``rest_ms``: the rest of the wall time (eager ops, Python, the profiler's own overhead).
 
@@ -41,7 +44,7 @@ MATMUL_OPS = frozenset(
         "mkl::_mkl_linear",
     }
 )
-PARTS = ("matmul_ms", "generated_ms", "optimizer_ms")
+PARTS = ("matmul_ms", "generated_ms", "kernels_ms", "optimizer_ms")
 
 
 def _is_matmul(name: str) -> bool:
@@ -108,6 +111,8 @@ def time_breakdown(call: Callable[[], object], calls: int = 1) -> dict[str, floa
         ms = e.self_cpu_time_total / 1e3
         if _within(e, _is_optimizer):
             parts["optimizer_ms"] += ms
+        elif e.name.startswith("attnres::"):
+            parts["kernels_ms"] += ms
         elif _is_matmul(e.name):
             parts["matmul_ms"] += ms
             matmuls += 1
@@ -188,8 +193,8 @@ def breakdown_table(rows: dict[str, dict], key: str, what: str, rounds: int, cal
         f"ms per {what}):",
         "",
         f"| variant | profiled {what} | matmul & attention | matmul calls | generated code | of it in backward | "
-        "optimizer | rest | vs prenorm at equal matmul time |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "AttnRes ops | optimizer | rest | vs prenorm at equal matmul time |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for v, b in rows.items():
         equal = (
@@ -197,13 +202,15 @@ def breakdown_table(rows: dict[str, dict], key: str, what: str, rounds: int, cal
         )
         lines.append(
             f"| {v} | {b['step_ms']:.1f} | {b['matmul_ms']:.1f} | {b['matmul_calls']:.0f} | "
-            f"{b['generated_ms']:.1f} | {b['generated_backward_ms']:.1f} | {b['optimizer_ms']:.1f} | "
+            f"{b['generated_ms']:.1f} | {b['generated_backward_ms']:.1f} | {b.get('kernels_ms', 0.0):.1f} | "
+            f"{b['optimizer_ms']:.1f} | "
             f"{b['rest_ms']:.1f} | {equal} |"
         )
     lines += [
         "",
         "matmul & attention: library matrix products and attention kernels outside the optimizer; "
-        "generated code: inductor's compiled graphs; rest: eager ops, Python and the profiler. 'At equal "
+        "generated code: inductor's compiled graphs; AttnRes ops: the attnres:: custom ops (Phase 1 and its "
+        "backward as one call each); rest: eager ops, Python and the profiler. 'At equal "
         f"matmul time': the profiled {what} with the baseline's matmul time in place of its own, over the "
         "baseline's, for rows making the same matmul calls as their baseline.",
     ]
