@@ -51,11 +51,72 @@ template <typename T>
 inline void store(T* p, vec<T> v) {
   __builtin_memcpy(p, &v, sizeof v);
 }
-template <typename T>
-inline T total(vec<T> v) {
-  T acc = 0;
-  for (int64_t j = 0; j < WIDTH<T>; ++j) acc += v[j];
-  return acc;
+// Half-width vectors for the horizontal sum, which halves the width log2(WIDTH) times instead of adding the
+// lanes one after another (a chain of WIDTH dependent additions per dot product, slower than the products)
+typedef float vfloat8 __attribute__((vector_size(32)));
+typedef float vfloat4 __attribute__((vector_size(16)));
+typedef double vdouble4 __attribute__((vector_size(32)));
+typedef double vdouble2 __attribute__((vector_size(16)));
+
+template <typename Half, typename Full>
+inline Half fold(Full v) {
+  Half lo, hi;
+  __builtin_memcpy(&lo, &v, sizeof lo);
+  __builtin_memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof lo, sizeof hi);
+  return lo + hi;
+}
+
+inline float total(vfloat v) {
+  const vfloat4 q = fold<vfloat4>(fold<vfloat8>(v));
+  return (q[0] + q[2]) + (q[1] + q[3]);
+}
+inline double total(vdouble v) {
+  const vdouble2 q = fold<vdouble2>(fold<vdouble4>(v));
+  return q[0] + q[1];
+}
+
+// exp over a contiguous array in place. float32: a vectorised exp (2^k times a degree-7 Taylor polynomial on
+// |r| <= ln2 / 2, relative error below 2e-7, flushing below exp(-87.3)); the scalar std::exp of the softmax
+// was most of the forward's time. float64, the reference precision, keeps std::exp.
+typedef int32_t vint __attribute__((vector_size(64)));
+
+inline vfloat vexp(vfloat x) {
+  const vfloat zero{};
+  x = x < zero - 87.33654f ? zero - 87.33654f : x;
+  x = x > zero + 88.37626f ? zero + 88.37626f : x;
+  const vfloat kf = x * 1.44269504f + 0.5f;  // round(x / ln 2) = floor(kf)
+  vint k = __builtin_convertvector(kf, vint);
+  k += (__builtin_convertvector(k, vfloat) > kf);  // truncation rounded up negatives: -1 where so
+  const vfloat kk = __builtin_convertvector(k, vfloat);
+  const vfloat r = x - kk * 0.693359375f + kk * 2.12194440e-4f;  // x - k ln 2 in two parts
+  vfloat p = zero + 1.98412698e-4f;
+  p = p * r + 1.38888889e-3f;
+  p = p * r + 8.33333333e-3f;
+  p = p * r + 4.16666667e-2f;
+  p = p * r + 1.66666667e-1f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const vint bits = (k + 127) << 23;
+  vfloat scale;
+  __builtin_memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+inline void exp_inplace(float* a, int64_t len) {
+  constexpr int64_t W = WIDTH<float>;
+  int64_t c = 0;
+  for (; c + W <= len; c += W) store(a + c, vexp(load(a + c)));
+  if (c < len) {
+    float tail[W] = {};
+    std::copy(a + c, a + len, tail);
+    const vfloat y = vexp(load(tail));
+    for (int64_t j = 0; c + j < len; ++j) a[c + j] = y[j];
+  }
+}
+
+inline void exp_inplace(double* a, int64_t len) {
+  for (int64_t c = 0; c < len; ++c) a[c] = std::exp(a[c]);
 }
 
 // (a . b1, a . b2) over len values, reading a once
@@ -76,7 +137,7 @@ inline void dot2(const T* a, const T* b1, const T* b2, int64_t len, T& out1, T& 
     p1 += x * load(b1 + c);
     p2 += x * load(b2 + c);
   }
-  T s1 = total<T>(p1 + q1), s2 = total<T>(p2 + q2);
+  T s1 = total(p1 + q1), s2 = total(p2 + q2);
   for (; c < len; ++c) s1 += a[c] * b1[c], s2 += a[c] * b2[c];
   out1 = s1;
   out2 = s2;
@@ -92,7 +153,7 @@ inline T dot(const T* a, const T* b, int64_t len) {
     q += load(a + c + W) * load(b + c + W);
   }
   for (; c + W <= len; c += W) p += load(a + c) * load(b + c);
-  T acc = total<T>(p + q);
+  T acc = total(p + q);
   for (; c < len; ++c) acc += a[c] * b[c];
   return acc;
 }
@@ -158,7 +219,7 @@ struct Phase1 {
 
   void forward(int64_t x0, int64_t x1, T* h_out, T* lse_out) const {
     const int64_t SH = S * H, e = width();
-    std::vector<T> a(n * SH);
+    std::vector<T> a(n * SH), m(SH), l(SH);
     for (int64_t x = x0; x < x1; ++x) {
       dots(x, a.data());
       for (int64_t i = 0; i < n; ++i) {
@@ -166,19 +227,28 @@ struct Phase1 {
         for (int64_t k = 0; k < SH; ++k) a[i * SH + k] *= r;
       }
       T* lse = lse_out + x * SH;
-      for (int64_t k = 0; k < SH; ++k) {  // the logits become the weights, in place
-        if (softmax) {
-          T m = a[k];
-          for (int64_t i = 1; i < n; ++i) m = std::max(m, a[i * SH + k]);
-          T l = 0;
-          for (int64_t i = 0; i < n; ++i) l += std::exp(a[i * SH + k] - m);
-          const T ls = m + std::log(l);
-          for (int64_t i = 0; i < n; ++i) a[i * SH + k] = std::exp(a[i * SH + k] - ls);
-          lse[k] = ls;
-        } else {
-          for (int64_t i = 0; i < n; ++i) a[i * SH + k] = T(1) / (T(1) + std::exp(-a[i * SH + k]));
-          lse[k] = 0;
+      // the logits become the weights, in place, with one vectorised pass of exp over all n x S x H of them
+      if (softmax) {  // e_i = exp(z_i - max), alpha_i = e_i / sum e
+        std::copy(a.begin(), a.begin() + SH, m.begin());
+        for (int64_t i = 1; i < n; ++i)
+          for (int64_t k = 0; k < SH; ++k) m[k] = std::max(m[k], a[i * SH + k]);
+        for (int64_t i = 0; i < n; ++i)
+          for (int64_t k = 0; k < SH; ++k) a[i * SH + k] -= m[k];
+        exp_inplace(a.data(), n * SH);
+        std::fill(l.begin(), l.end(), T(0));
+        for (int64_t i = 0; i < n; ++i)
+          for (int64_t k = 0; k < SH; ++k) l[k] += a[i * SH + k];
+        for (int64_t k = 0; k < SH; ++k) {
+          lse[k] = m[k] + std::log(l[k]);
+          l[k] = T(1) / l[k];
         }
+        for (int64_t i = 0; i < n; ++i)
+          for (int64_t k = 0; k < SH; ++k) a[i * SH + k] *= l[k];
+      } else {  // sigmoid(z) = 1 / (1 + exp(-z))
+        for (int64_t j = 0; j < n * SH; ++j) a[j] = -a[j];
+        exp_inplace(a.data(), n * SH);
+        for (int64_t j = 0; j < n * SH; ++j) a[j] = T(1) / (T(1) + a[j]);
+        std::fill(lse, lse + SH, T(0));
       }
       T* hx = h_out + x * S * D;
       for (int64_t s = 0; s < S; ++s)
@@ -204,10 +274,12 @@ struct Phase1 {
           for (int64_t h = 0; h < H; ++h) {
             const int64_t k = (i * S + s) * H + h;
             dot2(v + h * e, u + s * D + h * e, gh + s * D + h * e, e, dot_vu[k], gz[k]);
-            const T z = r * dot_vu[k];
-            alpha[k] = softmax ? std::exp(z - lse[s * H + h]) : T(1) / (T(1) + std::exp(-z));
+            alpha[k] = softmax ? r * dot_vu[k] - lse[s * H + h] : -r * dot_vu[k];  // its exp, below
           }
       }
+      exp_inplace(alpha.data(), n * SH);
+      if (!softmax)
+        for (int64_t k = 0; k < n * SH; ++k) alpha[k] = T(1) / (T(1) + alpha[k]);
       for (int64_t k = 0; k < SH; ++k) {  // dL/dz
         if (softmax) {
           T mean = 0;
