@@ -14,6 +14,7 @@ import triton
 
 from attnres.ops.depth_attention import triton as da
 from attnres.ops.two_phase import triton as tp
+from attnres.ops.two_phase import triton_backward as tpb
 
 # pointers in the sources' dtype; every other pointer is in the compute dtype
 _DEPTH_ATTENTION_SOURCE_POINTERS = frozenset({"v0_ptr", "v1_ptr", "v2_ptr", "h_ptr", "gh_ptr", "dv_ptr"})
@@ -103,6 +104,27 @@ def compile_check(arch: int = 90, d: int = 1024, heads: int = 1) -> dict[str, tu
             warps,
             _PHASE1_SOURCE_POINTERS,
             dict(D=d, SOFTMAX=True, NORM=True, BLOCK_T=bt, BLOCK_S=bs, BLOCK_H=bh, BLOCK_DH=bdh),
+        )
+    )
+    bt, bs, _, _, warps = tpb._backward_tile(heads, d, 4)
+    variants.append(
+        (
+            "phase1 backward bf16 S=4",
+            tpb._phase1_bwd_kernel,
+            "bf16",
+            warps,
+            _PHASE1_SOURCE_POINTERS,
+            dict(
+                D=d,
+                SOFTMAX=True,
+                NORM=True,
+                GRAD_LSE=True,
+                NEEDS_DU=True,
+                BLOCK_T=bt,
+                BLOCK_S=bs,
+                BLOCK_H=bh,
+                BLOCK_DH=bdh,
+            ),
         )
     )
     variants.append(
