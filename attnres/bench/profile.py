@@ -9,9 +9,10 @@ its wall time, using each event's self time so that nothing counts twice, into
 - ``generated_ms``: inductor's compiled graphs' own time, where their loops run
   (``generated_backward_ms`` of it inside the backward graphs, which also recompute what the
   forward did not keep);
-- ``kernels_ms``: the depth attention's own kernels where they run as ops of their own: the
-  ``attnres::`` custom ops (Phase 1 forward and backward under torch.compile, the compiled C++ kernel on
-  the CPU), which a compiled graph calls but cannot fuse;
+- ``kernels_ms``: the depth attention's own kernels where they run as calls of their own: the
+  ``attnres::`` custom ops (Phase 1 forward and backward under torch.compile) and the self time of the
+  ``attnres.ops`` autograd Functions in eager mode (``ATTNRES_FUNCTIONS``), which is where the compiled
+  C++ kernel runs on the CPU (torch ops they call count in their own parts);
 - ``optimizer_ms``: everything inside an optimizer's step and zero_grad (Muon's matmuls included);
 - ``rest_ms``: the rest of the wall time (eager ops, Python, the profiler's own overhead).
 
@@ -45,6 +46,12 @@ MATMUL_OPS = frozenset(
     }
 )
 PARTS = ("matmul_ms", "generated_ms", "kernels_ms", "optimizer_ms")
+# the profiler's names of attnres.ops' autograd Functions, forward and backward
+ATTNRES_FUNCTIONS = frozenset(
+    name + suffix
+    for name in ("_Phase1", "_MergePartial", "_FusedDepthAttention", "_TritonDepthAttention")
+    for suffix in ("", "Backward")
+)
 
 
 def _is_matmul(name: str) -> bool:
@@ -111,7 +118,7 @@ def time_breakdown(call: Callable[[], object], calls: int = 1) -> dict[str, floa
         ms = e.self_cpu_time_total / 1e3
         if _within(e, _is_optimizer):
             parts["optimizer_ms"] += ms
-        elif e.name.startswith("attnres::"):
+        elif e.name.startswith("attnres::") or e.name in ATTNRES_FUNCTIONS:
             parts["kernels_ms"] += ms
         elif _is_matmul(e.name):
             parts["matmul_ms"] += ms
@@ -210,7 +217,8 @@ def breakdown_table(rows: dict[str, dict], key: str, what: str, rounds: int, cal
         "",
         "matmul & attention: library matrix products and attention kernels outside the optimizer; "
         "generated code: inductor's compiled graphs; AttnRes ops: the attnres:: custom ops (Phase 1 and its "
-        "backward as one call each); rest: eager ops, Python and the profiler. 'At equal "
+        "backward as one call each) and the self time of attnres.ops' autograd Functions (where the CPU kernel "
+        "runs); rest: eager ops, Python and the profiler. 'At equal "
         f"matmul time': the profiled {what} with the baseline's matmul time in place of its own, over the "
         "baseline's, for rows making the same matmul calls as their baseline.",
     ]

@@ -66,6 +66,7 @@ def test_bench_train_table_json_and_memory(tmp_path, capsys):
     # Phase 1's products where the compiled CPU kernel does not build): no equal-matmul ratio for it
     block, base = rows["block"]["breakdown"], rows["prenorm"]["breakdown"]
     assert block["matmul_calls"] > base["matmul_calls"] and "ratio_at_equal_matmul" not in block
+    assert block["kernels_ms"] > 0 and base["kernels_ms"] == 0  # the two-phase autograd Functions' own time
     assert "Where a step goes" in text and "- (other matmuls)" in text
     assert rows["block"]["params"] > rows["prenorm"]["params"]
 
