@@ -43,6 +43,7 @@ import torch
 
 from attnres.ops.common import inverse_rms
 from attnres.ops.depth_attention import depth_attention_reference, fused_depth_attention
+from attnres.ops.two_phase import cpu as two_phase_cpu
 from attnres.ops.two_phase.fused import phase1_outputs
 from attnres.ops.two_phase.library import phase1_op
 from attnres.train.progress import progress_bar
@@ -198,7 +199,13 @@ def run(cfg: OpBenchConfig) -> dict:
                     "bwd_frac_of_copy_median": bwd_bytes / tb_med / 1e9 / copy_bw_median,
                 }
             )
-    return {"config": cfg.__dict__, "threads": torch.get_num_threads(), "torch": torch.__version__, "rows": rows}
+    return {
+        "config": cfg.__dict__,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "cpu_kernel": two_phase_cpu.status(),
+        "rows": rows,
+    }
 
 
 def format_table(result: dict) -> str:
@@ -208,7 +215,7 @@ def format_table(result: dict) -> str:
         f"device={c['device']}, {result['threads']} threads, torch {result['torch']}; best of "
         f"{c['repeats']} rounds, each running the copy and every row in turn (medians and the slowest round "
         "in the JSON). "
-        f"Minimum bytes: fwd (K+1)BTD, bwd (2K+1)BTD elements.",
+        f"Minimum bytes: fwd (K+1)BTD, bwd (2K+1)BTD elements. CPU kernel: {result.get('cpu_kernel', '-')}.",
         "",
         "| K | impl | fwd ms | fwd GB/s | fwd / copy | bwd ms | bwd GB/s | bwd / copy | copy GB/s |",
         "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
