@@ -37,24 +37,23 @@ from torch import Tensor
 
 from attnres.ops.common import compute_dtype, split_heads
 from attnres.ops.depth_attention.reference import check_kernel
-from attnres.ops.two_phase import cpu, library
+from attnres.ops.two_phase import library
 from attnres.ops.two_phase.reference import check_queries
 
 # Phase 1 over at most this many (source, query) pairs runs as plain pointwise ops (``phase1_pointwise``)
 # that the compiler fuses into the loops around it, on every device (Full AttnRes' in-group reads)
 POINTWISE_PAIRS = 4
-# devices whose larger Phase 1s run the custom op of ``library.py``: CUDA (the Triton kernels), and the CPU when
-# the compiled C++ kernel is available (``cpu.py``; ``ATTNRES_CPU_KERNEL=0`` turns it off). The op's torch
-# formulation lost to the pointwise form on the CPU: its [BT] batches of n x D by D x S products are tiny
-# (compiled Block 1.40-1.69x compiled prenorm with it against 0.99x pointwise, d128 x 8, T128, B8;
-# docs/performance.md), so without the kernel the CPU keeps the pointwise form.
+# devices whose larger Phase 1s run the custom op of ``library.py``: CUDA (the Triton kernels). Not the CPU:
+# there the pointwise form, which inductor fuses with the loops around it, beat the opaque op even with the
+# compiled C++ kernel inside it (compiled Block 1.180x compiled prenorm with the op against 1.133x pointwise,
+# min-max over processes 1.167-1.209 against 1.121-1.158; Full 1.167x against 1.175x; d128 x 8, T128, B8,
+# one thread, load ~1; docs/performance.md). Eager mode runs the C++ kernel (``fused.phase1_kernels_for``).
 CUSTOM_OP_DEVICES = frozenset({"cuda"})
 
 
 def custom_op_device(device: torch.device | str) -> bool:
-    """Whether larger Phase 1s on ``device`` run the custom op (read at trace time)."""
-    kind = torch.device(device).type
-    return kind in CUSTOM_OP_DEVICES or (kind == "cpu" and cpu.available())
+    """Whether larger Phase 1s on ``device`` run the custom op."""
+    return torch.device(device).type in CUSTOM_OP_DEVICES
 
 
 def pointwise_phase1(n_sources: int, n_queries: int, device: torch.device | str = "cpu") -> bool:

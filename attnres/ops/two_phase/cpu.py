@@ -132,12 +132,6 @@ def kernel() -> ctypes.CDLL | None:
     return state.lib
 
 
-@torch.compiler.assume_constant_result
-def available() -> bool:
-    """``kernel() is not None``; a constant to torch.compile (traced code asks it without a graph break)."""
-    return kernel() is not None
-
-
 def status() -> str:
     """One line: whether the compiled CPU kernel runs, and why not."""
     if os.environ.get(ENV, "auto") == "0":

@@ -8,7 +8,7 @@ from reference import randomize, two_phase_inputs
 
 from attnres import AttnResLM, ModelConfig
 from attnres.ops.common import inverse_rms
-from attnres.ops.two_phase import compiled, cpu, fused, library
+from attnres.ops.two_phase import cpu, fused, library
 from attnres.ops.two_phase import reference as two_phase_reference
 
 EPS = 1e-6
@@ -173,10 +173,9 @@ def test_no_compiler_falls_back_to_torch_and_says_why(monkeypatch, tmp_path):
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("ATTNRES_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv(cpu.ENV, "auto")
-    assert cpu.kernel() is None and not cpu.available()
+    assert cpu.kernel() is None
     assert "no C++ compiler" in cpu.status() and "CXX" in cpu.status()
     assert fused.phase1_kernels_for(torch.zeros(1)) is None
-    assert compiled.pointwise_phase1(8, 4, "cpu")
     v, q, kw, _ = two_phase_inputs(n=3, S=2, seed=17)
     h, lse = library.phase1_op(list(v.unbind(0)), [], q, kw, "softmax")  # torch's products
     want = two_phase_reference.phase1(v.permute(1, 2, 0, 3), None, q, kw)

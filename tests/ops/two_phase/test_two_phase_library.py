@@ -8,7 +8,7 @@ import torch
 from reference import two_phase_inputs
 
 from attnres.ops.common import inverse_rms
-from attnres.ops.two_phase import compiled, cpu, library
+from attnres.ops.two_phase import compiled, library
 from attnres.ops.two_phase import reference as two_phase_reference
 
 EPS = 1e-6
@@ -142,11 +142,10 @@ def test_compiled_with_fullgraph_and_no_graph_break(monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_small_phase1_run_pointwise_and_the_cpu_op_needs_its_kernel(monkeypatch):
+def test_small_phase1_and_the_cpu_run_pointwise():
     assert compiled.pointwise_phase1(1, 1, "cuda") and compiled.pointwise_phase1(2, 2, "cuda")
     assert not compiled.pointwise_phase1(3, 2, "cuda") and not compiled.pointwise_phase1(8, 1, "cuda:0")
-    assert compiled.pointwise_phase1(8, 4, "cpu") == (cpu.kernel() is None)
-    monkeypatch.setenv("ATTNRES_CPU_KERNEL", "0")  # the op's torch form lost to the pointwise one on the CPU
+    # measured faster there than the op, with the compiled C++ kernel inside it or not (CUSTOM_OP_DEVICES)
     assert compiled.pointwise_phase1(8, 4, "cpu")
 
 
