@@ -13,7 +13,7 @@ import pytest
 import torch
 from reference import randomize
 
-from attnres.experiments import load_spec, run_experiment
+from attnres.experiments import load_spec, run_experiment, step_cost
 from attnres.experiments.importance import KNOCKOUT_FILE, knockout_form, knockout_table
 from attnres.experiments.reports import write_report
 from attnres.residual import FullAttnRes
@@ -214,3 +214,28 @@ def test_the_kimi_scaling_report_fits_and_compares_at_equal_time(suite):
     assert "| Kimi Linear (this experiment) | block |" in text
     assert "## Equal wall-clock time (Kimi Linear)" in text and "| k2 | block |" in text
     assert "Verdict (does the Kimi-backbone advantage grow with scale?): block Δ" in text
+    # the equal-time view reads step costs measured side by side, cached per size in the runs directory
+    costs = json.loads((runs / "kimi-scaling" / step_cost.STEP_COST_FILE).read_text())
+    assert set(costs) == {"k1", "k2"}
+    for group in costs.values():
+        assert group["schemes"]["prenorm"]["ratio"] == 1.0 and group["threads"] >= 1
+        block = group["schemes"]["block"]
+        assert 0 < block["ratio_min"] <= block["ratio"] <= block["ratio_max"] and block["step_s"] > 0
+    k2 = costs["k2"]["schemes"]["block"]
+    assert f"| k2 | block | {k2['ratio']:.3f} ({k2['ratio_min']:.3f}-{k2['ratio_max']:.3f}) |" in text
+
+
+def test_step_costs_are_measured_once_then_read_from_the_cache(tmp_path):
+    calls = []
+
+    def measure():
+        calls.append(1)
+        return {"schemes": {"prenorm": {"ratio": 1.0}}}
+
+    first = step_cost.cached_step_costs(tmp_path, "k1", measure, log=quiet)
+    again = step_cost.cached_step_costs(tmp_path, "k1", measure, log=quiet)
+    assert first == again and calls == [1]
+    step_cost.cached_step_costs(tmp_path, "k2", measure, log=quiet)
+    assert calls == [1, 1] and set(json.loads((tmp_path / step_cost.STEP_COST_FILE).read_text())) == {"k1", "k2"}
+    with pytest.raises(ValueError, match="baseline 'prenorm' is not among the schemes"):
+        step_cost.measure_step_costs({}, "prenorm")

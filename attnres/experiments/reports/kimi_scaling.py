@@ -2,14 +2,17 @@
 sections on the Kimi Linear backbone, the LLaMA-backbone fit of ``experiments/scaling.toml`` beside it,
 and every comparison at equal wall-clock time as well as at equal tokens.
 
-Equal wall-clock: per size, each scheme's median optimizer-step time over its runs against the
-baseline's (the step-time ratio r, measured in the same suite on this machine); at the baseline's
+Equal wall-clock: per size, each scheme's step time against the baseline's, measured side by side
+(``attnres.experiments.step_cost``: the runs rebuilt and their steps timed round-robin in one process,
+cached in the runs directory; the runs' own logged times, taken hours apart, are shown beside it); at the baseline's
 training time a scheme has made steps / r steps, and its validation loss there is read off its own
 evaluation curve (linear in the step between evaluations; a scheme faster than the baseline keeps its
 final loss, which understates it). The paired Δ against the baseline's final loss is then taken per seed.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 
@@ -20,6 +23,7 @@ from attnres.experiments.reports.scaling import fitted_laws, scaling_report
 from attnres.experiments.results import Collected, Result, collect
 from attnres.experiments.spec import ExperimentError, load_spec
 from attnres.experiments.stats import paired
+from attnres.experiments.step_cost import ROUNDS, STEP_COST_FILE, cached_step_costs, measure_step_costs
 
 LLAMA_SPEC = "scaling"  # the LLaMA-backbone scaling experiment, beside this one
 
@@ -31,29 +35,53 @@ def _loss_at_step(r: Result, step: float) -> float:
     return float(np.interp(step, curve["step"], curve["val_loss"]))
 
 
-def equal_time_rows(col: Collected) -> list[list[str]]:
-    """Per size and non-baseline scheme: the step-time ratio and the paired Δ at equal tokens and at
-    the baseline's training time."""
+def _measured_costs(col: Collected, size: str, base: str) -> dict | None:
+    """The side-by-side step costs of one size (``attnres.experiments.step_cost``), cached in the
+    experiment's runs directory; None when its seed-0 runs are not all planned there."""
+    runs = {}
+    for s in col.points("scheme"):
+        planned = [r for r in col.select(size=size, scheme=s) if r.run.seed == min(col.spec.seeds)]
+        if not planned:
+            return None
+        runs[s] = planned[0].run
+    done = [r for r in col.results if r.done]
+    if not done:
+        return None
+    runs_dir = Path(done[0].dir).parent.parent / col.spec.name
+    return cached_step_costs(runs_dir, size, lambda: measure_step_costs(runs, base, log=lambda _: None))
+
+
+def equal_time_rows(col: Collected, measured: bool = True) -> list[list[str]]:
+    """Per size and non-baseline scheme: the step-time ratio (side by side, ``_measured_costs``, or with
+    ``measured=False`` from the runs' own logs) and the paired Δ at equal tokens and at the baseline's
+    training time."""
     base = col.spec.baseline or "prenorm"
     rows = []
     for size in col.points("size"):
         base_runs = [r for r in col.select(size=size, scheme=base) if r.done]
         if not base_runs:
             continue
+        costs = _measured_costs(col, size, base) if measured else None
         base_step = float(np.median([_median_step_seconds(r) for r in base_runs]))
         ref = col.losses(size=size, scheme=base)
         for s in col.points("scheme"):
             runs = [r for r in col.select(size=size, scheme=s) if r.done]
             if s == base or not runs:
                 continue
-            ratio = float(np.median([_median_step_seconds(r) for r in runs])) / base_step
+            logged = float(np.median([_median_step_seconds(r) for r in runs])) / base_step
+            if costs is not None:
+                c = costs["schemes"][s]
+                ratio, shown = c["ratio"], f"{c['ratio']:.3f} ({c['ratio_min']:.3f}-{c['ratio_max']:.3f})"
+            else:
+                ratio, shown = logged, "-"
             steps = runs[0].run.train.steps
             at_time = {r.run.seed: _loss_at_step(r, min(steps, steps / ratio)) for r in runs}
             rows.append(
                 [
                     size,
                     s,
-                    f"{ratio:.2f}",
+                    shown,
+                    f"{logged:.2f}",
                     f"{min(steps, steps / ratio):.0f} of {steps}",
                     paired(col.losses(size=size, scheme=s), ref).describe(),
                     paired(at_time, ref).describe(),
@@ -70,19 +98,23 @@ def equal_time_section(rep: Report, col: Collected, title: str) -> None:
     rep.add(
         title,
         "",
-        f"Step-time ratio: median optimizer-step seconds against {base}'s at the same size (all runs on "
-        f"one thread of this 2-core machine, shared with other jobs and trained at different times, so the "
-        f"ratio carries load noise). At equal time a scheme has made the steps {base} made in its training "
-        "time divided by the ratio; its loss there is read off its own evaluation curve, mid-schedule (its "
-        "learning rate not yet decayed), where a run scheduled for that many steps would end lower: the "
-        "Δ at equal time is an upper bound on the cost of the slower step (the arena experiment trains "
-        "equal-time runs for real).",
+        f"Step-time ratio, side by side: each size's seed-0 runs rebuilt from their configs and their "
+        f"training steps timed round-robin in one process on one thread of this machine "
+        f"(`attnres.experiments.step_cost`: the median over {ROUNDS} rounds of each round's time over "
+        f"{base}'s in the same round, min-max beside it; cached in the runs directory's {STEP_COST_FILE}). "
+        f"The runs' own logged ratio is beside it: the runs trained at different times under different "
+        f"loads, so it measures the machine more than the scheme. At equal time a scheme has made the steps "
+        f"{base} made in its training time divided by the side-by-side ratio; its loss there is read off its "
+        "own evaluation curve, mid-schedule (its learning rate not yet decayed), where a run scheduled for "
+        "that many steps would end lower: the Δ at equal time is an upper bound on the cost of the slower "
+        "step (the arena experiment trains equal-time runs for real).",
         "",
         md_table(
             [
                 "size",
                 "scheme",
-                f"step time / {base}",
+                f"step time / {base}, side by side",
+                "logged by the runs",
                 "steps at equal time",
                 "Δ at equal tokens",
                 "Δ at equal time (upper bound)",
