@@ -149,7 +149,8 @@ def ratio_at_equal_matmul(row: dict[str, float], base: dict[str, float]) -> floa
     baseline's; None when the two make different matmul calls (then their matmul work differs)."""
     if row["matmul_calls"] != base["matmul_calls"]:
         return None
-    return (row["step_ms"] - row["matmul_ms"] + base["matmul_ms"]) / base["step_ms"]
+    # 1 + the difference of the non-matmul times: exactly 1 for the baseline against itself
+    return 1.0 + ((row["step_ms"] - row["matmul_ms"]) - (base["step_ms"] - base["matmul_ms"])) / base["step_ms"]
 
 
 def round_robin_breakdowns(

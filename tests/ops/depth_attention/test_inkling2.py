@@ -38,7 +38,9 @@ def test_inkling2_block_attention_residual(num_queries, sealed):
 
     sources = torch.cat([block_states, partial.unsqueeze(-2)], dim=-2).movedim(-2, 0)  # [K, B, T, D]
     queries = module.query.detach().reshape(num_queries, d)
-    h = multi_query_depth_attention(sources, queries, None, eps=module.norm.eps, scale=d**-0.5, values="normalized")
+    # transformers 5.25 renamed the norm's eps to variance_epsilon; both are supported (hf extra: <6)
+    eps = getattr(module.norm, "variance_epsilon", None) or module.norm.eps
+    h = multi_query_depth_attention(sources, queries, None, eps=eps, scale=d**-0.5, values="normalized")
     assert h.shape == (num_queries, b, t, d) and len(want) == num_queries
     diff = max((h[q] - want[q]).abs().max().item() for q in range(num_queries))
     assert diff <= 1e-6, f"max difference {diff:.3g} from Inkling2BlockAttentionResidual"
