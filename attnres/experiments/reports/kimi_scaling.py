@@ -197,5 +197,22 @@ def kimi_scaling_verdict(col: Collected) -> str:
             if base in fits and s in fits
             else ""
         )
-        parts.append(f"{s} Δ {trend} from {first} to {last} ({ds_last.verdict} at {last}{mult})")
+        parts.append(
+            f"{s} Δ {trend} from {first} to {last} ({ds_last.verdict} at {last}{mult}{_at_time(col, last, s)})"
+        )
     return "Verdict (does the Kimi-backbone advantage grow with scale?): " + "; ".join(parts) + "."
+
+
+def _at_time(col: Collected, size: str, scheme: str) -> str:
+    """', at equal wall-clock Δ (verdict; step ratio)' at one size, from the side-by-side step costs."""
+    base = col.spec.baseline or "prenorm"
+    costs = _measured_costs(col, size, base)
+    runs = [r for r in col.select(size=size, scheme=scheme) if r.done]
+    if costs is None or not runs:
+        return ""
+    ratio = costs["schemes"][scheme]["ratio"]
+    steps = runs[0].run.train.steps
+    d = paired(
+        {r.run.seed: _loss_at_step(r, min(steps, steps / ratio)) for r in runs}, col.losses(size=size, scheme=base)
+    )
+    return f"; at equal wall-clock {d.mean:+.3f}, {d.verdict}, its step {ratio:.2f}× {base}'s" if d.n else ""
