@@ -23,7 +23,12 @@ from attnres.experiments.reports.scaling import fitted_laws, scaling_report
 from attnres.experiments.results import Collected, Result, collect
 from attnres.experiments.spec import ExperimentError, load_spec
 from attnres.experiments.stats import paired
-from attnres.experiments.step_cost import ROUNDS, STEP_COST_FILE, cached_step_costs, measure_step_costs
+from attnres.experiments.step_cost import (
+    ROUNDS,
+    STEP_COST_FILE,
+    cached_step_costs,
+    measure_step_costs,
+)
 
 LLAMA_SPEC = "scaling"  # the LLaMA-backbone scaling experiment, beside this one
 
