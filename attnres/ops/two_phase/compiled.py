@@ -38,7 +38,7 @@ from torch import Tensor
 from attnres.ops.common import compute_dtype, split_heads
 from attnres.ops.depth_attention.reference import check_kernel
 from attnres.ops.two_phase import library
-from attnres.ops.two_phase.reference import check_queries
+from attnres.ops.two_phase.reference import check_queries, query_matrix
 
 # Phase 1 over at most this many (source, query) pairs runs as plain pointwise ops (``phase1_pointwise``)
 # that the compiler fuses into the loops around it, on every device (Full AttnRes' in-group reads)
@@ -51,14 +51,9 @@ POINTWISE_PAIRS = 4
 CUSTOM_OP_DEVICES = frozenset({"cuda"})
 
 
-def custom_op_device(device: torch.device | str) -> bool:
-    """Whether larger Phase 1s on ``device`` run the custom op."""
-    return torch.device(device).type in CUSTOM_OP_DEVICES
-
-
 def pointwise_phase1(n_sources: int, n_queries: int, device: torch.device | str = "cpu") -> bool:
     """Whether ``phase1_sources`` runs this Phase 1 as pointwise autograd rather than as the custom op."""
-    return n_sources * n_queries <= POINTWISE_PAIRS or not custom_op_device(device)
+    return n_sources * n_queries <= POINTWISE_PAIRS or torch.device(device).type not in CUSTOM_OP_DEVICES
 
 
 def phase1_sources(
@@ -106,13 +101,8 @@ def phase1_pointwise(
     """``phase1_sources`` as plain autograd over pointwise ops and reductions over D: inductor fuses it
     and writes its backward. Here the key-norm gradient flows through inv_rms's own autograd graphs."""
     heads = _check(sources, inv_rms, queries, key_weights, kernel)
-    d = sources[0].shape[-1]
     cd = compute_dtype(sources[0].dtype)
-    s_count = queries.shape[0]
-    u = queries.to(cd).reshape(s_count, d)
-    if key_weights is not None:
-        u = u * key_weights.to(cd)
-    u = split_heads(u, heads)  # [S, H, e]
+    u = split_heads(query_matrix(queries, key_weights, cd), heads)  # [S, H, e]
     values = [split_heads(v.to(cd), heads).unsqueeze(2) for v in sources]  # n x [B, T, 1, H, e]
 
     logits = []

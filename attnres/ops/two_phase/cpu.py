@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from attnres.ops.common import DepthStats, compute_dtype
+from attnres.ops.two_phase.reference import check_queries, query_matrix
 
 SOURCE = Path(__file__).with_name("cpu_kernel.cpp")
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-Wno-psabi")
@@ -149,37 +150,30 @@ def _pointers(rows: Sequence[Tensor]) -> ctypes.Array:
     return (ctypes.c_void_p * len(rows))(*[r.data_ptr() for r in rows])
 
 
+def _per_source(x: Tensor) -> tuple[list[Tensor], int]:
+    """x [B, T, n] or [B, T, n, D]: its n per-source views [B, T(, D)] and the stride between tokens, read in
+    place when B and T flatten with one stride (and D is contiguous), else from a contiguous copy."""
+    b, t = x.shape[:2]
+    if (x.dim() == 4 and x.stride(3) != 1) or (b > 1 and x.stride(0) != t * x.stride(1)):
+        x = x.contiguous()
+    return list(x.unbind(2)), x.stride(1) if t > 1 else x.stride(0)
+
+
 def _rows(sources: Tensor | Sequence[Tensor], dtype: torch.dtype) -> tuple[list[Tensor], int]:
-    """The n sources as tensors whose tokens are ``stride`` elements apart, each token's D values contiguous."""
-    if isinstance(sources, Tensor):  # [B, T, n, D]: read a buffer view in place when B and T flatten
-        b, t, n, d = sources.shape
-        v = sources.to(dtype)
-        if v.stride(3) != 1 or (b > 1 and v.stride(0) != t * v.stride(1)):
-            v = v.contiguous()
-        return [v[:, :, i] for i in range(n)], v.stride(1) if t > 1 else v.stride(0) // max(t, 1)
+    """The n sources (a [B, T, n, D] stack or n tensors [B, T, D]) as rows ``stride`` elements apart per token."""
+    if isinstance(sources, Tensor):
+        return _per_source(sources.to(dtype))
     rows = [s.to(dtype).contiguous() for s in sources]
     return rows, rows[0].shape[-1]
 
 
 def _norms(inv_rms: Tensor | Sequence[Tensor] | None, dtype: torch.dtype) -> tuple[list[Tensor], int]:
+    """The n inverse RMS ([B, T, n] or n tensors [B, T]) likewise; ([], 0) without key norm."""
     if inv_rms is None or (not isinstance(inv_rms, Tensor) and not inv_rms):
         return [], 0
-    if isinstance(inv_rms, Tensor):  # [B, T, n]
-        r = inv_rms.to(dtype)
-        b, t, n = r.shape
-        if b > 1 and r.stride(0) != t * r.stride(1):
-            r = r.contiguous()
-        return [r[:, :, i] for i in range(n)], r.stride(1) if t > 1 else r.stride(0) // max(t, 1)
-    rows = [s.to(dtype).contiguous() for s in inv_rms]
-    return rows, 1
-
-
-def _query_matrix(queries: Tensor, key_weights: Tensor | None, dtype: torch.dtype) -> Tensor:
-    s_count = queries.shape[0]
-    u = queries.detach().to(dtype).reshape(s_count, -1)
-    if key_weights is not None:
-        u = u * key_weights.detach().to(dtype)
-    return u.contiguous()
+    if isinstance(inv_rms, Tensor):
+        return _per_source(inv_rms.to(dtype))
+    return [s.to(dtype).contiguous() for s in inv_rms], 1
 
 
 def _threads(values: int) -> int:
@@ -194,10 +188,6 @@ def fits(heads: int, d: int) -> bool:
 def backward_fits(heads: int, d: int, s_count: int) -> bool:
     """Any width and number of queries runs the backward too."""
     return d % heads == 0
-
-
-def _heads(queries: Tensor) -> int:
-    return 1 if queries.dim() == 2 else queries.shape[1]
 
 
 def _call(name: str, dtype: torch.dtype, *args: object) -> None:
@@ -218,9 +208,10 @@ def _operands(sources, inv_rms, queries, key_weights):
     cd = compute_dtype(first.dtype)
     rows, stride = _rows(sources, cd)
     norms, norm_stride = _norms(inv_rms, cd)
-    u = _query_matrix(queries, key_weights, cd)
     b, t, d = rows[0].shape
-    n, s_count, heads = len(rows), u.shape[0], _heads(queries)
+    heads = check_queries(queries, key_weights, d)
+    u = query_matrix(queries, key_weights, cd).detach().contiguous()
+    n, s_count = len(rows), u.shape[0]
     common = (
         _pointers(rows),
         ctypes.c_int64(stride),

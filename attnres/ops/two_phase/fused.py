@@ -37,7 +37,7 @@ from attnres.ops.common import (
 )
 from attnres.ops.depth_attention.reference import check_kernel
 from attnres.ops.two_phase import cpu, reference
-from attnres.ops.two_phase.reference import check_phase1_inputs
+from attnres.ops.two_phase.reference import check_phase1_inputs, query_matrix
 
 
 class _Phase1(torch.autograd.Function):
@@ -62,7 +62,8 @@ class _Phase1(torch.autograd.Function):
         s_count = queries.shape[0]
         cd = compute_dtype(values.dtype)
         if kernels is not None:
-            # the Triton forward keeps nothing of size n: backward recomputes the weights from lse
+            # a kernel's forward (Triton, or the CPU one) keeps nothing of size n: backward recomputes
+            # the weights from lse
             h1, lse = kernels.phase1(values, inv_rms, queries, key_weights, kernel=kernel)
             alpha = dots = None
             saved_lse = lse.flatten(0, 1)
@@ -94,8 +95,8 @@ class _Phase1(torch.autograd.Function):
             [g if g is not None else torch.zeros(b, t, d, dtype=cd, device=values.device) for g in g_h1s], dim=2
         ).to(cd)  # [B, T, S, D]
         needs_du = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        # the Triton backward when the forward ran the Triton kernel and no graph of the gradient is
-        # wanted (create_graph: the kernel's results are not differentiable, torch's are)
+        # the kernels' backward when the forward ran a kernel (Triton, or the CPU one) and no graph of the
+        # gradient is wanted (create_graph: the kernels' results are not differentiable, torch's are)
         kernels = ctx.kernels
         if alpha is None and not torch.is_grad_enabled() and kernels.backward_fits(heads, d, s_count):
             gv, du = kernels.phase1_backward(
@@ -111,7 +112,7 @@ class _Phase1(torch.autograd.Function):
             )
         else:
             v3 = values.to(cd).flatten(0, 1)
-            if alpha is None:  # a Triton forward: recompute the weights (one [BT, n, S, H] pass)
+            if alpha is None:  # a kernel's forward: recompute the weights (one [BT, n, S, H] pass)
                 dots, z = phase1_logits(v3, inv_rms, queries, key_weights, heads)
                 alpha = torch.exp(z - lse.unsqueeze(1)) if kernel == "softmax" else torch.sigmoid(z)
             r = inv_rms.to(cd).flatten(0, 1) if inv_rms is not None else None
@@ -219,9 +220,7 @@ def phase1_logits(
     """(raw dot products v_i . u_s, logits z = r_i dots), both [BT, n, S, H], from v3 [BT, n, D]."""
     cd, d = v3.dtype, v3.shape[-1]
     s_count = queries.shape[0]
-    u = queries.to(cd).reshape(s_count, d)
-    if key_weights is not None:
-        u = u * key_weights.to(cd)
+    u = query_matrix(queries, key_weights, cd)
     if heads == 1:
         dots = torch.bmm(v3, u.t().expand(v3.shape[0], d, s_count)).unsqueeze(-1)  # [BT, n, S, 1]
     else:

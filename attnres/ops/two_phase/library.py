@@ -22,16 +22,28 @@ gets no gradient of its own.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from types import ModuleType
+
 import torch
 from torch import Tensor
 
 from attnres.ops.common import compute_dtype
 from attnres.ops.two_phase import cpu, fused
 from attnres.ops.two_phase.fused import phase1_backward, phase1_forward, phase1_logits
+from attnres.ops.two_phase.reference import query_heads
 
 
-def _heads(queries: Tensor) -> int:
-    return 1 if queries.dim() == 2 else queries.shape[1]
+def _kernel_inputs(sources: list[Tensor], inv_rms: list[Tensor], usable: Callable[[ModuleType], bool]):
+    """(kernels, values, inv_rms) in the layout the device's Phase-1 kernels read
+    (``fused.phase1_kernels_for``): the compiled CPU kernel reads the lists in place, Triton one strided
+    stack; None when there are none or ``usable(kernels)`` is false (then torch's products run)."""
+    kernels = fused.phase1_kernels_for(sources[0])  # read at call time: tests route it
+    if kernels is None or not usable(kernels):
+        return None
+    if kernels is cpu:
+        return kernels, list(sources), list(inv_rms) or None
+    return kernels, torch.stack(sources, dim=2), torch.stack(inv_rms, dim=2) if inv_rms else None
 
 
 def _stacked(sources: list[Tensor], inv_rms: list[Tensor]) -> tuple[Tensor, Tensor | None]:
@@ -47,15 +59,11 @@ def phase1_op(
 ) -> tuple[Tensor, Tensor]:
     """(h [B, T, S, D], lse [B, T, S, H]) in the compute dtype; ``inv_rms`` empty: no key norm."""
     b, t, d = sources[0].shape
-    heads, s_count = _heads(queries), queries.shape[0]
+    heads, s_count = query_heads(queries), queries.shape[0]
     with torch.autocast(sources[0].device.type, enabled=False):
-        kernels = fused.triton_for(sources[0])  # read at call time: tests route it
-        if kernels is None and cpu.handles(sources[0]):  # the compiled C++ kernel reads the list in place
-            h, lse = cpu.phase1(sources, inv_rms or None, queries, key_weights, kernel=kernel)
-            return h, lse
-        if kernels is not None and kernels.fits(heads, d):
-            values = torch.stack(sources, dim=2)
-            inv = torch.stack(inv_rms, dim=2) if inv_rms else None
+        found = _kernel_inputs(sources, inv_rms, lambda k: k.fits(heads, d))
+        if found is not None:
+            kernels, values, inv = found
             h, lse = kernels.phase1(values, inv, queries, key_weights, kernel=kernel)
             return h, lse
         values, inv = _stacked(sources, inv_rms)
@@ -69,7 +77,7 @@ def _(sources, inv_rms, queries, key_weights, kernel):
     cd = compute_dtype(sources[0].dtype)
     s_count = queries.shape[0]
     return sources[0].new_empty(b, t, s_count, d, dtype=cd), sources[0].new_empty(
-        b, t, s_count, _heads(queries), dtype=cd
+        b, t, s_count, query_heads(queries), dtype=cd
     )
 
 
@@ -86,19 +94,11 @@ def phase1_backward_op(
 ) -> tuple[Tensor, Tensor]:
     """(dL/dvalues [B, T, n, D], dL/du [S, D] for u = queries * key_weights), compute dtype."""
     b, t, d = sources[0].shape
-    heads, n = _heads(queries), len(sources)
+    heads, n = query_heads(queries), len(sources)
     with torch.autocast(sources[0].device.type, enabled=False):
-        kernels = fused.triton_for(sources[0])
-        values_in: Tensor | list[Tensor]
-        inv_in: Tensor | list[Tensor] | None
-        if kernels is None and cpu.handles(sources[0]):
-            kernels, values_in, inv_in = cpu, list(sources), (list(inv_rms) or None)
-        elif kernels is not None and kernels.backward_fits(heads, d, queries.shape[0]):
-            values_in = torch.stack(sources, dim=2)  # the Triton kernel reads one strided stack
-            inv_in = torch.stack(inv_rms, dim=2) if inv_rms else None
-        else:
-            kernels = None
-        if kernels is not None:
+        found = _kernel_inputs(sources, inv_rms, lambda k: k.backward_fits(heads, d, queries.shape[0]))
+        if found is not None:
+            kernels, values_in, inv_in = found
             gv, du = kernels.phase1_backward(
                 values_in, inv_in, queries, key_weights, lse, grad_h, grad_lse, kernel=kernel
             )

@@ -44,12 +44,24 @@ def check_queries(queries: Tensor, key_weights: Tensor | None, d: int) -> int:
     them and the key weights [S, D] (or None)."""
     if queries.dim() not in (2, 3):
         raise ValueError(f"queries must be [S, D] or [S, H, D/H]; got {tuple(queries.shape)}")
-    heads = 1 if queries.dim() == 2 else queries.shape[1]
+    heads = query_heads(queries)
     if heads * queries.shape[-1] != d:
         raise ValueError(f"queries {tuple(queries.shape)} do not cover the {d} source channels")
     if key_weights is not None and tuple(key_weights.shape) != (queries.shape[0], d):
         raise ValueError(f"key_weights must be [S, D]; got {tuple(key_weights.shape)}")
     return heads
+
+
+def query_heads(queries: Tensor) -> int:
+    """H of queries [S, D] (1) or [S, H, D/H]."""
+    return 1 if queries.dim() == 2 else queries.shape[1]
+
+
+def query_matrix(queries: Tensor, key_weights: Tensor | None, dtype: torch.dtype) -> Tensor:
+    """u = queries * key_weights as [S, D] in ``dtype`` (the queries alone without key weights): what every
+    Phase-1 logit takes its dot product with. Kernels take ``.detach().contiguous()`` of it."""
+    u = queries.to(dtype).reshape(queries.shape[0], -1)
+    return u * key_weights.to(dtype) if key_weights is not None else u
 
 
 def phase1(
@@ -70,12 +82,8 @@ def phase1(
     check_kernel(kernel)
     heads = check_phase1_inputs(values, inv_rms, queries, key_weights)
     cd = compute_dtype(values.dtype)
-    s_count, d = queries.shape[0], values.shape[-1]
     v = split_heads(values.to(cd), heads)  # [B, T, n, H, D/H]
-    u = queries.to(cd).reshape(s_count, d)
-    if key_weights is not None:
-        u = u * key_weights.to(cd)
-    z = torch.einsum("btnhe,she->btnsh", v, split_heads(u, heads))
+    z = torch.einsum("btnhe,she->btnsh", v, split_heads(query_matrix(queries, key_weights, cd), heads))
     if inv_rms is not None:
         z = z * inv_rms.to(cd)[..., None, None]
     if kernel == "softmax":

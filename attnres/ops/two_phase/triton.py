@@ -36,7 +36,7 @@ from attnres.ops.depth_attention.triton import (
     tile_shape,
 )
 from attnres.ops.depth_attention.triton_kernels import tile_coords
-from attnres.ops.two_phase.reference import check_phase1_inputs
+from attnres.ops.two_phase.reference import check_phase1_inputs, query_matrix
 from attnres.ops.two_phase.triton_backward import backward_fits, phase1_backward
 
 __all__ = ["backward_fits", "fits", "merge", "phase1", "phase1_backward"]
@@ -207,10 +207,7 @@ def phase1(
         raise ValueError(f"phase1: D={d} is too wide for one program")
     s = queries.shape[0]
     cd = compute_dtype(values.dtype)
-    u = queries.detach().to(cd).reshape(s, d)
-    if key_weights is not None:
-        u = u * key_weights.detach().to(cd)
-    u = u.contiguous()
+    u = query_matrix(queries, key_weights, cd).detach().contiguous()
     r = inv_rms if inv_rms is not None else values  # an unread placeholder pointer without key norm
     r_strides = inv_rms.stride() if inv_rms is not None else (0, 0, 0)
     h = torch.empty(b, t, s, d, device=values.device, dtype=cd)

@@ -34,7 +34,7 @@ from attnres.ops.depth_attention.triton import (
     pow2,
 )
 from attnres.ops.depth_attention.triton_kernels import tile_coords
-from attnres.ops.two_phase.reference import check_phase1_inputs
+from attnres.ops.two_phase.reference import check_phase1_inputs, query_matrix
 
 # the output gradient of a token for all S queries, padded to powers of two, held by one program
 MAX_BACKWARD_WIDTH = 16384
@@ -223,10 +223,7 @@ def phase1_backward(
     if d > 1 and values.stride(3) != 1:
         values = values.contiguous()
     cd = compute_dtype(values.dtype)
-    u = queries.detach().to(cd).reshape(s, d)
-    if key_weights is not None:
-        u = u * key_weights.detach().to(cd)
-    u = u.contiguous()
+    u = query_matrix(queries, key_weights, cd).detach().contiguous()
     r = inv_rms if inv_rms is not None else values  # an unread placeholder pointer without key norm
     r_strides = inv_rms.stride() if inv_rms is not None else (0, 0, 0)
     softmax = kernel == "softmax"
