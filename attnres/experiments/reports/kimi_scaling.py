@@ -22,7 +22,7 @@ from attnres.experiments.reports.kimi_linear import _median_step_seconds
 from attnres.experiments.reports.scaling import fitted_laws, scaling_report
 from attnres.experiments.results import Collected, Result, collect
 from attnres.experiments.spec import ExperimentError, load_spec
-from attnres.experiments.stats import paired
+from attnres.experiments.stats import Paired, paired
 from attnres.experiments.step_cost import (
     ROUNDS,
     STEP_COST_FILE,
@@ -56,9 +56,18 @@ def _measured_costs(col: Collected, size: str, base: str) -> dict | None:
     return cached_step_costs(runs_dir, size, lambda: measure_step_costs(runs, base, log=lambda _: None))
 
 
-def equal_time_rows(col: Collected, measured: bool = True) -> list[list[str]]:
-    """Per size and non-baseline scheme: the step-time ratio (side by side, ``_measured_costs``, or with
-    ``measured=False`` from the runs' own logs) and the paired Δ at equal tokens and at the baseline's
+def _at_equal_time(col: Collected, size: str, scheme: str, ratio: float) -> Paired:
+    """The paired Δ against the baseline's final loss of ``scheme``'s loss after the baseline's training time,
+    for a step ``ratio`` times the baseline's (read off its evaluation curve)."""
+    runs = [r for r in col.select(size=size, scheme=scheme) if r.done]
+    steps = runs[0].run.train.steps
+    at_time = {r.run.seed: _loss_at_step(r, min(steps, steps / ratio)) for r in runs}
+    return paired(at_time, col.losses(size=size, scheme=col.spec.baseline or "prenorm"))
+
+
+def equal_time_rows(col: Collected) -> list[list[str]]:
+    """Per size and non-baseline scheme: the step-time ratio (side by side, ``_measured_costs``; from the
+    runs' own logs where it cannot be measured) and the paired Δ at equal tokens and at the baseline's
     training time."""
     base = col.spec.baseline or "prenorm"
     rows = []
@@ -66,7 +75,7 @@ def equal_time_rows(col: Collected, measured: bool = True) -> list[list[str]]:
         base_runs = [r for r in col.select(size=size, scheme=base) if r.done]
         if not base_runs:
             continue
-        costs = _measured_costs(col, size, base) if measured else None
+        costs = _measured_costs(col, size, base)
         base_step = float(np.median([_median_step_seconds(r) for r in base_runs]))
         ref = col.losses(size=size, scheme=base)
         for s in col.points("scheme"):
@@ -80,7 +89,6 @@ def equal_time_rows(col: Collected, measured: bool = True) -> list[list[str]]:
             else:
                 ratio, shown = logged, "-"
             steps = runs[0].run.train.steps
-            at_time = {r.run.seed: _loss_at_step(r, min(steps, steps / ratio)) for r in runs}
             rows.append(
                 [
                     size,
@@ -89,7 +97,7 @@ def equal_time_rows(col: Collected, measured: bool = True) -> list[list[str]]:
                     f"{logged:.2f}",
                     f"{min(steps, steps / ratio):.0f} of {steps}",
                     paired(col.losses(size=size, scheme=s), ref).describe(),
-                    paired(at_time, ref).describe(),
+                    _at_equal_time(col, size, s, ratio).describe(),
                 ]
             )
     return rows
@@ -216,8 +224,5 @@ def _at_time(col: Collected, size: str, scheme: str) -> str:
     if costs is None or not runs:
         return ""
     ratio = costs["schemes"][scheme]["ratio"]
-    steps = runs[0].run.train.steps
-    d = paired(
-        {r.run.seed: _loss_at_step(r, min(steps, steps / ratio)) for r in runs}, col.losses(size=size, scheme=base)
-    )
+    d = _at_equal_time(col, size, scheme, ratio)
     return f"; at equal wall-clock {d.mean:+.3f}, {d.verdict}, its step {ratio:.2f}× {base}'s" if d.n else ""
