@@ -20,8 +20,10 @@ import contextlib
 import errno
 import json
 import os
+import shutil
 import sys
 import tempfile
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO, TextIO
@@ -43,9 +45,13 @@ LOCK_FILE = ".lock"
 def file_mode() -> int:
     """The mode ``open()`` gives a new file under the process's umask (0644 under the usual 022): for
     files whose writer picks a private mode (mkstemp, safetensors' 0600)."""
-    umask = os.umask(0o022)
+    return 0o666 & ~_umask()
+
+
+def _umask() -> int:
+    umask = os.umask(0o022)  # the only way to read it is to set it
     os.umask(umask)
-    return 0o666 & ~umask
+    return umask
 
 
 @contextlib.contextmanager
@@ -69,6 +75,134 @@ def atomic_writer(path: str | os.PathLike) -> Iterator[BinaryIO]:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """A fresh temp path beside ``path`` for a writer that opens files by name (GGUF's); on success the
+    file there gets the umask's mode, is fsynced and moved onto ``path``; on error it is removed and
+    ``path`` keeps what it held."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:12]}.tmp"
+    try:
+        yield tmp
+        if not tmp.is_file():
+            raise FileNotFoundError(f"the writer of {path} left no file at {tmp}")
+        os.chmod(tmp, file_mode())
+        _fsync(tmp)
+        os.replace(tmp, path)
+        _fsync(path.parent)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def _fsync(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # a directory on Windows
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# hidden siblings of a directory being written (PARTIAL) or replaced (REPLACED): ".NAME.TAG<pid>-<hex>"
+PARTIAL_TAG = ".partial-"
+REPLACED_TAG = ".replaced-"
+
+
+@contextlib.contextmanager
+def atomic_directory(path: str | os.PathLike, *, replace: bool = False) -> Iterator[Path]:
+    """An empty hidden directory beside ``path`` to write a whole output into; on success its files get
+    the umask's modes (safetensors and mkstemp write 0600), are fsynced, and the directory is renamed to
+    ``path``. An existing ``path`` (only with ``replace``) is renamed aside first and removed once the
+    new one is in place, so it is never lost before the new one is complete; on error the hidden
+    directory is removed and ``path`` is untouched. Siblings left by a process that died are cleaned up
+    first (an old output whose swap was cut off is put back)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _clean_siblings(path)
+    if path.exists() and not replace:
+        raise FileExistsError(f"{path} exists")
+    tag = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    tmp = path.parent / f".{path.name}{PARTIAL_TAG}{tag}"
+    tmp.mkdir()
+    try:
+        yield tmp
+        _publish_modes(tmp)
+        old = None
+        if path.exists() or path.is_symlink():
+            old = path.parent / f".{path.name}{REPLACED_TAG}{tag}"
+            os.rename(path, old)
+        try:
+            os.rename(tmp, path)
+        except BaseException:
+            if old is not None and not path.exists():
+                os.rename(old, path)
+            raise
+        _fsync(path.parent)
+        if old is not None:
+            _remove(old)
+    except BaseException:
+        _remove(tmp)
+        raise
+
+
+def _publish_modes(root: Path) -> None:
+    """The modes a plain ``open()`` / ``mkdir`` would give under the umask, for every file and folder
+    under ``root``; each file is fsynced."""
+    umask = _umask()
+    mode, folder_mode = 0o666 & ~umask, 0o777 & ~umask
+    os.chmod(root, folder_mode)
+    for dirpath, dirnames, filenames in os.walk(root):
+        for d in dirnames:
+            os.chmod(os.path.join(dirpath, d), folder_mode)
+        for f in filenames:
+            full = os.path.join(dirpath, f)
+            if not os.path.islink(full):
+                os.chmod(full, mode)
+                _fsync(Path(full))
+        _fsync(Path(dirpath))
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # alive, owned by someone else
+        return True
+    return True
+
+
+def _clean_siblings(path: Path) -> None:
+    """Remove the hidden siblings of ``path`` that a dead process left (see :func:`atomic_directory`)."""
+    if not path.parent.is_dir():
+        return
+    for tag in (REPLACED_TAG, PARTIAL_TAG):
+        prefix = f".{path.name}{tag}"
+        for sibling in sorted(path.parent.iterdir()):
+            pid = sibling.name[len(prefix) :].partition("-")[0] if sibling.name.startswith(prefix) else ""
+            if not pid.isdigit() or _pid_alive(int(pid)):
+                continue
+            if tag == REPLACED_TAG and not path.exists():
+                os.rename(sibling, path)  # cut off between the two renames: the old output is whole
+            else:
+                _remove(sibling)
 
 
 def atomic_write_bytes(path: str | os.PathLike, payload: bytes) -> None:

@@ -76,10 +76,15 @@ def add_parser(sub) -> None:
         "--dtype",
         choices=("auto", "float32", "float64", "bfloat16", "float16"),
         default="auto",
-        help="weight dtype of the result (default: the source's)",
+        help="weight dtype of the result (default: the source's; gguf: float32; mlx: float32, float16 or bfloat16)",
     )
     p.add_argument("--no-verify", action="store_true", help="retrofit: skip loading the source model to compare logits")
-    p.add_argument("--force", action="store_true", help="write into a non-empty output directory")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="replace an existing output (a model directory or .gguf file written earlier) once the new one is "
+        "complete; a run directory of attnres train is never replaced",
+    )
     p.set_defaults(func=run)
 
 
@@ -135,7 +140,7 @@ def _to_serving(args) -> int:
         if args.to == "gguf":
             convert_to_gguf(args.source, args.out, dtype=args.dtype, force=args.force)
         else:
-            convert_to_mlx(args.source, args.out, force=args.force)
+            convert_to_mlx(args.source, args.out, dtype=args.dtype, force=args.force)
     except ServingError as e:
         raise CLIError(str(e)) from None
     return 0

@@ -36,6 +36,7 @@ import torch
 
 from attnres.hf.errors import ConversionError
 from attnres.hf.modeling import AttnResForCausalLM
+from attnres.hf.remote_code import refuse_remote_code
 from attnres.hf.retrofit import FAMILIES, check_family, family_name, retrofit
 from attnres.model.config import ModelConfig
 from attnres.model.llama import rope_tables
@@ -138,9 +139,10 @@ def read_source_config(path: Path, expected: str):
     caller takes, for the error when the directory has no config.json."""
     if not (path / "config.json").is_file():
         raise ConversionError(f"{path} has no config.json: pass {expected} or a model object")
+    refuse_remote_code(path)
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(str(path), local_files_only=True)
+    return AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
 
 
 def _load_source(model_or_dir, copy_weights: bool) -> tuple[Any, dict[str, torch.Tensor]]:
@@ -153,7 +155,7 @@ def _load_source(model_or_dir, copy_weights: bool) -> tuple[Any, dict[str, torch
             if tensors is None:  # e.g. pytorch_model.bin: let transformers read it
                 from transformers import AutoModelForCausalLM
 
-                model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True)
+                model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
                 tensors = dict(model.state_dict())
         return config, tensors
     config = getattr(model_or_dir, "config", None)
@@ -498,7 +500,7 @@ def convert_to_attnres(
     lm.load_state_dict(state, strict=True, assign=True)
     if tie:
         lm.lm_head.weight = lm.embed.weight
-    cos, sin = rope_tables(model_config.head_dim, model_config.max_seq_len, model_config.rope_theta)
+    cos, sin = rope_tables(model_config.head_dim, lm.rope_cos.shape[0], model_config.rope_theta)  # rows built so far
     lm.rope_cos, lm.rope_sin = cos.to(device), sin.to(device)
     special = {k: getattr(config, k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
     model = AttnResForCausalLM.from_attnres_lm(lm, **{k: v for k, v in special.items() if v is not None})
@@ -528,7 +530,9 @@ def _wrapped(
         read_source_config(path, "a Hugging Face model directory (config.json + weights)")
         with reading_model(path):
             kw = {} if dtype is None else {"dtype": dtype}
-            model_or_dir = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, **kw)
+            model_or_dir = AutoModelForCausalLM.from_pretrained(
+                str(path), local_files_only=True, trust_remote_code=False, **kw
+            )
         copy_weights = False
     return retrofit(
         model_or_dir,

@@ -30,7 +30,15 @@ import torch
 
 from attnres.checkpoint import STATE_FILE
 from attnres.data import load_tokenizer
-from attnres.files import CHECKPOINT_DIR, TOKENIZER_FILE
+from attnres.files import (
+    CHECKPOINT_DIR,
+    LOCK_FILE,
+    METRICS_FILE,
+    SUMMARY_FILE,
+    TOKENIZER_FILE,
+    atomic_directory,
+    nested_paths,
+)
 from attnres.hf.configuration import AttnResConfig
 from attnres.hf.convert import ConversionError, convert_to_attnres, reading_model
 from attnres.hf.modeling import (
@@ -38,6 +46,7 @@ from attnres.hf.modeling import (
     hf_to_native,
     native_to_hf_with_tokenizer,
 )
+from attnres.hf.remote_code import refuse_remote_code
 from attnres.hf.retrofit import check_family
 from attnres.hf.tokenizer import copy_tokenizer_files, hf_tokenizer
 from attnres.residual.options import is_positive_int
@@ -75,6 +84,12 @@ def source_kind(path) -> str:
             )
         if config.get("model_type") == AttnResConfig.model_type:
             return "attnres"
+        if "model_type" not in config and ({"model", "train"} <= set(config) or (path / METRICS_FILE).is_file()):
+            raise ConversionError(
+                f"{path} is a run directory of attnres train without a checkpoint ({CHECKPOINT_DIR}/{STATE_FILE} "
+                "is missing: the run stopped before it saved one); resume it to write one (attnres train --out "
+                f"{path} --resume) or convert a run that has a checkpoint"
+            )
         text_config = config.get("text_config")
         text = text_config if isinstance(text_config, dict) else {}
         return "kimi_linear" if "kimi_linear" in (config.get("model_type"), text.get("model_type")) else "pretrained"
@@ -99,10 +114,47 @@ def _check_request(src: Path, out: Path, kind: str, to: str, retrofit: dict[str,
         raise ConversionError(f"--to {to}: choose one of {', '.join(OUTPUT_FORMATS)}")
     if (kind, to) in (("native", "native"), ("attnres", "hf")):
         raise ConversionError(f"{src} is already in the {to} format; pick --to {'hf' if to == 'native' else 'native'}")
-    # the same rule for both formats: a native output may be a run's training checkpoint
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
+    check_output_dir(src, out, force)
+
+
+# what a directory written by attnres train holds besides its checkpoint (a run is never an output)
+RUN_FILES = (CHECKPOINT_DIR, METRICS_FILE, SUMMARY_FILE, LOCK_FILE)
+# what marks a directory as a model written earlier (by convert or save_pretrained), which --force replaces
+MODEL_FILES = (HF_CONFIG_FILE, STATE_FILE)
+
+
+def check_output_dir(src, out, force: bool) -> None:
+    """ConversionError unless the output directory ``out`` may be written (and, with ``force``, replaced
+    whole once the new one is complete; :func:`attnres.files.atomic_directory`): it does not exist or is
+    empty, or ``force`` is given and it holds a model written earlier. A run directory of attnres train
+    is never an output (its checkpoint would sit beside another model's config.json and tokenizer.json,
+    and eval would read them), and --force never deletes a directory of other files."""
+    src, out = Path(src), Path(out)
+    nested = nested_paths(src, out)
+    if nested is not None:
+        raise ConversionError(f"{nested}; write the converted model to a directory outside {src}")
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise ConversionError(f"{out} is a file, not a directory; choose a directory for the converted model")
+    run = [name for name in RUN_FILES if (out / name).exists()]
+    if run:
         raise ConversionError(
-            f"{out} exists and is not empty; pass --force to write into it, or choose another output directory"
+            f"{out} is a run directory of attnres train ({', '.join(run)}): converting into it would mix another "
+            f"model's files with the run's; write to a new directory (such as {out}-converted)"
+        )
+    entries = sorted(p.name for p in out.iterdir())
+    if not entries:
+        return
+    if not force:
+        raise ConversionError(
+            f"{out} exists and is not empty; pass --force to replace it, or choose another output directory"
+        )
+    if not any((out / name).is_file() for name in MODEL_FILES):
+        shown = ", ".join(entries[:4]) + (", ..." if len(entries) > 4 else "")
+        raise ConversionError(
+            f"{out} holds {shown} but no model ({' or '.join(MODEL_FILES)}): --force replaces a model directory "
+            "written earlier, whole, and never deletes other files; choose a new or empty directory"
         )
 
 
@@ -164,8 +216,10 @@ def convert_directory(
     ``attnres_block_size``, ``max_seq_len`` and other ModelConfig fields), only for pretrained and
     plain Kimi Linear sources. ``dtype``: a torch dtype name for the weights ("auto" or None: the
     source's). ``verify``: load the pretrained source as well and report the largest logit
-    difference. ``force``: write a Hugging Face directory into a non-empty ``out``. The tokenizer
-    travels along. Progress lines go to ``log``.
+    difference. ``force``: replace an ``out`` that holds a model written earlier (:func:`check_output_dir`).
+    The whole output is written into a hidden sibling of ``out`` and renamed to it once complete, so a
+    failure leaves no partial ``out`` and an old one intact. The tokenizer travels along. Progress lines
+    go to ``log``.
     """
     src, out = Path(source), Path(out)
     retrofit = dict(retrofit or {})
@@ -173,6 +227,8 @@ def convert_directory(
     to = to or ("native" if kind == "attnres" else "hf")
     _check_request(src, out, kind, to, retrofit, force)
     if kind in ("pretrained", "kimi_linear", "attnres"):
+        refuse_remote_code(src)
+        refuse_retrofit(src)
         check_layer_count(src)
     dtype = None if dtype in (None, "auto") else getattr(torch, dtype)
 
@@ -186,7 +242,7 @@ def convert_directory(
 
         with reading_model(src):
             model = AutoModelForCausalLM.from_pretrained(
-                str(src), local_files_only=True, **({} if dtype is None else {"dtype": dtype})
+                str(src), local_files_only=True, trust_remote_code=False, **({} if dtype is None else {"dtype": dtype})
             )
     elif kind == "kimi_linear":
         with reading_model(src):
@@ -194,32 +250,52 @@ def convert_directory(
     else:
         model = _retrofit(src, retrofit, dtype, verify, log, to)
 
+    with atomic_directory(out, replace=True) as tmp:
+        message = _write(model, tmp, src, out, kind, to, tokenizer)
+    log(message)
+    return out
+
+
+def _write(model, tmp: Path, src: Path, out: Path, kind: str, to: str, tokenizer) -> str:
+    """Write ``model`` in the format ``to`` into the staging directory ``tmp`` (renamed to ``out`` once
+    complete); returns the line that says what was written."""
     if to == "hf":
-        model.save_pretrained(str(out))
+        model.save_pretrained(str(tmp))
         if kind == "native":
             if tokenizer is not None:
-                hf_tokenizer(tokenizer).save_pretrained(str(out))
-            log(
+                hf_tokenizer(tokenizer).save_pretrained(str(tmp))
+            return (
                 f"native checkpoint {src} -> Hugging Face AttnResForCausalLM in {out}"
                 f"{'' if tokenizer is None else ' (with its tokenizer)'}"
             )
-        else:
-            copied = copy_tokenizer_files(src, out)
-            log(f"written {out}{' with ' + ', '.join(copied) if copied else ''}")
-        return out
+        copied = copy_tokenizer_files(src, tmp)
+        return f"written {out}{' with ' + ', '.join(copied) if copied else ''}"
     if to == "kimi_linear":
         from attnres.hf.kimi import save_kimi_linear
 
-        save_kimi_linear(model, out)
-        copied = copy_tokenizer_files(src, out) if kind != "native" else []
+        save_kimi_linear(model, tmp)
+        copied = copy_tokenizer_files(src, tmp) if kind != "native" else []
         c = model.config.model_config()
         layout = "plain (PreNorm)" if c.residual == "prenorm" else "the AttnRes layout of docs/method.md §10"
-        log(f"written Kimi Linear checkpoint {out}, {layout}{' with ' + ', '.join(copied) if copied else ''}")
-        return out
+        return f"written Kimi Linear checkpoint {out}, {layout}{' with ' + ', '.join(copied) if copied else ''}"
     tokenizer = load_tokenizer(src / TOKENIZER_FILE) if (src / TOKENIZER_FILE).is_file() else None
-    path = hf_to_native(model, out, tokenizer)
-    log(f"written native weights-only checkpoint {path} (attnres sample / load_model read it)")
-    return path
+    hf_to_native(model, tmp, tokenizer)
+    return f"written native weights-only checkpoint {out} (attnres sample / load_model read it)"
+
+
+def refuse_retrofit(src: Path) -> None:
+    """A wrapped retrofit (``model_type = "attnres_retrofit"``) is AttnRes already, around its source
+    family's own layers: nothing converts it further (its layers have no native or Kimi Linear form)."""
+    config = json.loads((src / HF_CONFIG_FILE).read_text(encoding="utf-8"))  # source_kind read it already
+    options = config.get("attnres_retrofit")
+    if config.get("model_type") != "attnres_retrofit" and not isinstance(options, dict):
+        return
+    family = options.get("source_model_type", "?") if isinstance(options, dict) else "?"
+    raise ConversionError(
+        f"{src} is already retrofitted: AttnRes around a {family} model's own layers (model_type "
+        "'attnres_retrofit', the wrapped layout), which has no native, Kimi Linear, GGUF or MLX form; load it "
+        "with AutoModelForCausalLM.from_pretrained to train, evaluate or serve it (docs/hf.md)"
+    )
 
 
 def _check_before_loading(src: Path, retrofit: dict[str, Any]) -> None:
@@ -252,7 +328,12 @@ def _retrofit(src: Path, retrofit: dict[str, Any], dtype, verify: bool, log, to:
             )
         retrofit["layout"] = "native"
     _check_before_loading(src, retrofit)
-    load_kw = {"local_files_only": True, "output_loading_info": True, **({} if dtype is None else {"dtype": dtype})}
+    load_kw = {
+        "local_files_only": True,
+        "output_loading_info": True,
+        "trust_remote_code": False,
+        **({} if dtype is None else {"dtype": dtype}),
+    }
     with reading_model(src):
         loaded: Any = AutoModelForCausalLM.from_pretrained(str(src), **load_kw)
     pretrained, info = loaded  # with output_loading_info: (model, {"missing_keys": ..., ...})
@@ -302,7 +383,8 @@ def _convert_kimi_linear(src: Path, retrofit: dict[str, Any], dtype, verify: boo
     from attnres.hf.kimi.k3 import read_k3_config
     from attnres.model.backbones import layer_kinds
 
-    config = read_k3_config(src) or AutoConfig.from_pretrained(str(src), local_files_only=True)
+    refuse_remote_code(src)
+    config = read_k3_config(src) or AutoConfig.from_pretrained(str(src), local_files_only=True, trust_remote_code=False)
     released = attn_res_block_size(config) is not None
     if not released:
         retrofit.setdefault("residual", DEFAULT_RETROFIT_RESIDUAL)

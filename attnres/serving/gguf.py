@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from attnres.files import atomic_path
 from attnres.model.backbones import KDA, MLA, kimi_sizes, layer_kinds, moe_layers
 from attnres.ops import fuse_score_weight
 from attnres.serving.k3 import (
@@ -305,9 +306,14 @@ def write_gguf(
     if tokenizer is not None:
         meta.update(tokenizer_metadata(tokenizer, lm.config.vocab_size, special or {}))
     qname, file_type = OUT_TYPES[dtype]
-    qtype = getattr(gguf.GGMLQuantizationType, qname)
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(path) as tmp:  # a write cut short leaves no file with a valid header under path
+        _write_gguf_file(gguf, tmp, tensors, meta, qname, file_type, name)
+    return path
+
+
+def _write_gguf_file(gguf, path: Path, tensors, meta, qname: str, file_type: int, name: str) -> None:
+    qtype = getattr(gguf.GGMLQuantizationType, qname)
     writer = gguf.GGUFWriter(str(path), ARCH)
     writer.add_string("general.name", name)
     writer.add_uint32("general.file_type", file_type)
@@ -334,7 +340,6 @@ def write_gguf(
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return path
 
 
 def load_for_serving(source):
@@ -346,6 +351,10 @@ def load_for_serving(source):
 
     src = Path(source)
     kind = source_kind(src)
+    if kind != "native":
+        from attnres.hf.remote_code import refuse_remote_code
+
+        refuse_remote_code(src)
     if kind == "native":
         from attnres.hf.modeling import native_to_hf_with_tokenizer
 
@@ -357,7 +366,7 @@ def load_for_serving(source):
         import attnres.hf  # noqa: F401  (registers the model with AutoModelForCausalLM)
 
         with reading_model(src):
-            model = AutoModelForCausalLM.from_pretrained(str(src), local_files_only=True)
+            model = AutoModelForCausalLM.from_pretrained(str(src), local_files_only=True, trust_remote_code=False)
         tokenizer = _tokenizer_file(src)
     elif kind == "kimi_linear":
         from attnres.hf.convert import read_source_config
@@ -370,12 +379,32 @@ def load_for_serving(source):
             model = convert_kimi_linear(src, residual="prenorm" if plain else None)
         tokenizer = _tokenizer_file(src)
     else:
-        raise ServingError(
-            f"{src} is a {kind} Hugging Face model: GGUF export takes attnres runs, AttnRes "
-            "Hugging Face directories and Kimi Linear checkpoints (attnres convert it first)"
-        )
+        raise _not_kimi(src)
     special = {k: getattr(model.config, k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
     return model.eval(), tokenizer, special
+
+
+def _not_kimi(src: Path) -> ServingError:
+    """Why a Hugging Face model of another family has no GGUF / MLX form here, and what serves it."""
+    config = json.loads((src / "config.json").read_text(encoding="utf-8"))  # source_kind read it already
+    options = config.get("attnres_retrofit")
+    family = options.get("source_model_type") if isinstance(options, dict) else config.get("model_type")
+    k3 = (
+        "GGUF and MLX export write Kimi K3 (llama.cpp's kimi-k3, mlx-lm's kimi_k3), which only models with the "
+        "Kimi Linear backbone have"
+    )
+    if isinstance(options, dict):
+        return ServingError(
+            f"{src} is a retrofit of a {family} model (AttnRes around its own layers, model_type "
+            f"'attnres_retrofit'): {k3}; no converter gives a {family} model that backbone. Serve the retrofit "
+            "with transformers (AutoModelForCausalLM.from_pretrained) or train a Kimi Linear-backbone model "
+            "(--set backbone=kimi_linear)"
+        )
+    return ServingError(
+        f"{src} is a {family} Hugging Face model, not AttnRes with the Kimi Linear backbone: {k3}, and a "
+        f"{family} model, retrofitted or not, has none. Export the plain model with llama.cpp's "
+        "convert_hf_to_gguf.py / mlx_lm.convert, or serve a retrofit of it with transformers"
+    )
 
 
 def _tokenizer_file(src: Path):
@@ -394,8 +423,17 @@ def convert_to_gguf(
     dtype = "float32" if dtype in (None, "auto") else dtype
     if dtype not in OUT_TYPES:
         raise ServingError(f"--dtype {dtype}: GGUF output is one of {', '.join(OUT_TYPES)}")
-    if out.is_dir() or (out.exists() and not force):
+    if out.is_dir():
+        raise ServingError(
+            f"{out} is a directory; GGUF output is one file: name the file (such as {out / 'model.gguf'})"
+        )
+    if out.exists() and not force:
         raise ServingError(f"{out} exists; pass --force to overwrite it, or choose another file name")
+    from attnres.files import nested_paths
+
+    nested = nested_paths(source, out)
+    if nested is not None:
+        raise ServingError(f"{nested}; write the GGUF file outside {source}")
     model, tokenizer, special = load_for_serving(source)
     b = check_gguf(model.config.model_config())
     if tokenizer is None:

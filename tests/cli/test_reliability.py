@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -680,3 +681,187 @@ def test_the_resume_command_of_a_torchrun_run_relaunches_it(monkeypatch, tmp_pat
         stop
     )
     assert stop.exit_code == 143
+
+
+# ----------------------------------------------------------------------------- conversions and exports
+
+
+@pytest.fixture
+def quiet_transformers():
+    """transformers' progress bars off (they share stderr with the one-line errors checked here)."""
+    logging = pytest.importorskip("transformers.utils.logging")
+    logging.disable_progress_bar()
+    yield
+    logging.enable_progress_bar()
+
+
+def kimi_checkpoint(path, seed=0):
+    """A native weights-only checkpoint of a tiny Kimi Linear-backbone Block AttnRes model with the byte
+    tokenizer, as `attnres convert HF OUT --to native` writes one: every export takes it."""
+    from attnres.checkpoint import save_checkpoint
+    from attnres.data import ByteTokenizer
+    from attnres.model import AttnResLM
+
+    config = ModelConfig(
+        backbone="kimi_linear",
+        vocab_size=256,
+        d_model=32,
+        n_layers=4,
+        n_heads=2,
+        d_ff=64,
+        max_seq_len=32,
+        moe_experts=4,
+        moe_top_k=2,
+        residual="block",
+        attnres_block_size=4,
+    )
+    torch.manual_seed(seed)
+    lm = AttnResLM(config)
+    save_checkpoint(
+        path,
+        model=lm,
+        optimizer=None,
+        step=0,
+        train_state={},
+        model_config=config.to_dict(),
+        train_config={"tokenizer": "byte", "vocab_size": 256},
+    )
+    ByteTokenizer().save(path / "tokenizer.json")
+    return path
+
+
+def tree(root):
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(Path(root).rglob("*")) if p.is_file()}
+
+
+def custom_code_source(path, marker):
+    """A tiny LLaMA directory whose config.json asks for custom code (auto_map, a model type transformers
+    lacks); its python files leave ``marker`` when imported."""
+    transformers = pytest.importorskip("transformers")
+    sizes = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**sizes, max_position_embeddings=32)).save_pretrained(path)
+    config = json.loads((path / "config.json").read_text())
+    config.update(
+        model_type="evilmodel",
+        auto_map={"AutoConfig": "configuration_evil.EvilConfig", "AutoModelForCausalLM": "modeling_evil.EvilLM"},
+    )
+    (path / "config.json").write_text(json.dumps(config))
+    leave = f"import pathlib\n\npathlib.Path({str(marker)!r}).write_text('ran')\n"
+    (path / "configuration_evil.py").write_text(
+        f"{leave}from transformers import LlamaConfig\n\n\n"
+        "class EvilConfig(LlamaConfig):\n    model_type = 'evilmodel'\n"
+    )
+    (path / "modeling_evil.py").write_text(
+        f"{leave}from transformers import LlamaForCausalLM\n\nfrom .configuration_evil import EvilConfig\n\n\n"
+        "class EvilLM(LlamaForCausalLM):\n    config_class = EvilConfig\n"
+    )
+    return path
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [["--to", "native"], ["--set", "layout=native"], [], ["--to", "kimi_linear"], ["--to", "gguf"], ["--to", "mlx"]],
+    ids=["native", "layout-native", "hf", "kimi_linear", "gguf", "mlx"],
+)
+def test_convert_never_runs_a_sources_own_code(tmp_path, capsys, monkeypatch, quiet_transformers, flags):
+    monkeypatch.setattr("builtins.input", lambda *args: "y")  # a user who answers transformers' prompt
+    marker = tmp_path / "MARKER"
+    src = custom_code_source(tmp_path / "evil", marker)
+    out = tmp_path / "out"
+    assert cli("convert", src, out, *flags) == 2
+    err = one_line_error(capsys.readouterr().err, "convert")
+    assert "asks to run custom code" in err and "modeling_evil.py" in err and "never runs code" in err
+    assert not marker.exists() and not out.exists()
+
+
+def test_a_conversion_cut_short_leaves_no_output_and_keeps_the_old_one(
+    tmp_path, capsys, monkeypatch, quiet_transformers
+):
+    from attnres.hf import AttnResForCausalLM
+
+    run = kimi_checkpoint(tmp_path / "run")
+    out = tmp_path / "hf"
+    save_pretrained = AttnResForCausalLM.save_pretrained
+
+    def dies_midway(self, path, *args, **kwargs):
+        save_pretrained(self, path, *args, **kwargs)  # config.json and the weights are there...
+        raise OSError(28, "No space left on device")  # ...the tokenizer never comes
+
+    monkeypatch.setattr(AttnResForCausalLM, "save_pretrained", dies_midway)
+    assert cli("convert", run, out) == 2
+    assert "No space left on device" in one_line_error(capsys.readouterr().err, "convert")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # no out, no hidden leftovers
+    monkeypatch.setattr(AttnResForCausalLM, "save_pretrained", save_pretrained)
+    assert cli("convert", run, out) == 0
+    before = tree(out)
+    assert "tokenizer.json" in before
+    monkeypatch.setattr(AttnResForCausalLM, "save_pretrained", dies_midway)
+    assert cli("convert", kimi_checkpoint(tmp_path / "other", seed=1), out, "--force") == 2
+    one_line_error(capsys.readouterr().err, "convert")
+    assert tree(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["hf", "other", "run"]
+    monkeypatch.setattr(AttnResForCausalLM, "save_pretrained", save_pretrained)
+    (out / "notes.txt").write_text("from the old output")
+    assert cli("convert", tmp_path / "other", out, "--force") == 0  # replaced whole
+    assert "notes.txt" not in tree(out) and tree(out)["model.safetensors"] != before["model.safetensors"]
+
+
+def test_a_training_run_is_never_a_conversion_output(trained, tmp_path, capsys, quiet_transformers):
+    run = tmp_path / "run"
+    shutil.copytree(trained, run)
+    assert cli("eval", run, "--batches", 1) == 0
+    loss = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["val_loss"]
+    before = tree(run)
+    other = kimi_checkpoint(tmp_path / "other")
+    assert cli("convert", other, tmp_path / "other-hf") == 0
+    for source, flags in ((other, []), (other, ["--force"]), (tmp_path / "other-hf", ["--to", "native", "--force"])):
+        assert cli("convert", source, run, *flags) == 2
+        err = one_line_error(capsys.readouterr().err, "convert")
+        assert f"{run} is a run directory of attnres train" in err and "write to a new directory" in err
+    assert tree(run) == before
+    assert cli("eval", run, "--batches", 1) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["val_loss"] == loss
+
+
+def test_force_never_deletes_a_directory_that_holds_no_model(tmp_path, capsys, quiet_transformers):
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "a.txt").write_text("mine")
+    assert cli("convert", kimi_checkpoint(tmp_path / "run"), notes, "--force") == 2
+    err = one_line_error(capsys.readouterr().err, "convert")
+    assert "holds a.txt but no model" in err and "never deletes other files" in err
+    assert tree(notes) == {"a.txt": b"mine"}
+
+
+def test_every_exported_file_gets_the_umasks_mode(tmp_path, capsys, quiet_transformers):
+    pytest.importorskip("gguf")
+    run = kimi_checkpoint(tmp_path / "run")
+    umask = os.umask(0o022)
+    try:
+        assert cli("convert", run, tmp_path / "hf") == 0
+        assert cli("convert", tmp_path / "hf", tmp_path / "native") == 0
+        assert cli("convert", run, tmp_path / "kimi", "--to", "kimi_linear") == 0
+        assert cli("convert", run, tmp_path / "mlx", "--to", "mlx") == 0
+        assert cli("convert", run, tmp_path / "m.gguf", "--to", "gguf") == 0
+    finally:
+        os.umask(umask)
+    written = [tmp_path / "m.gguf"]
+    written += [p for d in ("hf", "native", "kimi", "mlx") for p in sorted((tmp_path / d).rglob("*"))]
+    modes = {str(p.relative_to(tmp_path)): oct(p.stat().st_mode & 0o777) for p in written}
+    assert "hf/model.safetensors" in modes and "mlx/model.safetensors" in modes
+    assert modes == {name: "0o755" if (tmp_path / name).is_dir() else "0o644" for name in modes}
+    assert all(oct((tmp_path / d).stat().st_mode & 0o777) == "0o755" for d in ("hf", "native", "kimi", "mlx"))
+
+
+def test_mlx_export_writes_the_dtype_asked_for(tmp_path, capsys, quiet_transformers):
+    from safetensors import safe_open
+
+    run = kimi_checkpoint(tmp_path / "run")
+    for dtype, stored in (("bfloat16", "BF16"), ("float16", "F16"), ("auto", "F32")):
+        out = tmp_path / dtype
+        assert cli("convert", run, out, "--to", "mlx", "--dtype", dtype) == 0
+        with safe_open(out / "model.safetensors", "pt") as f:
+            assert {f.get_slice(k).get_dtype() for k in f.keys()} == {stored}, dtype  # noqa: SIM118
+    assert cli("convert", run, tmp_path / "f64", "--to", "mlx", "--dtype", "float64") == 2
+    err = one_line_error(capsys.readouterr().err, "convert")
+    assert "--dtype float64: mlx-lm runs weights in float32, float16, bfloat16" in err
+    assert not (tmp_path / "f64").exists()

@@ -8,6 +8,7 @@ a norm reads the mean of K sources): tests either use a negligible eps, or undo 
 """
 
 import functools
+import json
 
 import pytest
 import torch
@@ -252,3 +253,68 @@ def test_a_state_that_does_not_fit_the_model_is_named():
         check_state_fits({"a.weight": torch.ones(2, 3)}, expected, "checkpoint")
     with pytest.raises(ConversionError, match=r"a.weight: source \(3, 2\), expected \(2, 3\)"):
         check_state_fits({"a.weight": torch.ones(3, 2), "b.weight": torch.ones(4)}, expected, "source")
+
+
+# ----------------------------------------------------------------------------- no remote code
+
+
+def custom_code_source(path, marker, model_type="evilmodel"):
+    """A tiny LLaMA directory whose config.json names custom code (auto_map) for ``model_type``; its python
+    files leave ``marker`` when imported."""
+    tiny_source("llama").save_pretrained(path)
+    config = json.loads((path / "config.json").read_text())
+    config["model_type"] = model_type
+    config["auto_map"] = {
+        "AutoConfig": "configuration_evil.EvilConfig",
+        "AutoModelForCausalLM": "modeling_evil.EvilForCausalLM",
+    }
+    (path / "config.json").write_text(json.dumps(config))
+    leave = f"import pathlib\n\npathlib.Path({str(marker)!r}).write_text('ran')\n"
+    (path / "configuration_evil.py").write_text(
+        f"{leave}from transformers import LlamaConfig\n\n\nclass EvilConfig(LlamaConfig):\n"
+        f"    model_type = {model_type!r}\n"
+    )
+    (path / "modeling_evil.py").write_text(
+        f"{leave}from transformers import LlamaForCausalLM\n\nfrom .configuration_evil import EvilConfig\n\n\n"
+        "class EvilForCausalLM(LlamaForCausalLM):\n    config_class = EvilConfig\n"
+    )
+    return path
+
+
+def test_a_source_asking_for_custom_code_is_refused_before_transformers_sees_it(tmp_path, monkeypatch):
+    from attnres.hf import convert_directory, retrofit
+
+    monkeypatch.setattr("builtins.input", lambda *args: "y")  # a user who answers transformers' prompt
+    marker = tmp_path / "MARKER"
+    src = custom_code_source(tmp_path / "evil", marker)
+    calls = {
+        "convert_to_attnres": lambda: attnres.hf.convert_to_attnres(src),
+        "convert_to_attnres native": lambda: convert_to_attnres(src),
+        "retrofit": lambda: retrofit(src),
+        "convert_directory": lambda: convert_directory(src, tmp_path / "out", to="native"),
+    }
+    for name, call in calls.items():
+        with pytest.raises(ConversionError, match=r"asks to run custom code.*configuration_evil\.py"):
+            call()
+        assert not marker.exists(), name
+    assert not (tmp_path / "out").exists()
+    (src / "config.json").write_text(json.dumps({**json.loads((src / "config.json").read_text()), "auto_map": {}}))
+    with pytest.raises(ConversionError, match=r"model_type='evilmodel', which transformers .* does not implement"):
+        convert_to_attnres(src)
+
+
+def test_custom_code_named_for_a_type_transformers_implements_is_not_run(tmp_path, monkeypatch):
+    monkeypatch.setattr("builtins.input", lambda *args: "y")
+    marker = tmp_path / "MARKER"
+    src = custom_code_source(tmp_path / "llama", marker, model_type="llama")
+    model = convert_to_attnres(src)  # transformers' own LlamaForCausalLM reads the weights
+    assert isinstance(model, AttnResForCausalLM) and not marker.exists()
+
+
+def test_the_model_types_attnres_reads_itself_are_its_own():
+    from attnres.hf.configuration import AttnResConfig
+    from attnres.hf.kimi.k3 import K3_MODEL_TYPE
+    from attnres.hf.remote_code import OWN_MODEL_TYPES
+    from attnres.hf.retrofit.model import MODEL_TYPE
+
+    assert (AttnResConfig.model_type, MODEL_TYPE, K3_MODEL_TYPE) == OWN_MODEL_TYPES

@@ -361,3 +361,99 @@ def test_every_source_kind_exports(tmp_path):
     assert fields["tokenizer.ggml.pre"] == "gpt-2" and len(fields["tokenizer.ggml.merges"]) > 0
     tokens = fields["tokenizer.ggml.tokens"]
     assert len(tokens) == VOCAB and tokens == [tokenizer.id_to_token(i) for i in range(VOCAB)]
+
+
+def _hf_source(path, seed=3):
+    from attnres.data import ByteTokenizer
+    from attnres.hf import AttnResForCausalLM
+    from attnres.hf.tokenizer import hf_tokenizer
+
+    AttnResForCausalLM.from_attnres_lm(tiny(seed=seed), pad_token_id=0).save_pretrained(str(path))
+    hf_tokenizer(ByteTokenizer()).save_pretrained(str(path))
+    return path
+
+
+@pytest.fixture
+def quiet_transformers():
+    """transformers' progress bars off (they share stderr with the one-line errors checked here)."""
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    yield
+    logging.enable_progress_bar()
+
+
+def _one_line(err):
+    lines = err.strip().splitlines()
+    assert len(lines) == 2 and lines[0].startswith("attnres convert: error: ") and "Traceback" not in err, err
+    return lines[0]
+
+
+def test_a_gguf_write_cut_short_leaves_no_file_and_keeps_the_old_one(tmp_path, capsys, monkeypatch, quiet_transformers):
+    from attnres.cli import main
+
+    src, out = _hf_source(tmp_path / "hf"), tmp_path / "m.gguf"
+    argv = ["convert", str(src), str(out), "--to", "gguf"]
+
+    def dies_midway(self, *args, **kwargs):  # the header and metadata are written: a valid GGUF start
+        raise OSError(28, "No space left on device")
+
+    real = gguf.GGUFWriter.write_tensors_to_file
+    monkeypatch.setattr(gguf.GGUFWriter, "write_tensors_to_file", dies_midway)
+    capsys.readouterr()
+    assert main(argv) == 2
+    assert "No space left on device" in _one_line(capsys.readouterr().err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no m.gguf, no hidden leftover
+    monkeypatch.setattr(gguf.GGUFWriter, "write_tensors_to_file", real)
+    assert main(argv) == 0
+    good = out.read_bytes()
+    monkeypatch.setattr(gguf.GGUFWriter, "write_tensors_to_file", dies_midway)
+    assert main([*argv, "--force"]) == 2
+    assert out.read_bytes() == good and sorted(p.name for p in tmp_path.iterdir()) == ["hf", "m.gguf"]
+
+
+def test_gguf_refusals_name_the_real_reason(tmp_path, capsys, quiet_transformers):
+    """Each refusal says what is wrong and what to do, never an advice that leads back to it."""
+    import json
+
+    import transformers
+
+    from attnres.cli import main
+    from attnres.hf import convert_to_attnres
+
+    def llama():
+        sizes = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+        torch.manual_seed(0)
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**sizes, max_position_embeddings=32)).eval()
+
+    src = _hf_source(tmp_path / "hf")
+    (tmp_path / "out.gguf").mkdir()
+    assert main(["convert", str(src), str(tmp_path / "out.gguf"), "--to", "gguf", "--force"]) == 2
+    err = _one_line(capsys.readouterr().err)
+    assert "out.gguf is a directory; GGUF output is one file" in err and "--force" not in err
+    # a wrapped retrofit: neither "convert it first" nor "already retrofitted" alone, but the backbone
+    retro = tmp_path / "retro"
+    convert_to_attnres(llama()).save_pretrained(str(retro))
+    for to in ("gguf", "mlx"):
+        assert main(["convert", str(retro), str(tmp_path / f"r.{to}"), "--to", to]) == 2
+        err = _one_line(capsys.readouterr().err)
+        assert "is a retrofit of a llama model" in err and "only models with the Kimi Linear backbone" in err
+        assert "convert it first" not in err
+    assert main(["convert", str(retro), str(tmp_path / "again")]) == 2
+    err = _one_line(capsys.readouterr().err)
+    assert "already retrofitted" in err and "no native, Kimi Linear, GGUF or MLX form" in err
+    plain = tmp_path / "llama"
+    llama().save_pretrained(str(plain))
+    assert main(["convert", str(plain), str(tmp_path / "l.gguf"), "--to", "gguf"]) == 2
+    err = _one_line(capsys.readouterr().err)
+    assert "is a llama Hugging Face model, not AttnRes with the Kimi Linear backbone" in err
+    assert "retrofitted or not" in err and "convert it first" not in err
+    # a run that stopped before its first checkpoint: what the trainer wrote, and no checkpoint/
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"model": tiny().config.to_dict(), "train": {}}))
+    (run / "metrics.jsonl").write_text("")
+    assert main(["convert", str(run), str(tmp_path / "run.gguf"), "--to", "gguf"]) == 2
+    err = _one_line(capsys.readouterr().err)
+    assert "is a run directory of attnres train without a checkpoint" in err and "--resume" in err
+    assert "pretrained" not in err and not (tmp_path / "run.gguf").exists()
