@@ -10,6 +10,7 @@ rescaling o: the second set's share of the union is ``sigmoid(lse_b - lse_a)``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import os
@@ -50,6 +51,15 @@ def inverse_rms(v: Tensor, eps: float) -> Tensor:
     return torch.rsqrt(ms + eps)
 
 
+def autocast_disabled(device_type: str) -> contextlib.AbstractContextManager:
+    """``torch.autocast(device_type, enabled=False)``: the ops choose their precision themselves (float32
+    statistics), not an enclosing autocast. A no-op where autocast does not exist, as on the meta device,
+    where shape inference runs the ops' forwards and ``torch.autocast("meta")`` raises."""
+    if torch.amp.is_autocast_available(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
 def autocast_off(backward):
     """A Function's backward run with autocast off, as its forward is: compiled training traces the
     backward together with the forward, inside the caller's autocast, which would otherwise
@@ -58,7 +68,7 @@ def autocast_off(backward):
     @functools.wraps(backward)
     def run(ctx, *grads):
         device = next(g.device.type for g in grads if g is not None)
-        with torch.autocast(device, enabled=False):
+        with autocast_disabled(device):
             return backward(ctx, *grads)
 
     return run

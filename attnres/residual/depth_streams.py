@@ -26,6 +26,11 @@ would add a bogus term to the softmax), and in the fast forms tensors derived fr
 buffer, inverse RMS, the group's Phase-1 statistics). ``export`` hands over the first two,
 ``depth()`` the derived ones too (``DepthState.cache``), so a Transformer block that resumes the
 stream recomputes nothing.
+
+Precision follows PreNorm's stream h + f: a sublayer output enters in the wider of its dtype and the
+embedding's, so under autocast (bfloat16 outputs, a float32 embedding) the sources, partial sums and
+buffer are float32, and in a bfloat16 model they are bfloat16. The ops compute logits, Phase-1
+statistics and merges in float32 either way (``attnres.ops.common.compute_dtype``).
 """
 
 from __future__ import annotations
@@ -155,6 +160,7 @@ class DepthAttentionStream(Stream):
         return self._route(l, self._aggregate(l))
 
     def _write(self, l: int, f: Tensor) -> None:
+        f = self._widened(f)
         if self.scheme.additive:
             assert self.residual is not None  # the scheme sets it on begin and resume
             self.residual = self.ops.accumulate(self.residual, f)
@@ -171,6 +177,14 @@ class DepthAttentionStream(Stream):
 
     def _end(self) -> Tensor:
         return self._route(self.n_sublayers, self._aggregate(self.n_sublayers))
+
+    def _widened(self, f: Tensor) -> Tensor:
+        """f in the stream's precision: the wider of its own dtype and the embedding's, as PreNorm's h + f
+        promotes. Under autocast a sublayer returns bfloat16 while the embedding stays float32: kept in
+        bfloat16, a block's partial sum would round at every write, and each source's gradient would be
+        summed over its readers in bfloat16. Same dtypes (float32 in, or a bfloat16 model): f itself."""
+        wide = torch.promote_types(f.dtype, self.sources[0].dtype)
+        return f if f.dtype == wide else f.to(wide)
 
     def _export(self):
         state = [self.partial] if self.partial is not None else []

@@ -24,6 +24,7 @@ from torch import Tensor
 
 from attnres.ops.common import (
     apply_function,
+    autocast_disabled,
     autocast_off,
     compute_dtype,
     split_heads,
@@ -58,7 +59,7 @@ class _FusedDepthAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key_weight, segments, opts, *producers):
         # precision is chosen here (float32 statistics), not by an enclosing autocast
-        with torch.autocast(segments[0].device.type, enabled=False):
+        with autocast_disabled(segments[0].device.type):
             return _FusedDepthAttention._forward(ctx, query, key_weight, segments, opts, producers)
 
     @staticmethod

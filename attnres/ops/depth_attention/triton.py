@@ -63,7 +63,7 @@ import torch
 import triton
 from torch import Tensor
 
-from attnres.ops.common import compute_dtype
+from attnres.ops.common import autocast_disabled, compute_dtype
 from attnres.ops.depth_attention.reference import check_kernel, query_heads
 from attnres.ops.depth_attention.triton_kernels import (
     _depth_attn_bwd_kernel,
@@ -308,7 +308,7 @@ class _TritonDepthAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key_weight, segments, opts, *producers):
         eps, kernel, normalize_keys = opts
-        with torch.autocast(segments[0].device.type, enabled=False), on_device(segments[0]):
+        with autocast_disabled(segments[0].device.type), on_device(segments[0]):
             h, lse = _forward(segments, query, key_weight, eps, kernel, normalize_keys)
         ctx.segments = segments
         ctx.opts = opts
@@ -323,7 +323,7 @@ class _TritonDepthAttention(torch.autograd.Function):
         segments = ctx.segments
         meta = ctx.producer_meta
         dv_dtype = meta[0][1] if all(dt == meta[0][1] for _, dt in meta) else segments[0].dtype
-        with torch.autocast(segments[0].device.type, enabled=False), on_device(segments[0]):
+        with autocast_disabled(segments[0].device.type), on_device(segments[0]):
             dv, gq, gg = _backward(segments, query, key_weight, h, lse, gh, eps, kernel, normalize_keys, dv_dtype)
         gq = gq.reshape(query.shape).to(query.dtype) if ctx.needs_input_grad[0] else None
         gg = gg.to(key_weight.dtype) if (gg is not None and ctx.needs_input_grad[1]) else None

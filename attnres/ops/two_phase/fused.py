@@ -29,6 +29,7 @@ from torch import Tensor
 from attnres.ops.common import (
     DepthStats,
     apply_function,
+    autocast_disabled,
     autocast_off,
     compute_dtype,
     inverse_rms,
@@ -52,7 +53,7 @@ class _Phase1(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, queries, key_weights, values, inv_rms, opts, *producers):
-        with torch.autocast(values.device.type, enabled=False):
+        with autocast_disabled(values.device.type):
             return _Phase1._forward(ctx, queries, key_weights, values, inv_rms, opts, producers)
 
     @staticmethod
@@ -311,7 +312,7 @@ class _MergePartial(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h1, lse1, partial, query, key_weight, eps):
-        with torch.autocast(partial.device.type, enabled=False):
+        with autocast_disabled(partial.device.type):
             cd = compute_dtype(partial.dtype)
             p, h1c = partial.to(cd), h1.to(cd)
             u = query.to(cd) * key_weight.to(cd)

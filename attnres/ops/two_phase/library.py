@@ -28,7 +28,7 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
-from attnres.ops.common import compute_dtype
+from attnres.ops.common import autocast_disabled, compute_dtype
 from attnres.ops.two_phase import cpu, fused
 from attnres.ops.two_phase.fused import phase1_backward, phase1_forward, phase1_logits
 from attnres.ops.two_phase.reference import query_heads
@@ -60,7 +60,7 @@ def phase1_op(
     """(h [B, T, S, D], lse [B, T, S, H]) in the compute dtype; ``inv_rms`` empty: no key norm."""
     b, t, d = sources[0].shape
     heads, s_count = query_heads(queries), queries.shape[0]
-    with torch.autocast(sources[0].device.type, enabled=False):
+    with autocast_disabled(sources[0].device.type):
         found = _kernel_inputs(sources, inv_rms, lambda k: k.fits(heads, d))
         if found is not None:
             kernels, values, inv = found
@@ -95,7 +95,7 @@ def phase1_backward_op(
     """(dL/dvalues [B, T, n, D], dL/du [S, D] for u = queries * key_weights), compute dtype."""
     b, t, d = sources[0].shape
     heads, n = query_heads(queries), len(sources)
-    with torch.autocast(sources[0].device.type, enabled=False):
+    with autocast_disabled(sources[0].device.type):
         found = _kernel_inputs(sources, inv_rms, lambda k: k.backward_fits(heads, d, queries.shape[0]))
         if found is not None:
             kernels, values_in, inv_in = found

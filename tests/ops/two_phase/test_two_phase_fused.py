@@ -7,8 +7,10 @@ from reference import logits, loop_reference
 from reference import two_phase_inputs as inputs
 
 from attnres.ops.common import DepthStats, inverse_rms
+from attnres.ops.depth_attention import fused_depth_attention
 from attnres.ops.two_phase import fused
 from attnres.ops.two_phase import reference as two_phase_reference
+from attnres.ops.two_phase.library import phase1_op
 
 EPS = 1e-6
 F64 = dict(rtol=1e-12, atol=1e-12)
@@ -199,3 +201,26 @@ def test_merge_gradcheck():
         eps=1e-6,
         atol=1e-8,
     )
+
+
+def test_the_fused_ops_infer_shapes_on_the_meta_device():
+    """On the meta device (no autocast exists there) the custom Functions and the custom op run forward
+    and backward on shapes alone: bfloat16 sources give float32 statistics, a bfloat16 merge."""
+    B, T, n, S, D = 2, 3, 4, 2, 8
+
+    def meta(*shape, dtype=torch.bfloat16):
+        return torch.empty(*shape, device="meta", dtype=dtype, requires_grad=True)
+
+    producers, q, kw = [meta(B, T, D) for _ in range(n)], meta(S, D, dtype=torch.float32), meta(S, D)
+    values, inv = torch.empty(B, T, n, D, device="meta", dtype=torch.bfloat16), torch.empty(B, T, n, device="meta")
+    h1s, lse = fused.phase1_outputs(values, inv, q, kw, producers)
+    assert [tuple(h.shape) for h in h1s] == [(B, T, D)] * S and tuple(lse.shape) == (B, T, S, 1)
+    assert h1s[0].dtype == lse.dtype == torch.float32
+    partial = meta(B, T, D)
+    h = fused.merge_partial(DepthStats(h1s[0], lse[:, :, 0]), partial, q[0], kw[0], EPS)
+    attended = fused_depth_attention([values], producers, q[1], kw[1])
+    assert h.dtype == attended.dtype == torch.bfloat16 and tuple(h.shape) == tuple(attended.shape) == (B, T, D)
+    (h.float().sum() + attended.float().sum()).backward()
+    assert all(p.grad.device.type == "meta" and p.grad.shape == p.shape for p in (*producers, q, kw, partial))
+    h, lse = phase1_op(list(values.unbind(2)), list(inv.unbind(2)), q, kw, "softmax")
+    assert tuple(h.shape) == (B, T, S, D) and h.dtype == lse.dtype == torch.float32
