@@ -23,13 +23,14 @@ from attnres.experiments.spec import (
     load_spec,
     parse_spec,
 )
-from attnres.experiments.stats import NOISE_RULE, mean_std, paired
+from attnres.experiments.stats import STATS_RULE, Comparisons, mean_std, paired
 
 __all__ = [
     "DEFAULT_RUNS_ROOT",
+    "Comparisons",
     "ExperimentError",
     "ExperimentSpec",
-    "NOISE_RULE",
+    "STATS_RULE",
     "PlannedRun",
     "available",
     "config_hash",

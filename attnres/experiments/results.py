@@ -14,6 +14,7 @@ from attnres.experiments.runner import (
     DIVERGED_FILE,
     PROBES_FILE,
     RUN_FILE,
+    SPLIT_EVAL,
     RunStatus,
     plan_status,
 )
@@ -34,6 +35,9 @@ class Result:
     info: dict | None = None  # run.json
     config: dict | None = None  # config.json written by the Trainer (actual vocabulary)
     diverged: dict | None = None
+    # which final loss the report reads: "split" (the whole validation split, summary.json's val_split) or
+    # "slice" (the trainer's last evaluation, the split's first eval_batches batches); one per collection
+    scope: str = "slice"
     _metrics: dict | None = field(default=None, repr=False)
 
     @property
@@ -42,7 +46,28 @@ class Result:
 
     @property
     def loss(self) -> float:
-        return float(self.summary["val_loss"]) if self.summary else float("nan")
+        if not self.summary:
+            return float("nan")
+        if self.scope == "split":
+            return float(self.summary[SPLIT_EVAL]["val_loss"])
+        return float(self.summary["val_loss"])
+
+    @property
+    def eval_tokens(self) -> int | None:
+        """How many validation tokens ``loss`` averages over (runs that predate the record: the planned
+        eval_batches x batch_size x seq_len, which the split may cut short)."""
+        if not self.summary:
+            return None
+        if self.scope == "split":
+            return int(self.summary[SPLIT_EVAL]["val_tokens"])
+        if "val_tokens" in self.summary:
+            return int(self.summary["val_tokens"])
+        t = self.run.train
+        return t.eval_batches * t.batch_size * t.seq_len
+
+    @property
+    def has_split_eval(self) -> bool:
+        return isinstance(self.summary.get(SPLIT_EVAL), dict)
 
     @property
     def model(self) -> dict:
@@ -93,6 +118,13 @@ class Collected:
     results: list[Result]
 
     @property
+    def scope(self) -> str:
+        """'split' when every finished run has its whole-split evaluation, else 'slice': the runs of one
+        report are compared on one evaluation, never one run's whole split against another's slice."""
+        done = [r for r in self.results if r.done]
+        return "split" if done and all(r.has_split_eval for r in done) else "slice"
+
+    @property
     def unique(self) -> list[Result]:
         seen, out = set(), []
         for r in self.results:
@@ -132,10 +164,11 @@ class Collected:
 
 
 def collect(spec: ExperimentSpec, runs_root) -> Collected:
-    out = []
-    for s in plan_status(spec, runs_root):
-        out.append(_result(s))
-    return Collected(spec, out)
+    col = Collected(spec, [_result(s) for s in plan_status(spec, runs_root)])
+    scope = col.scope
+    for r in col.results:
+        r.scope = scope
+    return col
 
 
 def _result(s: RunStatus) -> Result:

@@ -56,6 +56,7 @@ from attnres.train.trainer import TrainingInterrupted
 DEFAULT_RUNS_ROOT = "experiments/runs"
 RUN_FILE = "run.json"
 PROBES_FILE = "probes.json"
+SPLIT_EVAL = "val_split"  # summary.json: the final model on the whole validation split
 DIVERGED_FILE = "diverged.json"
 MANIFEST_FILE = "manifest.json"
 LOCK_DIR = ".locks"
@@ -75,8 +76,20 @@ class RunStatus:
         return self.state in ("done", "diverged")
 
 
+class LabelledRuns(str):
+    """A runs directory that holds one experiment's runs under their labels (``runs/demo/block``) instead
+    of ``NAME/<hash>``: for a spec with one run per label (``attnres demo``). A label's directory
+    holding a run of another configuration is trained afresh."""
+
+
 def experiment_dir(runs_root, name: str) -> Path:
-    return Path(runs_root) / name
+    return Path(runs_root) if isinstance(runs_root, LabelledRuns) else Path(runs_root) / name
+
+
+def planned_run_dir(runs_root, name: str, run: PlannedRun) -> Path:
+    if isinstance(runs_root, LabelledRuns):
+        return Path(runs_root) / "-".join(run.labels.values())
+    return experiment_dir(runs_root, name) / run.hash
 
 
 def is_done(run_dir: Path, hash_: str) -> bool:
@@ -116,7 +129,7 @@ def status_of(run: PlannedRun, runs_root, name: str, indexes: dict[Path, list[tu
     """The state of one planned run. A finished run whose hash differs only because the library has
     since added config fields (at their defaults) counts as done, in its own directory; one in another
     experiment is reusable (copied under its own name, which the first rule then finds)."""
-    run_dir = experiment_dir(runs_root, name) / run.hash
+    run_dir = planned_run_dir(runs_root, name, run)
     if is_done(run_dir, run.hash):
         return RunStatus(run, run_dir, "done", run.train.steps)
     payload = hash_payload(run.model, run.train)
@@ -128,10 +141,10 @@ def status_of(run: PlannedRun, runs_root, name: str, indexes: dict[Path, list[tu
     if div and div.get("config_hash") == run.hash:
         return RunStatus(run, run_dir, "diverged", int(div.get("step", 0)))
     step = _checkpoint_step(run_dir)
-    if step is not None:
+    if step is not None and (read_json(run_dir / RUN_FILE) or {}).get("config_hash", run.hash) == run.hash:
         return RunStatus(run, run_dir, "partial", int(step))
     root = Path(runs_root)
-    if root.is_dir():
+    if root.is_dir() and not isinstance(runs_root, LabelledRuns):  # its neighbours are runs
         for other in sorted(root.iterdir()):
             if other.name == name:
                 continue
@@ -453,6 +466,7 @@ def execute_one(
         raise
     probes = run_probes(trainer.model, trainer.data.val, seq_len=run.train.seq_len)
     atomic_write_json(run_dir / PROBES_FILE, probes)
+    whole = whole_split_eval(trainer) if spec.eval_split else None
     entry["wall_seconds"] = time.time() - started
     entry["outcome"] = "done"
     _record_invocation(run_dir, spec, run, entry)
@@ -465,12 +479,42 @@ def execute_one(
         "seed": run.seed,
         "train_seconds": train_seconds(run_dir),
         "wall_seconds_total": sum(i.get("wall_seconds", 0.0) for i in info.get("invocations", [])),
+        # the trainer's last evaluation read this many tokens: the first eval_batches batches of the split
+        "val_tokens": _slice_tokens(trainer),
     }
+    if whole is not None:
+        summary[SPLIT_EVAL] = whole
     atomic_write_json(run_dir / SUMMARY_FILE, summary)
     if not spec.keep_checkpoint:
         shutil.rmtree(run_dir / CHECKPOINT_DIR, ignore_errors=True)
     log(f"[{run.name}] val loss {result.val_loss:.4f} in {summary['train_seconds']:.0f} s of training")
     return "done"
+
+
+def whole_split_eval(trainer) -> dict:
+    """The final model's loss on every window of the validation split (``attnres.train.evaluation``),
+    with how many tokens that is: the same text for every run of one data and tokenizer."""
+    from attnres.train.evaluation import evaluate
+
+    c = trainer.cfg
+    ev = evaluate(
+        trainer.model,
+        trainer.data.val,
+        batch_size=c.batch_size,
+        seq_len=c.seq_len,
+        max_batches=None,
+        loss_of=trainer.strategy.eval_loss,
+    )
+    return {**ev, "split_tokens": len(trainer.data.val.tokens)}
+
+
+def _slice_tokens(trainer) -> int:
+    from attnres.data import count_eval_batches
+
+    c = trainer.cfg
+    windows = (len(trainer.data.val.tokens) - 1) // c.seq_len
+    batches = count_eval_batches(len(trainer.data.val.tokens), c.batch_size, c.seq_len, c.eval_batches)
+    return min(windows, batches * c.batch_size) * c.seq_len
 
 
 def run_experiment(
@@ -543,7 +587,7 @@ def _advance(
     if source is not None and spec.keep_checkpoint and not (source / CHECKPOINT_DIR).is_dir():
         # a spec that keeps checkpoints (to measure the models later) trains the same config again
         log(f"[{s.run.name}] {s.source} has no checkpoint to keep: training the same config here")
-        s = RunStatus(s.run, experiment_dir(runs_root, spec.name) / s.run.hash, "missing")
+        s = RunStatus(s.run, planned_run_dir(runs_root, spec.name, s.run), "missing")
     if s.state == "reusable":
         _reuse(s, spec, log, command)
         return "reused"

@@ -11,6 +11,7 @@ A spec file ``experiments/NAME.toml``::
     budget_note = "..."           # how the budget was sized (measured throughput)
     tokens_per_second = 6000      # default throughput estimate for --dry-run
     keep_checkpoint = false       # keep each finished run's final checkpoint
+    eval_split = true             # evaluate each final model on the whole validation split
 
     [base]                        # preset + ModelConfig / TrainConfig fields
     preset = "demo"
@@ -79,6 +80,7 @@ EXPERIMENT_KEYS = frozenset(
         "budget_note",
         "tokens_per_second",
         "keep_checkpoint",
+        "eval_split",
         "baseline",
         "headline",
     }
@@ -178,6 +180,10 @@ class ExperimentSpec:
     budget_note: str = ""
     tokens_per_second: float = DEFAULT_TOKENS_PER_SECOND
     keep_checkpoint: bool = False
+    # after training, the final model's loss on the whole validation split (summary.json's val_split), the
+    # loss the reports use when every finished run of the experiment has it; the trainer's own evaluations
+    # read only the split's first eval_batches batches
+    eval_split: bool = True
     baseline: str | None = None  # label of the reference point of paired comparisons
     headline: list[str] = field(default_factory=list)  # labels of the headline rows
     text: str = ""  # the file as read, for the report and the manifest
@@ -358,6 +364,9 @@ def parse_spec(path: Path, text: str | None = None) -> ExperimentSpec:
     keep = exp.get("keep_checkpoint", False)
     if not isinstance(keep, bool):
         raise _err(path, "[experiment] keep_checkpoint", "must be true or false")
+    eval_split = exp.get("eval_split", True)
+    if not isinstance(eval_split, bool):
+        raise _err(path, "[experiment] eval_split", "must be true or false")
     baseline = exp.get("baseline")
     if baseline is not None and not isinstance(baseline, str):
         raise _err(path, "[experiment] baseline", "must be a point label (a string)")
@@ -446,6 +455,7 @@ def parse_spec(path: Path, text: str | None = None) -> ExperimentSpec:
         budget_note=note,
         tokens_per_second=tps,
         keep_checkpoint=keep,
+        eval_split=eval_split,
         baseline=baseline,
         headline=list(headline),
         text=text,

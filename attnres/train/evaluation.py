@@ -59,7 +59,13 @@ def evaluate(
         bar.close()
     model.train(was_training)
     loss = total / n
-    return {"val_loss": loss, "val_bpb": bits_per_byte(loss, split.bytes_per_token), "val_batches": count}
+    # val_tokens: the predicted tokens the loss averages over, so a report can say how much of the split it saw
+    return {
+        "val_loss": loss,
+        "val_bpb": bits_per_byte(loss, split.bytes_per_token),
+        "val_batches": count,
+        "val_tokens": n,
+    }
 
 
 def evaluate_run(

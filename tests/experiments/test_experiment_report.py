@@ -317,7 +317,8 @@ def test_each_report_kind_from_cached_runs(suite, monkeypatch, name, expected):
     assert re.search(r"Machine: .*cores visible", text)
     assert re.search(r"runs at commit `([0-9a-f]{40}(\+dirty)?|unknown)`", text)
     assert re.search(r"Wall time of the finished runs: \d+\.\d\d h", text)
-    assert "exceeds seed noise when the paired t-statistic" in text
+    assert "Holm-corrected together" in text and "p_holm < 0.05" in text and "This report makes " in text
+    assert "|t|" not in text and "Report generation" not in text and "report written at" not in text
 
 
 def test_routing_sharpness_in_the_dynamics_report(suite, monkeypatch, tmp_path):
@@ -420,7 +421,7 @@ def test_a_partial_suite_gives_a_marked_partial_report(suite, monkeypatch):
     text, out = _report(suite, "ablations", monkeypatch)
     assert "PARTIAL REPORT: 5 of 8 planned runs finished" in text
     assert "`variant=sigmoid/seed=1`" in text and "Planned budget: 0.01 CPU-hours (seconds)" in text
-    assert "| prenorm (headline) | 1.766 |" in text
+    assert re.search(r"\| prenorm \(headline; \d seeds?: below the 5 the README requires\) \| 1.766 \|", text)
     assert "3 seeds for prenorm, full; 2 seeds for sigmoid" in text
 
 

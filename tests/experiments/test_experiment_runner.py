@@ -329,3 +329,60 @@ def test_a_config_another_process_trains_is_left_to_it(two_by_two):
     assert "training now" not in format_plan(spec, plan_status(spec, root))  # released with its holder
     counts = run_experiment(spec, root, only="scheme=prenorm", progress=False, log=quiet)
     assert counts["busy"] == 0 and counts["trained"] == 1 and counts["skipped"] == 1
+
+
+def test_the_final_loss_covers_the_whole_validation_split(tmp_path, write_spec, tiny_base):
+    """summary.json's val_split is the final model's loss over every window of the validation split (the
+    trainer's own evaluations read only eval_batches batches); a report reads it only when every finished
+    run has it, so no comparison sets one run's whole split against another's first batches."""
+    from attnres.checkpoint import load_model
+    from attnres.data import eval_batches, prepare_data
+    from attnres.experiments.results import collect
+    from attnres.model.llama import lm_loss
+
+    write_spec(
+        tmp_path / "specs",
+        "split",
+        f"""
+        [experiment]
+        name = "split"
+        seeds = [0, 1]
+        keep_checkpoint = true
+        {tiny_base(steps=4)}
+        [[axis.scheme]]
+        label = "block"
+        residual = "block"
+    """,
+    )
+    spec, root = load_spec("split", tmp_path / "specs"), tmp_path / "runs"
+    run_experiment(spec, root, progress=False, log=quiet)
+    statuses = plan_status(spec, root)
+    run_dir, t = statuses[0].dir, statuses[0].run.train
+    summary = json.loads((run_dir / SUMMARY_FILE).read_text())
+    whole = summary["val_split"]
+    windows = (whole["split_tokens"] - 1) // t.seq_len
+    assert whole["val_tokens"] == windows * t.seq_len
+    assert summary["val_tokens"] == min(windows, t.eval_batches * t.batch_size) * t.seq_len < whole["val_tokens"]
+
+    model, tokenizer, _ = load_model(run_dir)
+    val = prepare_data(t.data, tokenizer=tokenizer, vocab_size=t.vocab_size, val_fraction=t.val_fraction).val
+    total = n = 0
+    with torch.no_grad():
+        model.eval()
+        for x, y in eval_batches(val.tokens, t.batch_size, t.seq_len):
+            total += lm_loss(model(x), y).item() * y.numel()
+            n += y.numel()
+    assert n == whole["val_tokens"] and whole["val_loss"] == pytest.approx(total / n, rel=1e-6)
+
+    col = collect(spec, root)
+    assert col.scope == "split" and col.results[0].loss == whole["val_loss"]
+    assert col.results[0].eval_tokens == whole["val_tokens"]
+    other = statuses[1].dir / SUMMARY_FILE  # a run that predates the whole-split evaluation
+    old = json.loads(other.read_text())
+    del old["val_split"], old["val_tokens"]
+    other.write_text(json.dumps(old))
+    col = collect(spec, root)
+    assert col.scope == "slice" and all(
+        r.loss == json.loads((r.dir / SUMMARY_FILE).read_text())["val_loss"] for r in col.results
+    )
+    assert col.results[1].eval_tokens == t.eval_batches * t.batch_size * t.seq_len

@@ -113,7 +113,8 @@ def test_the_routing_report_pairs_each_cell_and_states_a_verdict(suite):
     assert "Δ vs the paper's cell of its family" in text
     assert "| block | outputs | -" in text  # the 2 x 2 grid row of Block's outputs source
     assert "Winner on llama:" in text
-    assert "Verdict (Delta AttnRes: additive routing beats replacement and PreNorm): llama: block additive" in text
+    assert "Verdict on the cells as trained (Δ, 95 % interval, Holm-corrected verdict): llama: block additive" in text
+    assert "nothing here refutes it" in text and "refuted" not in text
 
 
 def test_importance_trains_again_rather_than_copy_a_run_without_checkpoint(suite):

@@ -12,7 +12,7 @@ from attnres.experiments.reports.common import (
     variant_rows,
 )
 from attnres.experiments.results import finite
-from attnres.experiments.stats import fmt_mean_std, mean_std, paired, ranks, spearman
+from attnres.experiments.stats import fmt_mean_std, mean_std, ranks, seed_shortfall, spearman
 
 
 def ablations_report(rep: Report) -> None:
@@ -42,13 +42,13 @@ def ablations_report(rep: Report) -> None:
     for label in labels:
         losses = col.losses(**{axis: label})
         div = [r for r in col.select(**{axis: label}) if r.state == "diverged"]
-        p = paired(losses, ref)
+        p = rep.paired(losses, ref)
         model = model_of(col, **{axis: label})
         ok = True if (model is None or base_model is None or label == base) else shares_sublayer_init(model, base_model)
         pd = None if paper[label] is None or paper_base is None else paper[label] - paper_base
         rows.append(
             [
-                label + (" (headline)" if label in col.spec.headline else ""),
+                label + _headline_mark(label in col.spec.headline, len(losses)),
                 fmt(paper[label], 3),
                 fmt(pd, 3, sign=True) if label != base else "—",
                 f"{paper_rank[label]:g}" if label in paper_rank else "—",
@@ -89,8 +89,8 @@ def ablations_report(rep: Report) -> None:
     rep.add(
         f"Rank agreement with the paper over {len(both)} rows: Spearman ρ = "
         f"{'—' if rho is None else f'{rho:+.2f}'}. Sign of Δ vs {base} agrees with the paper for "
-        f"{len(agree)} of {n_cmp} variants (by mean; see the verdicts for which differences exceed "
-        "seed noise).",
+        f"{len(agree)} of {n_cmp} variants (by mean; see the verdicts for which differences are "
+        "distinguishable after the Holm correction).",
         "",
     )
     if bars:
@@ -99,3 +99,10 @@ def ablations_report(rep: Report) -> None:
             f"Δ validation loss vs {base}: this run (left, ± s.e. over seeds) and the paper's Table 4 (right).",
             lambda pth: figures.delta_bars(bars, pth, col.spec.name, base),
         )
+
+
+def _headline_mark(headline: bool, seeds: int) -> str:
+    if not headline:
+        return ""
+    short = seed_shortfall(seeds)
+    return f" (headline; {short})" if short else " (headline)"

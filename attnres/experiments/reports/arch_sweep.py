@@ -14,7 +14,7 @@ from attnres.experiments.reports.common import (
     md_table,
     planned_model,
 )
-from attnres.experiments.stats import fmt_mean_std, mean_std, paired
+from attnres.experiments.stats import fmt_mean_std, mean_std
 
 
 def arch_sweep_report(rep: Report) -> None:
@@ -87,13 +87,13 @@ def arch_sweep_report(rep: Report) -> None:
             "",
         )
     for s in others:
-        pairs = [paired(col.losses(shape=sh, scheme=s), col.losses(shape=sh, scheme=base)) for sh in shapes]
+        pairs = [rep.paired(col.losses(shape=sh, scheme=s), col.losses(shape=sh, scheme=base)) for sh in shapes]
         pairs = [p for p in pairs if p.n]
         if pairs:
             rep.add(
                 f"{s} has a lower mean loss than {base} in {sum(p.mean < 0 for p in pairs)} of "
-                f"{len(pairs)} shapes; beyond seed noise in {sum(p.verdict == 'better' for p in pairs)} "
-                f"(worse beyond noise in {sum(p.verdict == 'worse' for p in pairs)}).",
+                f"{len(pairs)} shapes; better after the Holm correction in {sum(p.verdict == 'better' for p in pairs)} "
+                f"(worse in {sum(p.verdict == 'worse' for p in pairs)}).",
                 "",
             )
     if series:

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from attnres.experiments.results import Collected, Result, finite
-from attnres.experiments.stats import paired
+from attnres.experiments.stats import Comparisons, Paired
 
 
 def md_table(headers: list[str], rows: list[list[str]], align: str | None = None) -> str:
@@ -75,11 +75,15 @@ def variant_rows(col: Collected) -> tuple[str, list[str]]:
 
 
 class Report:
-    """Accumulates markdown and figure names for one experiment."""
+    """Accumulates markdown and figure names for one experiment. ``comparisons``: the report's family of
+    paired comparisons (``write_report`` builds a page twice, the second time with them Holm-corrected);
+    ``draw``: False writes the figure lines without drawing the figures."""
 
-    def __init__(self, col: Collected, out_dir: Path):
+    def __init__(self, col: Collected, out_dir: Path, comparisons: Comparisons | None = None, draw: bool = True):
         self.col = col
         self.out = out_dir
+        self.comparisons = comparisons if comparisons is not None else Comparisons()
+        self.draw = draw
         self.lines: list[str] = []
         self.figures: list[str] = []
         self.notes: list[str] = []
@@ -89,18 +93,22 @@ class Report:
 
     def figure(self, name: str, caption: str, make: Callable[[str], str]) -> None:
         try:
-            make(str(self.out / name))
+            if self.draw:
+                make(str(self.out / name))
         except Exception as e:  # a figure must never sink the report
             self.add(f"*(figure {name} could not be drawn: {type(e).__name__}: {e})*", "")
             return
         self.figures.append(name)
         self.add(f"![{caption}]({name})", "", f"*{caption}*", "")
 
+    def paired(self, variant: Mapping[int, float | None], base: Mapping[int, float | None]) -> Paired:
+        """A paired comparison of this report (``attnres.experiments.stats``), counted in its Holm family."""
+        return self.comparisons.paired(variant, base)
+
     def paired_cell(
         self, variant: Mapping[int, float | None], base: Mapping[int, float | None], init_ok: bool = True
     ) -> str:
-        p = paired(variant, base)
-        return p.describe() + ("" if init_ok else " †")
+        return self.paired(variant, base).describe() + ("" if init_ok else " †")
 
 
 def mean_curve(results: list[Result], x: str) -> tuple[np.ndarray, np.ndarray] | None:

@@ -16,7 +16,7 @@ from attnres.experiments.reports.common import (
     md_table,
 )
 from attnres.experiments.results import Result, finite, mean_matrix, nan_matrix
-from attnres.experiments.stats import Paired, fmt_mean_std, paired
+from attnres.experiments.stats import Paired, fmt_mean_std
 
 BACKBONE_NAMES = {"kimi_linear": "Kimi Linear (KDA + MLA, MoE)", "llama": "LLaMA (GQA + RoPE, SwiGLU)"}
 
@@ -68,7 +68,7 @@ def kimi_linear_report(rep: Report) -> None:
                 ]
             )
             if s != base:
-                verdicts.setdefault(s, {})[bb] = paired(losses, ref)
+                verdicts.setdefault(s, {})[bb] = rep.paired(losses, ref)
         rep.add(
             f"## {BACKBONE_NAMES.get(bb, bb)}",
             "",
@@ -127,7 +127,7 @@ def kimi_linear_report(rep: Report) -> None:
                 same = len(set(known.values())) == 1
                 sentences.append(
                     f"{s}: "
-                    + ", ".join(f"{known[bb]} on {bb}" for bb in backbones)
+                    + ", ".join(f"{by[bb].verdict_text()} on {bb}" for bb in backbones)
                     + (
                         " — the backbone does not change the verdict."
                         if same
@@ -138,7 +138,7 @@ def kimi_linear_report(rep: Report) -> None:
             "## Does the backbone change the verdict?",
             "",
             f"Paired Δ of the final validation loss against {base} of the same backbone (same seeds, data "
-            "order, size and tokens; the verdict follows the noise rule above).",
+            "order, size and tokens; interval and Holm-corrected verdict as the Statistics section says).",
             "",
             md_table(["scheme"] + [f"Δ on {bb}" for bb in backbones], rows),
             "",

@@ -22,7 +22,7 @@ from attnres.experiments.reports.kimi_linear import _median_step_seconds
 from attnres.experiments.reports.scaling import fitted_laws, scaling_report
 from attnres.experiments.results import Collected, Result, collect
 from attnres.experiments.spec import ExperimentError, load_spec
-from attnres.experiments.stats import Paired, paired
+from attnres.experiments.stats import Paired
 from attnres.experiments.step_cost import (
     ROUNDS,
     STEP_COST_FILE,
@@ -56,16 +56,18 @@ def _measured_costs(col: Collected, size: str, base: str) -> dict | None:
     return cached_step_costs(runs_dir, size, lambda: measure_step_costs(runs, base, log=lambda _: None))
 
 
-def _at_equal_time(col: Collected, size: str, scheme: str, ratio: float) -> Paired:
+def _at_equal_time(rep: Report, col: Collected, size: str, scheme: str, ratio: float) -> Paired:
     """The paired Δ against the baseline's final loss of ``scheme``'s loss after the baseline's training time,
     for a step ``ratio`` times the baseline's (read off its evaluation curve)."""
     runs = [r for r in col.select(size=size, scheme=scheme) if r.done]
     steps = runs[0].run.train.steps
     at_time = {r.run.seed: _loss_at_step(r, min(steps, steps / ratio)) for r in runs}
-    return paired(at_time, col.losses(size=size, scheme=col.spec.baseline or "prenorm"))
+    # the baseline's final loss on the same evaluation as the curve (the trainer's, not the whole split)
+    base_runs = [r for r in col.select(size=size, scheme=col.spec.baseline or "prenorm") if r.done]
+    return rep.paired(at_time, {r.run.seed: _loss_at_step(r, r.run.train.steps) for r in base_runs})
 
 
-def equal_time_rows(col: Collected) -> list[list[str]]:
+def equal_time_rows(rep: Report, col: Collected) -> list[list[str]]:
     """Per size and non-baseline scheme: the step-time ratio (side by side, ``_measured_costs``; from the
     runs' own logs where it cannot be measured) and the paired Δ at equal tokens and at the baseline's
     training time."""
@@ -96,8 +98,8 @@ def equal_time_rows(col: Collected) -> list[list[str]]:
                     shown,
                     f"{logged:.2f}",
                     f"{min(steps, steps / ratio):.0f} of {steps}",
-                    paired(col.losses(size=size, scheme=s), ref).describe(),
-                    _at_equal_time(col, size, s, ratio).describe(),
+                    rep.paired(col.losses(size=size, scheme=s), ref).describe(),
+                    _at_equal_time(rep, col, size, s, ratio).describe(),
                 ]
             )
     return rows
@@ -105,7 +107,7 @@ def equal_time_rows(col: Collected) -> list[list[str]]:
 
 def equal_time_section(rep: Report, col: Collected, title: str) -> None:
     base = col.spec.baseline or "prenorm"
-    rows = equal_time_rows(col)
+    rows = equal_time_rows(rep, col)
     if not rows:
         return
     rep.add(
@@ -118,7 +120,8 @@ def equal_time_section(rep: Report, col: Collected, title: str) -> None:
         f"The runs' own logged ratio is beside it: the runs trained at different times under different "
         f"loads, so it measures the machine more than the scheme. At equal time a scheme has made the steps "
         f"{base} made in its training time divided by the side-by-side ratio; its loss there is read off its "
-        "own evaluation curve, mid-schedule (its learning rate not yet decayed), where a run scheduled for "
+        "own evaluation curve (the trainer's evaluations, also for the baseline's final loss), "
+        "mid-schedule (its learning rate not yet decayed), where a run scheduled for "
         "that many steps would end lower: the Δ at equal time is an upper bound on the cost of the slower "
         "step (the arena experiment trains equal-time runs for real).",
         "",
@@ -181,11 +184,12 @@ def kimi_scaling_report(rep: Report) -> None:
     equal_time_section(rep, col, "## Equal wall-clock time (Kimi Linear)")
     if llama is not None and llama.n_done:
         equal_time_section(rep, llama, f"## Equal wall-clock time (LLaMA, {LLAMA_SPEC}.toml)")
-    rep.add("## Verdict", "", kimi_scaling_verdict(col), "")
+    rep.add("## Verdict", "", kimi_scaling_verdict(rep), "")
 
 
-def kimi_scaling_verdict(col: Collected) -> str:
+def kimi_scaling_verdict(rep: Report) -> str:
     """One line: the paired Δ of each scheme at the smallest and the largest size, and the multiplier."""
+    col = rep.col
     base = col.spec.baseline or "prenorm"
     sizes = [s for s in col.points("size") if col.losses(size=s, scheme=base)]
     if len(sizes) < 2:
@@ -195,13 +199,13 @@ def kimi_scaling_verdict(col: Collected) -> str:
     for s in col.points("scheme"):
         if s == base:
             continue
-        pairs = [(z, paired(col.losses(size=z, scheme=s), col.losses(size=z, scheme=base))) for z in sizes]
+        pairs = [(z, rep.paired(col.losses(size=z, scheme=s), col.losses(size=z, scheme=base))) for z in sizes]
         pairs = [(z, d) for z, d in pairs if d.n]
         if not pairs:
             continue
         if len(pairs) < 2:
             z, d = pairs[0]
-            parts.append(f"{s} Δ {d.mean:+.3f} at {z} only ({d.verdict}): no trend yet")
+            parts.append(f"{s} Δ {d.mean:+.3f} {d.interval(3)} at {z} only ({d.verdict_text()}): no trend yet")
             continue
         (first, _), (last, ds_last) = pairs[0], pairs[-1]
         trend = " → ".join(f"{d.mean:+.3f}" for _, d in pairs)
@@ -211,18 +215,24 @@ def kimi_scaling_verdict(col: Collected) -> str:
             else ""
         )
         parts.append(
-            f"{s} Δ {trend} from {first} to {last} ({ds_last.verdict} at {last}{mult}{_at_time(col, last, s)})"
+            f"{s} Δ {trend} from {first} to {last} ({ds_last.interval(3)}, {ds_last.verdict_text()} at {last}{mult}"
+            f"{_at_time(rep, last, s)})"
         )
     return "Verdict (does the Kimi-backbone advantage grow with scale?): " + "; ".join(parts) + "."
 
 
-def _at_time(col: Collected, size: str, scheme: str) -> str:
+def _at_time(rep: Report, size: str, scheme: str) -> str:
     """', at equal wall-clock Δ (verdict; step ratio)' at one size, from the side-by-side step costs."""
+    col = rep.col
     base = col.spec.baseline or "prenorm"
     costs = _measured_costs(col, size, base)
     runs = [r for r in col.select(size=size, scheme=scheme) if r.done]
     if costs is None or not runs:
         return ""
     ratio = costs["schemes"][scheme]["ratio"]
-    d = _at_equal_time(col, size, scheme, ratio)
-    return f"; at equal wall-clock {d.mean:+.3f}, {d.verdict}, its step {ratio:.2f}× {base}'s" if d.n else ""
+    d = _at_equal_time(rep, col, size, scheme, ratio)
+    return (
+        f"; at equal wall-clock {d.mean:+.3f} {d.interval(3)}, {d.verdict_text()}, its step {ratio:.2f}× {base}'s"
+        if d.n
+        else ""
+    )

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from attnres.experiments.reports.sections import (
 )
 from attnres.experiments.results import collect
 from attnres.experiments.spec import ExperimentSpec, experiment_command
+from attnres.files import atomic_write_text
 
 REPORT_FILE = "REPORT.md"
 DEFAULT_REPORTS_ROOT = "reports"
@@ -50,12 +50,21 @@ BUILDERS: dict[str, Callable[[Report], None]] = {
 
 
 def write_report(
-    spec: ExperimentSpec, runs_root, out_dir=None, command: str | None = None, wall_seconds: float | None = None
+    spec: ExperimentSpec,
+    runs_root,
+    out_dir=None,
+    command: str | None = None,
+    wall_seconds: float | None = None,
+    figures: bool = True,
 ) -> Path:
     """Build ``<out_dir>/REPORT.md`` (default ``reports/NAME/``) and its PNGs; returns the path.
     ``wall_seconds``: the demo page states the wall time of the invocation that trained the runs and
-    wrote it (``attnres demo``); without it, the runs' own."""
-    started = time.time()
+    wrote it (``attnres demo``); without it, the runs' own. ``figures=False`` writes the same REPORT.md
+    without drawing the PNGs.
+
+    The page is a function of the spec, the runs and this code alone (no clock, no commit of the
+    writer), so a committed REPORT.md regenerates byte for byte. It is built twice: the first pass
+    collects every paired comparison, which are then Holm-corrected together for the second."""
     if not Path(runs_root).is_dir():
         raise FileNotFoundError(
             f"runs directory {runs_root} does not exist; a report reads finished runs from there "
@@ -65,24 +74,26 @@ def write_report(
     out = Path(out_dir) if out_dir is not None else Path(DEFAULT_REPORTS_ROOT) / spec.name
     out.mkdir(parents=True, exist_ok=True)
     col = collect(spec, runs_root)
-    rep = Report(col, out)
     command = command or f"attnres report {spec.name}"
     if spec.report == "demo":
-        (out / REPORT_FILE).write_text(demo_page(rep, command, wall_seconds))
+        (out / REPORT_FILE).write_text(demo_page(Report(col, out, draw=figures), command, wall_seconds))
         return out / REPORT_FILE
     builder = BUILDERS.get(spec.report, generic_report)
     axes = [a for a, _ in spec.axes if a not in ("budget",)]
+    first = Report(col, out, draw=False)
+    if col.n_done:
+        builder(first)
+    rep = Report(col, out, first.comparisons.corrected(), draw=figures)
     if col.n_done:
         builder(rep)
     else:
         rep.add("## Results", "", "No run has finished yet: nothing to report.", "")
-    body = rep.lines
     head = (
         [f"# Experiment `{spec.name}`", ""]
         + ([spec.description, ""] if spec.description else [])
         + status(col)
-        + provenance(col, command, time.time() - started)
-        + stats_rule(col, axes)
+        + provenance(col, command)
+        + stats_rule(col, axes, rep.comparisons)
     )
-    (out / REPORT_FILE).write_text("\n".join(head + body + runs_table(col)) + "\n")
+    atomic_write_text(out / REPORT_FILE, "\n".join(head + rep.lines + runs_table(col)) + "\n")
     return out / REPORT_FILE

@@ -15,8 +15,8 @@ import math
 import numpy as np
 
 from attnres.experiments.reports.common import Report, fmt, md_table
-from attnres.experiments.results import Collected, Result
-from attnres.experiments.stats import fmt_mean_std, paired
+from attnres.experiments.results import Result
+from attnres.experiments.stats import fmt_mean_std, fmt_p
 
 
 def _rows(r: Result, kind: str) -> list[dict]:
@@ -36,18 +36,22 @@ def _val_at(r: Result, step: int) -> float | None:
     return next((float(row["val_loss"]) for row in _rows(r, "eval") if row["step"] == step), None)
 
 
-def retrofit_verdict(col: Collected) -> str:
+def retrofit_verdict(rep: Report) -> str:
     """One line: each retrofitted arm's final loss against the continued PreNorm model."""
+    col = rep.col
     base = col.spec.baseline or "prenorm"
     parts = []
     for arm in col.points("arm"):
         if arm == base:
             continue
-        p = paired(col.losses(arm=arm), col.losses(arm=base))
+        p = rep.paired(col.losses(arm=arm), col.losses(arm=base))
         if p.n == 0:
             continue
-        word = {"better": "lower loss than", "worse": "higher loss than"}.get(p.verdict, "within noise of")
-        parts.append(f"{arm} {p.mean:+.4f} nats ({word} {base} continued, {p.lower}/{p.n} seeds lower)")
+        word = {"better": "lower loss than", "worse": "higher loss than"}.get(p.verdict, "not distinguishable from")
+        parts.append(
+            f"{arm} {p.mean:+.4f} nats, 95 % interval {p.interval()} ({word} {base} continued, "
+            f"{p.lower}/{p.n} seeds lower, {fmt_p(p.p_holm, 'p_holm')})"
+        )
     return "Verdict: retrofit-by-fine-tuning ends " + "; ".join(parts) + "." if parts else "Verdict: no runs yet."
 
 
@@ -77,7 +81,7 @@ def retrofit_report(rep: Report) -> None:
         at_switch = [_val_at(r, S) for r in done[arm]]
         final = [r.eval_curve() for r in done[arm]]
         last = max((int(c["step"][-1]) for c in final if len(c["step"])), default=t.steps)
-        cell = "—" if arm == base else paired(losses, col.losses(arm=base)).describe()
+        cell = "—" if arm == base else rep.paired_cell(losses, col.losses(arm=base))
         rows.append(
             [
                 arm,
@@ -105,8 +109,8 @@ def retrofit_report(rep: Report) -> None:
             rows,
         ),
         "",
-        "Δ: mean over seeds of (arm − continued PreNorm) with its standard error; the noise rule of the other "
-        "reports (|t| ≥ threshold and every seed the same sign). Query norm: the mean L2 norm of the "
+        "Δ: mean over seeds of (arm − continued PreNorm), its 95 % interval and verdict as the Statistics "
+        "section says. Query norm: the mean L2 norm of the "
         "pseudo-queries (0 at the switch). Routing entropy: the depth weights' entropy over log K_l, averaged "
         "over consumers, on the first validation batch (1 = uniform, as at the switch).",
         "",
@@ -125,4 +129,4 @@ def retrofit_report(rep: Report) -> None:
             row += [fmt(q, 3), fmt(e, 3)]
         table.append(row)
     rep.add("## Over time (means over seeds)", "", md_table(headers, table), "")
-    rep.add("## Verdict", "", retrofit_verdict(col), "")
+    rep.add("## Verdict", "", retrofit_verdict(rep), "")

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from attnres.experiments.env import git_commit, machine
+from attnres.experiments.env import machine
 from attnres.experiments.reports.common import fmt, group_label, md_table
 from attnres.experiments.results import Collected, Result, finite
 from attnres.experiments.spec import experiment_command
-from attnres.experiments.stats import NOISE_RULE
+from attnres.experiments.stats import STATS_RULE, Comparisons, seed_shortfall
 
 
 def _seed_statement(col: Collected, axes: list[str]) -> str:
@@ -60,7 +60,7 @@ def status(col: Collected) -> list[str]:
     ]
 
 
-def provenance(col: Collected, command: str, report_seconds: float) -> list[str]:
+def provenance(col: Collected, command: str) -> list[str]:
     spec = col.spec
     # each distinct value, in order of first appearance, over the runs' invocations (run.json)
     commands: list[str] = []
@@ -105,7 +105,7 @@ def provenance(col: Collected, command: str, report_seconds: float) -> list[str]
         "- Runs produced by: "
         + ("; ".join(f"`{c}`" for c in commands) if commands else f"`attnres experiment {spec.name}` (no runs yet)"),
         "- Machine: " + ("; ".join(machines) if machines else machine()),
-        f"- Code: runs at commit {', '.join(f'`{c}`' for c in commits) or '—'}; report written at `{git_commit()}`",
+        f"- Code: runs at commit {', '.join(f'`{c}`' for c in commits) or '—'}",
         f"- Spec: `{spec.path}` (sha256 `{spec.sha256[:16]}`)",
         f"- Wall time of the finished runs: {wall / 3600:.2f} h in all "
         f"({train / 3600:.2f} h in optimizer steps; the rest is evaluation, data preparation and "
@@ -116,17 +116,53 @@ def provenance(col: Collected, command: str, report_seconds: float) -> list[str]
             f"- Planned budget: {spec.budget_cpu_hours:g} CPU-hours"
             + (f" ({spec.budget_note})" if spec.budget_note else "")
         )
-    lines += [f"- Report generation: {report_seconds:.1f} s", ""]
+    lines.append("")
     return lines
 
 
-def stats_rule(col: Collected, axes: list[str]) -> list[str]:
+def eval_scope(col: Collected) -> str:
+    """What the final losses of a report average over: the whole validation split, or the trainer's last
+    evaluation on the split's first batches, with the number of tokens."""
+    tokens = sorted({t for r in col.unique if r.done and (t := r.eval_tokens)})
+    if not tokens:
+        return "held-out works"
+    counts = " or ".join(f"{t:,}" for t in tokens) + " tokens per run"
+    if col.scope == "split":
+        split = sorted({r.summary["val_split"].get("split_tokens") for r in col.unique if r.done} - {None})
+        return f"the whole validation split: {counts}" + (
+            f" of {' or '.join(f'{t:,}' for t in split)}" if split and split != tokens else ""
+        )
+    return (
+        f"the trainer's last evaluation, on the first eval_batches batches of the validation split only: {counts}, "
+        "not the whole split (these runs predate the whole-split evaluation)"
+    )
+
+
+def _headline_seeds(col: Collected) -> str:
+    """' Headline rows prenorm, block: 3 seeds: below the 5 the README requires.' (per headline row, the
+    fewest finished seeds it has in any group of the other axes)."""
+    if not col.spec.headline:
+        return ""
+    by_n: dict[int, list[str]] = {}
+    for label in col.spec.headline:
+        groups: dict[tuple, set[int]] = {}
+        for r in col.results:
+            if label in r.run.labels.values() and r.done:
+                others = tuple(sorted((k, v) for k, v in r.run.labels.items() if v != label))
+                groups.setdefault(others, set()).add(r.run.seed)
+        by_n.setdefault(min((len(s) for s in groups.values()), default=0), []).append(label)
+    parts = [f"{', '.join(labels)}: {seed_shortfall(n) or f'{n} seeds'}" for n, labels in sorted(by_n.items())]
+    return " Headline rows " + "; ".join(parts) + "."
+
+
+def stats_rule(col: Collected, axes: list[str], comparisons: Comparisons) -> list[str]:
+    evaluated = eval_scope(col)
     return [
         "## Statistics",
         "",
-        f"Seeds: {_seed_statement(col, axes)}. Values are the final validation loss (nats/token, "
-        "held-out works) as mean ± sample std over seeds. Paired differences: " + NOISE_RULE + ". "
-        "A cell reads `Δ ± s.e. (t, k/n seeds lower): verdict`. "
+        f"Seeds: {_seed_statement(col, axes)}.{_headline_seeds(col)} Values are the final validation loss "
+        f"(nats/token, {evaluated}) as mean ± sample std over seeds. Paired differences: {STATS_RULE}. "
+        f"This report makes {comparisons.summary()}. "
         "† marks pairs whose sublayer initialisation differs although the seed is the same (the "
         "scheme's constructor draws random numbers), so only the data order is shared.",
         "",
@@ -154,6 +190,7 @@ def runs_table(col: Collected) -> list[str]:
                 f"`{r.dir.name if r.done else h}`",
                 state,
                 fmt(r.loss) if r.done else "—",
+                f"{r.eval_tokens:,}" if r.done and r.eval_tokens else "—",
                 f"{r.run.tokens:,}",
                 fmt(r.train_seconds, 0) if r.done else "—",
                 f"{r.summary['params']:,}" if r.done else "—",
@@ -162,6 +199,6 @@ def runs_table(col: Collected) -> list[str]:
     return [
         "## All runs",
         "",
-        md_table(["run", "hash", "state", "val loss", "tokens", "train s", "params"], rows, "llllrrr"),
+        md_table(["run", "hash", "state", "val loss", "val tokens", "tokens", "train s", "params"], rows, "llllrrrr"),
         "",
     ]

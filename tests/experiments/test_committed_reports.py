@@ -1,0 +1,38 @@
+"""Every committed reports/NAME/REPORT.md is what `attnres report NAME` writes from the committed runs,
+byte for byte (figures are not drawn: the page's text does not depend on them)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from attnres.experiments import load_spec
+from attnres.experiments.reports import REPORT_FILE, write_report
+
+ROOT = Path(__file__).resolve().parents[2]
+RUNS = Path("experiments") / "runs"
+# the demo page is written by `attnres demo`, which trains its own runs (not committed)
+COMMITTED = sorted(p.parent.name for p in (ROOT / "reports").glob(f"*/{REPORT_FILE}") if p.parent.name != "demo")
+
+
+def test_the_committed_reports_are_found():
+    assert len(COMMITTED) >= 11 and "ablations" in COMMITTED and "kimi-scaling" in COMMITTED
+    for name in COMMITTED:
+        assert (ROOT / RUNS / name).is_dir(), f"reports/{name} has no committed runs in {RUNS}/{name}"
+
+
+@pytest.mark.parametrize("name", COMMITTED)
+def test_a_committed_report_regenerates_byte_for_byte(name, tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)  # the page names its spec and runs by the paths `attnres report` uses
+    written = write_report(load_spec(name), RUNS, tmp_path / name, figures=False)
+    committed = (ROOT / "reports" / name / REPORT_FILE).read_text()
+    regenerated = written.read_text()
+    if regenerated != committed:
+        old, new = committed.splitlines(), regenerated.splitlines()
+        first = next((i for i, (a, b) in enumerate(zip(old, new, strict=False)) if a != b), min(len(old), len(new)))
+        pytest.fail(
+            f"reports/{name}/{REPORT_FILE} is not what `attnres report {name}` writes from {RUNS}; first "
+            f"difference at line {first + 1}:\n- {old[first] if first < len(old) else '<end>'}\n"
+            f"+ {new[first] if first < len(new) else '<end>'}\nregenerate it with `attnres report {name}`"
+        )
