@@ -23,6 +23,7 @@ from attnres.checkpoint import (
     read_checkpoint_state,
 )
 from attnres.checkpoint import save as ckpt_mod
+from attnres.residual import BlockAttnRes, FullAttnRes, match_prenorm_eps
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TESTS_DIR = Path(__file__).resolve().parent
@@ -259,3 +260,102 @@ def test_config_mismatch_names_fields(tmp_path):
     assert "vocab_size" not in msg
     with pytest.raises(CheckpointError, match="saved without it"):
         load_checkpoint(target, model=make_model(), optimizer=muon_opt(make_model()))
+
+
+class _OwnModel(torch.nn.Module):
+    """A model of your own (no ``config``): pre-norms matched to its AttnRes scheme, tanh sublayers."""
+
+    def __init__(self, scheme, eps: float = 1e-5, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.sublayers = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(4))
+        self.norms = torch.nn.ModuleList(torch.nn.LayerNorm(16, eps=eps) for _ in range(5))
+        self.residual = scheme
+        match_prenorm_eps(self.norms, scheme)
+        with torch.no_grad():
+            for p in scheme.parameters():
+                p.normal_()
+
+    def forward(self, x):
+        stream = self.residual.begin(x)
+        for f, norm in zip(self.sublayers, self.norms, strict=False):
+            stream.apply(lambda h, f=f, norm=norm: torch.tanh(f(norm(h))))
+        return self.norms[-1](stream.end())
+
+
+def _save_weights(path: Path, model) -> Path:
+    return ckpt_mod.save_checkpoint(
+        path, model=model, optimizer=None, step=0, train_state={}, model_config={}, train_config={}
+    )
+
+
+def _drop_records(target: Path) -> None:
+    """Rewrite a checkpoint as attnres wrote it before schemes kept a record (and fix its state.json)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    file = target / "model.safetensors"
+    with safe_open(str(file), framework="pt") as f:
+        metadata = f.metadata()
+    save_file({k: v for k, v in load_file(file).items() if not k.endswith("_extra_state")}, file, metadata=metadata)
+    state = json.loads((target / "state.json").read_text())
+    state["files"]["model.safetensors"] = {"sha256": ckpt_mod.sha256(file), "bytes": file.stat().st_size}
+    (target / "state.json").write_text(json.dumps(state))
+
+
+@pytest.mark.parametrize(
+    "saved,into,names",
+    [
+        (lambda: BlockAttnRes(16, 4, num_blocks=2), lambda: FullAttnRes(16, 4), ["block (", "full ("]),
+        (lambda: BlockAttnRes(16, 4, num_blocks=2), lambda: BlockAttnRes(16, 4, num_blocks=4), ["attnres_blocks=2"]),
+        (lambda: FullAttnRes(16, 4, heads=4), lambda: FullAttnRes(16, 4), ["attnres_heads=4", "attnres_heads=1"]),
+    ],
+    ids=["block-to-full", "N2-to-N4", "heads4-to-1"],
+)
+def test_a_checkpoint_of_another_residual_scheme_is_refused_before_loading(tmp_path, saved, into, names):
+    target = _save_weights(tmp_path / "ckpt", _OwnModel(saved()))
+    model = _OwnModel(into(), seed=1)
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(CheckpointError, match="residual scheme mismatch: the checkpoint has") as err:
+        load_checkpoint(target, model=model, restore_rng=False)
+    assert "\n" not in str(err.value) and all(name in str(err.value) for name in names)
+    assert params_equal(model, _with_state(_OwnModel(into(), seed=1), before)), "weights were applied"
+
+
+def test_a_checkpoint_restores_the_scheme_and_pre_norm_eps(tmp_path):
+    """Same scheme, built with other eps: the checkpoint's key-norm eps and matched pre-norm eps come back."""
+    source = _OwnModel(FullAttnRes(16, 4, norm_eps=1e-3), eps=1e-3).double()
+    target = _save_weights(tmp_path / "ckpt", source)
+    model = _OwnModel(FullAttnRes(16, 4), eps=1e-6, seed=1).double()
+    load_checkpoint(target, model=model, restore_rng=False)
+    assert model.residual.eps == 1e-3 and [n.eps for n in model.norms] == [n.eps for n in source.norms]
+    x = torch.randn(2, 3, 16, dtype=torch.float64) * 0.01  # small reads: every eps shows
+    assert torch.equal(model(x), source(x))
+
+
+def test_a_checkpoint_from_before_the_scheme_record_still_loads(tmp_path):
+    from attnres.checkpoint import load_model
+    from attnres.model import AttnResLM, ModelConfig
+
+    own = _OwnModel(BlockAttnRes(16, 4, num_blocks=2))
+    target = _save_weights(tmp_path / "own", own)
+    _drop_records(target)
+    model = _OwnModel(BlockAttnRes(16, 4, num_blocks=2), seed=1)
+    load_checkpoint(target, model=model, restore_rng=False)
+    assert params_equal(model, own)
+
+    torch.manual_seed(0)
+    lm = AttnResLM(ModelConfig(vocab_size=40, d_model=16, n_layers=2, n_heads=2, max_seq_len=8, residual="full"))
+    target = ckpt_mod.save_checkpoint(
+        tmp_path / "lm",
+        model=lm,
+        optimizer=None,
+        step=0,
+        train_state={},
+        model_config=lm.config.to_dict(),
+        train_config={},
+    )
+    _drop_records(target)
+    loaded, _, _ = load_model(target)
+    x = torch.randint(0, 40, (2, 8))
+    assert torch.equal(loaded(x), lm.eval()(x))

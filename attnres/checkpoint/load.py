@@ -29,6 +29,7 @@ from attnres.checkpoint.format import (
     unparsable,
 )
 from attnres.parallel.state import unwrap
+from attnres.residual.base import check_records, record_keys
 
 
 def _set_rng_state(state: dict[str, Any]) -> None:
@@ -102,13 +103,17 @@ def _load_weights(fpath: Path, model: nn.Module) -> dict[str, torch.Tensor]:
         raise unparsable(fpath, e) from e
     for alias, src in aliases.items():
         tensors[alias] = tensors[src]
+    problem = check_records(unwrap(model), tensors)
+    if problem is not None:
+        raise CheckpointError(f"{fpath} does not fit the model: {problem}")
     expected = unwrap(model).state_dict()
-    missing = sorted(set(expected) - set(tensors))
+    records = set(record_keys(unwrap(model)))  # a record's length is its settings' text, not a shape
+    missing = sorted(set(expected) - set(tensors) - records)  # no record: saved before schemes kept one
     unexpected = sorted(set(tensors) - set(expected))
     shapes = [
         f"{k}: checkpoint {tuple(tensors[k].shape)}, model {tuple(v.shape)}"
         for k, v in expected.items()
-        if k in tensors and tuple(tensors[k].shape) != tuple(v.shape)
+        if k in tensors and k not in records and tuple(tensors[k].shape) != tuple(v.shape)
     ]
     if missing or unexpected or shapes:
         parts = []

@@ -23,6 +23,7 @@ from attnres.checkpoint.format import (
 from attnres.checkpoint.load import load_checkpoint
 from attnres.files import CHECKPOINT_DIR, TOKENIZER_FILE
 from attnres.model import AttnResLM, ModelConfig
+from attnres.residual.base import record_keys
 
 
 def resolve_device(name: str) -> torch.device:
@@ -77,7 +78,10 @@ def _check_config_fits_weights(ckpt: Path, config: ModelConfig) -> None:
             saved[alias] = saved[src]
     _check_counts(ckpt, fpath, config, saved)  # before building anything: a model's size is bounded by the file's
     with torch.device("meta"):
-        expected = {k: tuple(v.shape) for k, v in AttnResLM(config).state_dict().items()}
+        model = AttnResLM(config)
+    records = set(record_keys(model))  # checked on load; absent from checkpoints saved before schemes kept one
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items() if k not in records}
+    saved = {k: v for k, v in saved.items() if k not in records}
     wrong = [f"{k}: weights {saved.get(k)}, model_config {v}" for k, v in expected.items() if saved.get(k) != v]
     wrong += [f"{k}: weights {v}, not in model_config's model" for k, v in saved.items() if k not in expected]
     if wrong:

@@ -6,7 +6,8 @@
   from plain arguments (``FullAttnRes``, ``BlockAttnRes``, ``residual_scheme``); norms.py: the
   pre-norm eps that makes a zero-init model PreNorm exactly; param_groups.py: optimizer groups;
 - options.py: scheme options and their validation; observe.py: observers (the depth record,
-  residual I/O counting), kept out of the streams' arithmetic;
+  residual I/O counting), kept out of the streams' arithmetic; record.py: the settings a scheme's
+  state dict saves, so that its weights never load into a scheme computing another function;
 - prenorm.py: the PreNorm baseline; attnres.py: Full and Block AttnRes (the scheme), with its
   streams, the reference and each fast form, in depth_streams.py;
 - scaled.py: single-state rivals (ReZero, LayerScale, Highway);
@@ -42,6 +43,7 @@ from attnres.residual.observe import (
 from attnres.residual.options import Option
 from attnres.residual.param_groups import param_groups, parameter_kinds
 from attnres.residual.prenorm import PreNormResidual
+from attnres.residual.record import SchemeMismatch
 from attnres.residual.registry import (
     RESIDUALS,
     SchemeInfo,
@@ -73,6 +75,7 @@ __all__ = [
     "ResidualConfig",
     "ResidualScheme",
     "SchemeInfo",
+    "SchemeMismatch",
     "Stream",
     "StreamObserver",
     "StreamOps",

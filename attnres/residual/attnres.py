@@ -293,10 +293,13 @@ def source_plan(n_sublayers: int, block_size: int | Sequence[int]) -> list[tuple
 class DepthAttentionResidual(ResidualScheme):
     """Block AttnRes with block size S (S = 1: Full AttnRes), L sublayers, one query per sublayer + final."""
 
+    query_rank: int | None = None  # r of low-rank queries (attnres_weights="low_rank_query")
+
     def __init__(self, config):
         super().__init__()
         d, L = config.d_model, config.n_sublayers
         self.d_model, self.n_sublayers = d, L
+        self.scheme_name = config.residual  # "full" or "block" (or a subclass's)
         self.block_sizes = full_block_sizes(config) if config.residual == "full" else block_sizes(config)
         self.block_size = max(self.block_sizes)  # the largest block (uneven blocks: see block_sizes)
         self.num_blocks = len(self.block_sizes)
@@ -341,7 +344,7 @@ class DepthAttentionResidual(ResidualScheme):
         elif self.weights_kind == "low_rank_query":
             # q_l = w_l + U_l V_l h: U zero-initialised (q = w = 0 at step 0, uniform weights as for
             # pseudo-queries), V random so that U receives gradient from the first step
-            r = config.attnres_query_rank
+            r = self.query_rank = config.attnres_query_rank
             self.queries = nn.Parameter(torch.zeros(n_q, d))
             self.query_up = nn.Parameter(torch.zeros(n_q, d, r))
             self.query_down = nn.Parameter(torch.randn(n_q, r, d) / math.sqrt(d))
@@ -353,6 +356,27 @@ class DepthAttentionResidual(ResidualScheme):
             self.extra_start = [sum(q - 1 for q in self.read_queries[:l]) for l in range(n_q)]
         if self.key_norm:
             self.key_norm_weight = nn.Parameter(torch.ones(n_q, d))
+
+    def settings(self) -> dict:
+        return {
+            "d_model": self.d_model,
+            "n_sublayers": self.n_sublayers,
+            "attnres_blocks": self.num_blocks,
+            "attnres_block_sizes": list(self.block_sizes),
+            "attnres_window": self.window,
+            "attnres_weights": self.weights_kind,
+            "attnres_query_rank": self.query_rank,
+            "attnres_kernel": self.kernel,
+            "attnres_key_norm": self.key_norm,
+            "attnres_heads": self.heads,
+            "attnres_sources": "states" if self.states else "outputs",
+            "attnres_values": self.values,
+            "attnres_score_scale": self.score_scale,
+            "attnres_read_queries": list(self.read_queries),
+            "attnres_routing": "additive" if self.additive else "replacement",
+            "attnres_scale_norm_eps": self.scale_norm_eps,
+            "norm_eps": self.eps,
+        }
 
     def num_sources(self, l: int) -> int:
         """K_l: how many sources sublayer l (L = final aggregation) attends over."""

@@ -42,9 +42,9 @@ to it and see each read, write and end, and may wrap the tensor operations in
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -55,6 +55,7 @@ from attnres.ops.token_queries import merge_partial_token, phase1_token_queries
 from attnres.ops.two_phase import reference as two_phase_reference
 from attnres.ops.two_phase.compiled import phase1_sources
 from attnres.ops.two_phase.fused import merge, merge_partial, phase1_outputs
+from attnres.residual import record
 
 
 def store_row(buffer: Tensor, row: int, v: Tensor) -> None:
@@ -127,6 +128,13 @@ class Stream:
     def read(self, l: int | None = None) -> Tensor:
         """The input h_l of sublayer ``l`` (default: the next one), before its pre-norm."""
         l = self._next if l is None else l
+        if l == self._next >= self.n_sublayers and not self._reading:
+            raise ValueError(
+                f"stream.read({l}) / stream.apply: call {l + 1} for a scheme built with n_sublayers="
+                f"{self.n_sublayers} (sublayers 0 … {self.n_sublayers - 1}, all run); build the scheme with "
+                "n_sublayers = the sublayers your model runs through it (2 per attention + MLP block), or call "
+                "stream.end()"
+            )
         if l != self._next or self._reading:
             raise RuntimeError(f"stream.read({l}) out of order: expected read({self._next})")
         self._reading = True
@@ -214,10 +222,12 @@ class ResidualScheme(nn.Module):
 
     Subclasses implement ``_begin(embedding)`` and ``_resume(history, state, cache)``; ``begin`` and
     ``resume`` attach the observers (``record``, and those registered with
-    ``attnres.residual.observe.observing``).
+    ``attnres.residual.observe.observing``). ``settings()`` says what defines the function; the state
+    dict saves it (``attnres.residual.record``) and a load into other settings fails.
     """
 
     n_sublayers: int  # L, set by each subclass
+    scheme_name: str = "?"  # its RESIDUALS name, set by each subclass
 
     def __init__(self):
         super().__init__()
@@ -303,3 +313,57 @@ class ResidualScheme(nn.Module):
     def no_weight_decay(self) -> list[str]:
         """Names (relative to this module) of parameters the trainer must not decay: all of ours."""
         return [name for name, _ in self.named_parameters()]
+
+    # -- what the state dict records (attnres.residual.record)
+    def settings(self) -> dict[str, Any]:
+        """What defines this scheme's function, by ``ModelConfig`` field name (JSON values): saved with its
+        weights and compared on load. Choices of how it is computed (``attnres_impl``) and of the
+        initialisation alone are left out; ``norm_eps`` is restored on load rather than compared."""
+        return {"n_sublayers": self.n_sublayers}
+
+    def get_extra_state(self) -> Tensor:
+        return record.encode(record.record_of(self))
+
+    def set_extra_state(self, state: Any) -> None:
+        saved = record.decode(state, f"the state dict of {type(self).__name__}")
+        problem = record.mismatch(self, saved)
+        if problem is not None:
+            raise record.SchemeMismatch(problem)
+        record.restore(self, saved)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors):
+        key = prefix + record.RECORD_KEY
+        problem = record.mismatch(self, record.decode(state_dict[key], key)) if key in state_dict else None
+        if problem is not None:
+            if any(k.startswith(prefix) and k != key for k in state_dict):
+                raise record.SchemeMismatch(problem)  # before any weight is copied
+            # a state dict with none of this scheme's weights (a PreNorm model's, loaded with strict=False into
+            # an AttnRes model to start from its sublayers): the scheme takes nothing from it, its settings neither
+            state_dict = {k: v for k, v in state_dict.items() if k != key}
+        recorded = key in state_dict
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors)
+        if not recorded and key in missing_keys:
+            missing_keys.remove(key)  # saved before schemes kept a record: the model's own settings hold
+
+
+def record_keys(model: nn.Module) -> dict[str, ResidualScheme]:
+    """State-dict key of each residual scheme's record in ``model`` -> the scheme."""
+    return {
+        f"{prefix}.{record.RECORD_KEY}" if prefix else record.RECORD_KEY: module
+        for prefix, module in model.named_modules()
+        if isinstance(module, ResidualScheme)
+    }
+
+
+def check_records(model: nn.Module, tensors: Mapping[str, Tensor]) -> str | None:
+    """The first scheme of ``model`` whose record in ``tensors`` names other settings, as ``mismatch``'s line
+    (or the record that cannot be read); None where every record fits or is absent (saved before records)."""
+    for key, scheme in record_keys(model).items():
+        if key in tensors:
+            try:
+                problem = record.mismatch(scheme, record.decode(tensors[key], key))
+            except record.SchemeMismatch as e:
+                problem = str(e)
+            if problem is not None:
+                return problem
+    return None

@@ -113,6 +113,15 @@ class _BlockAveraging(ResidualScheme):
 class DenseFormerResidual(_BlockAveraging):
     """Depth-weighted averaging with learned scalar weights, identity-initialised."""
 
+    scheme_name = "denseformer"
+
+    def settings(self) -> dict:
+        return {
+            "n_sublayers": self.n_sublayers,
+            "denseformer_dilation": self.dilation,
+            "denseformer_period": self.period,
+        }
+
     def __init__(self, config):
         super().__init__(config)
         self.dilation = config.denseformer_dilation
@@ -142,9 +151,14 @@ class DenseFormerResidual(_BlockAveraging):
 class MUDDResidual(_BlockAveraging):
     """Per-token weights over all block outputs from a small MLP on the current block output."""
 
+    scheme_name = "mudd"
+
+    def settings(self) -> dict:
+        return {"n_sublayers": self.n_sublayers, "d_model": self.d_model, "norm_eps": self.eps}
+
     def __init__(self, config):
         super().__init__(config)
-        d = config.d_model
+        d = self.d_model = config.d_model
         self.w1 = nn.ParameterList()
         self.w2 = nn.ParameterList()
         self.static = nn.ParameterList()

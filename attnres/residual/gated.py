@@ -117,14 +117,20 @@ class DepthAttention(nn.Module):
 
 
 class GatedDepthAttentionResidual(ResidualScheme):
+    scheme_name = "gated"
+
     def __init__(self, config):
         super().__init__()
         self.n_sublayers = config.n_sublayers
+        self.d_model = config.d_model
         self.heads = config.gated_heads
         self.absorbed = config.attnres_impl != "reference"
         self.depth_attention = nn.ModuleList(
             DepthAttention(config.d_model, config.gated_heads) for _ in range(config.n_sublayers + 1)
         )
+
+    def settings(self) -> dict:
+        return {"n_sublayers": self.n_sublayers, "d_model": self.d_model, "gated_heads": self.heads}
 
     def _begin(self, embedding: Tensor) -> Stream:
         return GatedStream(self, [embedding], embedding)

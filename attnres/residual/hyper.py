@@ -144,6 +144,9 @@ class _MultiStreamScheme(ResidualScheme):
         self.n_streams = n_streams
         self.eps = config.norm_eps
 
+    def settings(self) -> dict:
+        return {"n_sublayers": self.n_sublayers, "d_model": self.d_model, "norm_eps": self.eps}
+
     def coefficients(self, l: int, H: Tensor):
         """(pre, post, res) for sublayer l: pre [n] or [B, T, n]; post likewise; res [n, n] or
         [B, T, n, n] with res[k, j] = weight of old stream j in new stream k."""
@@ -160,6 +163,11 @@ class _MultiStreamScheme(ResidualScheme):
 
 class HyperConnectionResidual(_MultiStreamScheme):
     """Hyper-Connections: static (SHC) or static + dynamic (DHC) connection matrices."""
+
+    scheme_name = "hyper"
+
+    def settings(self) -> dict:
+        return {**super().settings(), "hyper_streams": self.n_streams, "hyper_dynamic": self.dynamic}
 
     def __init__(self, config):
         n = config.hyper_streams
@@ -195,6 +203,11 @@ class HyperConnectionResidual(_MultiStreamScheme):
 
 class ManifoldHyperConnectionResidual(_MultiStreamScheme):
     """mHC: sigmoid pre/post maps and a Sinkhorn-projected (doubly stochastic) stream mixer."""
+
+    scheme_name = "mhc"
+
+    def settings(self) -> dict:
+        return {**super().settings(), "mhc_streams": self.n_streams, "mhc_sinkhorn_iters": self.iters}
 
     def __init__(self, config):
         n = config.mhc_streams

@@ -15,9 +15,12 @@ eps grown by K_l². It is the own-model form of ``ModelConfig.attnres_scale_norm
     scheme = attnres.FullAttnRes(d_model=256, n_sublayers=24)
     attnres.match_prenorm_eps([norm for block in blocks for norm in (block.ln_1, block.ln_2)] + [ln_f], scheme)
 
-Call it once after building the model (before training or loading a checkpoint: eps is not part of
-a state dict). It is idempotent: the first call remembers each norm's own eps, and every call sets
-eps = that base eps · c_l², so calling it again (with the same scheme) changes nothing.
+Call it once after building the model, before training or loading a checkpoint. It is idempotent:
+the first call remembers each norm's own eps, and every call sets eps = that base eps · c_l², so
+calling it again (with the same scheme) changes nothing. The scheme remembers the norms it matched:
+its state dict saves their base eps, and loading it into a scheme matched the same way sets them
+again, while loading it into a model whose norms were not matched (or the other way round) fails
+(``attnres.residual.record``).
 """
 
 from __future__ import annotations
@@ -28,8 +31,8 @@ import torch
 from torch import nn
 
 from attnres.residual.base import ResidualScheme
-
-_BASE = "_attnres_base_eps"  # the eps a norm had before the first call
+from attnres.residual.record import BASE_EPS as _BASE  # the eps a norm had before the first call
+from attnres.residual.record import remember_matched_norms
 
 
 def _eps_attribute(norm: nn.Module, where: str) -> str:
@@ -121,4 +124,6 @@ def match_prenorm_eps(norms: Iterable[nn.Module], scheme: ResidualScheme) -> lis
         setattr(norm, _BASE, base)
         setattr(norm, attribute, base * scale)
         set_to.append(base * scale)
+    if any(scale != 1.0 for scale in scales):  # a scheme that changes no eps computes the same function either way
+        remember_matched_norms(scheme, list(zip(norms, attributes, strict=True)))
     return set_to

@@ -63,9 +63,19 @@ def _names_under(model: nn.Module, prefix: str, module: nn.Module, names: Iterab
 def _head_modules(model: nn.Module, head) -> list[nn.Module]:
     if head is not None:
         heads = [head] if isinstance(head, nn.Module) else list(head)
+        owned = {id(p) for p in model.parameters()}
         for h in heads:
             if not isinstance(h, nn.Module):
                 raise TypeError(f"head must be a module or a sequence of modules; got {type(h).__name__}")
+            weight = getattr(h, "weight", None)
+            if not isinstance(weight, nn.Parameter) or id(weight) not in owned:
+                # the model's real head would then pass for a hidden matrix and go to Muon
+                why = "has no weight parameter" if not isinstance(weight, nn.Parameter) else "is not part of the model"
+                raise ValueError(
+                    f"head={type(h).__name__}(...) {why}: {type(model).__name__}'s parameters do not include its "
+                    "weight; pass the model's own output head module (e.g. head=model.lm_head, the module "
+                    "itself, not a copy or a new layer), or leave head out to find it by its shape"
+                )
         return heads
     get = getattr(model, "get_output_embeddings", None)
     if callable(get):

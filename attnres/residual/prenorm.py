@@ -26,6 +26,8 @@ class PreNormStream(Stream):
 
 
 class PreNormResidual(ResidualScheme):
+    scheme_name = "prenorm"
+
     def __init__(self, config):
         super().__init__()
         self.n_sublayers = config.n_sublayers

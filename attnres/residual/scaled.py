@@ -97,6 +97,9 @@ class _SingleStateScheme(ResidualScheme):
         self.d_model = config.d_model
         self.eps = config.norm_eps
 
+    def settings(self) -> dict:
+        return {"n_sublayers": self.n_sublayers, "d_model": self.d_model}
+
     def update(self, l: int, h: Tensor, f: Tensor) -> Tensor:
         raise NotImplementedError
 
@@ -110,6 +113,8 @@ class _SingleStateScheme(ResidualScheme):
 class ReZeroResidual(_SingleStateScheme):
     """h <- h + a_l f with a scalar a_l per sublayer, zero at init."""
 
+    scheme_name = "rezero"
+
     def __init__(self, config):
         super().__init__(config)
         self.alpha = nn.Parameter(torch.zeros(self.n_sublayers))
@@ -120,6 +125,8 @@ class ReZeroResidual(_SingleStateScheme):
 
 class LayerScaleResidual(_SingleStateScheme):
     """h <- h + lambda_l * f with a per-channel vector lambda_l per sublayer."""
+
+    scheme_name = "layerscale"  # layerscale_init only initialises: not a setting of the function
 
     def __init__(self, config):
         super().__init__(config)
@@ -132,6 +139,11 @@ class LayerScaleResidual(_SingleStateScheme):
 
 class HighwayResidual(_SingleStateScheme):
     """h <- (1 - g) h + g f, g = sigmoid(W_g unit_rms(h) + b_g), per channel and token."""
+
+    scheme_name = "highway"
+
+    def settings(self) -> dict:
+        return {**super().settings(), "highway_rank": self.rank, "norm_eps": self.eps}
 
     def __init__(self, config):
         super().__init__(config)

@@ -2,6 +2,7 @@
 reach Muon and are never decayed; the assignment equals AttnResLM.param_kinds() (what the trainer used);
 the groups drive torch.optim.Muon + AdamW; bad arguments fail clearly."""
 
+import copy
 import math
 
 import pytest
@@ -233,3 +234,13 @@ def test_errors():
         param_groups(model, matrix_stacks=["blocks.0.attn.weight"])
     with pytest.raises(TypeError, match="head must be a module or a sequence of modules; got str"):
         param_groups(model, head=["lm_head"])
+
+
+def test_a_head_outside_the_model_is_refused():
+    """A head module that is not the model's (a copy, a new layer) would leave the real head to Muon."""
+    model = OwnGPT()
+    for stray in (copy.deepcopy(model.lm_head), nn.Linear(4, 4), nn.Identity()):
+        for head in (stray, [model.lm_head, stray]):
+            with pytest.raises(ValueError, match=r"head=\w+\(\.\.\.\) (is not part of the model|has no weight)"):
+                param_groups(model, head=head)
+    assert parameter_kinds(model, head=model.lm_head)["lm_head.weight"] == "head"
