@@ -58,6 +58,15 @@ from attnres.ops.two_phase.fused import merge, merge_partial, phase1_outputs
 from attnres.residual import record
 
 
+def widened(f: Tensor, stream: Tensor) -> Tensor:
+    """A sublayer output ``f`` in the precision of the ``stream`` it enters: the wider of the two dtypes, as
+    PreNorm's h + f promotes. Under autocast a sublayer returns bfloat16 while the embedding stays float32;
+    kept in bfloat16, a running sum would round at every write and each source's gradient would be summed
+    over its readers in bfloat16. Same dtypes (float32 in, or a bfloat16 model): ``f`` itself, uncopied."""
+    wide = torch.promote_types(f.dtype, stream.dtype)
+    return f if f.dtype == wide else f.to(wide)
+
+
 def store_row(buffer: Tensor, row: int, v: Tensor) -> None:
     """buffer[:, :, row] = v, outside autograd (the buffer is a read-only view for the ops)."""
     with torch.no_grad():

@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnres.ops.common import autocast_disabled
 from attnres.residual.base import ResidualScheme, Stream
 from attnres.residual.options import Option, positive_int
 from attnres.residual.scaled import unit_rms
@@ -174,7 +175,7 @@ class MUDDResidual(_BlockAveraging):
         """[B, T, K] weights over X_0 … X_I, in at least float32 (autocast off for this small MLP)."""
         i = block - 1
         dtype = torch.promote_types(current.dtype, torch.float32)
-        with torch.autocast(current.device.type, enabled=False):
+        with autocast_disabled(current.device.type):
             u = unit_rms(current.to(dtype), self.eps)
             hidden = F.gelu(u @ self.w1[i].to(dtype).t())
             return hidden @ self.w2[i].to(dtype).t() + self.static[i].to(dtype)

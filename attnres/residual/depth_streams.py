@@ -47,7 +47,7 @@ from attnres.ops.depth_attention import (
     multi_query_depth_attention,
 )
 from attnres.ops.token_queries import low_rank_queries
-from attnres.residual.base import COMPILED_OPS, Stream
+from attnres.residual.base import COMPILED_OPS, Stream, widened
 
 
 class DepthAttentionStream(Stream):
@@ -160,7 +160,7 @@ class DepthAttentionStream(Stream):
         return self._route(l, self._aggregate(l))
 
     def _write(self, l: int, f: Tensor) -> None:
-        f = self._widened(f)
+        f = widened(f, self.sources[0])
         if self.scheme.additive:
             assert self.residual is not None  # the scheme sets it on begin and resume
             self.residual = self.ops.accumulate(self.residual, f)
@@ -177,14 +177,6 @@ class DepthAttentionStream(Stream):
 
     def _end(self) -> Tensor:
         return self._route(self.n_sublayers, self._aggregate(self.n_sublayers))
-
-    def _widened(self, f: Tensor) -> Tensor:
-        """f in the stream's precision: the wider of its own dtype and the embedding's, as PreNorm's h + f
-        promotes. Under autocast a sublayer returns bfloat16 while the embedding stays float32: kept in
-        bfloat16, a block's partial sum would round at every write, and each source's gradient would be
-        summed over its readers in bfloat16. Same dtypes (float32 in, or a bfloat16 model): f itself."""
-        wide = torch.promote_types(f.dtype, self.sources[0].dtype)
-        return f if f.dtype == wide else f.to(wide)
 
     def _export(self):
         state = [self.partial] if self.partial is not None else []

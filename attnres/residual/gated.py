@@ -46,7 +46,7 @@ import torch
 from torch import Tensor, nn
 
 from attnres.ops.gated_depth_attention import gated_depth_attention
-from attnres.residual.base import ResidualScheme, Stream
+from attnres.residual.base import ResidualScheme, Stream, widened
 from attnres.residual.options import Option, bad_option, is_positive_int, one_of
 
 IMPLS = ("two_phase", "fused", "reference")
@@ -160,6 +160,7 @@ class GatedStream(Stream):
         return self._h
 
     def _write(self, l: int, f: Tensor) -> None:
+        f = widened(f, self.sources[0])
         self.x = self.ops.accumulate(self._h, f)
         self._h = None
         self.sources.append(f)

@@ -66,7 +66,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from attnres.residual.base import ResidualScheme, Stream
+from attnres.ops.common import autocast_disabled
+from attnres.residual.base import ResidualScheme, Stream, widened
 from attnres.residual.options import Option, boolean, positive_int
 from attnres.residual.scaled import unit_rms
 
@@ -108,21 +109,24 @@ class MultiStream(Stream):
         pre, post, res = self.scheme.coefficients(l, self.H)
         self._coeffs = (post, res)
         dt = self.H.dtype
-        if pre.dim() == 1:
-            return torch.einsum("j,jbtd->btd", pre.to(dt), self.H)
-        return torch.einsum("btj,jbtd->btd", pre.to(dt), self.H)
+        with autocast_disabled(self.H.device.type):  # the streams stay in their own precision, as PreNorm's
+            if pre.dim() == 1:
+                return torch.einsum("j,jbtd->btd", pre.to(dt), self.H)
+            return torch.einsum("btj,jbtd->btd", pre.to(dt), self.H)
 
     def _write(self, l: int, f: Tensor) -> None:
         assert self._coeffs is not None  # Stream.write runs only after the read that set them
         post, res = self._coeffs
         self._coeffs = None
         dt = self.H.dtype
-        if res.dim() == 2:
-            mixed = torch.einsum("kj,jbtd->kbtd", res.to(dt), self.H)
-            self.H = mixed + post.to(dt)[:, None, None, None] * f
-        else:
-            mixed = torch.einsum("btkj,jbtd->kbtd", res.to(dt), self.H)
-            self.H = mixed + post.to(dt).permute(2, 0, 1).unsqueeze(-1) * f
+        f = widened(f, self.H)
+        with autocast_disabled(self.H.device.type):
+            if res.dim() == 2:
+                mixed = torch.einsum("kj,jbtd->kbtd", res.to(dt), self.H)
+                self.H = mixed + post.to(dt)[:, None, None, None] * f
+            else:
+                mixed = torch.einsum("btkj,jbtd->kbtd", res.to(dt), self.H)
+                self.H = mixed + post.to(dt).permute(2, 0, 1).unsqueeze(-1) * f
 
     def _end(self) -> Tensor:
         return self.H.sum(0)
@@ -189,7 +193,7 @@ class HyperConnectionResidual(_MultiStreamScheme):
         if not self.dynamic:
             return self.static_pre[l], self.static_post[l], self.static_res[l].t()
         dtype = torch.promote_types(H.dtype, torch.float32)
-        with torch.autocast(H.device.type, enabled=False):
+        with autocast_disabled(H.device.type):
             u = unit_rms(H.to(dtype), self.eps)  # [n, B, T, D], per stream
             a = self.alpha_scale[l].to(dtype) * torch.tanh(u @ self.dynamic_alpha[l].to(dtype))
             b = self.beta_scale[l].to(dtype) * torch.tanh(u @ self.dynamic_beta[l].to(dtype))
@@ -230,7 +234,7 @@ class ManifoldHyperConnectionResidual(_MultiStreamScheme):
     def coefficients(self, l: int, H: Tensor):
         n = self.n_streams
         dtype = torch.promote_types(H.dtype, torch.float32)
-        with torch.autocast(H.device.type, enabled=False):
+        with autocast_disabled(H.device.type):
             x = H.to(dtype).permute(1, 2, 0, 3).flatten(2)  # [B, T, n D]: vec of the n x D state
             u = unit_rms(x, self.eps)
             g = self.gate[l].to(dtype)

@@ -15,7 +15,7 @@ from torch import nn
 from attnres import AttnResLM, ModelConfig
 from attnres.ops.depth_attention import depth_attention_reference
 from attnres.ops.two_phase import compiled as compiled_phase1
-from attnres.residual import BlockAttnRes, FullAttnRes
+from attnres.residual import RESIDUALS, BlockAttnRes, FullAttnRes
 from attnres.residual import depth_streams as forms
 
 D, L = 64, 24
@@ -106,15 +106,18 @@ def test_under_autocast_the_depth_stream_keeps_float32(kind, form, device, monke
         torch.testing.assert_close(g16[name], want, rtol=1e-4, atol=1e-4 * want.abs().max().item(), msg=name)
 
 
-@pytest.mark.parametrize("impl", ["two_phase", "fused", "reference"])
-@pytest.mark.parametrize("residual", ["block", "full"])
-def test_a_model_under_autocast_keeps_its_depth_state_in_float32(residual, impl):
-    """The whole model under CPU bf16 autocast: every sublayer reads float32 (PreNorm's stream's dtype) and
-    every tensor of the depth state handed between Transformer blocks is float32."""
+@pytest.mark.parametrize(
+    "residual,options",
+    [(r, {"attnres_impl": i}) for r in ("block", "full") for i in ("two_phase", "fused", "reference")]
+    + [(r, {}) for r in RESIDUALS if r not in ("block", "full")],
+    ids=lambda v: v if isinstance(v, str) else v.get("attnres_impl", ""),
+)
+def test_a_model_under_autocast_keeps_its_depth_state_in_float32(residual, options):
+    """The whole model under CPU bf16 autocast, every registered scheme: every sublayer reads float32
+    (PreNorm's stream's dtype) and every tensor of the depth state handed between Transformer blocks is
+    float32."""
     model = AttnResLM(
-        ModelConfig(
-            vocab_size=64, d_model=16, n_layers=3, n_heads=2, max_seq_len=8, residual=residual, attnres_impl=impl
-        )
+        ModelConfig(vocab_size=64, d_model=16, n_layers=3, n_heads=2, max_seq_len=8, residual=residual, **options)
     )
     seen: list[tuple[str, torch.dtype]] = []
     for i, block in enumerate(model.blocks):
@@ -170,11 +173,14 @@ def test_float32_outputs_enter_the_stream_uncopied(kind):
     assert (stream.sources[-1] if kind == "full" else stream.partial) is f
 
 
+RIVALS = [name for name in RESIDUALS if name not in ("block", "full")]  # every other registered scheme
+
+
 @pytest.mark.parametrize(
     "residual,options",
-    [("prenorm", {})]
+    [(r, {}) for r in RIVALS]
     + [(r, {"attnres_impl": i}) for r in ("block", "full") for i in ("two_phase", "fused", "reference")],
-    ids=["prenorm"] + [f"{r}-{i}" for r in ("block", "full") for i in ("two_phase", "fused", "reference")],
+    ids=list(RIVALS) + [f"{r}-{i}" for r in ("block", "full") for i in ("two_phase", "fused", "reference")],
 )
 def test_a_forward_on_the_meta_device_infers_shapes(residual, options):
     """A model built on the meta device runs forward and backward there (no autocast exists on it)."""
