@@ -125,10 +125,13 @@ def _compatible_run(exp_dir: Path, payload: dict, skip: str, indexes: dict[Path,
     return next((d for stored, d in index if d.name != skip and payload_compatible(stored, payload)), None)
 
 
-def status_of(run: PlannedRun, runs_root, name: str, indexes: dict[Path, list[tuple]] | None = None) -> RunStatus:
+def status_of(
+    run: PlannedRun, runs_root, name: str, indexes: dict[Path, list[tuple]] | None = None, *, reuse: bool = True
+) -> RunStatus:
     """The state of one planned run. A finished run whose hash differs only because the library has
     since added config fields (at their defaults) counts as done, in its own directory; one in another
-    experiment is reusable (copied under its own name, which the first rule then finds)."""
+    experiment is reusable (copied under its own name, which the first rule then finds) unless ``reuse``
+    is off (the spec's ``reuse = false``)."""
     run_dir = planned_run_dir(runs_root, name, run)
     if is_done(run_dir, run.hash):
         return RunStatus(run, run_dir, "done", run.train.steps)
@@ -144,7 +147,7 @@ def status_of(run: PlannedRun, runs_root, name: str, indexes: dict[Path, list[tu
     if step is not None and (read_json(run_dir / RUN_FILE) or {}).get("config_hash", run.hash) == run.hash:
         return RunStatus(run, run_dir, "partial", int(step))
     root = Path(runs_root)
-    if root.is_dir() and not isinstance(runs_root, LabelledRuns):  # its neighbours are runs
+    if reuse and root.is_dir() and not isinstance(runs_root, LabelledRuns):  # its neighbours are runs
         for other in sorted(root.iterdir()):
             if other.name == name:
                 continue
@@ -160,7 +163,7 @@ def status_of(run: PlannedRun, runs_root, name: str, indexes: dict[Path, list[tu
 def plan_status(spec: ExperimentSpec, runs_root=DEFAULT_RUNS_ROOT) -> list[RunStatus]:
     """The state of every planned run (entries sharing a hash share a directory)."""
     indexes: dict[Path, list[tuple]] = {}  # each experiment directory read once for the whole plan
-    return [status_of(run, runs_root, spec.name, indexes) for run in expand(spec)]
+    return [status_of(run, runs_root, spec.name, indexes, reuse=spec.reuse) for run in expand(spec)]
 
 
 def matches(run: PlannedRun, pattern: str | None) -> bool:
@@ -580,7 +583,8 @@ def _advance(
 ) -> str:
     """One planned run, under its config lock: skip, copy or train it. Returns what happened (a key of
     run_experiment's counts)."""
-    s = status_of(s.run, runs_root, spec.name)  # fresh: an earlier entry or another process may have made it
+    # fresh: an earlier entry or another process may have made it
+    s = status_of(s.run, runs_root, spec.name, reuse=spec.reuse)
     if s.state == "done" or (s.state == "diverged" and not retry_diverged):
         return "skipped"
     source = s.source if s.state == "reusable" else None
@@ -595,7 +599,7 @@ def _advance(
         return "left"
     if s.state == "diverged":  # a retry starts from scratch: resuming would diverge again
         shutil.rmtree(s.dir, ignore_errors=True)
-        s = status_of(s.run, runs_root, spec.name)
+        s = status_of(s.run, runs_root, spec.name, reuse=spec.reuse)
     try:
         outcome = execute_one(s, spec, progress=progress, threads=threads, log=log, command=command)
     except TrainingInterrupted as e:

@@ -12,6 +12,7 @@ A spec file ``experiments/NAME.toml``::
     tokens_per_second = 6000      # default throughput estimate for --dry-run
     keep_checkpoint = false       # keep each finished run's final checkpoint
     eval_split = true             # evaluate each final model on the whole validation split
+    reuse = true                  # copy finished runs of the same config from other experiments
 
     [base]                        # preset + ModelConfig / TrainConfig fields
     preset = "demo"
@@ -81,6 +82,7 @@ EXPERIMENT_KEYS = frozenset(
         "tokens_per_second",
         "keep_checkpoint",
         "eval_split",
+        "reuse",
         "baseline",
         "headline",
     }
@@ -184,6 +186,9 @@ class ExperimentSpec:
     # loss the reports use when every finished run of the experiment has it; the trainer's own evaluations
     # read only the split's first eval_batches batches
     eval_split: bool = True
+    # copy a finished run of the same config from another experiment instead of training it; false where
+    # every run must come from this experiment's own code version (provenance: one clean commit)
+    reuse: bool = True
     baseline: str | None = None  # label of the reference point of paired comparisons
     headline: list[str] = field(default_factory=list)  # labels of the headline rows
     text: str = ""  # the file as read, for the report and the manifest
@@ -367,6 +372,9 @@ def parse_spec(path: Path, text: str | None = None) -> ExperimentSpec:
     eval_split = exp.get("eval_split", True)
     if not isinstance(eval_split, bool):
         raise _err(path, "[experiment] eval_split", "must be true or false")
+    reuse = exp.get("reuse", True)
+    if not isinstance(reuse, bool):
+        raise _err(path, "[experiment] reuse", "must be true or false")
     baseline = exp.get("baseline")
     if baseline is not None and not isinstance(baseline, str):
         raise _err(path, "[experiment] baseline", "must be a point label (a string)")
@@ -456,6 +464,7 @@ def parse_spec(path: Path, text: str | None = None) -> ExperimentSpec:
         tokens_per_second=tps,
         keep_checkpoint=keep,
         eval_split=eval_split,
+        reuse=reuse,
         baseline=baseline,
         headline=list(headline),
         text=text,

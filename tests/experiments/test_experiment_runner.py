@@ -181,6 +181,20 @@ def test_identical_configs_share_a_run_and_other_experiments_reuse_it(tmp_path, 
     assert "Wall time of the finished runs: 0.00 h in all (0.00 h in optimizer steps" in text
     assert "1 run comes from identical runs of first (their time counts there)" in text
 
+    # reuse = false: the same config is trained afresh, never copied (one code version per experiment)
+    write_spec(
+        specs,
+        "fresh",
+        f"""
+        [experiment]
+        name = "fresh"
+        reuse = false
+        {tiny_base()}
+    """,
+    )
+    fresh = load_spec("fresh", specs)
+    assert states(fresh, root) == ["missing"]
+
 
 def test_divergence_is_recorded_and_not_retried_unless_asked(two_by_two, monkeypatch):
     spec, root = two_by_two
