@@ -13,8 +13,11 @@ TEST_EXTRAS ?= dev,hf,triton,eval,serving,torchtitan
 # installed without its dependencies when TEST_EXTRAS has torchtitan (pyproject.toml's torchtitan extra says why);
 # torchtitan needs Python 3.11+, so older interpreters skip it (and its tests skip)
 TORCHTITAN ?= torchtitan==0.3.0
+# what `make install` adds to the core: the extras the README's tour uses (transformers for the Hugging Face
+# and Kimi Linear stops, gguf for --to gguf); `make install EXTRAS=` installs the core alone
+EXTRAS ?= hf,serving
 
-.PHONY: install test test-fast lint demo clean
+.PHONY: install test test-fast lint demo clean test-serving
 
 $(BIN)/.installed: pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -29,7 +32,12 @@ $(BIN)/.installed-test: $(BIN)/.installed
 		then $(BIN)/python -m pip install -q --no-deps '$(TORCHTITAN)'; fi;; esac
 	touch $@
 
-install: $(BIN)/.installed
+$(BIN)/.installed-extras: $(BIN)/.installed
+	$(if $(EXTRAS),$(BIN)/python -m pip install -q -e '.[$(EXTRAS)]')
+	touch $@
+
+# then `source .venv/bin/activate` puts `attnres` on PATH (or call .venv/bin/attnres)
+install: $(BIN)/.installed-extras
 
 # one pytest-xdist worker per core (TEST_WORKERS=0: one process, as a plain `pytest` runs)
 TEST_WORKERS ?= $(shell nproc 2>/dev/null || echo 2)
@@ -51,8 +59,9 @@ lint: $(BIN)/.installed-test
 	$(BIN)/ruff format --check attnres tests
 	$(BIN)/mypy
 
-demo: install
-	$(BIN)/attnres demo
+# the core is all the demo needs; `make demo DEMO_ARGS=--full` runs the full-size comparison
+demo: $(BIN)/.installed
+	$(BIN)/attnres demo $(DEMO_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,11 +1,18 @@
-"""The snippets of README.md and of every docs/*.md, run as written so that they cannot drift.
+"""The code blocks of README.md and of every docs/*.md, run as written so that they cannot drift.
+
+Every block is accounted for (``test_every_block_runs_or_says_why``): it runs here, or ``NOT_RUN`` says
+why not (a GPU, several processes, packages or programs a test machine lacks, minutes of benchmarks).
 
 Every ```python block runs: the blocks of one file in order, in one namespace, as a reader pasting them
-into one session would, with small stand-ins for the inputs the text leaves to the reader (the
-``STAND_INS`` below; a file without stand-ins must be self-contained). A block that needs what a test
+into one session would, with small stand-ins for the inputs the text leaves to the reader (a model and
+prompts for docs/inference.md, local Hugging Face directories; a file without stand-ins must be
+self-contained). A block that needs what a test
 machine lacks (a GPU, several torchrun processes) is fenced ```python no-run and is only compiled.
-The values the README's comments state are compared with what runs, and every ``attnres`` command of
-the ```bash blocks parses with the real CLI parser."""
+The values the README's comments state are compared with what runs. Every shell line of the README's
+blocks runs in one temporary directory, in the order printed, so that each line reads what the lines
+before it wrote; a training line gets flags that shrink it to seconds (``TINY``) appended, and the
+inputs the text leaves to the reader (a local Llama and Kimi Linear checkpoint, a text folder) are
+made first. Every ``attnres`` command of every ```bash block parses with the real CLI parser."""
 
 from __future__ import annotations
 
@@ -13,6 +20,8 @@ import ast
 import os
 import re
 import shlex
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -69,16 +78,6 @@ def comment_after(code: str, expression: str) -> str:
 # ----------------------------------------------------------------------------- the inputs of each file
 
 
-def op_inputs() -> dict:
-    """The op alone: sources [K, B, T, D] and the parameters of one sublayer."""
-    g = torch.Generator().manual_seed(0)
-    return {
-        "sources": torch.randn(3, 2, 5, 16, generator=g),
-        "query": torch.randn(16, generator=g),
-        "key_norm_weight": 1 + 0.1 * torch.randn(16, generator=g),
-    }
-
-
 def inference_inputs() -> dict:
     """docs/inference.md: a model and the prompts the text leaves to the reader."""
     from attnres import AttnResLM, ModelConfig
@@ -122,7 +121,7 @@ def test_the_readme_snippets_run_and_state_what_they_compute():
     exec(own_model, namespace)  # self-contained
     shape = re.search(r"(\[[\d, ]+\])", comment_after(own_model, "residual.finish(depth)")).group(1)
     assert list(namespace["y"].shape) == ast.literal_eval(shape)
-    namespace = op_inputs()
+    namespace = {}
     torch.manual_seed(0)
     exec(use_it, namespace)
     # the values the comments state
@@ -131,7 +130,8 @@ def test_the_readme_snippets_run_and_state_what_they_compute():
     shape = re.search(r"= (\[[\d, ]+\])", comment_after(use_it, "out.record.weights[5]")).group(1)
     assert list(namespace["out"].record.weights[5].shape) == ast.literal_eval(shape)
     assert list(namespace["logits"].shape) == ast.literal_eval(comment_after(use_it, "(2, 64)))").strip())
-    exec(op, namespace)
+    namespace = {}
+    exec(op, namespace)  # self-contained
     assert namespace["h"].shape == (2, 5, 16)
     for merged, whole in zip(namespace["merged"], namespace["out"].stats, strict=True):
         torch.testing.assert_close(merged, whole)
@@ -221,9 +221,9 @@ def test_the_hugging_face_snippets_run(tmp_path, monkeypatch):
     transformers = pytest.importorskip("transformers")
     monkeypatch.chdir(tmp_path)
     lm = hf_directories(transformers)
-    namespace = {"input_ids": torch.randint(0, 96, (1, 5))}
-    exec(blocks(ROOT / "README.md")[3], namespace)
-    assert namespace["out"].shape[0] == 1 and Path("llama-attnres/config.json").is_file()
+    namespace = {}
+    exec(blocks(ROOT / "README.md")[3], namespace)  # its prompt is its own
+    assert namespace["out"].shape == (1, 24) and Path("llama-attnres/config.json").is_file()
     namespace = {"input_ids": torch.randint(0, 96, (1, 5))}
     exec(blocks(ROOT / "docs" / "hf.md")[0], namespace)
     assert namespace["greedy"].shape[0] == 2 and namespace["beams"].shape[0] == 2
@@ -246,3 +246,221 @@ def test_the_harness_snippet_runs(tmp_path, monkeypatch):
     namespace: dict = {}
     exec("import attnres.hf\n" + blocks(ROOT / "docs" / "hf.md")[1], namespace)  # the block above imported it
     assert namespace["results"]["bits_per_byte,none"] > 0
+
+
+# ----------------------------------------------------------------------------- every block, accounted for
+
+CODE_LANGUAGES = ("python", "bash", "sh")  # ```text and bare fences are diagrams and sample output
+# (file, the start of a block's first line) -> why the suite does not run that block
+NOT_RUN = {
+    ("README.md", "torchrun --nproc-per-node 4"): "4 torchrun processes; tests/parallel runs these layouts "
+    "at 2 and 4 gloo processes, and every line parses here",
+    ("docs/cli.md", "attnres train --preset demo"): "benchmarks and torch.compile (inductor) take minutes on "
+    "CPU; the README's block runs the train / sample / eval lines, tests/bench and tests/train the rest",
+    ("docs/cli.md", "attnres options"): "an experiment and a report over committed runs (minutes); the "
+    "convert and bench kimi lines run in the README's blocks",
+    ("docs/distributed.md", "# data parallel"): "8 GPUs",
+    ("docs/distributed.md", "# on each of 2 nodes"): "2 nodes of 8 GPUs",
+    ("docs/distributed.md", "torchrun --nproc-per-node 4"): "4 torchrun processes (tests/parallel)",
+    ("docs/distributed.md", "torchrun --nproc-per-node 2"): "2 and 4 torchrun processes (tests/parallel)",
+    ("docs/distributed.md", "pip install -e '.[torchtitan]'"): "installs packages",
+    ("docs/distributed.md", "torchrun --nproc_per_node 8"): "8 GPUs",
+    ("docs/distributed.md", "OMP_NUM_THREADS=1 pytest"): "runs tests/integrations, which the suite runs itself",
+    ("docs/distributed.md", "python examples/hf_trainer.py"): "accelerate launch of 2 processes; "
+    "tests/examples/test_hf_trainer.py runs the script",
+    ("docs/experiments.md", "attnres experiment ablations"): "trains an experiment suite (hours)",
+    ("docs/hf.md", "attnres convert path/to/llama"): "the same lines as the README's block, which runs",
+    ("docs/hf.md", "attnres convert path/to/qwen3"): "sample output and families (OLMo-2) the test machine has "
+    "no checkpoint of; tests/hf converts each family",
+    ("docs/kimi_linear.md", "attnres train --preset kimi-demo"): "experiments over both backbones (hours); "
+    "the README's Kimi block runs the train, sample, convert and bench lines",
+    ("docs/performance.md", "attnres bench train --compile"): "the benchmarks behind the tables (minutes each)",
+    ("docs/performance.md", "scripts/gpu_check.sh"): "a GPU; tests/test_gpu_check.py runs its --dry-run",
+    ("docs/serving.md", "attnres bench decode"): "torch.compile warm-up: minutes on CPU",
+    ("docs/serving.md", "pip install 'attnres[serving]'"): "installs packages; the convert line runs in the "
+    "README's Kimi block",
+    ("docs/serving.md", "python -m venv"): "builds llama-cpp-python from source (6-22 minutes, a C++ compiler)",
+    ("docs/serving.md", "git clone"): "clones and builds llama.cpp (network, a C++ compiler, minutes)",
+    ("docs/serving.md", "./build/bin/llama-completion"): "llama.cpp's programs, built as the block above says",
+    ("docs/serving.md", "from llama_cpp import Llama"): "llama-cpp-python, which is not installable here (no "
+    "wheel; a 6-22 minute source build); scripts/llama_cpp_parity.py makes the same calls where it is",
+    ("docs/serving.md", "PYTHONPATH=/tmp/llamacpp-venv"): "llama-cpp-python, which is not installable here "
+    "(no wheel; a source build)",
+    ("docs/serving.md", "attnres train --preset kimi-tiny --residual block"): "llama-cpp-python's server",
+    ("docs/serving.md", "pip install 'attnres[mlx]'"): "installs mlx; `make test-serving` runs tests/serving",
+    ("docs/serving.md", "python -m pytest"): "runs tests/serving, which `make test-serving` runs",
+    ("docs/serving.md", "attnres convert runs/kimi out/k3-layout"): "the convert verbs run in tests/serving "
+    "and tests/kimi on tiny runs",
+    ("docs/serving.md", "attnres train --preset kimi-tiny --set"): "the K3 options train in tests/kimi",
+}
+
+
+def code_blocks() -> list[tuple[str, str, str, str]]:
+    """(file, language, info, code) of every fenced block of README.md and docs/*.md."""
+    return [
+        (rel(path), lang, info.strip(), code) for path in FILES for lang, info, code in FENCE.findall(path.read_text())
+    ]
+
+
+def not_run_reason(where: str, code: str) -> str | None:
+    first = code.lstrip().splitlines()[0] if code.strip() else ""
+    return next((why for (f, start), why in NOT_RUN.items() if f == where and first.startswith(start)), None)
+
+
+def test_every_block_runs_or_says_why():
+    """A python block runs unless fenced no-run (and then NOT_RUN says why); the README's shell blocks run
+    (test_the_readme_shell_lines_run); any other shell block is in NOT_RUN with its reason. A block of a new
+    kind, or a shell block of the docs without a reason, fails here."""
+    used = set()
+    for where, lang, info, code in code_blocks():
+        assert lang in CODE_LANGUAGES + ("text", ""), f"{where}: a ```{lang} block: run it here or call it text"
+        if lang in ("text", ""):
+            continue
+        why = not_run_reason(where, code)
+        if why is not None:
+            used.add(next(k for k in NOT_RUN if k[0] == where and code.lstrip().startswith(k[1])))
+        runs = (lang == "python" and "no-run" not in info.split()) or (lang != "python" and where == "README.md")
+        assert runs or why, f"{where}: this block neither runs in tests/test_readme.py nor says why not:\n{code}"
+        assert not (runs and why and where != "README.md"), f"{where}: a block that runs has a NOT_RUN reason"
+    assert used == set(NOT_RUN), f"reasons for blocks that no longer exist: {set(NOT_RUN) - used}"
+
+
+# ----------------------------------------------------------------------------- the README's shell lines
+
+# appended to the README's lines so that each runs in seconds (the flags come last and so win); a
+# warmup of its own keeps a shortened run from the cap a preset's warmup would get
+TINY_TRAIN = [
+    *("--steps", "4", "--warmup-steps", "1", "--batch-size", "2", "--seq-len", "16", "--tokenizer", "byte"),
+    *("--set", "d_model=32", "--set", "n_layers=4", "--set", "eval_batches=1", "--set", "checkpoint_every=2"),
+    "--no-progress",
+]
+TINY = {
+    "train": TINY_TRAIN,
+    "demo": TINY_TRAIN,
+    "sample": ["--max-new-tokens", "4"],
+    "eval": ["--batches", "2"],
+}
+
+
+def shell_lines(code: str) -> list[str]:
+    """The commands of a shell block: continuation lines joined, comments and blank lines dropped."""
+    out = []
+    for line in code.replace("\\\n", " ").splitlines():
+        words = shlex.split(line, comments=True)
+        if words:
+            out.append(shlex.join(words))
+    return out
+
+
+def readme_shell_lines() -> list[str]:
+    return [
+        line
+        for _, lang, _, code in [b for b in code_blocks() if b[0] == "README.md"]
+        if lang in ("bash", "sh") and not not_run_reason("README.md", code)
+        for line in shell_lines(code)
+    ]
+
+
+def kimi_linear_directory(path: str) -> None:
+    """A tiny Kimi Linear checkpoint of transformers (KKKM, 4 experts), what `path/to/kimi-linear` stands for."""
+    from transformers import KimiLinearConfig, KimiLinearForCausalLM
+
+    config = KimiLinearConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        mlp_layer_types=["dense"] + ["sparse"] * 3,
+        linear_num_heads=2,
+        linear_head_dim=8,
+        kv_lora_rank=8,
+        q_lora_rank=None,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=4,
+        v_head_dim=8,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        moe_intermediate_size=8,
+        n_group=1,
+        topk_group=1,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
+        pad_token_id=None,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    torch.manual_seed(0)
+    KimiLinearForCausalLM(config).save_pretrained(path)
+
+
+def run_shell_line(line: str, capsys) -> str:
+    """One line of the README as the shell would run it (``make X``: its recipe, printed by ``make -n -B``);
+    returns what it printed."""
+    from attnres.cli import main
+
+    words = shlex.split(line)
+    if words[0] == "make":
+        done = subprocess.run(["make", "-n", "-B", *words[1:]], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, f"{line}: {done.stderr}"
+        return done.stdout
+    if words[0] == "source":  # the virtualenv `make install` creates
+        venv = Path(words[1]).parts[0]
+        recipe = subprocess.run(["make", "-n", "-B", "install"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert f"-m venv {venv}" in recipe.stdout and words[1] == f"{venv}/bin/activate", line
+        return ""
+    assert words[0] == "attnres", f"a README shell line this test cannot run: {line}"
+    argv = words[1:] + TINY.get(words[1], [])
+    capsys.readouterr()
+    code = main(argv)
+    out, err = capsys.readouterr()
+    assert code == 0, f"{line} (run with {' '.join(TINY.get(words[1], []))}) failed:\n{err[-2000:]}"
+    return out + err
+
+
+def test_the_readme_shell_lines_run(tmp_path, monkeypatch, capsys):
+    """Every shell line of the README, chained as printed (`make` lines through their recipes, which run
+    `attnres demo`, also run here), at the TINY sizes, in one directory."""
+    transformers = pytest.importorskip("transformers")  # the Hugging Face and Kimi Linear stops (the hf extra)
+    pytest.importorskip("gguf")  # --to gguf (the serving extra)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("ATTNRES_CACHE", str(tmp_path / "cache"))
+    hf_directories(transformers)  # path/to/llama and a corpus/ folder; runs/block is the README's to make
+    for d in ("runs", "out"):
+        shutil.rmtree(d)
+    kimi_linear_directory("path/to/kimi-linear")
+    Path("my_texts").mkdir()
+    for i in range(4):
+        Path(f"my_texts/part{i}.txt").write_text(f"Part {i}. " + "To be, or not to be, that is the question. " * 30)
+    lines = readme_shell_lines()
+    assert lines[:2] == ["make demo", "make test"] and "source .venv/bin/activate" in lines
+    printed = {}
+    for line in lines:
+        printed[line] = run_shell_line(line, capsys)
+    assert "attnres demo" in printed["make demo"]  # what make demo runs, run here too
+    run_shell_line("attnres demo", capsys)
+    assert {d.name for d in Path("runs/demo").iterdir()} >= {"prenorm", "block", "full", "REPORT.md"}
+    for run in ("runs/block", "runs/x", "runs/kimi"):
+        assert Path(run, "summary.json").is_file(), run
+    assert Path("out/kimi.gguf").stat().st_size > 0 and Path("out/llama-attnres/config.json").is_file()
+
+
+def test_a_kimi_run_without_the_hf_extra_is_one_line_naming_the_install(tmp_path, monkeypatch, capsys):
+    """The README's Kimi stop says it needs the hf extra; without transformers, training stops with one
+    line that names the pip install, not a traceback."""
+    import sys
+
+    from attnres.cli import main
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # as if it were not installed
+    monkeypatch.delitem(sys.modules, "attnres.model.kimi_linear", raising=False)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("ATTNRES_CACHE", str(tmp_path / "cache"))
+    assert main(["train", "--preset", "kimi-tiny", "--out", "runs/kimi", *TINY_TRAIN]) == 2
+    err = capsys.readouterr().err
+    (line,) = [line for line in err.splitlines() if "error" in line]
+    assert line.startswith("attnres train: error: backbone='kimi_linear'") and "pip install -e '.[hf]'" in line
+    assert "Traceback" not in err

@@ -31,9 +31,13 @@ try:
     from transformers import KimiLinearConfig
     from transformers.models.kimi_linear import modeling_kimi_linear as kimi
 except ImportError as e:  # the optional extra is missing
-    raise ImportError(
-        "backbone='kimi_linear' uses transformers' Kimi Linear modules: "
-        f"pip install 'attnres[hf]' (transformers>=5) ({e})"
+
+    class MissingExtra(ImportError, ValueError):
+        """Still an ImportError, and a ValueError so that the CLI prints it as one line."""
+
+    raise MissingExtra(
+        "backbone='kimi_linear' uses transformers' Kimi Linear modules (the hf extra, transformers>=5): "
+        f"pip install -e '.[hf]' in a clone of attnres, pip install 'attnres[hf]' from PyPI ({e})"
     ) from e
 
 from attnres.model import k3_blocks as k3
