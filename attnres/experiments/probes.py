@@ -24,6 +24,10 @@ They go to ``probes.json`` so that reports never need a checkpoint:
   and ``mixing_r2`` is 1; for per-channel schemes (LayerScale, Highway) M is the
   best scalar description and ``mixing_r2`` < 1 says how much it leaves out.
   M[l, i] for prenorm is 1 for every i <= l; AttnRes rows sum to 1.
+- ``routing_gain``: additive routing's learned gain g at the end of training
+  (``gain_rms``, ``gain_shift_rms``: RMS of g and of g minus its initial value, ``gain_init``, and
+  ``per_read_rms``: the RMS over channels of each read's g_l), so a report can say whether the gain
+  moved; None without a learned gain. Runs finished before this probe existed have no such key.
 """
 
 from __future__ import annotations
@@ -131,6 +135,20 @@ def mixing_matrix(model, x: torch.Tensor, max_tokens: int = MIXING_TOKENS) -> di
     }
 
 
+@torch.no_grad()
+def gain_probe(model) -> dict | None:
+    """``routing_gain`` (see the module docstring)."""
+    from attnres.residual.attnres import DepthAttentionResidual
+
+    scheme = next((m for m in model.modules() if isinstance(m, DepthAttentionResidual)), None)
+    stats = scheme.gain_stats() if scheme is not None else {}
+    if not stats:
+        return None
+    assert scheme is not None  # a learned gain belongs to a scheme
+    g = scheme.routing_gain.detach().double()
+    return {**stats, "gain_init": scheme.gain_init, "per_read_rms": g.pow(2).mean(-1).sqrt().tolist()}
+
+
 def run_probes(model, val, *, seq_len: int) -> dict:
     """All probes on the first validation window(s); the model is left in eval mode."""
     from attnres.analysis.depth import (
@@ -164,4 +182,5 @@ def run_probes(model, val, *, seq_len: int) -> dict:
         "mixing_r2": mix["mixing_r2"],
         "mixing_tokens": mix["mixing_tokens"],
         "mixing_underdetermined": mix["mixing_underdetermined"],
+        "routing_gain": gain_probe(model),
     }

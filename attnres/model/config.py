@@ -95,6 +95,9 @@ class ModelConfig:
     attnres_score_scale: float | None = None
     attnres_read_queries: Sequence[int] | None = None
     attnres_routing: str = "replacement"
+    attnres_gain: str = "per_channel"
+    attnres_gain_init: float = 0.0
+    attnres_gain_lr: float = 1.0
 
     layerscale_init: float | None = None
     highway_rank: int | None = None
@@ -251,7 +254,12 @@ FIELD_DOCS: dict[str, str] = {
     "attnres_read_queries": "queries per read, L + 1 entries: a read with Q > 1 returns Q mixtures [Q, B, T, D] "
     "(Inkling-2: 3 before full attention, for its q, k and v inputs)",
     "attnres_routing": "replacement (the paper: a sublayer reads sum_i alpha_i v_i) or additive (Delta AttnRes: it "
-    "reads the PreNorm stream plus g_l * sum_i alpha_i v_i, g_l a per-channel gain, zero at init: PreNorm at step 0)",
+    "reads the PreNorm stream plus g_l * sum_i alpha_i v_i, g_l a gain: attnres_gain; zero at init: PreNorm at step 0)",
+    "attnres_gain": "additive routing's gain g_l: per_channel (a learned D-vector per read), scalar (a learned "
+    "number per read) or unit (Delta AttnRes as published: g = 1, no parameter; its first and final reads are h_std)",
+    "attnres_gain_init": "additive routing: the learned gain's initial value (0: PreNorm exactly at step 0; 1: "
+    "h_std + the mixture, as Delta AttnRes)",
+    "attnres_gain_lr": "additive routing: the learned gain's learning rate as a multiple of the optimizer's",
     "layerscale_init": "LayerScale's initial lambda (None: CaiT's rule by depth: 0.1 up to 18 blocks, "
     "1e-5 up to 24, 1e-6 beyond)",
     "highway_rank": "rank r of the Highway gate W_g = U V (None: a full d x d matrix)",

@@ -27,9 +27,12 @@ implementation serves both.
 
 Routing (``attnres_routing``): "replacement" (the paper: a read is the depth mixture) or "additive"
 (Delta Attention Residuals' corrected form: a read is the ordinary PreNorm stream h_std plus g_l times
-the mixture, g_l a per-channel gain initialised to zero, so the model starts as PreNorm exactly). The
+the mixture). The gain (``attnres_gain``) is learned per channel or as one scalar per read, starting
+at ``attnres_gain_init`` (0: the model starts as PreNorm exactly) and trained at ``attnres_gain_lr``
+times the learning rate; or it is "unit", Delta AttnRes as published: no gain parameter, h_std plus the
+mixture at every read but the first and the final one, which return h_std (docs/method.md §5). The
 stream keeps h_std beside its sources and wraps whatever its form's read computes, so every
-implementation serves both.
+implementation serves all of them.
 
 Depth blocks may be uneven (``attnres_block_sizes``): the geometry lives in
 ``source_plan`` alone, which every path reads.
@@ -58,6 +61,7 @@ SOURCES = ("outputs", "states")
 KERNELS = ("softmax", "sigmoid")
 VALUES = ("raw", "normalized")
 ROUTINGS = ("replacement", "additive")
+GAINS = ("per_channel", "scalar", "unit")
 IMPLS = ("two_phase", "fused", "reference")
 DEFAULT_TARGET_BLOCKS = 8  # the paper's N ≈ 8
 
@@ -105,6 +109,16 @@ def group_size(config) -> int:
     if config.attnres_group_size is not None:
         return config.attnres_group_size
     return max(1, round(math.sqrt(config.n_sublayers)))
+
+
+def routing_gain_stats(model: nn.Module) -> dict[str, float]:
+    """The learned additive gain of ``model``'s AttnRes scheme, for the trainer's metric rows and the
+    experiment probes: ``gain_rms`` and ``gain_shift_rms`` (``DepthAttentionResidual.gain_stats``); {}
+    where the model has no learned gain."""
+    for module in model.modules():
+        if isinstance(module, DepthAttentionResidual):
+            return module.gain_stats()
+    return {}
 
 
 # ----------------------------------------------------------------------------- options
@@ -237,6 +251,50 @@ def _routing(value, config):
     return None
 
 
+def _needs_additive(config) -> str | None:
+    if config.attnres_routing != "additive":
+        return (
+            f"applies to attnres_routing='additive' only (attnres_routing={config.attnres_routing!r}); "
+            "drop it or set attnres_routing='additive'"
+        )
+    return None
+
+
+def _learned_gain(config) -> str | None:
+    if config.attnres_gain == "unit":
+        return "attnres_gain='unit' has no learned gain (g = 1, fixed); drop it or set attnres_gain='per_channel'"
+    return None
+
+
+def _gain(value, config):
+    if value not in GAINS:
+        return f"choose one of {GAINS} (unit: Delta AttnRes' h_std + mixture, no gain parameter)"
+    if value == "unit" and config.attnres_scale_norm_eps:
+        return "a unit gain reads h_std + mixture, no multiple of the PreNorm sum; drop attnres_scale_norm_eps"
+    return _needs_additive(config)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _gain_init(value, config):
+    if not _is_number(value):
+        return "must be a finite number (0: the model starts as PreNorm exactly; 1: h_std + the mixture)"
+    if value != 0 and config.attnres_scale_norm_eps:
+        return (
+            "with a nonzero gain a read at init is no multiple of the PreNorm sum, so attnres_scale_norm_eps "
+            "cannot make it exact; drop attnres_scale_norm_eps or set attnres_gain_init=0"
+        )
+    return _needs_additive(config) or _learned_gain(config)
+
+
+def _gain_lr(value, config):
+    if not _is_number(value) or value <= 0:
+        return "must be a positive number (the gain's learning rate over the optimizer's; 1: the same rate)"
+    return _needs_additive(config) or _learned_gain(config)
+
+
 # read by Full and Block AttnRes; the first five are ignored by every other scheme (so one
 # --set attnres_kernel=sigmoid can apply to a whole prenorm/block/full comparison)
 SHARED_OPTIONS = {
@@ -252,6 +310,9 @@ SHARED_OPTIONS = {
     "attnres_score_scale": Option(_score_scale),
     "attnres_read_queries": Option(_read_queries),
     "attnres_routing": Option(_routing),
+    "attnres_gain": Option(_gain),
+    "attnres_gain_init": Option(_gain_init),
+    "attnres_gain_lr": Option(_gain_lr),
 }
 FULL_OPTIONS = {
     **SHARED_OPTIONS,
@@ -318,10 +379,21 @@ class DepthAttentionResidual(ResidualScheme):
         self.read_queries = list(config.attnres_read_queries or [1] * (L + 1))
         self.multi_query = self.values != "raw" or self.score_scale is not None or max(self.read_queries) > 1
         # additive routing (Delta AttnRes): read l is h_std + g_l * (the depth mixture), h_std the PreNorm
-        # stream; g zero-initialised, so that the model starts as PreNorm exactly
+        # stream; g = 0 at init (the default) starts the model as PreNorm exactly
         self.additive = config.attnres_routing == "additive"
-        if self.additive:
-            self.routing_gain = nn.Parameter(torch.zeros(L + 1, d))
+        self.gain_form = config.attnres_gain
+        self.gain_init = float(config.attnres_gain_init)
+        self.gain_lr = float(config.attnres_gain_lr)
+        if self.additive and self.gain_form == "unit":
+            # Delta AttnRes' own form: no gain; its first read has no earlier source and its output is
+            # norm(h_std), so g is 0 there. A buffer, not a skipped read: every query stays in the graph
+            unit = torch.ones(L + 1, 1)
+            unit[0] = unit[L] = 0.0
+            self.register_buffer("routing_gain", unit, persistent=False)
+        elif self.additive:
+            self.routing_gain = nn.Parameter(
+                torch.full((L + 1, d if self.gain_form == "per_channel" else 1), self.gain_init)
+            )
         self.plan = source_plan(L, self.block_sizes)
         # the first sublayer of each sublayer's depth block (the final aggregation is its own block)
         self.block_start: list[int] = []
@@ -376,6 +448,30 @@ class DepthAttentionResidual(ResidualScheme):
             "attnres_routing": "additive" if self.additive else "replacement",
             "attnres_scale_norm_eps": self.scale_norm_eps,
             "norm_eps": self.eps,
+            # the additive gain's form (per_channel under replacement routing); its init and learning rate only
+            # start and train the gain, whose value the weights carry, so they are no setting (as impl is not).
+            # attnres.residual.record reads a record without it as this default
+            "attnres_gain": self.gain_form,
+        }
+
+    def lr_scales(self) -> dict[str, float]:
+        """Parameter name (relative to this module) -> its learning-rate multiplier, where not 1
+        (``attnres.residual.param_groups.lr_scales``; the trainer's optimizer honours it)."""
+        learned = self.additive and self.gain_form != "unit"
+        return {"routing_gain": self.gain_lr} if learned and self.gain_lr != 1.0 else {}
+
+    @torch.no_grad()
+    def gain_stats(self) -> dict[str, float]:
+        """The additive gain now: ``gain_rms`` (RMS of g over reads and channels) and ``gain_shift_rms``
+        (RMS of g minus its initial value: 0 until training moves it); {} without a learned gain."""
+        if not self.additive or self.gain_form == "unit":
+            return {}
+        g = self.routing_gain.detach()
+        full = getattr(g, "full_tensor", None)  # sharded (FSDP2): the whole gain
+        g = (full() if callable(full) else g).double()
+        return {
+            "gain_rms": g.pow(2).mean().sqrt().item(),
+            "gain_shift_rms": (g - self.gain_init).pow(2).mean().sqrt().item(),
         }
 
     def num_sources(self, l: int) -> int:
@@ -389,9 +485,10 @@ class DepthAttentionResidual(ResidualScheme):
         """c, where at init (zero queries: uniform weights) read l returns c times the PreNorm residual
         sum: 1/K_l for softmax over K_l sources, 1/2 for sigmoid. None where no such c exists: with
         "states" sources (a mix of running sums), normalized values, or a window that leaves sources out.
-        Additive routing reads the PreNorm sum itself at init (zero gains): c = 1."""
+        Additive routing with zero-initialised gains reads the PreNorm sum itself at init: c = 1; with
+        nonzero (or unit) gains it reads h_std + g * mixture, no multiple of it."""
         if self.additive:
-            return 1.0
+            return 1.0 if self.gain_form != "unit" and self.gain_init == 0 else None
         if (
             self.states
             or self.values != "raw"

@@ -43,6 +43,9 @@ class ResidualConfig:
     attnres_score_scale: float | None = None
     attnres_read_queries: Sequence[int] | None = None
     attnres_routing: str = "replacement"
+    attnres_gain: str = "per_channel"
+    attnres_gain_init: float = 0.0
+    attnres_gain_lr: float = 1.0
     layerscale_init: float | None = None
     highway_rank: int | None = None
     denseformer_dilation: int = 1

@@ -148,8 +148,9 @@ class DepthAttentionStream(Stream):
     residual: Tensor | None = None
 
     def _route(self, l: int, mixture: Tensor) -> Tensor:
-        """What read l returns: the depth mixture (replacement), or h_std + g_l * mixture (additive).
-        Wraps any form's ``_aggregate``, so every fast form routes additively without a path of its own."""
+        """What read l returns: the depth mixture (replacement), or h_std + g_l * mixture (additive; g_l
+        a learned [D] or [1] gain, or the unit form's fixed 1, 0 at the first and final reads). Wraps any
+        form's ``_aggregate``, so every fast form routes additively without a path of its own."""
         if not self.scheme.additive:
             return mixture
         assert self.residual is not None  # the scheme sets it on begin and resume

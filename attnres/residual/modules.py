@@ -35,6 +35,9 @@ _VARIANTS = (
     "score_scale",
     "read_queries",
     "routing",
+    "gain",
+    "gain_init",
+    "gain_lr",
 )
 _FULL_ONLY = ("window", "group_size")
 
@@ -98,10 +101,12 @@ class FullAttnRes(DepthAttentionResidual):
     ``sources`` ("outputs", "states"), ``window`` (the embedding and the last W outputs),
     ``group_size`` and ``impl`` (how it is computed, never what), ``scale_norm_eps``, ``routing``
     ("replacement": a read is the depth mixture, the paper; "additive": the PreNorm stream plus a
-    zero-initialised per-channel gain times the mixture, Delta AttnRes).
+    gain times the mixture, Delta AttnRes) with ``gain`` ("per_channel", "scalar", "unit"), ``gain_init``
+    and ``gain_lr``.
 
     Parameters: ``queries`` [L + 1, D] and ``key_norm_weight`` [L + 1, D] (index L: the final
-    aggregation before your final norm), with additive routing ``routing_gain`` [L + 1, D]; give them no
+    aggregation before your final norm), with additive routing ``routing_gain`` [L + 1, D] ([L + 1, 1]
+    for a scalar gain, a buffer for the unit one); give them no
     weight decay (``attnres.param_groups``)."""
 
     def __init__(self, d_model: int, n_sublayers: int, *, norm_eps: float = 1e-6, **variants: Any):

@@ -27,6 +27,11 @@ The rule (the one ``attnres.train.build_optimizer`` and ``AttnResLM`` use), for 
    convolution filters and other tensors of 3 or more dimensions.
 
 Frozen parameters (``requires_grad=False``) are left out of the groups.
+
+A scheme may ask for a learning-rate multiplier on some of its parameters (additive routing's gain with
+``attnres_gain_lr``: its ``lr_scales()``); ``lr_scales(model)`` collects them, ``param_groups`` puts
+them in groups of their own with an ``"lr_scale"`` key, and ``attnres.train.build_optimizer`` scales
+those groups' rate.
 """
 
 from __future__ import annotations
@@ -165,6 +170,18 @@ def parameter_kinds(
     return kinds
 
 
+def lr_scales(model: nn.Module) -> dict[str, float]:
+    """Parameter name (as ``model.named_parameters()`` spells it) -> its learning-rate multiplier, for the
+    parameters whose residual scheme asks for one other than 1 (its ``lr_scales()``)."""
+    out: dict[str, float] = {}
+    for prefix, module in model.named_modules():
+        method = getattr(module, "lr_scales", None)
+        if isinstance(module, ResidualScheme) and callable(method):
+            prefix = prefix + "." if prefix else ""
+            out |= {prefix + n: float(scale) for n, scale in method().items()}
+    return out
+
+
 def param_groups(
     model: nn.Module,
     weight_decay: float = 0.1,
@@ -183,10 +200,12 @@ def param_groups(
     - ``"decay"``: embeddings and the output head; ``optimizer="adamw"``, decayed;
     - ``"no_decay"``: AttnRes parameters, norms, biases, scalars; ``optimizer="adamw"``, weight decay 0.
 
-    Every trainable parameter is in exactly one group. Pass the "muon" groups to ``torch.optim.Muon``
-    (or, with stacks, ``attnres.train.StackedMuon``) and the "adamw" ones to ``torch.optim.AdamW``;
-    for AdamW alone pass them all (the "matrix" group then is a decayed AdamW group). torch keeps the
-    extra keys in ``optimizer.param_groups``.
+    A parameter with a learning-rate multiplier (``lr_scales``) goes to a group of its own kind whose
+    ``"kind"`` ends in ``@lr*<scale>`` and whose ``"lr_scale"`` key holds it (every other group's is 1): give
+    that group ``lr * lr_scale``. Every trainable parameter is in exactly one group. Pass the "muon" groups
+    to ``torch.optim.Muon`` (or, with stacks, ``attnres.train.StackedMuon``) and the "adamw" ones to
+    ``torch.optim.AdamW``; for AdamW alone pass them all (the "matrix" group then is a decayed AdamW
+    group). torch keeps the extra keys in ``optimizer.param_groups``.
 
     ``matrix_stacks``: names of further 3-D parameters that are stacks of matrices. ``head``: the
     output head module(s), when the rule above does not find it.
@@ -208,17 +227,21 @@ def param_groups(
             f"{type(model).__name__} has no trainable parameters (all {len(kinds)} have "
             "requires_grad=False): unfreeze what should train"
         )
+    scales = lr_scales(model)
     groups = []
     for group, optimizer, decayed, members in _GROUPS:
         chosen = [(n, p) for n, p in trainable if kinds[n] in members]
-        if chosen:
-            groups.append(
-                {
-                    "params": [p for _, p in chosen],
-                    "names": [n for n, _ in chosen],
-                    "weight_decay": float(weight_decay) if decayed else 0.0,
-                    "optimizer": optimizer,
-                    "kind": group,
-                }
-            )
+        for scale in [1.0] + sorted({scales[n] for n, _ in chosen if n in scales}):
+            part = [(n, p) for n, p in chosen if scales.get(n, 1.0) == scale]
+            if part:
+                groups.append(
+                    {
+                        "params": [p for _, p in part],
+                        "names": [n for n, _ in part],
+                        "weight_decay": float(weight_decay) if decayed else 0.0,
+                        "optimizer": optimizer,
+                        "kind": group if scale == 1.0 else f"{group}@lr*{scale:g}",
+                        "lr_scale": scale,
+                    }
+                )
     return groups

@@ -96,10 +96,21 @@ def _describe(record: dict[str, Any], names: list[str]) -> str:
     return f"{record['residual']} ({shown})" if shown else str(record["residual"])
 
 
+# settings Full and Block AttnRes record since after records existed: a record of theirs without one was
+# written with its default
+_LATER_DEFAULTS = {"attnres_gain": "per_channel"}
+
+
+def _with_defaults(record: dict[str, Any]) -> dict[str, Any]:
+    if _SAME_FAMILY.get(record["residual"]) != "depth_attention":
+        return record
+    return {**record, "settings": {**_LATER_DEFAULTS, **record["settings"]}}
+
+
 def mismatch(scheme: ResidualScheme, saved: dict[str, Any]) -> str | None:
     """One line naming both settings where the ``saved`` record and ``scheme`` compute different functions
     (eps aside: a load restores it); None where they agree."""
-    own = record_of(scheme)
+    own, saved = record_of(scheme), _with_defaults(saved)
     kinds = [_SAME_FAMILY.get(r["residual"], r["residual"]) for r in (saved, own)]
     a, b = saved["settings"], own["settings"]
     differ = sorted(n for n in set(a) | set(b) if n not in _RESTORED and a.get(n, "<absent>") != b.get(n, "<absent>"))

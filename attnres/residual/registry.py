@@ -65,10 +65,13 @@ def _attnres_params(config) -> int:
     input_query:    d*d (query projection) + d (key norm)       -> (d^2 + d)(L + 1)
     low_rank_query: d + 2rd (w, U: d x r, V: r x d) + d         -> (2d + 2rd)(L + 1)
     scalar:         one logit per source read, no key norm      -> sum over l of K_l
-    Without key norm the d of the key-norm weight drops; additive routing adds d (the gain g) per read.
+    Without key norm the d of the key-norm weight drops; additive routing adds the gain g per read: d
+    (per_channel), 1 (scalar) or nothing (unit).
     """
     d, n_q = config.d_model, config.n_sublayers + 1
-    gains = d * n_q if config.attnres_routing == "additive" else 0  # additive routing: the gain g per read
+    gains = 0
+    if config.attnres_routing == "additive":
+        gains = {"per_channel": d, "scalar": 1, "unit": 0}.get(config.attnres_gain, d) * n_q
     if config.attnres_weights == "scalar":
         scheme_plan = source_plan(config.n_sublayers, config.block_sizes)
         w = config.attnres_window

@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from attnres.parallel.state import unwrap
-from attnres.residual.param_groups import PARAM_KINDS, parameter_kinds
+from attnres.residual.param_groups import PARAM_KINDS, lr_scales, parameter_kinds
 
 __all__ = ["PARAM_KINDS", "OPTIMIZER_NAMES", "CombinedOptimizer", "StackedMuon", "build_optimizer", "group_parameters"]
 
@@ -235,6 +235,19 @@ def _named_group(name: str, params: Iterable[tuple[str, nn.Parameter]], lr: floa
     return {"params": list(params), "name": name, "lr": lr, "initial_lr": lr, "weight_decay": weight_decay}
 
 
+def _scaled_groups(
+    name: str, params: list[tuple[str, nn.Parameter]], lr: float, weight_decay: float, scales: dict[str, float]
+) -> list[dict]:
+    """``_named_group``, with the parameters a scheme gives a learning-rate multiplier (``lr_scales``:
+    additive routing's gain) in a group of their own at ``lr * scale``."""
+    out = []
+    for scale in [1.0] + sorted({scales[n] for n, _ in params if n in scales}):
+        part = [(n, p) for n, p in params if scales.get(n, 1.0) == scale]
+        if part:
+            out.append(_named_group(name if scale == 1.0 else f"{name}@lr*{scale:g}", part, lr * scale, weight_decay))
+    return out
+
+
 def build_optimizer(
     model: nn.Module,
     name: str,
@@ -271,6 +284,7 @@ def build_optimizer(
     groups = group_parameters(model)
     if not any(groups.values()):
         raise ValueError("the model has no trainable parameters")
+    scales = lr_scales(unwrap(model))
 
     adamw_kwargs: dict[str, Any] = {"lr": lr, "betas": tuple(betas), "eps": eps}
     if fused is not None:
@@ -282,9 +296,9 @@ def build_optimizer(
     if name == "adamw":
         decay = groups["matrix"] + groups["embedding"] + groups["head"]
         pg = [
-            _named_group(n, ps, lr, wd)
+            g
             for n, ps, wd in (("decay", decay, weight_decay), ("no_decay", groups["no_decay"], 0.0))
-            if ps
+            for g in _scaled_groups(n, ps, lr, wd, scales)
         ]
         optimizers["adamw"] = torch.optim.AdamW(pg, **adamw_kwargs)
         return CombinedOptimizer(optimizers)
@@ -305,9 +319,9 @@ def build_optimizer(
         )
     decay = groups["embedding"] + groups["head"]
     pg = [
-        _named_group(n, ps, lr, wd)
+        g
         for n, ps, wd in (("decay", decay, weight_decay), ("no_decay", groups["no_decay"], 0.0))
-        if ps
+        for g in _scaled_groups(n, ps, lr, wd, scales)
     ]
     if pg:
         optimizers["adamw"] = torch.optim.AdamW(pg, **adamw_kwargs)

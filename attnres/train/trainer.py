@@ -36,7 +36,9 @@ import torch.distributed as dist
 from attnres.checkpoint import resolve_device
 from attnres.files import CONFIG_FILE, TOKENIZER_FILE, atomic_write_text
 from attnres.model import AttnResLM, ModelConfig
+from attnres.model.compile import check_compiler
 from attnres.parallel.runtime import check_layout, init_distributed
+from attnres.residual.attnres import routing_gain_stats
 from attnres.train.checkpointer import Checkpointer, check_resume, unfit_to_save
 from attnres.train.config import TrainConfig
 from attnres.train.evaluation import evaluate
@@ -166,6 +168,7 @@ class Trainer:
         if train_config.threads:
             torch.set_num_threads(train_config.threads)
         self.device = resolve_device(train_config.device)
+        check_compiler(train_config.compile, self.device)
         c = train_config
         world = check_layout(c.dp, c.pp, c.tp)
         if world > 1:
@@ -384,6 +387,7 @@ class Trainer:
                         "step_seconds": dt,
                         "tokens_per_second": tokens_per_step / dt,
                         **self.step_report,
+                        **routing_gain_stats(self.model),  # additive routing: whether its gain moves
                     }
                     evaluated = self.step % c.eval_every == 0 or self.step == c.steps
                     if evaluated:
