@@ -12,7 +12,7 @@ no ``trust_remote_code``:
   (``save_pretrained`` / ``from_pretrained`` / ``generate``), wrapping ``attnres.AttnResLM``;
 - :func:`retrofit` (``attnres.hf.retrofit``): retrofit a pretrained causal LM of any of 30 decoder families
   (Llama, Mistral, Qwen2/3, MoEs, Gemma 1-3, Phi, GPT-2, GPT-NeoX, ...) into AttnRes by wrapping its own
-  layers: exact at init, saved under ``model_type = "attnres_retrofit"`` with the source's weight names;
+  layers: exact at init, saved under ``model_type = "attnres_retrofit"`` with its modules' weight names;
 - :func:`convert_to_attnres`: the same into our own model (:class:`AttnResForCausalLM`, native format)
   where ``AttnResLM`` can express the source (LLaMA / Mistral / Qwen2 without biases), else the wrapper;
 - :func:`native_to_hf` / :func:`hf_to_native`: the trainer's checkpoints <-> this format;

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from attnres.hf.errors import ConversionError
+from attnres.hf.errors import ConversionError, config_error
 from attnres.hf.modeling import AttnResForCausalLM
 from attnres.hf.remote_code import refuse_remote_code
 from attnres.hf.retrofit import FAMILIES, check_family, family_name, retrofit
@@ -87,6 +87,8 @@ def reading_model(src) -> Iterator[None]:
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         raise _load_error(Path(src), e) from e
     except Exception as e:  # safetensors' SafetensorError derives from Exception only
+        if (invalid := config_error(Path(src) / "config.json", e)) is not None:
+            raise invalid from None
         if type(e).__name__ != "SafetensorError":
             raise
         raise _load_error(Path(src), e) from e
@@ -142,7 +144,8 @@ def read_source_config(path: Path, expected: str):
     refuse_remote_code(path)
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
+    with reading_model(path):  # an invalid config.json: one line
+        return AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
 
 
 def _load_source(model_or_dir, copy_weights: bool) -> tuple[Any, dict[str, torch.Tensor]]:

@@ -164,16 +164,24 @@ LAYER_COUNT_FIELDS = ("num_hidden_layers", "n_layer", "num_layers")
 def check_layer_count(src: Path) -> None:
     """A Hugging Face directory whose config.json claims more (or fewer) decoder layers than its safetensors
     weights hold is refused from the headers alone, before a model of that size is built (a config claiming
-    20,000 layers took minutes to fail). Weights in *.bin files cannot be read without unpickling: skipped."""
+    20,000 layers took minutes to fail). pytorch_model*.bin weights are read with torch.load(weights_only=True,
+    mmap=True): tensors only, their data mapped, not read."""
     import re
 
     config = json.loads((src / HF_CONFIG_FILE).read_text(encoding="utf-8"))
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     field = next((f for f in LAYER_COUNT_FIELDS if isinstance(text.get(f), int)), None)
     files = sorted(src.glob("*.safetensors"))
-    if field is None or not files:
+    bins = [] if files else sorted(src.glob("pytorch_model*.bin"))
+    if field is None or not (files or bins):
         return
     names: list[str] = []
+    for path in bins:
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception:  # a legacy (non-zip) file, or objects other than tensors: the loader names the file
+            return
+        names += [str(k) for k in state] if isinstance(state, dict) else []
     for path in files:
         with path.open("rb") as f:
             size = int.from_bytes(f.read(8), "little")

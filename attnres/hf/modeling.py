@@ -32,6 +32,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from attnres.checkpoint import load_model, save_checkpoint
 from attnres.files import TOKENIZER_FILE
 from attnres.hf.configuration import AttnResConfig
+from attnres.hf.errors import from_pretrained_strictly
 from attnres.hf.tokenizer import special_token_ids
 from attnres.model.llama import rope_tables
 from attnres.model.lm import AttnResLM
@@ -95,7 +96,7 @@ def _init_attnres_lm(lm: AttnResLM) -> None:
 def _reset_rope(lm: AttnResLM) -> None:
     """The RoPE tables are non-persistent buffers: never in a checkpoint, always recomputed."""
     cfg = lm.config
-    cos, sin = rope_tables(cfg.rope_dim, cfg.max_seq_len, cfg.rope_theta)
+    cos, sin = rope_tables(cfg.rope_dim, lm.rope_cos.shape[0], cfg.rope_theta)  # the rows built so far
     lm.rope_cos.copy_(cos.to(dtype=lm.rope_cos.dtype, device=lm.rope_cos.device))
     lm.rope_sin.copy_(sin.to(dtype=lm.rope_sin.dtype, device=lm.rope_sin.device))
 
@@ -141,11 +142,12 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
-        """``PreTrainedModel.from_pretrained``; then the RoPE tables, which no checkpoint holds, are
-        recomputed whatever transformers' loader did with non-persistent buffers."""
-        loaded = super().from_pretrained(*args, **kwargs)
-        model = loaded[0] if isinstance(loaded, tuple) else loaded
-        _reset_rope(model.model)
+        """``PreTrainedModel.from_pretrained``, strict: a checkpoint with any missing, unexpected or
+        re-initialised key is a :class:`ConversionError` naming the keys (transformers only logs them).
+        Then the RoPE tables, which no checkpoint holds, are recomputed whatever transformers' loader
+        did with non-persistent buffers."""
+        loaded = from_pretrained_strictly(super().from_pretrained, cls.__name__, *args, **kwargs)
+        _reset_rope((loaded[0] if isinstance(loaded, tuple) else loaded).model)
         return loaded
 
     # ------------------------------------------------------------------ wrapping and conversion

@@ -8,7 +8,7 @@ from reference import randomize
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM
 
-import attnres.hf  # noqa: F401  (registers the model type)
+import attnres.hf  # (registers the model type)
 from attnres import AttnResLM, ModelConfig
 from attnres.hf import AttnResConfig, AttnResForCausalLM
 from attnres.inference.sampling import generate as native_generate
@@ -119,19 +119,50 @@ def test_issue_18_variants_round_trip_and_generate(tmp_path, options):
     assert out[0, 6:].tolist() == list(native_generate(model.model, prompt, 10, temperature=0))
 
 
-def test_from_pretrained_dtype_and_missing_residual_parameters(tmp_path):
+def test_from_pretrained_dtype(tmp_path):
+    torch.manual_seed(0)
+    model = perturbed(AttnResForCausalLM(tiny_config())).eval()
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float64)
+    assert loaded.dtype == torch.float64
+    assert torch.equal(loaded.model.residual.queries, model.model.residual.queries.double())
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (
+            lambda t: t.pop("model.residual.queries"),
+            r"1 missing \(they would start at random\): model\.residual\.queries\.",
+        ),
+        (lambda t: t.update({"model.blocks.5.mlp.up_proj.weight": torch.zeros(2)}), r"1 unexpected .*blocks\.5\.mlp"),
+        (
+            lambda t: t.update({"model.residual.queries": torch.zeros(2, 3)}),
+            r"1 of another shape .*residual\.queries\.",
+        ),
+    ],
+    ids=["missing", "unexpected", "mismatched"],
+)
+def test_a_checkpoint_that_does_not_match_is_an_error_naming_the_keys(tmp_path, change, message):
+    """transformers only logs such keys and starts missing ones at random (a missing depth query became a
+    zero one, silently another function); loading an attnres checkpoint refuses them by name."""
     from safetensors.torch import load_file, save_file
 
     torch.manual_seed(0)
     perturbed(AttnResForCausalLM(tiny_config())).save_pretrained(tmp_path)
     tensors = load_file(str(tmp_path / "model.safetensors"))
-    del tensors["model.residual.queries"]
+    change(tensors)
     save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float64)
-    assert loaded.dtype == torch.float64
-    # a missing tensor gets the scheme's own initialisation (zero queries), the rest is loaded
-    assert torch.count_nonzero(loaded.model.residual.queries) == 0
-    assert torch.equal(loaded.model.residual.key_norm_weight, tensors["model.residual.key_norm_weight"].double())
+    for loader in (AttnResForCausalLM, AutoModelForCausalLM):
+        for kw in ({}, {"ignore_mismatched_sizes": True}, {"output_loading_info": True}):
+            with pytest.raises(attnres.hf.ConversionError, match=message):
+                loader.from_pretrained(tmp_path, **kw)
+
+
+def test_output_loading_info_still_returns_the_report(tmp_path):
+    AttnResForCausalLM(tiny_config()).save_pretrained(tmp_path)
+    model, info = AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert isinstance(model, AttnResForCausalLM) and not info["missing_keys"] and not info["unexpected_keys"]
 
 
 # ----------------------------------------------------------------------------- forward / generate

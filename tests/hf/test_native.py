@@ -1,12 +1,15 @@
 """Native checkpoints (attnres train) <-> Hugging Face format, tokenizers, and `attnres convert`."""
 
 import json
+import re
+import time
 
 import pytest
 import torch
 from hf_sources import SMALL, compensate_eps, tiny_source
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import attnres.hf
 from attnres import AttnResLM, ModelConfig
 from attnres.checkpoint import load_model, read_checkpoint_state, save_checkpoint
 from attnres.cli import main
@@ -404,3 +407,67 @@ def test_bad_flags_and_an_unwrappable_family_are_refused_before_the_weights_are_
     assert main(["convert", str(source), str(tmp_path / "out")]) == 2
     assert "cannot retrofit model_type='falcon'" in capsys.readouterr().err
     assert loads == []
+
+
+def _edited_source(tmp_path, name, weights="safetensors", **config_changes):
+    """A tiny Llama directory saved by transformers, its config.json edited; ``weights="bin"``: the weights
+    as pytorch_model.bin (torch.save of the state dict) instead of model.safetensors."""
+    source = tmp_path / name
+    model = tiny_source("llama")
+    model.save_pretrained(source)
+    if weights == "bin":
+        (source / "model.safetensors").unlink()
+        torch.save(model.state_dict(), source / "pytorch_model.bin")
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, **config_changes}))
+    return source
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(num_attention_heads=5), r"is not a multiple of the number of attention heads \(5\)"),
+        (dict(num_hidden_layers="3"), r"num_hidden_layers.*expected int, got str"),
+    ],
+    ids=["heads", "layers-as-text"],
+)
+def test_an_invalid_config_is_one_line(tmp_path, capsys, changes, message):
+    """transformers' config validation raises huggingface_hub's StrictDataclassError (no ValueError): convert
+    and retrofit ended in its traceback."""
+    from attnres.hf.retrofit import retrofit
+
+    source = _edited_source(tmp_path, "src", **changes)
+    for extra in ([], ["--to", "native"], ["--no-verify"]):
+        assert main(["convert", str(source), str(tmp_path / "out"), *extra]) == 2
+        err = capsys.readouterr().err
+        assert f"{source / 'config.json'} is invalid" in err and "Traceback" not in err, err
+        assert len(err.strip().splitlines()) == 2 and re.search(message, err), err
+    for convert in (retrofit, attnres.hf.convert_to_attnres):
+        with pytest.raises(ConversionError, match=f"config.json is invalid: .*{message}"):
+            convert(source)
+
+
+def test_a_layer_count_beyond_pytorch_model_bin_weights_is_refused_quickly(tmp_path, capsys):
+    """The layer-count check read safetensors headers only: 100,000 layers beside pytorch_model.bin built
+    for minutes; the .bin's names come from torch.load(weights_only=True, mmap=True), no data read."""
+    source = _edited_source(tmp_path, "src", weights="bin", num_hidden_layers=100_000)
+    start = time.perf_counter()
+    assert main(["convert", str(source), str(tmp_path / "out"), "--no-verify"]) == 2
+    assert time.perf_counter() - start < 10
+    err = capsys.readouterr().err
+    assert "says num_hidden_layers=100000, but the weights hold 3 layers" in err, err
+    fine = _edited_source(tmp_path, "fine", weights="bin")  # the .bin weights themselves convert
+    assert main(["convert", str(fine), str(tmp_path / "out"), "--residual", "full"]) == 0
+
+
+def test_a_huge_context_allocates_no_giant_rotary_table(tmp_path):
+    """max_position_embeddings=10**9 in a Hugging Face config: the native model's RoPE table is built for
+    the positions used, not up front (tens of GB), through convert and through from_pretrained."""
+    source = _edited_source(tmp_path, "src", max_position_embeddings=10**9)
+    assert main(["convert", str(source), str(tmp_path / "native-hf"), "--set", "layout=native", "--no-verify"]) == 0
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "native-hf")
+    assert isinstance(model, AttnResForCausalLM) and model.config.max_seq_len == 10**9
+    assert model.model.rope_cos.numel() < 10**7
+    x = torch.randint(0, SMALL["vocab_size"], (1, 12))
+    with torch.no_grad():
+        assert torch.isfinite(model(x).logits).all()

@@ -97,13 +97,105 @@ def test_save_keeps_source_names_and_loads_back(case, tmp_path):
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["model_type"] == MODEL_TYPE and config["attnres_retrofit"]["source_model_type"] == CASES[case][0]
     names = set(load_file(tmp_path / "model.safetensors"))
-    assert names - set(src.state_dict()) == {"attnres.queries", "attnres.key_norm_weight"}
+    assert names - set(src.state_dict()) == {"attnres.queries", "attnres.key_norm_weight", "attnres._extra_state"}
     assert isinstance(AutoConfig.from_pretrained(tmp_path), type(model.config))
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
     assert type(loaded) is type(model)
     assert max_logit_difference(model, loaded, ids()) == 0.0
     x = ids()
     assert torch.equal(greedy(loaded, x[:, :PROMPT]), greedy(model, x[:, :PROMPT]))
+
+
+def _randomized(model, seed: int = 1):
+    """Queries and key norms away from their initialisation, so that a round trip tests them for real."""
+    with torch.no_grad():
+        for p in model.attnres.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(seed), dtype=p.dtype) * 0.5)
+    return model
+
+
+def assert_reloads_exactly(model, directory):
+    """AutoModelForCausalLM.from_pretrained(directory) computes what ``model`` computes: logits to 1e-5
+    and the same greedy tokens through the KV cache."""
+    loaded = AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager").eval()
+    assert type(loaded) is type(model)
+    x = ids()
+    assert max_logit_difference(model, loaded, x) <= 1e-5
+    assert torch.equal(greedy(loaded, x[:, :PROMPT]), greedy(model, x[:, :PROMPT]))
+    return loaded
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_every_family_round_trips_through_save_pretrained(case, tmp_path):
+    """The contract of a saved retrofit: it reloads as the model that was saved. transformers converts some
+    families' weights between checkpoint and modules by the source's class name or model_type (MoE experts
+    stacked on load, split on save; GPT-NeoX's head embed_out <-> lm_head); the retrofit saves its modules'
+    own names, so that nothing needs converting back and nothing reloads freshly drawn."""
+    model = _randomized(retrofit(source(case), "block", attnres_blocks=2, **retrofit_options(case)))
+    model.save_pretrained(tmp_path)
+    names = set(load_file(tmp_path / "model.safetensors"))
+    state = model.state_dict()
+    pointers = [t.data_ptr() for t in state.values()]
+    tied = {k for k, t in state.items() if pointers.count(t.data_ptr()) > 1}  # a tied head is stored once
+    assert names <= set(state) and set(state) - names <= tied  # every module's weight under its own name
+    assert_reloads_exactly(model, tmp_path)
+
+
+@pytest.mark.parametrize("case", ["mixtral", "qwen2_moe", "gpt_neox"])
+def test_convert_cli_round_trips_moe_and_gpt_neox(case, tmp_path, capsys):
+    """`attnres convert SRC OUT --residual block` on a directory saved by transformers (MoE experts split per
+    expert, GPT-NeoX's head as embed_out: what a downloaded checkpoint holds) reloads exactly."""
+    from attnres.cli import main
+
+    source(case).save_pretrained(tmp_path / "src")
+    stored = set(load_file(tmp_path / "src" / "model.safetensors"))
+    assert any(".experts.0." in k or k.startswith("embed_out.") for k in stored)  # the layouts at stake
+    assert main(["convert", str(tmp_path / "src"), str(tmp_path / "out"), "--residual", "block"]) == 0
+    assert "max |logit difference|" in capsys.readouterr().out
+    expected = retrofit(tmp_path / "src", "block")  # zero queries: what convert wrote, built here
+    loaded = assert_reloads_exactly(expected, tmp_path / "out")
+    assert max_logit_difference(source(case), loaded, ids()) <= TOL
+
+
+def _doctored(tmp_path, change):
+    """A saved Llama retrofit whose weight file ``change`` edits in place."""
+    from safetensors.torch import save_file
+
+    _randomized(retrofit(source("llama"), "block", attnres_blocks=2)).save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    change(tensors)
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda t: t.pop("attnres.queries"), r"1 missing .*: attnres\.queries\."),
+        (lambda t: t.update({"model.layers.7.mlp.up_proj.weight": torch.zeros(2)}), r"1 unexpected .*layers\.7\.mlp"),
+        (lambda t: t.update({"attnres.queries": torch.zeros(2, 3)}), r"1 of another shape .*: attnres\.queries\."),
+    ],
+    ids=["missing", "unexpected", "mismatched"],
+)
+def test_loading_a_checkpoint_that_does_not_match_is_an_error_naming_the_keys(tmp_path, change, message):
+    directory = _doctored(tmp_path, change)
+    for load in (AutoModelForCausalLM.from_pretrained, type(retrofit(source("llama"), "full")).from_pretrained):
+        with pytest.raises(ConversionError, match=message):
+            load(directory)
+
+
+def test_a_checkpoint_in_the_source_layout_is_refused_not_reloaded_at_random(tmp_path):
+    """What save_pretrained wrote before it kept the modules' names (the experts split per expert, as the
+    source family's own checkpoints are) reloaded with the experts freshly drawn; now it names them."""
+    from transformers import PreTrainedModel
+
+    model = retrofit(source("qwen3_moe"), "block", attnres_blocks=2)
+    PreTrainedModel.save_pretrained(model, tmp_path)  # transformers' own save: the source's layout
+    assert any(".experts.0." in k for k in load_file(tmp_path / "model.safetensors"))
+    with pytest.raises(ConversionError, match=r"missing .*mlp\.experts\.(down|gate_up)_proj.*unexpected"):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+    with pytest.raises(ConversionError, match="save_original_format=True"):
+        model.save_pretrained(tmp_path / "again", save_original_format=True)
 
 
 def test_a_directory_source(tmp_path):
@@ -176,3 +268,40 @@ def test_refusals_name_the_problem():
 
 def test_every_family_has_a_case():
     assert {model_type for model_type, _, _ in CASES.values()} == set(FAMILIES)
+
+
+def test_rescale_reads_is_read_strictly(tmp_path, capsys):
+    """bool("no") is True: `--set rescale_reads=no` turned rescaling on."""
+    from attnres.cli import main
+
+    src = source("olmo2")
+    for off in (False, "no", "false", "0", 0):  # off: OLMo-2 is refused (its sublayers read un-normalised)
+        with pytest.raises(ConversionError, match=r"olmo2 exactly.*rescale_reads=True"):
+            retrofit(src, "block", rescale_reads=off)
+    for on in (True, "yes", "TRUE", 1):
+        assert retrofit(src, "block", rescale_reads=on).config.attnres_retrofit["rescale_reads"] is True
+    for bad in ("maybe", "", 2, None):
+        with pytest.raises(ConversionError, match=r"rescale_reads=.* is invalid: use true or false"):
+            retrofit(src, "block", rescale_reads=bad)
+    src.save_pretrained(tmp_path / "src")
+    assert main(["convert", str(tmp_path / "src"), str(tmp_path / "out"), "--set", "rescale_reads=no"]) == 2
+    assert "cannot retrofit olmo2 exactly" in capsys.readouterr().err
+    assert main(["convert", str(tmp_path / "src"), str(tmp_path / "out"), "--set", "rescale_reads=nah"]) == 2
+    assert "rescale_reads='nah' is invalid" in capsys.readouterr().err
+    assert main(["convert", str(tmp_path / "src"), str(tmp_path / "out"), "--set", "rescale_reads=yes"]) == 0
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(num_attention_heads=5), r"not a multiple of the number of attention heads"),
+        (dict(num_hidden_layers="3"), "expected int"),
+    ],
+    ids=["heads", "layers-as-text"],
+)
+def test_a_saved_retrofit_with_an_invalid_config_is_one_error(tmp_path, changes, message):
+    retrofit(source("llama"), "block").save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, **changes}))
+    with pytest.raises(ConversionError, match=f"config.json is invalid: .*{message}"):
+        AutoModelForCausalLM.from_pretrained(tmp_path)

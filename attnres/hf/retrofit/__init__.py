@@ -1,7 +1,7 @@
 """Retrofitting any supported transformers decoder into AttnRes by wrapping its own layers.
 
 - :func:`retrofit`: a causal LM (object or directory) -> the same model with AttnRes residual wiring
-  (exact at init); ``save_pretrained`` keeps the source's weight names, ``AutoModelForCausalLM``
+  (exact at init); ``save_pretrained`` keeps its modules' weight names, ``AutoModelForCausalLM``
   loads it back after ``import attnres.hf``;
 - :data:`FAMILIES`: the families wrapped and how each layer splits into sublayers (``families``).
 

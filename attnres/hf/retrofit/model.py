@@ -27,12 +27,14 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import types
+import typing
 from typing import Any
 
 import torch
 from torch import nn
 
-from attnres.hf.errors import ConversionError
+from attnres.hf.errors import ConversionError, config_error, from_pretrained_strictly
 from attnres.hf.retrofit.families import (
     FAMILIES,
     REFUSED,
@@ -49,6 +51,16 @@ MODEL_TYPE = "attnres_retrofit"
 OPTIONS = "attnres_retrofit"  # the config attribute holding the retrofit's options
 RESIDUALS = ("block", "full", "prenorm")  # schemes whose fresh initialisation computes the PreNorm function
 _EPS_FIELDS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_epsilon", "norm_eps")
+
+
+def _parse_bool(value: Any, field: str) -> bool:
+    """A yes/no option read strictly (from the CLI's --set it is a text, and bool("no") is True)."""
+    from attnres.train.config import parse_bool
+
+    try:
+        return parse_bool(value, field)
+    except ValueError as e:
+        raise ConversionError(str(e)) from None
 
 
 def _resolve(module: nn.Module, path: str):
@@ -97,8 +109,31 @@ def _run_part(layer: nn.Module, part: Part, x: torch.Tensor, kwargs: dict[str, A
     return out
 
 
-def _layer_forward(runner: _Runner, index: int, layer: nn.Module, signature: inspect.Signature, *args, **kwargs):
-    """The decoder layer's forward with the residual wiring replaced by the depth stream."""
+def _returns_tuple(signature: inspect.Signature) -> bool:
+    """Whether a decoder layer's forward returns ``(hidden_state, ...)`` rather than the hidden state: the
+    older convention (GPT-J in transformers 5.17, not 5.24), whose layers take ``output_attentions`` and whose
+    model reads ``outputs[0]``, which of a bare tensor is its first row. The annotation alone does not
+    tell (Gemma 3 and GLM-4 annotate a tuple and return a tensor)."""
+    if "output_attentions" not in signature.parameters:
+        return False
+    annotation = signature.return_annotation
+    alternatives = (
+        typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) else ()
+    )
+    alternatives = tuple(a for a in alternatives if a is not type(None)) or (annotation,)
+    return all(typing.get_origin(a) is tuple for a in alternatives)
+
+
+def _layer_forward(
+    runner: _Runner, index: int, layer: nn.Module, signature: inspect.Signature, as_tuple: bool, *args, **kwargs
+):
+    """The decoder layer's forward with the residual wiring replaced by the depth stream (``as_tuple``:
+    wrapped in a 1-tuple, as the layer's own forward returns it)."""
+    h = _layer_output(runner, index, layer, signature, *args, **kwargs)
+    return (h,) if as_tuple else h
+
+
+def _layer_output(runner: _Runner, index: int, layer: nn.Module, signature: inspect.Signature, *args, **kwargs):
     try:
         bound = signature.bind(layer, *args, **kwargs)
     except TypeError:  # a caller using names the signature does not list: pass them through
@@ -156,6 +191,27 @@ class RetrofitMixin:
         self._attach_attnres()
         super().post_init()  # type: ignore[misc]  # PreTrainedModel's, after this mixin
 
+    # transformers converts some families' weights between their checkpoint layout and their modules (the
+    # experts of Mixtral, Qwen2/3-MoE, DeepSeek-V3 stacked on load and split per expert on save; GPT-NeoX's
+    # head renamed embed_out <-> lm_head), and finds those conversions by the source's class name or
+    # model_type, which the retrofit's class ("AttnRes...") and model_type ("attnres_retrofit") are not: a
+    # checkpoint saved in the source's layout would reload with those weights freshly drawn. So a retrofit
+    # saves its modules' own names, which load back with no conversion in every transformers version.
+    def save_pretrained(self, *args, save_original_format: bool = False, **kwargs):
+        """``PreTrainedModel.save_pretrained`` under the modules' own weight names (module doc)."""
+        if save_original_format:
+            raise ConversionError(
+                "save_original_format=True: a retrofit saves its modules' own weight names, which is what "
+                "from_pretrained reads back (the source family's checkpoint layout would not reload); omit it"
+            )
+        return super().save_pretrained(*args, save_original_format=False, **kwargs)  # type: ignore[misc]
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        """``PreTrainedModel.from_pretrained``, strict: a checkpoint with any missing, unexpected or
+        re-initialised key is a :class:`ConversionError` naming the keys (transformers only logs them)."""
+        return from_pretrained_strictly(super().from_pretrained, cls.__name__, *args, **kwargs)  # type: ignore[misc]
+
     def _attach_attnres(self) -> None:
         config = self.config
         options = getattr(config, OPTIONS)
@@ -171,12 +227,13 @@ class RetrofitMixin:
             options["residual"], config.hidden_size, n_sublayers, norm_eps=eps, **options.get("scheme", {})
         )
         self.attnres = scheme
-        rescale = bool(options.get("rescale_reads", False))
+        rescale = _parse_bool(options.get("rescale_reads", False), "rescale_reads")
         runner = _Runner(scheme, sublayers, len(layers), rescale)
         self.__dict__["_attnres_runner"] = runner
         for i, layer in enumerate(layers):
             signature = inspect.signature(type(layer).forward)
-            layer.forward = functools.partial(_layer_forward, runner, i, layer, signature)
+            as_tuple = _returns_tuple(signature)
+            layer.forward = functools.partial(_layer_forward, runner, i, layer, signature, as_tuple)
         if not rescale:
             _scale_eps(family, sublayers, layers, _resolve(base, family.final_norm), scheme)
 
@@ -266,7 +323,17 @@ def _retrofit_config_base():
                     "(the family it was retrofitted from); restore the saved config.json"
                 )
             config_cls, _ = retrofit_classes(options["source_model_type"])
-            return config_cls.from_dict(config_dict, **kwargs)
+            try:
+                config = config_cls.from_dict(config_dict, **kwargs)
+                # the source class's architecture checks (heads dividing the width, ...), which the derived
+                # class's construction does not run; transformers versions without them have no validate
+                getattr(config[0] if isinstance(config, tuple) else config, "validate", lambda: None)()
+                return config
+            except Exception as e:
+                error = config_error("the retrofit's config.json", e)
+                if error is None:
+                    raise
+                raise error from None
 
     RetrofitConfig.__module__ = __name__
     return RetrofitConfig
@@ -338,12 +405,25 @@ def retrofit(
     the source object's tensors. ``dtype``: cast the result. ``scheme``: other scheme options by their
     ModelConfig names (``attnres_impl``, ...). Raises :class:`ConversionError` with the reason and the fix.
     """
+    rescale_reads = _parse_bool(rescale_reads, "rescale_reads")  # before any weight is read
     if isinstance(source, (str, bytes)) or hasattr(source, "__fspath__"):
         from transformers import AutoModelForCausalLM
 
-        source = AutoModelForCausalLM.from_pretrained(
-            str(source), local_files_only=True, **({} if dtype is None else {"dtype": dtype})
-        )
+        from attnres.hf.remote_code import refuse_remote_code
+
+        refuse_remote_code(str(source))
+        try:
+            source = AutoModelForCausalLM.from_pretrained(
+                str(source),
+                local_files_only=True,
+                trust_remote_code=False,
+                **({} if dtype is None else {"dtype": dtype}),
+            )
+        except Exception as e:
+            error = config_error(f"{source}/config.json", e)
+            if error is None:
+                raise
+            raise error from None
         copy_weights = False
     config = getattr(source, "config", None)
     if config is None or not isinstance(source, nn.Module):
@@ -368,7 +448,7 @@ def retrofit(
         "source_model_type": family.name,
         "residual": residual,
         "scheme": dict(scheme),
-        "rescale_reads": bool(rescale_reads),
+        "rescale_reads": rescale_reads,
     }
     new_config = config_cls.from_dict({**config.to_dict(), OPTIONS: options})
     new_config._attn_implementation = config._attn_implementation
