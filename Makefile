@@ -17,7 +17,7 @@ TORCHTITAN ?= torchtitan==0.3.0
 # and Kimi Linear stops, gguf for --to gguf); `make install EXTRAS=` installs the core alone
 EXTRAS ?= hf,serving
 
-.PHONY: install test test-fast lint demo clean test-serving
+.PHONY: install test test-fast test-hf-lowest lint demo clean test-serving
 
 $(BIN)/.installed: pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -44,6 +44,16 @@ TEST_WORKERS ?= $(shell nproc 2>/dev/null || echo 2)
 
 test: $(BIN)/.installed-test
 	$(BIN)/python -m pytest -n $(TEST_WORKERS)
+
+# the retrofit round trips and the HF model class on the lowest transformers pyproject.toml allows (make test
+# runs the newest): that version goes into build/ beside the installed one, and PYTHONPATH puts it first
+TRANSFORMERS_LOWEST ?= transformers==5.24.0
+test-hf-lowest: $(BIN)/.installed-test
+	test -d build/$(TRANSFORMERS_LOWEST) || $(BIN)/python -m pip install -q --no-deps --target 'build/$(TRANSFORMERS_LOWEST)' '$(TRANSFORMERS_LOWEST)'
+	PYTHONPATH='build/$(TRANSFORMERS_LOWEST)' $(BIN)/python -c 'import transformers as t; print("transformers", t.__version__); \
+		assert "$(TRANSFORMERS_LOWEST)".endswith("==" + t.__version__)'
+	PYTHONPATH='build/$(TRANSFORMERS_LOWEST)' $(BIN)/python -m pytest -n $(TEST_WORKERS) -p no:cacheprovider \
+		tests/hf/test_retrofit.py tests/hf/test_modeling.py -k 'round_trip or pretrained or not_match'
 
 # the quick loop while editing (under a minute on 2 cores): the float64 op, stream and model tests at
 # tiny sizes, the tests tests/conftest.py marks `fast`; `make test` stays the full suite
