@@ -61,7 +61,7 @@ def model_args(pretrained, tokenizer=None) -> str:
     if tokenizer is None:
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(str(pretrained))
+        tokenizer = AutoTokenizer.from_pretrained(str(pretrained), trust_remote_code=False)
     args = f"pretrained={pretrained}"
     if tokenizer.bos_token_id is None and tokenizer.eos_token_id is None:
         last = tokenizer.encode(DOC_SEPARATOR[-1], add_special_tokens=False)

@@ -32,7 +32,9 @@ class KimiLinearAutoModel:
         from transformers import AutoConfig, KimiLinearForCausalLM
 
         if config is None:
-            config = AutoConfig.from_pretrained(path, local_files_only=kwargs.get("local_files_only", False))
+            config = AutoConfig.from_pretrained(
+                path, local_files_only=kwargs.get("local_files_only", False), trust_remote_code=False
+            )
         if attn_res_block_size(config) is None:
             return KimiLinearForCausalLM.from_pretrained(path, *args, config=config, **kwargs)
         if not Path(path).is_dir():
