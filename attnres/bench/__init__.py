@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from attnres.bench import decode, graph, kimi, op, pipeline, spread, train
+from attnres.bench.checks import check_config, check_fields, coerce
 
 
 @dataclass(frozen=True)
@@ -98,13 +99,16 @@ BENCHES: dict[str, Bench] = {
 
 
 def bench_config(name: str, *, quick: bool = False, **options):
-    """The config of bench ``name`` (its ``quick()`` one with ``quick=True``) with ``options`` set."""
+    """The config of bench ``name`` (its ``quick()`` one with ``quick=True``) with ``options`` set, each in
+    its field's type where its text form says so (``attnres.bench.checks.coerce``: a comma list, yes / no),
+    every field of its type and range; ``run_bench`` checks the rest (choices, variants, device, memory)."""
     bench = BENCHES[name]
     cfg = bench.config.quick() if quick else bench.config()
     for key, value in options.items():
         if key not in bench.options:
             raise ValueError(f"--set {key}: unknown benchmark option; known: {sorted(bench.options)}")
-        setattr(cfg, key, value)
+        setattr(cfg, key, coerce(bench.config, key, value))
+    check_fields(cfg)
     return cfg
 
 
@@ -113,13 +117,14 @@ def run_bench(name: str, cfg, *, processes: int = 1) -> dict:
     processes, merged by ``spread.aggregate`` (medians, with min / median / max in ``spread``)."""
     if processes < 1:
         raise ValueError(f"--processes {processes}: must be at least 1")
-    if processes == 1:
-        return BENCHES[name].run(cfg)
-    if name not in spread.HEADLINES:
+    if processes > 1 and name not in spread.HEADLINES:
         raise ValueError(
             f"--processes {processes}: bench {name} runs in one process only; --processes applies to "
             f"{', '.join(sorted(spread.HEADLINES))}"
         )
+    check_config(name, cfg)  # before anything is built (a config built by hand too), as train checks its own
+    if processes == 1:
+        return BENCHES[name].run(cfg)
     runs = spread.launch(name, cfg.__dict__, processes, threads=torch.get_num_threads())
     return spread.aggregate(name, runs)
 

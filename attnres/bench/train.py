@@ -198,16 +198,20 @@ def _sync(device: str) -> None:
 CLOCKS = {"wall": time.perf_counter, "process": time.process_time}
 
 
+def check_clock(clock: str) -> None:
+    if clock not in CLOCKS:
+        raise ValueError(
+            f"clock={clock!r} is invalid: choose one of {tuple(CLOCKS)} (wall: elapsed time; "
+            "process: CPU time, for a shared machine at --threads 1)"
+        )
+
+
 def time_variants(cfg: BenchConfig) -> tuple[dict[str, list[float]], dict[str, float], dict[str, dict]]:
     """Step times per row (round-robin repeats), each row's warm-up seconds (wall time; for a
     compiled row: compilation, in the first step, and the second step's recompilation if any), and
     each row's step breakdown (``attnres.bench.profile.round_robin_breakdowns`` over ``profile_rounds``
     rounds after the timing; empty with no rounds or on CUDA)."""
-    if cfg.clock not in CLOCKS:
-        raise ValueError(
-            f"clock={cfg.clock!r} is invalid: choose one of {tuple(CLOCKS)} (wall: elapsed time; "
-            "process: CPU time, for a shared machine at --threads 1)"
-        )
+    check_clock(cfg.clock)
     check_rounds(cfg.profile_rounds)
     clock = CLOCKS[cfg.clock]
     setups = {v: _setup(cfg, v) for v in rows_of(cfg)}

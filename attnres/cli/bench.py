@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import tempfile
+from pathlib import Path
 
 import torch
 
 from attnres.bench import BENCHES, bench_config, format_result, run_bench
 from attnres.bench.spread import HEADLINES
-from attnres.cli.options import add_compile_option, add_set_option, parse_set
+from attnres.cli.options import CLIError, add_compile_option, add_set_option, parse_set
 from attnres.files import atomic_write_text
 
 
@@ -54,6 +56,8 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    if args.threads is not None and args.threads < 1:
+        raise CLIError(f"--threads {args.threads}: must be at least 1 (or leave it out: torch's choice)")
     if args.threads:
         torch.set_num_threads(args.threads)
     options = parse_set(args.set)
@@ -65,6 +69,8 @@ def run(args) -> int:
         options.setdefault("compile", True)  # keeps a --set compile=BACKEND
     options["device"] = args.device
     cfg = bench_config(args.what, quick=args.quick, **options)
+    if args.json:
+        _check_writable(args.json)  # now, not after the whole benchmark has run
     result = run_bench(args.what, cfg, processes=getattr(args, "processes", 1))
     if not result.get("is_main", True):  # other torchrun ranks: rank 0 reports
         return 0
@@ -73,3 +79,18 @@ def run(args) -> int:
         atomic_write_text(args.json, json.dumps(result, indent=2))
         print(f"\nwritten: {args.json}")
     return 0
+
+
+def _check_writable(path: str) -> None:
+    """A one-line error unless a file can be written at ``path`` (its folder is created, as the write would)."""
+    target = Path(path)
+    try:
+        if target.is_dir():
+            raise IsADirectoryError(21, "is a directory")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=target.parent):
+            pass
+    except OSError as e:
+        raise CLIError(
+            f"--json {path} cannot be written ({e.strerror or e}); pass a file path in a folder you can write to"
+        ) from None

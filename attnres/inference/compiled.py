@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from attnres.inference.cache import StaticKVCache
-from attnres.model.compile import compile_backend
+from attnres.model.compile import check_compiler, compile_backend
 
 
 def check_static_cache(config, who: str) -> None:
@@ -39,8 +39,10 @@ class CompiledDecoder:
 
     def __init__(self, model, batch_size: int, max_len: int | None = None, setting: bool | str = True):
         check_static_cache(model.config, "compiled decoding")
+        check_compiler(setting, next(model.parameters()).device, "compile")
         self.model = model
         self.cache = StaticKVCache.for_model(model, batch_size, max_len)
+        model.rope(self.cache.max_len)  # grown now, not in a traced step, which would then compile again
         # dynamic=False: one graph per shape (prefill, one token) rather than a symbolic-shape graph
         self._step = torch.compile(self._forward, backend=compile_backend(setting) or "inductor", dynamic=False)
 

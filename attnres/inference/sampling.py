@@ -102,13 +102,15 @@ def _generate(
     gen.manual_seed(seed if seed is not None else torch.seed())
     ids = input_ids.to(device)
     limit = model.config.max_seq_len
+    # the positions this call can reach, not max_seq_len's (a long-context model's would be gigabytes)
+    room = min(limit, ids.shape[1] + max_new_tokens)
     cache = None
     step: Callable[[torch.Tensor], torch.Tensor]
     if compile:
-        step = CompiledDecoder(model, 1, setting=compile)
+        step = CompiledDecoder(model, 1, room, setting=compile)
         cache = step.cache
     elif use_cache:
-        cache = make_cache(model, 1)
+        cache = make_cache(model, 1, room)
         step = lambda tokens: model(tokens, cache=cache)  # noqa: E731
     pending = ids[:, -limit:]  # tokens the model has not seen yet
     for position in range(max_new_tokens):

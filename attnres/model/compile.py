@@ -15,6 +15,8 @@ Two granularities:
 
 from __future__ import annotations
 
+import os
+import shutil
 from typing import TYPE_CHECKING
 
 import torch
@@ -49,6 +51,27 @@ def check_compile_setting(setting, field: str = "TrainConfig.compile") -> None:
             f"{field}={setting!r} is not a torch.compile backend; use true (inductor) or one of {sorted(set(known))}"
         )
     raise ValueError(f"{field}={setting!r} is invalid: use true, false, or a torch.compile backend name")
+
+
+def check_compiler(setting, device, field: str = "TrainConfig.compile") -> None:
+    """A one-line error, before anything is built, where inductor would need a C++ compiler that is not
+    there: on the CPU it writes C++ and builds it with the first of ``torch._inductor.config.cpp.cxx``
+    it finds (g++, or $CXX), and without one the first compiled step ends in a long traceback from
+    inside torch. Other backends and devices need none."""
+    if compile_backend(setting) != DEFAULT_BACKEND or torch.device(device).type != "cpu":
+        return
+    from torch._inductor import config
+
+    names = config.cpp.cxx if isinstance(config.cpp.cxx, (list, tuple)) else (config.cpp.cxx,)
+    # None: a compiler torch installs itself from conda, when TORCH_INDUCTOR_INSTALL_GXX asks it to
+    if any(shutil.which(name) if name else os.environ.get("TORCH_INDUCTOR_INSTALL_GXX") for name in names):
+        return
+    wanted = " or ".join(name for name in names if name) or "g++"
+    raise ValueError(
+        f"{field}={setting!r} compiles with inductor, which on the CPU needs a C++ compiler ({wanted}), and "
+        f"none is on PATH. Fix: install one (e.g. apt install g++, or set CXX to yours), or drop --compile "
+        "(or use the aot_eager backend, which generates no code)"
+    )
 
 
 def compile_model(

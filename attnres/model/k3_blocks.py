@@ -1,5 +1,6 @@
 """Kimi K3's sublayers: transformers' Kimi Linear modules with K3's additions switched in by
-``ModelConfig`` options (each off by default, and then the module is transformers' own, unchanged).
+``ModelConfig`` options (each off by default, and then the module is transformers' own, unchanged; KDA's
+forward is called past the ``kernels`` hub's routing, which dynamo cannot trace: ``DeltaAttention``).
 
 - ``situ_beta`` / ``situ_linear_beta``: SiTU (``attnres.model.k3.situ``) instead of SwiGLU in the dense
   MLPs, the routed experts and the shared experts. The KDA short convolution keeps its SiLU (K3's too).
@@ -54,6 +55,27 @@ class SiTUExperts(kimi.KimiLinearExperts):
         return out
 
 
+def _without_hub_routing(forward):
+    """``forward`` without the wrapper that the ``kernels`` package (installed with transformers) puts
+    around a module that lists hub kernel functions (``use_kernelized_func``: KDA's). Per call it routes
+    them through a context variable keyed by the ``id`` of each item of a closure tuple, which dynamo
+    cannot resolve once it traces a second such layer (torch 2.13: "NameError: name
+    '___tuple_iterator_getitem' is not defined", and ``--compile`` dies). The routing matters only for a
+    module passed to ``kernels.kernelize``, which attnres never does: unkernelized, every routed call
+    falls through to the plain function, which the forward it wraps calls directly."""
+    code = getattr(forward, "__code__", None)
+    wrapped = getattr(forward, "__wrapped__", None)
+    if code is None or wrapped is None or code.co_name != "new_forward" or "kernels" not in code.co_filename:
+        return forward  # no hub wrapper: transformers without the kernels package, or another version of it
+    return wrapped
+
+
+class DeltaAttention(kimi.KimiLinearDeltaAttention):
+    """transformers' KDA, its forward called without the kernels hub's routing (see ``_without_hub_routing``)."""
+
+    forward = _without_hub_routing(kimi.KimiLinearDeltaAttention.forward)
+
+
 class BoundedForgetGate(kimi.KimiLinearForgetGate):
     """KDA's forget gate with K3's lower bound: log decay in (lower_bound, 0)."""
 
@@ -69,7 +91,7 @@ class BoundedForgetGate(kimi.KimiLinearForgetGate):
 
 def delta_attention(hf, index: int, config) -> nn.Module:
     """Layer ``index``'s KDA: transformers' module, with K3's full-rank gate and bounded decay if set."""
-    attn = kimi.KimiLinearDeltaAttention(hf, index)
+    attn = DeltaAttention(hf, index)
     if config.kda_full_rank_gate:
         attn.g_a_proj = nn.Identity()  # type: ignore[assignment]  # the full-rank gate is g_b_proj alone
         attn.g_b_proj = nn.Linear(hf.hidden_size, attn.qkv_dim, bias=False)

@@ -28,10 +28,11 @@ if TYPE_CHECKING:  # annotations only: the config imports the backbones, which i
 # ----------------------------------------------------------------------------- rotary
 
 
-def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[Tensor, Tensor]:
-    """cos/sin tables [max_seq_len, head_dim] in the rotate-half convention (as HF LLaMA)."""
+def rope_tables(head_dim: int, max_seq_len: int, theta: float, start: int = 0) -> tuple[Tensor, Tensor]:
+    """cos/sin tables [max_seq_len - start, head_dim] of positions start..max_seq_len-1 in the
+    rotate-half convention (as HF LLaMA)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)
+    angles = torch.outer(torch.arange(start, max_seq_len, dtype=torch.float64), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().float(), angles.sin().float()
 

@@ -37,6 +37,11 @@ def set_norm_eps(norm: nn.Module, eps: float) -> None:
     setattr(norm, "variance_epsilon" if hasattr(norm, "variance_epsilon") else "eps", eps)
 
 
+# the positions whose rotary rows are built with the model; a longer max_seq_len (a long-context
+# config) gets the rest when an input first reaches them, so that building it costs no more
+ROPE_PREBUILT = 1 << 14
+
+
 @dataclass
 class LMOutput:
     logits: Tensor
@@ -52,7 +57,7 @@ class AttnResLM(nn.Module):
 
     blocks: nn.ModuleList
     norm: nn.Module
-    rope_cos: Tensor  # [max_seq_len, rope_dim] buffers, not saved with the weights
+    rope_cos: Tensor  # [positions built so far (at most max_seq_len), rope_dim] buffers, not saved with the weights
     rope_sin: Tensor
 
     def __init__(self, config: ModelConfig):
@@ -77,11 +82,25 @@ class AttnResLM(nn.Module):
             set_norm_eps(block.get_submodule("mlp_norm"), config.norm_eps * self.residual.norm_eps_scale(2 * i + 1))
         set_norm_eps(self.norm, config.norm_eps * self.residual.norm_eps_scale(config.n_sublayers))
         # width 0 for a backbone without rotary positions (Kimi Linear): the blocks get empty tables
-        cos, sin = rope_tables(config.rope_dim, config.max_seq_len, config.rope_theta)
+        cos, sin = rope_tables(config.rope_dim, min(config.max_seq_len, ROPE_PREBUILT), config.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.activation_checkpointing = "none"  # a training setting, not part of the model's function
         self.reset_parameters()
+
+    def rope(self, length: int) -> tuple[Tensor, Tensor]:
+        """The rotary tables of positions 0..length-1 ([length, rope_dim] each), grown first if they
+        are shorter: rows already built never change, so cached decoding reads the very values the
+        full forward read."""
+        have = self.rope_cos.shape[0]
+        if length > have:
+            c = self.config
+            # doubling: decoding past the table one token at a time grows it a few times, not per token
+            grown = min(c.max_seq_len, max(length, 2 * have))
+            cos, sin = rope_tables(c.rope_dim, grown, c.rope_theta, start=have)
+            self.rope_cos = torch.cat([self.rope_cos, cos.to(self.rope_cos)])
+            self.rope_sin = torch.cat([self.rope_sin, sin.to(self.rope_sin)])
+        return self.rope_cos[:length], self.rope_sin[:length]
 
     def set_activation_checkpointing(self, mode: str | None) -> None:
         """What backward recomputes instead of keeping (``attnres.model.checkpointing``): "none",
@@ -146,6 +165,8 @@ class AttnResLM(nn.Module):
                 f"positions {positions.start}..{positions.stop - 1} exceed ModelConfig.max_seq_len="
                 f"{self.config.max_seq_len}; use shorter inputs or a model built with a larger max_seq_len"
             )
+        # every position this call can read (a static cache's: all of its slots)
+        self.rope(positions.stop if isinstance(positions, slice) else cache.max_len)
         attention = cache
         if attention_mask is not None:
             if not isinstance(positions, slice):

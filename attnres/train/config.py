@@ -313,6 +313,21 @@ def parse_value(text: str) -> Any:
         return text
 
 
+BOOL_WORDS = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
+
+
+def parse_bool(value: Any, field: str) -> bool:
+    """A yes/no option: a bool, 0 / 1, or the text true / yes / 1 or false / no / 0 (any case). Anything
+    else is a one-line error naming ``field``: Python's truth of a text ("no" is true) is never used."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in BOOL_WORDS:
+        return BOOL_WORDS[value.strip().lower()]
+    raise ValueError(f"{field}={value!r} is invalid: use true or false (or yes / no, 1 / 0)")
+
+
 def split_overrides(overrides: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """Route flat ``key=value`` overrides to ModelConfig or TrainConfig by field name."""
     model_fields = {f.name for f in dataclasses.fields(ModelConfig)}
@@ -394,19 +409,17 @@ def build_configs(
     m, t = split_overrides(overrides)
     model_kw.update(m)
     train_kw.update(t)
-    steps, warmup = train_kw.get("steps", TrainConfig.steps), train_kw.get("warmup_steps", TrainConfig.warmup_steps)
-    if "warmup_steps" not in t and _int(steps) and _int(warmup) and steps >= 1:
-        room, decay = steps, ""  # the steps a warmup may take: all of them, less a WSD schedule's decay
-        fraction = train_kw.get("decay_fraction", TrainConfig.decay_fraction)
-        if train_kw.get("schedule", TrainConfig.schedule) == "wsd" and isinstance(fraction, (int, float)):
-            room = max(1, steps - round(fraction * steps))
-            decay = f" less the schedule's decay ({steps - room})" if room < steps else ""
-        if warmup > room:
-            train_kw["warmup_steps"] = room
+    if "warmup_steps" not in t:
+        warmup = train_kw.get("warmup_steps", TrainConfig.warmup_steps)
+        capped = capped_warmup(train_kw)
+        if capped != warmup:
+            train_kw["warmup_steps"] = capped
             if notes is not None:
+                steps = train_kw.get("steps", TrainConfig.steps)
+                decay = f" less the schedule's decay ({steps - capped})" if capped < steps else ""
                 source = f"the {preset} preset's" if preset is not None else "the default"
                 notes.append(
-                    f"warmup_steps={warmup} ({source}) is longer than the run: capped to {room} (steps={steps}"
+                    f"warmup_steps={warmup} ({source}) is longer than the run: capped to {capped} (steps={steps}"
                     f"{decay}; set --warmup-steps to choose)"
                 )
     train = TrainConfig(**train_kw)
@@ -425,6 +438,21 @@ def build_configs(
 
         check_tensor_parallel(model, train.tp, train.sequence_parallel)
     return model, train
+
+
+def capped_warmup(train_kw: dict[str, Any]) -> Any:
+    """The warmup a run of these training options takes when its warmup_steps is a preset's or the
+    default (not given): at most the run's steps, less a WSD schedule's decay. build_configs applies it
+    when a run starts, and resuming applies it again so that the flags that started a run match it.
+    Values of the wrong type are returned unchanged (TrainConfig names them)."""
+    steps, warmup = train_kw.get("steps", TrainConfig.steps), train_kw.get("warmup_steps", TrainConfig.warmup_steps)
+    if not (_int(steps) and _int(warmup) and steps >= 1):
+        return warmup
+    room = steps  # the steps a warmup may take: all of them, less a WSD schedule's decay
+    fraction = train_kw.get("decay_fraction", TrainConfig.decay_fraction)
+    if train_kw.get("schedule", TrainConfig.schedule) == "wsd" and isinstance(fraction, (int, float)):
+        room = max(1, steps - round(fraction * steps))
+    return min(warmup, room)
 
 
 def _int(value: Any) -> bool:

@@ -12,13 +12,14 @@ recomputed at once (a segment of Transformer blocks for "block", one sublayer fo
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
 from attnres.model import ModelConfig
 from attnres.model.checkpointing import segment_layers
 
-__all__ = ["available_memory", "estimate_step_memory", "check_memory"]
+__all__ = ["available_memory", "estimate_step_memory", "check_memory", "check_models_memory"]
 
 _GIB = 1 << 30
 _FLOAT = 4  # bytes of an fp32 value
@@ -98,4 +99,39 @@ def check_memory(model: ModelConfig, train, device: torch.device, available: int
     raise ValueError(
         f"TrainConfig.batch_size={train.batch_size} needs about {need / _GIB:,.1f} GiB for one training step "
         f"(a low estimate) but {available / _GIB:,.1f} GiB is free on {device}; {advice}"
+    )
+
+
+def check_models_memory(
+    models: Sequence[ModelConfig],
+    batch_size: int,
+    seq_len: int,
+    device: torch.device,
+    *,
+    checkpointing: str = "none",
+    owner: str = "BenchConfig",
+    available: int | None = None,
+) -> None:
+    """Refuse ``models`` that clearly do not fit on ``device`` when all are built at once, each with
+    its optimizer, and they take training steps one at a time (``attnres bench train``: every variant
+    is timed round-robin in one process): every model's fixed part, and the largest step's
+    activations. The ValueError names ``{owner}.batch_size``, the estimate and what fits."""
+    available = available_memory(device) if available is None else available
+    if available is None or not models:
+        return
+    parts = [_fixed_and_per_token(model, seq_len, checkpointing) for model in models]
+    fixed, per_token = sum(f for f, _ in parts), max(p for _, p in parts)
+    need = fixed + batch_size * seq_len * per_token
+    if need <= available:
+        return
+    fits = max(0, (available - fixed) // (per_token * seq_len))
+    advice = (
+        f"batch_size <= {fits} fits"
+        if fits >= 1
+        else "not even batch_size=1 fits: use a smaller model or seq_len, or fewer variants"
+    )
+    raise ValueError(
+        f"{owner}.batch_size={batch_size} needs about {need / _GIB:,.1f} GiB for {len(models)} models with their "
+        f"optimizers and one training step (a low estimate) but {available / _GIB:,.1f} GiB is free on {device}; "
+        f"{advice}"
     )

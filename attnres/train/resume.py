@@ -15,6 +15,7 @@ from attnres.train.config import (
     RESUMABLE_CHANGES,
     TrainConfig,
     build_configs,
+    capped_warmup,
     split_overrides,
 )
 
@@ -83,6 +84,16 @@ def resumed_configs(
                     given[key] = (value, f"--preset {preset}")
     for key, value in overrides.items():
         given[key] = (value, "given")
+    if "warmup_steps" in given and "warmup_steps" not in overrides:
+        # a preset's warmup longer than the run was capped when the run started (build_configs); the same
+        # flags cap it alike now, as do the run's own settings once a resume has changed its steps
+        value, source = given["warmup_steps"]
+        now = {k: v for k, (v, _) in given.items()}
+        if saved_train.get("warmup_steps") in (
+            capped_warmup(now),
+            capped_warmup({**saved_train, "warmup_steps": value}),
+        ):
+            given["warmup_steps"] = (saved_train["warmup_steps"], source)
     model_given, train_given = split_overrides({k: v for k, (v, _) in given.items()})
     saved = {**saved_model, **saved_train}  # vocab_size: the training option (the model's follows the tokenizer)
     wrong = []

@@ -285,7 +285,7 @@ def test_bench_decode_table_and_io_counts(capsys, tmp_path):
     assert main(["bench", "decode", "--set", "profile_rounds=true"]) == 2
     assert "profile_rounds=True is invalid" in capsys.readouterr().err
     assert main(["bench", "decode", "--set", "prefill_repeats=0"]) == 2
-    assert "--set prefill_repeats=0: must be at least 1" in capsys.readouterr().err
+    assert "DecodeBenchConfig.prefill_repeats=0 is invalid: must be a positive integer" in capsys.readouterr().err
 
 
 def test_residual_io_counts_follow_the_schedule():

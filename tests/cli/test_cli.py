@@ -1,6 +1,7 @@
 """The command-line shell: the one --set parser, the shared run options, the verbs it composes."""
 
 import argparse
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -171,3 +172,49 @@ def test_text_flags_unescape_what_a_shell_passes_literally():
     assert unescape("café \\x ✓") == "café \\x ✓"  # nothing else changes
     args = build_parser().parse_args(["sample", "runs/x", "--stop", r"\n\n", "--prompt", r"ROMEO:\n"])
     assert (args.stop, args.prompt) == ("\n\n", "ROMEO:\n")
+
+
+def test_resume_with_the_flags_that_started_a_capped_run(tmp_path, monkeypatch, capsys):
+    """The tiny preset's warmup (3) is capped to a 2-step run when it starts: resuming with the same
+    flags, or with more steps, caps it alike instead of calling the preset's 3 a changed option."""
+    monkeypatch.setenv("ATTNRES_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "run"
+    flags = ["train", "--preset", "tiny", "--out", str(out), "--set", "threads=1", "--no-progress"]
+    assert main([*flags, "--steps", "2"]) == 0
+    assert "capped to 2" in capsys.readouterr().err
+    assert main([*flags, "--steps", "2", "--resume"]) == 0  # the same command: the run is finished
+    assert main([*flags, "--steps", "4", "--resume"]) == 0  # longer: the warmup stays the run's
+    captured = capsys.readouterr()
+    assert "resumed" in captured.out and "error" not in captured.err
+    state = json.loads((out / "checkpoint" / "state.json").read_text())
+    assert state["step"] == 4 and state["train_config"]["warmup_steps"] == 2
+    assert main([*flags, "--steps", "4", "--resume", "--warmup-steps", "3"]) == 2  # a given warmup still must match
+    assert "warmup_steps=3 (given), but the run has warmup_steps=2" in capsys.readouterr().err
+
+
+def test_compile_without_a_cpp_compiler_is_one_line_before_anything_is_written(tmp_path, monkeypatch, capsys):
+    """Inductor on the CPU builds C++ with the compiler torch looks for: without one on PATH, --compile is
+    refused in one line naming the fix, before the run directory or the data are touched."""
+    monkeypatch.setattr("attnres.model.compile.shutil.which", lambda name: None)
+    monkeypatch.delenv("TORCH_INDUCTOR_INSTALL_GXX", raising=False)
+    monkeypatch.setenv("ATTNRES_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "run"
+    assert main(["train", "--preset", "tiny", "--steps", "2", "--compile", "--out", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == "(set ATTNRES_DEBUG=1 for the full traceback)"
+    line = err.strip().splitlines()[-2]
+    assert line.startswith("attnres train: error: TrainConfig.compile=True compiles with inductor, which on the CPU")
+    assert "C++ compiler" in line and "install one" in line and "drop --compile" in line
+    assert not out.exists() and not (tmp_path / "cache").exists()
+
+
+def test_compiled_decoding_without_a_cpp_compiler_is_a_clear_error(monkeypatch):
+    from attnres import AttnResLM, ModelConfig
+    from attnres.inference import CompiledDecoder
+
+    monkeypatch.setattr("attnres.model.compile.shutil.which", lambda name: None)
+    monkeypatch.delenv("TORCH_INDUCTOR_INSTALL_GXX", raising=False)
+    model = AttnResLM(ModelConfig(vocab_size=50, d_model=16, n_layers=1, n_heads=2, max_seq_len=8))
+    with pytest.raises(ValueError, match=r"compile=True compiles with inductor.*C\+\+ compiler"):
+        CompiledDecoder(model, 1, setting=True)
+    CompiledDecoder(model, 1, setting="aot_eager")  # a backend that generates no code needs none

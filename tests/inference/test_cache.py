@@ -132,3 +132,31 @@ def test_cache_reorders_rows_for_beam_search():
         out = model(x[1:, 5:].expand(2, -1), cache=cache)
         alone = model(x[1:])[:, 5:]
     torch.testing.assert_close(out, alone.expand(2, -1, -1), rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_generation_caches_the_positions_it_can_reach_not_max_seq_len(compiled, monkeypatch):
+    """A long-context model (max_seq_len=10**9) decodes with a cache of prompt + new tokens: one of
+    max_seq_len positions would be hundreds of gigabytes."""
+    import attnres.inference.sampling as sampling
+
+    sizes = []
+    real_cache, real_decoder = sampling.make_cache, sampling.CompiledDecoder
+
+    def make_cache(model, batch_size, max_len=None):
+        sizes.append(max_len)
+        assert max_len is not None and max_len <= 64, max_len  # refused before it is allocated
+        return real_cache(model, batch_size, max_len)
+
+    def decoder(model, batch_size, max_len=None, setting=True):
+        sizes.append(max_len)
+        assert max_len is not None and max_len <= 64, max_len
+        return real_decoder(model, batch_size, max_len, setting="aot_eager")
+
+    monkeypatch.setattr(sampling, "make_cache", make_cache)
+    monkeypatch.setattr(sampling, "CompiledDecoder", decoder)
+    big = model_for("block", torch.float32, max_seq_len=10**9)
+    prompt = tokens(5)[:1]
+    out = list(generate(big, prompt, 4, temperature=0, compile=compiled))
+    assert sizes == [9] and len(out) == 4
+    assert out == list(generate(big, prompt, 4, temperature=0, use_cache=False))

@@ -165,3 +165,34 @@ def test_compiled_multi_token_streams_keep_no_buffer_and_decoding_streams_do(mon
     assert tiny("full", n_layers=3).residual.begin(x).recompute_phase1
     with torch.no_grad():
         assert not model.residual.begin(x).recompute_phase1  # prefill: no backward
+
+
+def test_kimi_linear_compiles_past_the_kernels_hub_wrapper():
+    """transformers wraps KDA's forward for the `kernels` hub (installed with it); dynamo could not trace
+    that wrapper at the second KDA layer after an MoE layer's graph break (an internal NameError). The
+    model's KDA calls the forward it wraps: compiled equals eager, and the module is still transformers'
+    KDA, computing what it computes."""
+    pytest.importorskip("transformers")
+    from transformers.models.kimi_linear import modeling_kimi_linear as kimi
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    cfg = ModelConfig(
+        backbone="kimi_linear", vocab_size=61, d_model=32, n_layers=2, n_heads=2, max_seq_len=16, moe_experts=4
+    )  # the MoE layer's graph break is what made dynamo resume at the second KDA layer and fail there
+    model = AttnResLM(cfg)
+    attn = model.blocks[0].attn
+    assert isinstance(attn, kimi.KimiLinearDeltaAttention) and model.blocks[1].kind == "K"
+    x = tokens(2, 8)
+    h = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():  # the same function as transformers' own (wrapped) forward
+        torch.testing.assert_close(attn(h), kimi.KimiLinearDeltaAttention.forward(attn, h), rtol=0, atol=0)
+    model(x).square().mean().backward()
+    eager_out, eager_grads = model(x).detach(), grads(model)
+    model.zero_grad()
+    compile_model(model, "aot_eager")
+    out = model(x)
+    out.square().mean().backward()
+    torch.testing.assert_close(out.detach(), eager_out, rtol=1e-5, atol=1e-6)
+    for name, g in grads(model).items():
+        torch.testing.assert_close(g, eager_grads[name], rtol=1e-4, atol=1e-6, msg=name)

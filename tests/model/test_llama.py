@@ -49,6 +49,8 @@ def test_every_scheme_gets_the_same_sublayer_weights_for_one_seed(make):
         extra = {"highway_rank": 4} if residual == "highway" else {}
         state = make(residual, **extra).state_dict()
         for name, value in base.items():
+            if name.startswith("residual."):  # the scheme's own state (its settings record included)
+                continue
             assert torch.equal(state[name], value), (residual, name)
 
 
