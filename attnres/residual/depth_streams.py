@@ -422,12 +422,26 @@ class TwoPhaseStream(FusedStream):
         self._handed = tuple(cache[own:])
 
     def _restore_derived(self, cache: Sequence[Tensor]) -> int:
-        """Take the derived tensors from the front of ``cache``; returns how many."""
+        """Take the derived tensors from the front of ``cache``; returns how many. A cache of the
+        compiled form (a block that dynamo ran, handing over to one it fell back from, or the other way)
+        has no buffer: the buffer is derived again from the sources and the form's own tensors skipped."""
+        if not _has_buffer(cache):
+            sources, self.sources = self.sources, []
+            self._allocate(sources[0])
+            for v in sources:
+                self._add_source(v)
+            return len(sources) if self.scheme.key_norm else 0
         self.buffer = cache[0]
         if self.scheme.key_norm and self.keeps_inv_rms:
             self.inv_rms = cache[1]
             return 2
         return 1
+
+
+def _has_buffer(cache: Sequence[Tensor]) -> bool:
+    """Whether a two-phase cache starts with the buffer form's [B, T, K, D] buffer (every other tensor
+    of a cache, the compiled form's inverse RMS and a group's statistics, has fewer dimensions first)."""
+    return cache[0].dim() == 4
 
 
 class TokenQueryTwoPhaseStream(TwoPhaseStream):
@@ -515,6 +529,11 @@ class CompiledTwoPhaseStream(TwoPhaseStream):
         return list(self.source_inv_rms or [])
 
     def _restore_derived(self, cache: Sequence[Tensor]) -> int:
+        if _has_buffer(cache):  # the buffer form's cache: its buffer and inverse RMS, derived again here
+            self._allocate(self.sources[0])
+            if self.source_inv_rms is not None:
+                self.source_inv_rms = [inverse_rms(v, self.scheme.eps) for v in self.sources]
+            return 2 if self.scheme.key_norm else 1
         if not self.scheme.key_norm:
             return 0
         n = len(self.sources)

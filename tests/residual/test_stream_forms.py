@@ -162,3 +162,33 @@ def test_wrong_inputs_get_errors_naming_what_was_expected():
         stream.write(None, torch.randn(2, 3, 1))  # would broadcast silently
     with pytest.raises(ValueError, match="resume at sublayer 9"):
         scheme.resume(9, [torch.randn(2, 3, D)], [])
+
+
+@pytest.mark.parametrize("first", ["compiled", "buffer"])
+@pytest.mark.parametrize("case", COMPILED_CASES)
+def test_a_stream_handed_between_the_compiled_and_the_buffer_form_computes_the_same(case, first, monkeypatch):
+    """When dynamo runs some Transformer blocks and falls back to eager for others (its recompile limit),
+    a depth state written by one two-phase form is resumed by the other: after every sublayer the form
+    flips, forward and backward equal one stream of one form."""
+    turn = iter(range(10**6))
+    start = 0 if first == "compiled" else 1
+    monkeypatch.setattr(forms, "compiled_form", lambda embedding: (next(turn) + start) % 2 == 0)
+    scheme = scheme_for(case)
+    x = torch.randn(2, 3, D, dtype=torch.float64, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    got_inputs, got = run(scheme, x, "cache")
+    (got.square().sum() + sum(h.sum() for h in got_inputs)).backward()
+    got_grads = {n: p.grad.clone() for n, p in scheme.named_parameters()}
+    got_x = x.grad.clone()
+    assert next(turn) > L  # the form was chosen anew at every handover
+
+    monkeypatch.setattr(forms, "compiled_form", lambda embedding: False)
+    reference = scheme_for(case)
+    x.grad = None
+    want_inputs, want = run(reference, x)
+    (want.square().sum() + sum(h.sum() for h in want_inputs)).backward()
+    for a, b in zip(got_inputs, want_inputs, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(got_x, x.grad, rtol=1e-9, atol=1e-12)
+    for n, p in reference.named_parameters():
+        torch.testing.assert_close(got_grads[n], p.grad, rtol=1e-9, atol=1e-12, msg=n)
