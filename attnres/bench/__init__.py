@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from attnres.bench import decode, graph, kimi, op, pipeline, spread, train
+from attnres.bench import decode, graph, kimi, op, pipeline, roofline, spread, train
 from attnres.bench.checks import check_config, check_fields, coerce
 
 
@@ -54,6 +54,15 @@ BENCHES: dict[str, Bench] = {
         "prenorm, Block and Full AttnRes (or any schemes in --variants) on one config in one process, "
         "with ratios to prenorm, and peak memory from a fresh process per variant",
         "attnres bench train --quick --variants prenorm,block,full",
+    ),
+    "roofline": Bench(
+        roofline.RooflineBenchConfig,
+        roofline.run,
+        roofline.format_table,
+        "AttnRes's step overhead over prenorm across widths beside its memory-traffic limit (the least extra "
+        "bytes of docs/method.md's schedule at this machine's copy bandwidth), eager and with --set "
+        "compile=true compiled with the compile warm-up; --set plot=FILE.png draws the curve",
+        "attnres bench roofline --quick",
     ),
     "op": Bench(
         op.OpBenchConfig,

@@ -157,7 +157,13 @@ def variant_configs(cfg: Any, build: Callable[[Any, str], ModelConfig]) -> dict[
 
 
 def check_train(cfg) -> None:
-    from attnres.bench.train import AUTOCAST, check_clock, model_config, rows_of, split_compiled
+    from attnres.bench.train import (
+        AUTOCAST,
+        check_clock,
+        model_config,
+        rows_of,
+        split_compiled,
+    )
 
     check_choice(cfg, "dtype", AUTOCAST)
     check_clock(cfg.clock)
@@ -217,8 +223,18 @@ def check_kimi(cfg) -> None:
             )
 
 
+def check_roofline(cfg: Any) -> None:
+    from attnres.bench.roofline import train_config
+
+    if cfg.head_dim < 1:
+        raise bad_option("head_dim", cfg.head_dim, "must be a positive integer", type(cfg).__name__)
+    for width in cfg.widths:  # each width is a bench train run: the same checks, memory included
+        check_train(train_config(cfg, width))
+
+
 CHECKS: dict[str, Callable[[Any], None]] = {
     "train": check_train,
+    "roofline": check_roofline,
     "op": check_op,
     "graph": check_graph,
     "decode": check_decode,

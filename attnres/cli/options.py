@@ -10,7 +10,9 @@ from typing import Any
 
 from attnres.parallel import PIPELINE_SCHEDULES
 from attnres.train.config import PRESETS, load_toml, parse_value
-from attnres.train.config import parse_bool as parse_bool  # for the verbs: a strict yes/no --set value
+from attnres.train.config import (
+    parse_bool as parse_bool,  # for the verbs: a strict yes/no --set value
+)
 
 # flags of the run options whose value is the config field of the same name
 RUN_FIELDS = (

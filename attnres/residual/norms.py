@@ -31,7 +31,9 @@ import torch
 from torch import nn
 
 from attnres.residual.base import ResidualScheme
-from attnres.residual.record import BASE_EPS as _BASE  # the eps a norm had before the first call
+from attnres.residual.record import (
+    BASE_EPS as _BASE,  # the eps a norm had before the first call
+)
 from attnres.residual.record import remember_matched_norms
 
 

@@ -12,7 +12,13 @@ from attnres.experiments.reports.common import (
     variant_rows,
 )
 from attnres.experiments.results import finite
-from attnres.experiments.stats import fmt_mean_std, mean_std, ranks, seed_shortfall, spearman
+from attnres.experiments.stats import (
+    fmt_mean_std,
+    mean_std,
+    ranks,
+    seed_shortfall,
+    spearman,
+)
 
 
 def ablations_report(rep: Report) -> None:
