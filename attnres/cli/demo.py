@@ -102,10 +102,12 @@ def add_parser(sub) -> None:
 
 
 def demo_spec(full: bool, overrides: dict) -> ExperimentSpec:
-    """experiments/demo.toml, at the quick size unless ``full``, with ``overrides`` on top; the runs keep
-    their checkpoints, so that `attnres sample` reads them."""
+    """experiments/demo.toml, at the quick size unless ``full`` or another preset, with ``overrides`` on top;
+    the runs keep their checkpoints, so that `attnres sample` reads them."""
     spec = load_spec("demo", CHECKOUT_SPECS_DIR)
-    if not full:
+    # another --preset names its own sizes, which the quick ones must not overwrite
+    own_preset = overrides.get("preset") not in (None, spec.base.get("preset"))
+    if not full and not own_preset:
         steps = overrides.get("steps", QUICK["steps"])
         quick = {**QUICK, "warmup_steps": max(1, steps // 10) if isinstance(steps, int) else 1}
         # its table reads the trainer's last evaluation: no second pass over the whole validation split

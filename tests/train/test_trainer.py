@@ -172,7 +172,7 @@ def test_cli_demo_trains_the_demo_spec_reuses_its_runs_and_writes_its_report(cor
         assert f"]({name})" in report and (out / name).stat().st_size > 0
     runs = {
         json.loads((d / "config.json").read_text())["model"]["residual"]: d
-        for d in (out / "demo").iterdir()
+        for d in out.iterdir()  # the runs are named by what they are: OUT/prenorm, OUT/block, OUT/full
         if (d / "summary.json").is_file()
     }
     assert set(runs) == {"prenorm", "block", "full"}
