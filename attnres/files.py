@@ -90,16 +90,17 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         if not tmp.is_file():
             raise FileNotFoundError(f"the writer of {path} left no file at {tmp}")
         os.chmod(tmp, file_mode())
-        _fsync(tmp)
+        fsync_path(tmp)
         os.replace(tmp, path)
-        _fsync(path.parent)
+        fsync_path(path.parent)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
 
 
-def _fsync(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory (so that a rename into it is durable); a no-op where the platform cannot."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:  # a directory on Windows
@@ -146,7 +147,7 @@ def atomic_directory(path: str | os.PathLike, *, replace: bool = False) -> Itera
             if old is not None and not path.exists():
                 os.rename(old, path)
             raise
-        _fsync(path.parent)
+        fsync_path(path.parent)
         if old is not None:
             _remove(old)
     except BaseException:
@@ -167,8 +168,8 @@ def _publish_modes(root: Path) -> None:
             full = os.path.join(dirpath, f)
             if not os.path.islink(full):
                 os.chmod(full, mode)
-                _fsync(Path(full))
-        _fsync(Path(dirpath))
+                fsync_path(Path(full))
+        fsync_path(Path(dirpath))
 
 
 def _remove(path: Path) -> None:

@@ -10,6 +10,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from attnres.files import fsync_path
+
 FORMAT_VERSION = 1
 MODEL_FILE = "model.safetensors"
 OPTIM_FILE = "optimizer.pt"
@@ -40,17 +42,7 @@ def fsync_file(path: Path) -> None:
         os.close(fd)
 
 
-def fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # e.g. Windows cannot open directories
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+fsync_dir = fsync_path  # a checkpoint directory made durable after its files are renamed into it
 
 
 def sha256(path: Path) -> str:

@@ -73,6 +73,23 @@ def run(scheme, x, handover: str = "none"):
     return inputs, stream.end()
 
 
+def trained_pass(scheme, x, handover: str = "none"):
+    """One pass and its backward: (inputs h_l, output, d/dx, d/dparameters)."""
+    x.grad = None
+    inputs, out = run(scheme, x, handover)
+    (out.square().sum() + sum(h.sum() for h in inputs)).backward()
+    return inputs, out, x.grad.clone(), {n: p.grad.clone() for n, p in scheme.named_parameters()}
+
+
+def assert_same_pass(got, want):
+    for a, b in zip(got[0], want[0], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(got[2], want[2], rtol=1e-9, atol=1e-12)
+    for n, grad in want[3].items():
+        torch.testing.assert_close(got[3][n], grad, rtol=1e-9, atol=1e-12, msg=n)
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_each_form_matches_the_reference_stream(case, monkeypatch):
     # the compiled form runs here as eager code: what torch.compile traces, without the compiler
@@ -81,26 +98,14 @@ def test_each_form_matches_the_reference_stream(case, monkeypatch):
     scheme = scheme_for(case)
     x = torch.randn(2, 3, D, dtype=torch.float64, generator=torch.Generator().manual_seed(1), requires_grad=True)
     assert type(scheme.begin(x)) is CASES[case][1]
-    got_inputs, got = run(scheme, x)
-    (got.square().sum() + sum(h.sum() for h in got_inputs)).backward()
-    got_grads = {n: p.grad.clone() for n, p in scheme.named_parameters()}
-    got_x = x.grad.clone()
+    got = trained_pass(scheme, x)
 
-    reference = scheme_for(case)
     monkeypatch.setattr(
         attnres_scheme,
         "stream_class",
         lambda s, e: forms.ScalarMixStream if case == "scalar" else forms.DepthAttentionStream,
     )
-    x.grad = None
-    want_inputs, want = run(reference, x)
-    (want.square().sum() + sum(h.sum() for h in want_inputs)).backward()
-    for a, b in zip(got_inputs, want_inputs, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
-    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
-    torch.testing.assert_close(got_x, x.grad, rtol=1e-9, atol=1e-12)
-    for n, p in reference.named_parameters():
-        torch.testing.assert_close(got_grads[n], p.grad, rtol=1e-9, atol=1e-12, msg=n)
+    assert_same_pass(got, trained_pass(scheme_for(case), x))
 
 
 @pytest.mark.parametrize("pairs", [0, 10**6])
@@ -175,20 +180,8 @@ def test_a_stream_handed_between_the_compiled_and_the_buffer_form_computes_the_s
     monkeypatch.setattr(forms, "compiled_form", lambda embedding: (next(turn) + start) % 2 == 0)
     scheme = scheme_for(case)
     x = torch.randn(2, 3, D, dtype=torch.float64, generator=torch.Generator().manual_seed(1), requires_grad=True)
-    got_inputs, got = run(scheme, x, "cache")
-    (got.square().sum() + sum(h.sum() for h in got_inputs)).backward()
-    got_grads = {n: p.grad.clone() for n, p in scheme.named_parameters()}
-    got_x = x.grad.clone()
+    got = trained_pass(scheme, x, "cache")
     assert next(turn) > L  # the form was chosen anew at every handover
 
     monkeypatch.setattr(forms, "compiled_form", lambda embedding: False)
-    reference = scheme_for(case)
-    x.grad = None
-    want_inputs, want = run(reference, x)
-    (want.square().sum() + sum(h.sum() for h in want_inputs)).backward()
-    for a, b in zip(got_inputs, want_inputs, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
-    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
-    torch.testing.assert_close(got_x, x.grad, rtol=1e-9, atol=1e-12)
-    for n, p in reference.named_parameters():
-        torch.testing.assert_close(got_grads[n], p.grad, rtol=1e-9, atol=1e-12, msg=n)
+    assert_same_pass(got, trained_pass(scheme_for(case), x))
