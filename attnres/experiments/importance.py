@@ -1,4 +1,4 @@
-"""Routing mass against causal importance (issue 39, item 3; arXiv 2606.13168's question).
+"""Routing mass against causal importance (arXiv 2606.13168's question).
 
 For a trained Full or Block AttnRes model: at one consumer l (a sublayer's read, or the final
 aggregation) knock out one source i and measure how much the validation loss rises, for every (l, i)

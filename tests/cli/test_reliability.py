@@ -1,5 +1,5 @@
 """Nothing lost, nothing silently wrong: the README's Reliability guarantees, one regression test per
-case of an adversarial probe (issue 19), on tiny runs through the command line (seconds each). The
+case of an adversarial probe, on tiny runs through the command line (seconds each). The
 library-level cases sit beside their modules: FIFOs and corrupt token caches in tests/data, the
 memory estimate in tests/train/test_memory.py, convert's in tests/hf/test_native.py."""
 
@@ -508,7 +508,7 @@ def test_ctrl_c_while_the_libraries_load_is_one_line(monkeypatch, capsys):
     assert done.stdout.strip() == "False", done.stderr
 
 
-# ----------------------------------------------------------------------------- issue 35: a second adversarial round
+# ----------------------------------------------------------------------------- a second adversarial round
 
 
 @pytest.mark.parametrize("signum,code", [("SIGTERM", 143), ("SIGUSR1", 138)])

@@ -329,7 +329,7 @@ def test_routing_sharpness_in_the_dynamics_report(suite, monkeypatch, tmp_path):
     from attnres.experiments.results import collect
 
     text, _ = _report(suite, "dynamics", monkeypatch)
-    assert "## Routing sharpness (issue 18)" in text
+    assert "## Routing sharpness" in text
     specs, runs, _ = suite
     col = collect(load_spec("dynamics", specs), runs)
     for label, what, paper in (

@@ -276,13 +276,13 @@ def test_the_shipped_specs_parse_expand_and_fit_the_suite_budget():
         assert min(len(s) for s in groups.values()) >= (1 if name == "dynamics" else 2), name
         for label in spec.headline:
             assert all(len(s) >= 3 for g, s in groups.items() if label in dict(g).values()), (name, label)
-    # "about 6 CPU-hours" (issue 6) plus at most 3 for issue 18's rows; the arena's share is at one-thread
+    # "about 6 CPU-hours" plus at most 3 for the rows beyond the paper; the arena's share is at one-thread
     # throughput, the threads its equal-time calibration has to match, the others' at two threads
     assert 5.0 <= total_budget <= 10.0, total_budget
 
 
 def test_issue_18_rows_of_the_shipped_specs():
-    """The variants of issue 18 are planned where it asks: ablations (state sources, low-rank queries,
+    """The variants beyond the paper are planned where they belong: ablations (state sources, low-rank queries,
     gated), block-size (learned uneven blocks beside equal ones with the same N), dynamics (the routing
     rows, shared with the ablations) and the arena (gated at equal tokens and equal time)."""
 

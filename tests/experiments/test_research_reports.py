@@ -1,5 +1,5 @@
-"""Issue 39's reports from tiny cached runs: routing (the 2 x 2 with paired Δ and a verdict) and importance
-(knockouts measured once from kept checkpoints, then from their cache alone); the knockout stream against
+"""The routing and importance reports from tiny cached runs: routing (the 2 x 2 with paired Δ and a verdict) and
+importance (knockouts measured once from kept checkpoints, then from their cache alone); the knockout stream against
 a float64 read written out; a spec that keeps checkpoints trains a config again instead of copying a run
 that has none."""
 

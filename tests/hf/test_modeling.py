@@ -88,7 +88,7 @@ def test_save_pretrained_round_trip(tmp_path, tie, residual):
     assert isinstance(AutoConfig.from_pretrained(tmp_path), AttnResConfig)
 
 
-# issue 18: uneven blocks, state sources and low-rank queries are config fields; gated has weights of
+# beyond the paper: uneven blocks, state sources and low-rank queries are config fields; gated has weights of
 # its own (no queries): all round-trip through config.json and safetensors, and generate through the cache
 VARIANTS_18 = [
     dict(

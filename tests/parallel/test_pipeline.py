@@ -59,7 +59,7 @@ CASES_P2 = [
     dict(residual="prenorm", n_layers=4, vpp=2, schedule="Interleaved1F1B", microbatches=4, cache=True),
     dict(residual="mhc", n_layers=4, vpp=2, schedule="Interleaved1F1B", microbatches=4, cache=True),
     dict(residual="denseformer", n_layers=4, vpp=2, schedule="LoopedBFS", microbatches=2, cache=True),
-    # issue 18: uneven depth blocks (a block spans a stage cut; one chunk closes none), state sources and
+    # beyond the paper: uneven depth blocks (a block spans a stage cut; one chunk closes none), state sources and
     # low-rank queries (two-phase with per-token queries), and the gated rival
     dict(
         residual="block",

@@ -1,4 +1,4 @@
-"""Issue 18 variants of Full/Block AttnRes: state sources, uneven depth blocks, low-rank queries.
+"""Variants of Full/Block AttnRes beyond the paper: state sources, uneven depth blocks, low-rank queries.
 
 Every variant is checked against a float64 reference written token by token from the
 definitions in docs/method.md §4-5 (block sums / running sums computed from scratch, not

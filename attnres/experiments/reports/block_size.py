@@ -110,7 +110,7 @@ def block_size_report(rep: Report) -> None:
 
 
 def _uneven_blocks(rep: Report, axis: str, labels: list[str], uneven: list[str], base: str) -> None:
-    """Uneven (e.g. learned) depth blocks against the equal blocks with the same N (issue 18)."""
+    """Uneven (e.g. learned) depth blocks against the equal blocks with the same N."""
     col = rep.col
     uniform: dict[int, str] = {}  # N -> the label of a Block row with equal blocks and N blocks
     for label in labels:

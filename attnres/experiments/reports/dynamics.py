@@ -190,14 +190,14 @@ def dynamics_report(rep: Report) -> None:
 # mixing is in the Figure 9 matrices.
 DEPTH_ROUTED = ("full", "block", "gated")
 
-# "Delta Attention Residuals" (2026), at 1B parameters, as summarised in issue 18: the largest depth
+# "Delta Attention Residuals" (2026), at 1B parameters, as summarised in arXiv 2605.18855's abstract: the largest depth
 # weight is about 0.6 when the sources are sublayer outputs ("deltas", the paper's sources) and about
 # 0.2 when they are accumulated hidden states.
 FOLLOW_UP_MAX_WEIGHT = {"outputs": "≈ 0.6", "states": "≈ 0.2"}
 
 
 def _routing_sharpness(rep: Report, schemes: list[str]) -> None:
-    """Routing sharpness (issue 18): per scheme, the mean over consumers reading >= 2 sources of the
+    """Routing sharpness: per scheme, the mean over consumers reading >= 2 sources of the
     largest depth weight and of the entropy / log K (the ``routing`` probe), beside uniform routing and
     the follow-up paper's values."""
     col = rep.col
@@ -237,15 +237,15 @@ def _routing_sharpness(rep: Report, schemes: list[str]) -> None:
     if not rows:
         return
     rep.add(
-        "## Routing sharpness (issue 18)",
+        "## Routing sharpness",
         "",
         "Per consumer (every sublayer and the final aggregation that reads at least 2 sources), on one "
         "validation batch of the final model: the largest depth weight of a token (of a token and head "
         "for multi-head schemes), averaged over tokens, then over consumers; *width* = the weights' "
         "entropy / log K (1 = uniform over the K sources, 0 = one source). Uniform routing would give "
         'the mean of 1/K shown beside it. The follow-up paper ("Delta Attention Residuals", 2026, '
-        "1B parameters, as summarised in issue 18) reports a largest weight of about 0.6 with output "
-        "sources and about 0.2 with state sources; its models are larger and deeper, so compare "
+        "1B parameters, as summarised in arXiv 2605.18855's abstract) reports a largest weight of about "
+        "0.6 with output sources and about 0.2 with state sources; its models are larger and deeper, so compare "
         "the ratio between our output- and state-sourced rows rather than the absolute values.",
         "",
         md_table(

@@ -1,4 +1,4 @@
-"""The importance report (``experiments/importance.toml``, issue 39 item 3): routing mass against causal
+"""The importance report (``experiments/importance.toml``): routing mass against causal
 importance. For each trained model, every source of every read is knocked out (``attnres.experiments.
 importance``); the loss increase is set against the source's mean depth weight: Spearman over all
 (read, source) pairs, per read (reads with 3 or more sources), and how often the most weighted source

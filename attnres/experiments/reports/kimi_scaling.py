@@ -1,4 +1,4 @@
-"""The kimi-scaling report (``experiments/kimi-scaling.toml``, issue 39 item 4): the scaling report's
+"""The kimi-scaling report (``experiments/kimi-scaling.toml``): the scaling report's
 sections on the Kimi Linear backbone, the LLaMA-backbone fit of ``experiments/scaling.toml`` beside it,
 and every comparison at equal wall-clock time as well as at equal tokens.
 

@@ -1,4 +1,4 @@
-"""The retrofit report (``experiments/retrofit.toml``, issue 34): a PreNorm model retrofitted to Block / Full
+"""The retrofit report (``experiments/retrofit.toml``): a PreNorm model retrofitted to Block / Full
 AttnRes at ``retrofit_step`` S and trained N more steps, against the PreNorm model continued the same way.
 
 Each run trains the same PreNorm model for S steps (same seed, same data order: identical to the bit), then

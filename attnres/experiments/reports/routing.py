@@ -1,4 +1,4 @@
-"""The routing report (``experiments/routing.toml``, issue 39): source (outputs | states) x routing
+"""The routing report (``experiments/routing.toml``): source (outputs | states) x routing
 (replacement | additive) for Block and Full AttnRes, plus PreNorm, on two backbones.
 
 Each scheme point carries the tags ``family`` (prenorm | block | full), ``source`` and ``routing``. Per
