@@ -119,7 +119,7 @@ def _parsers(parser, name="attnres"):
 
 def test_every_help_shows_defaults_and_an_example():
     commands = dict(_parsers(build_parser()))
-    assert len(commands) == 12 + 6  # the verbs and the benches
+    assert len(commands) == 12 + 7  # the verbs and the benches
     for command, parser in commands.items():
         text = " ".join(parser.format_help().split())
         assert "example" in text and f"{command} " in text.replace("-m attnres", "attnres"), command
