@@ -368,6 +368,7 @@ def test_a_config_claiming_20000_layers_is_refused_from_the_weights_header(tmp_p
     layers, config["num_hidden_layers"] = config["num_hidden_layers"], 20000
     (source / "config.json").write_text(json.dumps(config))
     start = time.perf_counter()
+    capsys.readouterr()  # save_pretrained's progress bar is not the command's output
     assert main(["convert", str(source), str(tmp_path / "out"), "--no-verify"]) == 2
     assert time.perf_counter() - start < 5
     err = capsys.readouterr().err
@@ -382,6 +383,7 @@ def test_a_config_of_another_family_over_the_weights_is_refused(tmp_path, capsys
     config = json.loads((source / "config.json").read_text())
     config.update(model_type="gpt2", architectures=["GPT2LMHeadModel"])
     (source / "config.json").write_text(json.dumps(config))
+    capsys.readouterr()  # save_pretrained's progress bar is not the command's output
     assert main(["convert", str(source), str(tmp_path / "out")]) == 2
     first = capsys.readouterr().err.splitlines()[0]
     assert "describes a gpt2 model whose weights are not in" in first and "different models" in first
@@ -438,6 +440,7 @@ def test_an_invalid_config_is_one_line(tmp_path, capsys, changes, message):
 
     source = _edited_source(tmp_path, "src", **changes)
     for extra in ([], ["--to", "native"], ["--no-verify"]):
+        capsys.readouterr()  # save_pretrained's progress bar is not the command's output
         assert main(["convert", str(source), str(tmp_path / "out"), *extra]) == 2
         err = capsys.readouterr().err
         assert f"{source / 'config.json'} is invalid" in err and "Traceback" not in err, err
