@@ -27,6 +27,13 @@ from attnres.hf import (
 TEXT = "ROMEO: But soft, what light through yonder window breaks?\n\tÜber naïve café — 東京 ✓\n"
 
 
+def error_line(err: str) -> str:
+    """The command's one error line: a library's progress bar or load report may share stderr with it."""
+    lines = [line for line in err.splitlines() if line.startswith("attnres convert: error:")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
 def native_run(tmp_path, tie=False, residual="block"):
     """A run directory laid out like the trainer's: checkpoint/ + tokenizer.json."""
     torch.manual_seed(0)
@@ -329,8 +336,8 @@ def test_convert_never_writes_into_its_own_source(tmp_path, capsys):
         capsys.readouterr()
         assert main(["convert", str(run), str(out), "--force"]) == 2
         err = capsys.readouterr().err
-        first = err.splitlines()[0]
-        assert first.startswith("attnres convert: error:") and why in first and "outside" in first, err
+        first = error_line(err)
+        assert why in first and "outside" in first, err
     assert main(["convert", str(run), str(run / ".." / run.name / "x.gguf"), "--to", "gguf", "--force"]) == 2
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
 
@@ -372,7 +379,7 @@ def test_a_config_claiming_20000_layers_is_refused_from_the_weights_header(tmp_p
     assert main(["convert", str(source), str(tmp_path / "out"), "--no-verify"]) == 2
     assert time.perf_counter() - start < 5
     err = capsys.readouterr().err
-    assert f"num_hidden_layers=20000, but the weights hold {layers} layers" in err.splitlines()[0]
+    assert f"num_hidden_layers=20000, but the weights hold {layers} layers" in error_line(err)
 
 
 def test_a_config_of_another_family_over_the_weights_is_refused(tmp_path, capsys):
@@ -385,7 +392,7 @@ def test_a_config_of_another_family_over_the_weights_is_refused(tmp_path, capsys
     (source / "config.json").write_text(json.dumps(config))
     capsys.readouterr()  # save_pretrained's progress bar is not the command's output
     assert main(["convert", str(source), str(tmp_path / "out")]) == 2
-    first = capsys.readouterr().err.splitlines()[0]
+    first = error_line(capsys.readouterr().err)
     assert "describes a gpt2 model whose weights are not in" in first and "different models" in first
     assert not (tmp_path / "out").exists()
 
