@@ -22,6 +22,7 @@ Linear checkpoint (``to="kimi_linear"``: §10 layout for Block AttnRes). Its err
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -83,6 +84,7 @@ def source_kind(path) -> str:
                 "object; restore the model directory's config.json"
             )
         if config.get("model_type") == AttnResConfig.model_type:
+            _check_attnres_config(path / HF_CONFIG_FILE)
             return "attnres"
         if "model_type" not in config and ({"model", "train"} <= set(config) or (path / METRICS_FILE).is_file()):
             raise ConversionError(
@@ -97,6 +99,19 @@ def source_kind(path) -> str:
         f"{path} is neither a Hugging Face model directory ({HF_CONFIG_FILE}) nor a run or "
         f"checkpoint directory of attnres train ({STATE_FILE})"
     )
+
+
+def _check_attnres_config(file: Path) -> None:
+    """An AttnRes config.json that ModelConfig refuses (heads not dividing the width, a layer count written
+    as text) is named as such before any weight is read: the load would fail with the advice to copy the
+    weight files again, which cannot help."""
+    try:
+        AttnResConfig.from_json_file(str(file))
+    except ValueError as e:
+        detail = " ".join(str(e).split()).rstrip(".")
+        raise ConversionError(
+            f"{file} is invalid: {detail}. Fix: correct that value (or restore the model directory's own config.json)"
+        ) from None
 
 
 def _check_request(src: Path, out: Path, kind: str, to: str, retrofit: dict[str, Any], force: bool) -> None:
@@ -133,6 +148,7 @@ def check_output_dir(src, out, force: bool) -> None:
     nested = nested_paths(src, out)
     if nested is not None:
         raise ConversionError(f"{nested}; write the converted model to a directory outside {src}")
+    check_writable(out, "directory")
     if not out.exists():
         return
     if not out.is_dir():
@@ -156,6 +172,25 @@ def check_output_dir(src, out, force: bool) -> None:
             f"{out} holds {shown} but no model ({' or '.join(MODEL_FILES)}): --force replaces a model directory "
             "written earlier, whole, and never deletes other files; choose a new or empty directory"
         )
+
+
+def check_writable(out, what: str) -> None:
+    """ConversionError unless a new ``what`` ("directory" or "file") can be created beside ``out``, where
+    the output is staged before it is renamed into place: checked before the model is loaded, since a
+    large source takes minutes to read and the write would fail only then, naming the hidden staging path."""
+    import tempfile
+
+    out = Path(out).absolute()
+    parent = out.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent  # the staging step creates the missing folders below the nearest one that exists
+    fix = f"choose an output {what} in a folder you can write to"
+    if not parent.is_dir():
+        raise ConversionError(f"{out} cannot be written: {parent} is a file, not a directory; {fix}")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".attnres-write-check-", dir=parent))
+    except OSError as e:
+        raise ConversionError(f"{out} cannot be written: {parent}: {e.strerror or e}; {fix}") from None
 
 
 LAYER_COUNT_FIELDS = ("num_hidden_layers", "n_layer", "num_layers")
@@ -282,7 +317,13 @@ def _write(model, tmp: Path, src: Path, out: Path, kind: str, to: str, tokenizer
         from attnres.hf.kimi import save_kimi_linear
 
         save_kimi_linear(model, tmp)
-        copied = copy_tokenizer_files(src, tmp) if kind != "native" else []
+        if kind == "native":  # the run's own tokenizer, as for --to hf: llama.cpp and mlx-lm need the vocabulary
+            copied = []
+            if tokenizer is not None:
+                hf_tokenizer(tokenizer).save_pretrained(str(tmp))
+                copied = ["its tokenizer"]
+        else:
+            copied = copy_tokenizer_files(src, tmp)
         c = model.config.model_config()
         layout = "plain (PreNorm)" if c.residual == "prenorm" else "the AttnRes layout of docs/method.md §10"
         return f"written Kimi Linear checkpoint {out}, {layout}{' with ' + ', '.join(copied) if copied else ''}"

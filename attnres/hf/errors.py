@@ -3,7 +3,9 @@ and the check that turns transformers' load report into that error (a checkpoint
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+import contextlib
+import logging
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 
@@ -54,6 +56,36 @@ def check_loading_info(source: Any, info: Mapping[str, Any], model_name: str) ->
         )
 
 
+@contextlib.contextmanager
+def quiet_load_report() -> Iterator[None]:
+    """transformers' load report (a table logged as a warning, with "UNEXPECTED: can be ignored") held back
+    while a loader that checks the report itself runs: every key in it is then either refused in one line,
+    naming it, or one the loader places itself or knows to be absent (a scheme record older directories
+    lack). When transformers raises instead (a weight conversion that failed), its error points at the
+    report, which is then logged after all."""
+    from transformers.utils import logging as hf_logging
+
+    logger = hf_logging.get_logger("transformers.modeling_utils")
+    held: list[logging.LogRecord] = []
+
+    class Hold(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            held.append(record)
+            return False
+
+    hold = Hold()
+    logger.addFilter(hold)
+    try:
+        yield
+    except BaseException:
+        logger.removeFilter(hold)
+        for record in held:
+            logger.handle(record)
+        raise
+    finally:
+        logger.removeFilter(hold)
+
+
 def from_pretrained_strictly(load: Callable[..., Any], model_name: str, *args: Any, **kwargs: Any) -> Any:
     """``load(*args, **kwargs)`` (a ``from_pretrained``) that refuses any checkpoint not matching the model
     whole (:func:`check_loading_info`); returns what ``load`` returns for the caller's
@@ -62,7 +94,8 @@ def from_pretrained_strictly(load: Callable[..., Any], model_name: str, *args: A
     # a shape mismatch then comes back in the report, named, instead of transformers' RuntimeError that
     # points at a log; the check below refuses it all the same
     kwargs["ignore_mismatched_sizes"] = True
-    model, info = load(*args, output_loading_info=True, **kwargs)
+    with quiet_load_report():
+        model, info = load(*args, output_loading_info=True, **kwargs)
     source = args[0] if args else kwargs.get("pretrained_model_name_or_path")
     check_loading_info(source, info, model_name)
     return (model, info) if want_info else model

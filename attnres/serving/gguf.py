@@ -434,6 +434,9 @@ def convert_to_gguf(
     nested = nested_paths(source, out)
     if nested is not None:
         raise ServingError(f"{nested}; write the GGUF file outside {source}")
+    from attnres.hf.directories import check_writable
+
+    check_writable(out, "file")
     model, tokenizer, special = load_for_serving(source)
     b = check_gguf(model.config.model_config())
     if tokenizer is None:

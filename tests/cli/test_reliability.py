@@ -865,3 +865,92 @@ def test_mlx_export_writes_the_dtype_asked_for(tmp_path, capsys, quiet_transform
     err = one_line_error(capsys.readouterr().err, "convert")
     assert "--dtype float64: mlx-lm runs weights in float32, float16, bfloat16" in err
     assert not (tmp_path / "f64").exists()
+
+
+@pytest.mark.parametrize("to", ["hf", "kimi_linear", "gguf", "mlx"])
+def test_an_unwritable_output_is_refused_before_the_source_is_loaded(tmp_path, capsys, monkeypatch, to):
+    """The output is staged beside OUT: a parent that is a file (or a folder nobody may write) failed only
+    after the whole model was read, naming the hidden staging path."""
+    import attnres.hf.directories
+    import attnres.serving.gguf
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the source was loaded")
+
+    run = kimi_checkpoint(tmp_path / "run")
+    monkeypatch.setattr(attnres.hf.directories, "native_to_hf_with_tokenizer", refuse)
+    monkeypatch.setattr(attnres.serving.gguf, "load_for_serving", refuse)
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    out = blocker / "deeper" / ("m.gguf" if to == "gguf" else "out")
+    assert cli("convert", run, out, "--to", to) == 2
+    err = one_line_error(capsys.readouterr().err, "convert")
+    assert f"{out} cannot be written: {blocker} is a file, not a directory" in err, err
+    assert "in a folder you can write to" in err and ".partial" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "run"]
+
+
+@pytest.mark.parametrize("change", ["missing", "mismatched"])
+def test_a_kimi_linear_checkpoint_missing_a_weight_is_one_line_naming_it(tmp_path, capsys, quiet_transformers, change):
+    """A tensor of another shape ended in transformers' RuntimeError pointing at its log, naming no key."""
+    from safetensors.torch import save_file
+
+    assert cli("convert", kimi_checkpoint(tmp_path / "run"), tmp_path / "kimi", "--to", "kimi_linear") == 0
+    capsys.readouterr()
+    tensors = load_file(tmp_path / "kimi" / "model.safetensors")
+    name = "model.layers.0.input_layernorm.weight"
+    if change == "missing":
+        del tensors[name]
+    else:
+        tensors[name] = torch.zeros(3, 3)
+    save_file(tensors, tmp_path / "kimi" / "model.safetensors", metadata={"format": "pt"})
+    assert cli("convert", tmp_path / "kimi", tmp_path / "hf") == 2
+    err = one_line_error(capsys.readouterr().err, "convert")
+    meaning = "missing (they would start at random)" if change == "missing" else "of another shape"
+    assert f"does not hold the weights of the Kimi Linear model its config.json describes: 1 {meaning}" in err
+    assert name in err and not (tmp_path / "hf").exists()
+
+
+def test_a_run_exported_as_kimi_linear_keeps_its_tokenizer_and_exports_on(tmp_path, capsys, quiet_transformers):
+    """--to kimi_linear from a run dropped the run's tokenizer, so the GGUF export of that directory was
+    refused for want of a vocabulary; and reading it printed transformers' table of "UNEXPECTED" keys for
+    the depth-attention weights the conversion places itself."""
+    pytest.importorskip("gguf")
+    assert cli("convert", kimi_checkpoint(tmp_path / "run"), tmp_path / "kimi", "--to", "kimi_linear") == 0
+    assert "with its tokenizer" in capsys.readouterr().out
+    assert (tmp_path / "kimi" / "tokenizer.json").is_file()
+    import logging
+
+    reports: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: reports.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("transformers.modeling_utils")
+    logger.addHandler(handler)
+    try:
+        assert cli("convert", tmp_path / "kimi", tmp_path / "k.gguf", "--to", "gguf") == 0
+    finally:
+        logger.removeHandler(handler)
+    assert "written" in capsys.readouterr().out and not [r for r in reports if "LOAD REPORT" in r]
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(n_heads=5), "ModelConfig.n_kv_heads=2 is invalid: must equal n_heads=5"),
+        (dict(n_layers="4"), "ModelConfig.n_layers='4' is invalid: must be a positive integer"),
+    ],
+    ids=["heads", "layers-as-text"],
+)
+@pytest.mark.parametrize("to", ["native", "gguf"])
+def test_an_attnres_directory_with_an_invalid_config_is_named_as_such(
+    tmp_path, capsys, quiet_transformers, changes, message, to
+):
+    """The advice was to copy the weight files again, which cannot fix a config.json."""
+    assert cli("convert", kimi_checkpoint(tmp_path / "run"), tmp_path / "hf") == 0
+    file = tmp_path / "hf" / "config.json"
+    file.write_text(json.dumps({**json.loads(file.read_text()), **changes}))
+    capsys.readouterr()
+    assert cli("convert", tmp_path / "hf", tmp_path / "out", "--to", to) == 2
+    err = one_line_error(capsys.readouterr().err, "convert")
+    assert f"{file} is invalid: {message}" in err and "Fix: correct that value" in err
+    assert "copy the complete model directory" not in err

@@ -157,6 +157,22 @@ def test_convert_cli_round_trips_moe_and_gpt_neox(case, tmp_path, capsys):
     assert max_logit_difference(source(case), loaded, ids()) <= TOL
 
 
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_every_family_round_trips_through_the_convert_cli(case, tmp_path, capsys):
+    """The same contract through `attnres convert SRC OUT`, from the directory transformers saves (the
+    layout a downloaded checkpoint has), for every family the retrofit claims."""
+    from attnres.cli import main
+
+    source(case).save_pretrained(tmp_path / "src")
+    options = retrofit_options(case)
+    flags = [a for key, value in options.items() for a in ("--set", f"{key}={value}")]
+    assert main(["convert", str(tmp_path / "src"), str(tmp_path / "out"), "--residual", "block", *flags]) == 0
+    assert f"family {CASES[case][0]}, wrapped layout" in capsys.readouterr().out
+    expected = retrofit(tmp_path / "src", "block", **options)  # zero queries: what convert wrote, built here
+    loaded = assert_reloads_exactly(expected, tmp_path / "out")
+    assert max_logit_difference(source(case), loaded, ids()) <= TOL
+
+
 def _doctored(tmp_path, change):
     """A saved Llama retrofit whose weight file ``change`` edits in place."""
     from safetensors.torch import save_file
