@@ -102,6 +102,7 @@ REPORT_AXES = {
     "routing": ("backbone", "scheme"),
     "importance": ("backbone", "scheme"),
     "kimi-scaling": ("size", "scheme"),
+    "lr-sweep": ("lr", "backbone", "scheme"),
     "generic": (),
 }
 DEFAULT_TOKENS_PER_SECOND = 6000.0

@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 
 ALPHA = 0.05  # family-wise error rate of a report's comparisons (Holm)
 CONFIDENCE = 0.95
-MIN_HEADLINE_SEEDS = 5  # the README shows only rows with at least this many seeds per arm
+MIN_HEADLINE_SEEDS = 5  # a headline claim needs this many seeds per arm; rows with fewer say so
 STATS_RULE = (
     "d_s = loss(variant, s) − loss(baseline, s) over the seeds both finished (same seed = same data order and "
     "same sublayer initialisation); a cell reads `mean Δ [95 % interval] (k/n seeds lower, p = …): verdict`, "
@@ -58,6 +58,43 @@ def fmt_mean_std(values: Sequence[float | None], digits: int = 4) -> str:
     if n == 1:
         return f"{m:.{digits}f} (1 seed)"
     return f"{m:.{digits}f} ± {s:.{digits}f}"
+
+
+def mean_interval(values: Iterable[float | None]) -> tuple[float, float, float, int]:
+    """(mean, low, high, n): the 95 % interval of the mean over seeds, mean ± t_{0.975, n-1}·std/sqrt(n);
+    low and high are nan for n < 2."""
+    m, s, n = mean_std(values)
+    if n < 2:
+        return m, float("nan"), float("nan"), n
+    half = t_quantile(0.5 + CONFIDENCE / 2, n - 1) * s / math.sqrt(n)
+    return m, m - half, m + half, n
+
+
+def fmt_mean_interval(values: Sequence[float | None], digits: int = 4) -> str:
+    """'5.3758 [5.3701, 5.3815] (5 seeds)'; one seed: no interval."""
+    m, lo, hi, n = mean_interval(values)
+    if n == 0:
+        return "—"
+    if n == 1:
+        return f"{m:.{digits}f} (1 seed)"
+    return f"{m:.{digits}f} [{lo:.{digits}f}, {hi:.{digits}f}] ({n} seeds)"
+
+
+def percentile_interval(samples: Sequence[float]) -> tuple[float, float]:
+    """The central 95 % of bootstrap samples (nan entries dropped): the percentile interval, with linear
+    interpolation between order statistics; (nan, nan) without samples."""
+    xs = sorted(x for x in samples if not math.isnan(x))
+    if not xs:
+        return float("nan"), float("nan")
+
+    def at(q: float) -> float:
+        pos = q * (len(xs) - 1)
+        lo = math.floor(pos)
+        hi = min(lo + 1, len(xs) - 1)
+        return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+    tail = (1.0 - CONFIDENCE) / 2
+    return at(tail), at(1.0 - tail)
 
 
 # ----------------------------------------------------------------------------- Student t

@@ -153,7 +153,7 @@ def test_the_importance_report_measures_once_then_reads_its_cache(suite, monkeyp
 
 def test_a_knockout_removes_or_averages_one_source_of_one_read():
     torch.manual_seed(0)
-    scheme = randomize(FullAttnRes(8, 5, impl="reference").double(), seed=2)
+    scheme = randomize(FullAttnRes(8, 5, attnres_impl="reference").double(), seed=2)
     g = torch.Generator().manual_seed(3)
     x = torch.randn(2, 3, 8, dtype=torch.float64, generator=g)
     fs = [torch.randn(2, 3, 8, dtype=torch.float64, generator=g) for _ in range(5)]

@@ -9,7 +9,8 @@ missing. The report kind (``[experiment] report``) picks the sections:
 kind       axes it reads          what it adds
 ========== ===================== =====================================================
 scaling    size, scheme           per-size table, L = A·C^-α fits per scheme, compute
-                                  multiplier at the largest budget, Figure 4
+                                  multiplier at the largest budget, seed-bootstrap
+                                  intervals, the fits without the largest size, Figure 4
 ablations  variant                Table 4 beside the paper: Δ vs baseline and ranks
 block-size variant                Figure 6: loss against the block size S
 arena      scheme, budget         equal tokens and equal wall-clock; loss vs tokens/time
@@ -23,13 +24,18 @@ kimi-linear backbone, scheme      per backbone: loss, paired Δ and step-time ra
                                   verdicts of the two backbones side by side
 retrofit   arm                    PreNorm retrofitted to Block / Full at step S vs continued:
                                   paired Δ, query norms and routing entropy over time
+lr-sweep   lr, backbone, scheme   per backbone the loss at each learning rate, each
+                                  arm's best rate, Block / Full vs the baseline each at
+                                  its best rate, MoE load balance, the share of the Kimi
+                                  Linear gain kept with dense MLPs
 generic    any                    groups with mean ± std and paired Δ vs the baseline
 ========== ===================== =====================================================
 
 One module per report kind (``scaling``, ``ablations``, ``block_size``, ``arena``, ``dynamics``,
-``arch_sweep``, ``kimi_linear``, ``demo``, ``retrofit``, ``generic``), what they share in ``common`` (the
-``Report`` page, tables, numbers) and ``sections`` (status, provenance, statistics, all runs);
-``page.write_report`` picks the sections of a spec's kind.
+``arch_sweep``, ``kimi_linear``, ``lr_sweep``, ``demo``, ``retrofit``, ``generic``), what they share in
+``common`` (the ``Report`` page, tables, numbers) and ``sections`` (status, provenance, statistics, all runs);
+``page.write_report`` picks the sections of a spec's kind; ``verdicts`` builds docs/experiments.md's verdict
+table from the reports' corrected comparisons.
 """
 
 from attnres.experiments.reports.common import shares_sublayer_init

@@ -17,9 +17,15 @@ from pathlib import Path
 import numpy as np
 
 from attnres.experiments.fit import compute_multiplier
-from attnres.experiments.reports.common import Report, md_table
+from attnres.experiments.reports.common import Report, fmt, md_table
 from attnres.experiments.reports.kimi_linear import _median_step_seconds
-from attnres.experiments.reports.scaling import fitted_laws, scaling_report
+from attnres.experiments.reports.scaling import (
+    _interval,
+    bootstrap_laws,
+    fitted_laws,
+    leave_largest_out,
+    scaling_report,
+)
 from attnres.experiments.results import Collected, Result, collect
 from attnres.experiments.spec import ExperimentError, load_spec
 from attnres.experiments.stats import Paired
@@ -147,10 +153,27 @@ def _laws_table(label: str, col: Collected) -> list[list[str]]:
     if not C_of:
         return []
     C_max = max(C_of.values())
+    boot = bootstrap_laws(col, C_of, C_max)
+    lo_alpha, lo_mult = leave_largest_out(col, C_of, C_max)
     out = []
     for s, fit in fits.items():
         mult = f"{compute_multiplier(fits[base], fit, C_max):.2f}×" if base in fits and s != base else "—"
-        out.append([label, s, f"{fit.alpha:.4f}", f"{fit.r2:.3f}", str(fit.n), f"{C_max:.3g}", mult])
+        m_iv = boot["multiplier"].get(s)
+        out.append(
+            [
+                label,
+                s,
+                f"{fit.alpha:.4f}",
+                _interval(boot["alpha"].get(s), ".4f"),
+                fmt(lo_alpha.get(s), 4),
+                f"{fit.r2:.3f}",
+                str(fit.n),
+                f"{C_max:.3g}",
+                mult,
+                _interval(m_iv, ".2f").replace("]", "]×") if m_iv and s != base else "—",
+                f"{lo_mult[s]:.2f}×" if s in lo_mult else "—",
+            ]
+        )
     return out
 
 
@@ -175,10 +198,26 @@ def kimi_scaling_report(rep: Report) -> None:
             "much more compute the baseline needs on its fitted curve to reach the scheme's fitted loss). "
             "The two experiments differ in backbone, sizes, budgets and batch shape (LLaMA: 16 x 128 "
             "tokens, 1.5x more tokens per size; Kimi: 16 x 64, equal tokens per parameter), so compare "
-            "the multipliers, not the losses. Does the Kimi advantage grow with scale? Read the Δ column "
+            "the multipliers, not the losses. Intervals and the fits without the largest size as in the "
+            "power-law section above. Does the Kimi advantage grow with scale? Read the Δ column "
             "of the per-size table from the smallest size to the largest.",
             "",
-            md_table(["backbone", "scheme", "α", "R²", "sizes", "largest C (PF-days)", "compute multiplier"], rows),
+            md_table(
+                [
+                    "backbone",
+                    "scheme",
+                    "α",
+                    "α, seed-bootstrap 95 %",
+                    "α without the largest size",
+                    "R²",
+                    "sizes",
+                    "largest C (PF-days)",
+                    "compute multiplier",
+                    "multiplier, seed-bootstrap 95 %",
+                    "multiplier without the largest size, at the same C",
+                ],
+                rows,
+            ),
             "",
         )
     equal_time_section(rep, col, "## Equal wall-clock time (Kimi Linear)")
@@ -209,11 +248,16 @@ def kimi_scaling_verdict(rep: Report) -> str:
             continue
         (first, _), (last, ds_last) = pairs[0], pairs[-1]
         trend = " → ".join(f"{d.mean:+.3f}" for _, d in pairs)
-        mult = (
-            f", {compute_multiplier(fits[base], fits[s], max(C_of.values())):.2f}× compute"
-            if base in fits and s in fits
-            else ""
-        )
+        mult = ""
+        if base in fits and s in fits:
+            C = max(C_of.values())
+            lo, hi = bootstrap_laws(col, C_of, C)["multiplier"].get(s, (float("nan"), float("nan")))
+            without = leave_largest_out(col, C_of, C)[1].get(s)
+            mult = (
+                f", {compute_multiplier(fits[base], fits[s], C):.2f}× compute (seed bootstrap [{lo:.2f}, {hi:.2f}]"
+                + (f", {without:.2f}× fitted without {last}" if without is not None else "")
+                + ")"
+            )
         parts.append(
             f"{s} Δ {trend} from {first} to {last} ({ds_last.interval(3)}, {ds_last.verdict_text()} at {last}{mult}"
             f"{_at_time(rep, last, s)})"

@@ -16,6 +16,7 @@ from attnres.experiments.reports.generic import generic_report
 from attnres.experiments.reports.importance import importance_report
 from attnres.experiments.reports.kimi_linear import kimi_linear_report
 from attnres.experiments.reports.kimi_scaling import kimi_scaling_report
+from attnres.experiments.reports.lr_sweep import lr_sweep_report
 from attnres.experiments.reports.retrofit import retrofit_report
 from attnres.experiments.reports.routing import routing_report
 from attnres.experiments.reports.scaling import scaling_report
@@ -42,6 +43,7 @@ BUILDERS: dict[str, Callable[[Report], None]] = {
     "arch-sweep": arch_sweep_report,
     "kimi-linear": kimi_linear_report,
     "kimi-scaling": kimi_scaling_report,
+    "lr-sweep": lr_sweep_report,
     "retrofit": retrofit_report,
     "routing": routing_report,
     "importance": importance_report,

@@ -1,0 +1,286 @@
+"""The lr-sweep report (axes lr, backbone, scheme): per backbone and scheme the final loss at each learning
+rate, each arm's best rate, Block and Full against the baseline each at its own best rate, the routers'
+load balance on the mixture-of-experts backbone, and how much of the Kimi Linear gain stays with dense MLPs.
+
+An arm is one (backbone, scheme) cell; its best rate is the rate with the lowest mean final loss over
+the seeds finished there. The comparisons pair seeds across rates: a seed fixes the data order and the
+initial weights whatever the learning rate, so the per-seed difference still cancels the noise two runs
+share.
+"""
+
+from __future__ import annotations
+
+from attnres.experiments.reports.common import Report, md_table
+from attnres.experiments.reports.kimi_linear import _final_moe_imbalance
+from attnres.experiments.stats import Paired, fmt_mean_interval, fmt_mean_std, mean_std
+
+BACKBONE_NAMES = {
+    "llama": "LLaMA (GQA + RoPE, SwiGLU MLPs)",
+    "kimi_linear": "Kimi Linear (KDA + MLA 3:1, mixture of experts)",
+    "kimi_dense": "Kimi Linear with dense MLPs (no experts)",
+}
+MOE = "kimi_linear"  # the backbone with experts
+DENSE = "kimi_dense"  # the same backbone with dense MLPs
+
+
+def _rate(label: str) -> float:
+    try:
+        return float(label)
+    except ValueError:
+        return float("nan")
+
+
+def _complete(rep: Report, backbone: str, scheme: str) -> dict[str, int]:
+    """lr -> finished seeds, for the rates of one arm where every planned seed has finished."""
+    col = rep.col
+    out = {}
+    for lr in col.points("lr"):
+        done = len(col.losses(lr=lr, backbone=backbone, scheme=scheme))
+        if done and done == len({r.run.seed for r in col.select(lr=lr, backbone=backbone, scheme=scheme)}):
+            out[lr] = done
+    return out
+
+
+def candidate_lrs(rep: Report, backbone: str, scheme: str) -> list[str]:
+    """The rates an arm's best rate is chosen from: those where every planned seed of every scheme of the
+    backbone has finished, so that each arm of a comparison picks from the same grid; before any rate is
+    complete for all of them, the rates complete for this arm, or else those with its most finished seeds,
+    so that a rate with one lucky seed does not win against rates averaged over five."""
+    col = rep.col
+    common = [lr for lr in col.points("lr") if all(lr in _complete(rep, backbone, s) for s in col.points("scheme"))]
+    if common:
+        return common
+    own = list(_complete(rep, backbone, scheme))
+    if own:
+        return own
+    counts = {lr: len(col.losses(lr=lr, backbone=backbone, scheme=scheme)) for lr in col.points("lr")}
+    most = max(counts.values(), default=0)
+    return [lr for lr, n in counts.items() if n and n == most]
+
+
+def best_lr(rep: Report, backbone: str, scheme: str) -> str | None:
+    """The learning rate (its label) with the lowest mean final loss over the finished seeds of one arm,
+    among ``candidate_lrs``; ties go to the rate listed first. None when no run of the arm has finished."""
+    col = rep.col
+    means = {}
+    for lr in candidate_lrs(rep, backbone, scheme):
+        m, _, n = mean_std(col.losses(lr=lr, backbone=backbone, scheme=scheme).values())
+        if n:
+            means[lr] = m
+    return min(means, key=means.__getitem__) if means else None
+
+
+def _best_label(rep: Report, backbone: str, scheme: str) -> str:
+    """'0.003', '0.001 (edge of the grid)' or '0.001 (of 0.001 only: the other rates are unfinished)'."""
+    lr = best_lr(rep, backbone, scheme)
+    if lr is None:
+        return "—"
+    cands = candidate_lrs(rep, backbone, scheme)
+    if len(cands) < len(rep.col.points("lr")):
+        return f"{lr} (of {', '.join(cands)} only: the other rates are unfinished)"
+    return f"{lr}{_edge(rep, lr)}"
+
+
+def _at_best(rep: Report, backbone: str, scheme: str) -> dict[int, float]:
+    lr = best_lr(rep, backbone, scheme)
+    return rep.col.losses(lr=lr, backbone=backbone, scheme=scheme) if lr is not None else {}
+
+
+def _edge(rep: Report, lr: str) -> str:
+    """' (edge of the grid)' when the best rate is the smallest or the largest swept."""
+    rates = sorted(rep.col.points("lr"), key=_rate)
+    return " (edge of the grid)" if len(rates) > 2 and lr in (rates[0], rates[-1]) else ""
+
+
+def _delta(rep: Report, backbone: str, scheme: str, base: str) -> Paired | None:
+    """``scheme`` at its best rate against ``base`` at its own best rate, paired over seeds."""
+    if scheme == base:
+        return None
+    ours, ref = _at_best(rep, backbone, scheme), _at_best(rep, backbone, base)
+    if not ours or not ref:
+        return None
+    return rep.paired(ours, ref)
+
+
+def _per_seed_delta(rep: Report, backbone: str, scheme: str, base: str) -> dict[int, float]:
+    ours, ref = _at_best(rep, backbone, scheme), _at_best(rep, backbone, base)
+    return {s: ours[s] - ref[s] for s in sorted(set(ours) & set(ref))}
+
+
+def lr_sweep_report(rep: Report) -> None:
+    col = rep.col
+    base = col.spec.baseline or "prenorm"
+    backbones, schemes, rates = col.points("backbone"), col.points("scheme"), col.points("lr")
+    started = [bb for bb in backbones if any(r.done for r in col.select(backbone=bb))]
+    missing = [bb for bb in backbones if bb not in started]
+    if missing:
+        rep.add(
+            "**Backbones with no finished run yet:** " + ", ".join(BACKBONE_NAMES.get(bb, bb) for bb in missing) + ".",
+            "",
+        )
+
+    rep.add(
+        "## Final loss per learning rate",
+        "",
+        "Mean final validation loss over seeds with its 95 % interval (mean ± t_{0.975, n−1}·std/√n). The "
+        "best rate of an arm is the one with the lowest mean, among the rates where all seeds of every scheme "
+        "of the backbone have finished (the same grid for each arm of a comparison); "
+        "a best rate at the edge of the grid means the arm's optimum may lie outside it.",
+        "",
+    )
+    for bb in started:
+        rows = []
+        for s in schemes:
+            cells = [fmt_mean_interval(list(col.losses(lr=lr, backbone=bb, scheme=s).values())) for lr in rates]
+            rows.append([s] + cells + [_best_label(rep, bb, s)])
+        rep.add(
+            f"### {BACKBONE_NAMES.get(bb, bb)}",
+            "",
+            md_table(["scheme"] + [f"lr = {lr}" for lr in rates] + ["best lr"], rows, "l" + "r" * len(rates) + "l"),
+            "",
+        )
+
+    rows = []
+    for bb in started:
+        for s in schemes:
+            lr = best_lr(rep, bb, s)
+            if lr is None:
+                rows.append([BACKBONE_NAMES.get(bb, bb), s, "—", "0", "—", "—"])
+                continue
+            losses = col.losses(lr=lr, backbone=bb, scheme=s)
+            d = _delta(rep, bb, s, base)
+            rows.append(
+                [
+                    BACKBONE_NAMES.get(bb, bb),
+                    s,
+                    _best_label(rep, bb, s),
+                    str(len(losses)),
+                    fmt_mean_std(list(losses.values())),
+                    "—" if s == base else (d.describe() if d is not None else f"no {base} run"),
+                ]
+            )
+    if rows:
+        rep.add(
+            "## Each arm at its own best learning rate",
+            "",
+            f"Block and Full AttnRes each at its best rate against {base} at {base}'s best rate, paired over "
+            f"the seeds both finished. The best rate is chosen on the same seeds the comparison uses, for "
+            f"every arm alike, so each arm's loss is optimistic by the selection, a bias every arm has and the "
+            f"pairing does not remove. "
+            f"These comparisons and the dense-against-MoE ones below form the report's Holm family: "
+            f"m = {len(rep.comparisons.tests)}.",
+            "",
+            md_table(
+                ["backbone", "scheme", "best lr", "seeds", "val loss (mean ± std)", f"Δ vs {base} at its best lr"],
+                rows,
+                "lllrrl",
+            ),
+            "",
+        )
+
+    moe_rows = []
+    for bb in started:
+        per_lr = []
+        for s in schemes:
+            cells, any_moe = [], False
+            for lr in rates:
+                vals = [
+                    v
+                    for r in col.select(lr=lr, backbone=bb, scheme=s)
+                    if r.done
+                    if (v := _final_moe_imbalance(r)) is not None
+                ]
+                any_moe = any_moe or bool(vals)
+                cells.append(fmt_mean_std(vals, 3) if vals else "—")
+            if any_moe:
+                best = best_lr(rep, bb, s)
+                at_best = [
+                    v
+                    for r in col.select(lr=best, backbone=bb, scheme=s)
+                    if r.done
+                    if (v := _final_moe_imbalance(r)) is not None
+                ]
+                per_lr.append([BACKBONE_NAMES.get(bb, bb), s] + cells + [fmt_mean_std(at_best, 3) if at_best else "—"])
+        moe_rows += per_lr
+    if moe_rows:
+        rep.add(
+            "## Expert-load balance",
+            "",
+            "The routers' imbalance at the last training step: max load / mean load − 1, averaged over the "
+            "MoE layers (0 = every expert gets the same number of tokens), mean ± std over seeds.",
+            "",
+            md_table(
+                ["backbone", "scheme"] + [f"lr = {lr}" for lr in rates] + ["at the arm's best lr"],
+                moe_rows,
+                "ll" + "r" * (len(rates) + 1),
+            ),
+            "",
+        )
+
+    if MOE in started and DENSE in started:
+        rows, lines = [], []
+        for s in schemes:
+            if s == base:
+                continue
+            moe, dense = _delta(rep, MOE, s, base), _delta(rep, DENSE, s, base)
+            if moe is None or dense is None:
+                rows.append([s, moe.describe() if moe else "—", dense.describe() if dense else "—", "—", "—"])
+                continue
+            diff = rep.paired(_per_seed_delta(rep, DENSE, s, base), _per_seed_delta(rep, MOE, s, base))
+            share = f"{dense.mean / moe.mean:.0%}" if moe.mean < 0 and moe.n and dense.n else "—"
+            rows.append([s, moe.describe(), dense.describe(), diff.describe(), share])
+            lines.append(
+                f"- {s}: Δ {moe.mean:+.3f} with experts, {dense.mean:+.3f} with dense MLPs; dense − MoE "
+                f"{diff.mean:+.3f}" + (f" {diff.interval(3)}, {diff.verdict_text()}" if diff.n > 1 else " (1 seed)")
+            )
+        rep.add(
+            "## How much of the Kimi Linear gain remains with dense MLPs",
+            "",
+            f"Each scheme's Δ against {base} (both at their best rates) on Kimi Linear with experts and with "
+            f"dense MLPs, and the per-seed difference of the two Δs (dense − MoE; positive: the gain shrinks "
+            f"without experts). The share is the dense Δ over the MoE Δ, of the means, where the MoE Δ is a "
+            f"gain.",
+            "",
+            md_table(
+                [
+                    "scheme",
+                    f"Δ vs {base}, with experts",
+                    f"Δ vs {base}, dense MLPs",
+                    "dense − MoE (worse: less gain without experts)",
+                    "share kept",
+                ],
+                rows,
+                "lllll",
+            ),
+            "",
+            *lines,
+            "",
+        )
+
+    verdicts = []
+    for bb in started:
+        parts = []
+        for s in schemes:
+            d = _delta(rep, bb, s, base)
+            if d is not None and d.n:
+                lr = best_lr(rep, bb, s)
+                parts.append(
+                    f"{s} (lr {lr}) {d.mean:+.3f}"
+                    + (f" {d.interval(3)}, {d.verdict_text()}" if d.n > 1 else " (1 seed: no test)")
+                    + (f", {d.n} seeds" if d.n > 1 else "")
+                )
+        if parts:
+            cands = candidate_lrs(rep, bb, base)
+            provisional = (
+                f" (provisional: the best rates are chosen from lr {', '.join(cands)} only, the rest of the grid "
+                "is unfinished)"
+                if len(cands) < len(rates)
+                else ""
+            )
+            verdicts.append(
+                f"- {BACKBONE_NAMES.get(bb, bb)}, against {base} at lr {best_lr(rep, bb, base)}: "
+                + "; ".join(parts)
+                + provisional
+            )
+    if verdicts:
+        rep.add("## Verdict", "", *verdicts, "")
