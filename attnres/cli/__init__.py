@@ -12,6 +12,7 @@
     attnres report       an experiment's report from its cached runs
     attnres plot         redraw a run's loss and depth-weight figures (attnres.analysis)
     attnres placement    uneven depth blocks learned from trained Full AttnRes runs (attnres.analysis)
+    attnres doctor       this machine and which implementation runs each op, and why (attnres.ops.backends)
 
 Each verb module registers its subcommand (``add_parser``) and turns the parsed arguments into
 library calls (``run``); ``options`` holds what several verbs share. User errors print as one line,
@@ -40,6 +41,7 @@ VERB_NAMES = (
     "report",
     "placement",
     "plot",
+    "doctor",
 )
 
 

@@ -1,5 +1,6 @@
 """Pure functions: the math of depth attention, one folder per op, each with its plain reference
-(``reference.py``) beside the fast paths (``fused.py``, ``triton.py``)."""
+(``reference.py``) beside the fast paths (``fused.py``, ``triton.py``); ``backends.py`` chooses which
+implementation runs each call, and says why (``attnres doctor``)."""
 
 from attnres.ops.common import DepthStats
 from attnres.ops.depth_attention import (

@@ -105,3 +105,10 @@ def triton_kernels(module_name: str) -> ModuleType | None:
         except ImportError:
             _TRITON_KERNELS[module_name] = None
     return _TRITON_KERNELS[module_name]
+
+
+# channels per token that one Triton program holds, padded to powers of two: the depth-attention kernels,
+# Phase 1 and the merge (here, not with the kernels, so that the backend table reads them without importing triton)
+MAX_PADDED_WIDTH = 8192
+# Phase 1's backward kernel holds a token's output gradient for all S queries, padded likewise
+MAX_BACKWARD_WIDTH = 16384

@@ -119,7 +119,7 @@ def _parsers(parser, name="attnres"):
 
 def test_every_help_shows_defaults_and_an_example():
     commands = dict(_parsers(build_parser()))
-    assert len(commands) == 12 + 7  # the verbs and the benches
+    assert len(commands) == 13 + 7  # the verbs and the benches
     for command, parser in commands.items():
         text = " ".join(parser.format_help().split())
         assert "example" in text and f"{command} " in text.replace("-m attnres", "attnres"), command
@@ -136,7 +136,7 @@ def test_every_help_shows_defaults_and_an_example():
 
 def test_the_package_docstring_lists_every_verb():
     verbs = list(_subcommands())
-    assert len(verbs) == len(attnres.cli.VERBS) == 12
+    assert len(verbs) == len(attnres.cli.VERBS) == 13
     for verb in verbs:
         assert f"attnres {verb} " in attnres.cli.__doc__, verb
 

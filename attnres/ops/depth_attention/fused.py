@@ -10,9 +10,9 @@ Layouts. The public functions take the ``[K, B, T, D]`` of docs/method.md. Inter
 ``[1, K] @ [K, D]`` product per token, and the residual stream's preallocated buffer can hand out
 views of its first ``k`` sources without copying.
 
-Dispatch. ``fused_depth_attention`` runs the Triton kernels of ``triton.py`` for CUDA tensors
-when triton is installed and the case is covered (imported on first use, so this module never
-needs triton); ``depth_attention`` chooses between this path and the reference.
+Dispatch. ``attnres.ops.backends`` chooses (op ``depth_attention``): the reference where it is asked for,
+the Triton kernels of ``triton.py`` for CUDA tensors when triton is installed and the case is covered
+(imported on first use, so this module never needs triton), else this path.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from attnres.ops import backends
 from attnres.ops.common import (
     apply_function,
     autocast_disabled,
@@ -195,10 +196,45 @@ def _weighted_sum(v: Tensor, w: Tensor, heads: int) -> Tensor:
     return out.flatten(-2)
 
 
-# ----------------------------------------------------------------------------- Triton dispatch
+# ----------------------------------------------------------------------------- dispatch
 def _triton_module():
     """The depth-attention kernels (``triton.py``), or None (triton missing, or ATTNRES_TRITON=0)."""
     return triton_kernels("attnres.ops.depth_attention.triton")
+
+
+def _choose(segments: Sequence[Tensor], query: Tensor, key_weight: Tensor | None, kernel: str, reference: str):
+    """The table's choice for these tensors; the Triton kernels' own check sees the real segments."""
+    first = segments[0]
+    case = backends.Case.like(
+        first,
+        heads=query_heads(query, first.shape[-1]) if not reference else 1,
+        kernel=kernel,
+        key_norm=key_weight is not None,
+        reference=reference,
+        check=lambda fast, cuda: fast.unsupported_reason(segments, query, key_weight, kernel=kernel, require_cuda=cuda),
+    )
+    return backends.choose("depth_attention", "forward", case)
+
+
+def _attend(choice, segments, producers, query, key_weight, eps, kernel, normalize_keys) -> Tensor:
+    if choice.backend == "triton":
+        return choice.kernels.triton_fused_depth_attention(
+            segments,
+            producers,
+            query,
+            key_weight,
+            eps=eps,
+            kernel=kernel,
+            normalize_keys=normalize_keys,
+        )
+    if choice.backend == "reference":  # forced: the producers carry the values and receive the gradients
+        sources = torch.stack(list(producers), dim=0)
+        return depth_attention_reference(
+            sources, query, key_weight, eps=eps, kernel=kernel, normalize_keys=normalize_keys
+        ).h
+    return apply_function(
+        _FusedDepthAttention, query, key_weight, tuple(segments), (eps, kernel, normalize_keys), *producers
+    )
 
 
 def fused_depth_attention(
@@ -222,21 +258,8 @@ def fused_depth_attention(
     n = sum(seg.shape[2] for seg in segments)
     if n != len(producers):
         raise ValueError(f"segments hold {n} sources but {len(producers)} producers were given")
-    if segments and segments[0].is_cuda:  # Triton kernels when available and the case is covered
-        fast = _triton_module()
-        if fast is not None and fast.supported(segments, query, key_weight, kernel=kernel):
-            return fast.triton_fused_depth_attention(
-                segments,
-                producers,
-                query,
-                key_weight,
-                eps=eps,
-                kernel=kernel,
-                normalize_keys=normalize_keys,
-            )
-    return apply_function(
-        _FusedDepthAttention, query, key_weight, tuple(segments), (eps, kernel, normalize_keys), *producers
-    )
+    choice = _choose(segments, query, key_weight, kernel, "")
+    return _attend(choice, segments, producers, query, key_weight, eps, kernel, normalize_keys)
 
 
 # ----------------------------------------------------------------------------- public
@@ -276,19 +299,16 @@ def depth_attention(
     check_vector(key_weight, "key_weight", sources)
     if return_stats and kernel != "softmax":
         raise ValueError("return_stats needs kernel='softmax': sigmoid weights have no normaliser")
-    if return_weights or return_stats or impl == "reference":
+    asked = "impl='reference'" if impl == "reference" else ""
+    if return_weights or return_stats:
+        asked = "return_weights / return_stats: only the reference keeps the weights and statistics"
+    segments = (sources.movedim(0, 2),)
+    choice = _choose(segments, query, key_weight, kernel, asked)
+    if choice.backend == "reference":
         out = depth_attention_reference(
             sources, query, key_weight, eps=eps, kernel=kernel, normalize_keys=normalize_keys
         )
         if not (return_weights or return_stats):
             return out.h
         return DepthAttentionOutput(out.h, out.weights if return_weights else None, out.stats if return_stats else None)
-    return fused_depth_attention(
-        (sources.movedim(0, 2),),
-        sources.unbind(0),
-        query,
-        key_weight,
-        eps=eps,
-        kernel=kernel,
-        normalize_keys=normalize_keys,
-    )
+    return _attend(choice, segments, sources.unbind(0), query, key_weight, eps, kernel, normalize_keys)

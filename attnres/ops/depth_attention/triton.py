@@ -63,7 +63,7 @@ import torch
 import triton
 from torch import Tensor
 
-from attnres.ops.common import autocast_disabled, compute_dtype
+from attnres.ops.common import MAX_PADDED_WIDTH, autocast_disabled, compute_dtype
 from attnres.ops.depth_attention.reference import check_kernel, query_heads
 from attnres.ops.depth_attention.triton_kernels import (
     _depth_attn_bwd_kernel,
@@ -72,7 +72,6 @@ from attnres.ops.depth_attention.triton_kernels import (
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 MAX_SEGMENTS = 3
-MAX_PADDED_WIDTH = 8192  # channels per token held by one program (padded to powers of two)
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 __all__ = [

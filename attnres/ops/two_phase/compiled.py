@@ -8,7 +8,7 @@ buffer, the partitioner keeps one version of the buffer per Phase-1 read for bac
 matrix products inside the hand-written backwards cannot fuse with the loops around them. Here
 the sources arrive as a list, and ``phase1_sources`` runs one of two forms:
 
-- on the CPU and for small ones elsewhere (``pointwise_phase1``: at most ``POINTWISE_PAIRS``
+- on the CPU and for small ones elsewhere (``pointwise_phase1``: at most ``backends.POINTWISE_PAIRS``
   source-query pairs, as Full AttnRes' in-group reads are) as plain autograd over pointwise ops and
   reductions over D
   (``phase1_pointwise``): the logits of source i are ``r_i * (v_i . u_s)``, the outputs
@@ -16,7 +16,7 @@ the sources arrive as a list, and ``phase1_sources`` runs one of two forms:
 - the others (on CUDA) as the custom op ``attnres::phase1`` (``library.py``): one opaque call forward
   (the Triton Phase-1 kernel) and one hand-written backward, saving only the sources (kept alive
   anyway), their inverse RMS and lse. Measured on the CPU it lost to the pointwise form
-  (``CUSTOM_OP_DEVICES``); it has not been timed on a GPU.
+  (``backends.CUSTOM_OP_DEVICES``); it has not been timed on a GPU.
 
 For training the streams wrap either in ``torch.utils.checkpoint``, so backward recomputes Phase 1's
 outputs from the sources: the merges that read them would otherwise keep them for backward
@@ -35,25 +35,18 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from attnres.ops import backends
 from attnres.ops.common import compute_dtype, split_heads
 from attnres.ops.depth_attention.reference import check_kernel
 from attnres.ops.two_phase import library
 from attnres.ops.two_phase.reference import check_queries, query_matrix
 
-# Phase 1 over at most this many (source, query) pairs runs as plain pointwise ops (``phase1_pointwise``)
-# that the compiler fuses into the loops around it, on every device (Full AttnRes' in-group reads)
-POINTWISE_PAIRS = 4
-# devices whose larger Phase 1s run the custom op of ``library.py``: CUDA (the Triton kernels). Not the CPU:
-# there the pointwise form, which inductor fuses with the loops around it, beat the opaque op even with the
-# compiled C++ kernel inside it (compiled Block 1.180x compiled prenorm with the op against 1.133x pointwise,
-# min-max over processes 1.167-1.209 against 1.121-1.158; Full 1.167x against 1.175x; d128 x 8, T128, B8,
-# one thread, load ~1; docs/performance.md). Eager mode runs the C++ kernel (``fused.phase1_kernels_for``).
-CUSTOM_OP_DEVICES = frozenset({"cuda"})
-
 
 def pointwise_phase1(n_sources: int, n_queries: int, device: torch.device | str = "cpu") -> bool:
-    """Whether ``phase1_sources`` runs this Phase 1 as pointwise autograd rather than as the custom op."""
-    return n_sources * n_queries <= POINTWISE_PAIRS or torch.device(device).type not in CUSTOM_OP_DEVICES
+    """Whether ``phase1_sources`` runs this Phase 1 as pointwise autograd rather than as the custom op
+    (``attnres.ops.backends``, op ``phase1_sources``, whose POINTWISE_PAIRS and CUSTOM_OP_DEVICES decide)."""
+    case = backends.Case(device=torch.device(device).type, queries=n_queries, sources=n_sources)
+    return backends.choose("phase1_sources", "forward", case).backend == "pointwise"
 
 
 def phase1_sources(

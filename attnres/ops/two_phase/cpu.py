@@ -10,7 +10,8 @@ Building: nothing is compiled at install time. The first call compiles the kerne
 compiler (``$CXX``, else ``c++``; no torch headers, about a second) into the cache directory
 (``$ATTNRES_CACHE_DIR``, else ``$XDG_CACHE_HOME/attnres``, else ``~/.cache/attnres``), keyed by the source,
 the flags and the CPU, written atomically so concurrent processes share it. Without a compiler, or when the
-build fails, ``kernel()`` is None, ``status()`` says why, and callers keep the torch formulation.
+build fails, ``kernel()`` is None, ``status()`` says why, and callers keep the torch formulation
+(``attnres.ops.backends`` decides which runs).
 ``ATTNRES_CPU_KERNEL=0`` turns the kernel off (read on every call, so tests run both ways); ``=1`` makes a
 failed build an error instead of a fallback.
 """
@@ -116,7 +117,8 @@ def _load() -> _Loaded:
     return _Loaded(lib, f"compiled kernel {lib_path}")
 
 
-def _loaded() -> _Loaded:
+def loaded() -> _Loaded:
+    """The kernel library and what became of its build (on the first call), whatever ``ATTNRES_CPU_KERNEL`` says."""
     if "lib" not in _STATE:
         _STATE["lib"] = _load()
     return _STATE["lib"]
@@ -127,7 +129,7 @@ def kernel() -> ctypes.CDLL | None:
     setting = os.environ.get(ENV, "auto")
     if setting == "0":
         return None
-    state = _loaded()
+    state = loaded()
     if state.lib is None and setting == "1":
         raise RuntimeError(f"{ENV}=1 but the CPU kernel is not available: {state.reason}")
     return state.lib
@@ -137,13 +139,8 @@ def status() -> str:
     """One line: whether the compiled CPU kernel runs, and why not."""
     if os.environ.get(ENV, "auto") == "0":
         return f"off ({ENV}=0)"
-    state = _loaded()
+    state = loaded()
     return ("on: " if state.lib is not None else "off: ") + state.reason
-
-
-def handles(x: Tensor) -> bool:
-    """Whether Phase 1 over sources like ``x`` runs the compiled kernel (CPU tensors, the kernel available)."""
-    return x.device.type == "cpu" and kernel() is not None
 
 
 def _pointers(rows: Sequence[Tensor]) -> ctypes.Array:

@@ -12,11 +12,13 @@ The same math as ``reference.py`` (read that first), as custom autograd Function
 The inverse RMS of each source is computed once when the source is written (``inverse_rms``) and
 reused by every reader; its gradient is recomputed here from the values.
 
-Triton. For CUDA float32/bfloat16/float16 tensors, ``_Phase1``'s forward and ``merge`` (when no
-gradient is needed) run the kernels of ``triton.py`` (imported on first use; ``ATTNRES_TRITON=0``
-turns them off); ``_Phase1``'s backward then runs the backward kernel of ``triton_backward.py``,
-which recomputes the weights from the saved lse (torch's batched products when S queries of D
-channels are too wide for one program, or when a graph of the gradient is wanted).
+Kernels. ``attnres.ops.backends`` chooses for each call (ops ``phase1``, ``merge``, ``merge_partial``).
+For CUDA float32/bfloat16/float16 tensors, ``_Phase1``'s forward and ``merge`` (when no gradient is
+needed) run the kernels of ``triton.py`` (imported on first use; ``ATTNRES_TRITON=0`` turns them off);
+for CPU tensors in eager mode ``_Phase1`` runs the C++ kernel of ``cpu.py``. ``_Phase1``'s backward then
+runs the same kernel set's backward, which recomputes the weights from the saved lse (torch's batched
+products when S queries of D channels are too wide for one program, or when a graph of the gradient is
+wanted).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from attnres.ops import backends
 from attnres.ops.common import (
     DepthStats,
     apply_function,
@@ -34,10 +37,9 @@ from attnres.ops.common import (
     compute_dtype,
     inverse_rms,
     split_heads,
-    triton_kernels,
 )
 from attnres.ops.depth_attention.reference import check_kernel
-from attnres.ops.two_phase import cpu, reference
+from attnres.ops.two_phase import reference
 from attnres.ops.two_phase.reference import check_phase1_inputs, query_matrix
 
 
@@ -58,7 +60,8 @@ class _Phase1(torch.autograd.Function):
 
     @staticmethod
     def _forward(ctx, queries, key_weights, values, inv_rms, opts, producers):
-        kernel, heads, kernels = opts
+        kernel, heads, choice = opts
+        kernels = choice.kernels
         b, t, n, d = values.shape
         s_count = queries.shape[0]
         cd = compute_dtype(values.dtype)
@@ -76,7 +79,7 @@ class _Phase1(torch.autograd.Function):
             saved_lse = None
         # buffer views: kept on ctx, not saved (later writes go to other rows, which bumps the
         # buffer's version counter but never changes the rows read here)
-        ctx.values, ctx.inv_rms, ctx.kernels = values, inv_rms, kernels
+        ctx.values, ctx.inv_rms, ctx.kernels, ctx.forward = values, inv_rms, kernels, choice.backend
         ctx.opts = (kernel, heads, cd, [(p.shape, p.dtype) for p in producers])
         ctx.save_for_backward(queries, key_weights, alpha, dots, saved_lse)
         # one output per query: each sublayer's gradient then arrives on its own, with no
@@ -98,9 +101,19 @@ class _Phase1(torch.autograd.Function):
         needs_du = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         # the kernels' backward when the forward ran a kernel (Triton, or the CPU one) and no graph of the
         # gradient is wanted (create_graph: the kernels' results are not differentiable, torch's are)
-        kernels = ctx.kernels
-        if alpha is None and not torch.is_grad_enabled() and kernels.backward_fits(heads, d, s_count):
-            gv, du = kernels.phase1_backward(
+        case = backends.Case.like(
+            values,
+            heads=heads,
+            queries=s_count,
+            sources=n,
+            kernel=kernel,
+            key_norm=inv_rms is not None,
+            create_graph=torch.is_grad_enabled(),
+            forward=ctx.forward,
+        )
+        choice = backends.choose("phase1", "backward", case, kernels=ctx.kernels)
+        if choice.kernels is not None:
+            gv, du = choice.kernels.phase1_backward(
                 values,
                 inv_rms,
                 queries,
@@ -231,24 +244,22 @@ def phase1_logits(
 
 
 def triton_for(x: Tensor):
-    """The Triton two-phase kernels for CUDA float32/bfloat16/float16 tensors, or None: torch runs
-    float64 (the reference precision), CPU tensors, and everything when triton is missing or
-    ``ATTNRES_TRITON=0``."""
-    if x.device.type != "cuda" or x.dtype == torch.float64:
-        return None
-    return triton_kernels("attnres.ops.two_phase.triton")
+    """The Triton two-phase kernels the table (``attnres.ops.backends.triton_offer``) offers for tensors like
+    ``x``, or None: CUDA float32/bfloat16/float16 with triton installed and not ``ATTNRES_TRITON=0``. The
+    dispatch sites hand this to ``backends.choose``; tests point it at the interpreted kernels."""
+    return backends.triton_offer("phase1", x.device.type, x.dtype).kernels
+
+
+def phase1_choice(x: Tensor, phase: str = "forward", op: str = "phase1", **case) -> backends.Choice:
+    """The table's choice of Phase-1 implementation for sources like ``x`` (``case``: heads, queries, ...)."""
+    return backends.choose(op, phase, backends.Case.like(x, **case), triton=triton_for(x))
 
 
 def phase1_kernels_for(x: Tensor):
-    """The Phase-1 kernels for sources like ``x``: the Triton ones on CUDA (``triton_for``), the compiled C++
-    one (``cpu.py``) for CPU tensors when it is available, else None (torch's batched products). Both have
-    ``phase1``, ``phase1_backward``, ``fits`` and ``backward_fits``."""
-    kernels = triton_for(x)  # first: tests route CPU tensors to the interpreted Triton kernels through it
-    # the compiler cannot trace into a ctypes call (the compiled streams reach the kernel through the
-    # attnres::phase1 custom op instead, which it keeps opaque)
-    if kernels is None and not torch.compiler.is_compiling() and cpu.handles(x):
-        return cpu
-    return kernels
+    """The Phase-1 kernels the table picks for sources like ``x``: the Triton ones on CUDA, the compiled C++
+    one (``cpu.py``) for CPU tensors in eager mode when it is available, else None (torch's batched products).
+    Both have ``phase1``, ``phase1_backward``, ``fits`` and ``backward_fits``."""
+    return phase1_choice(x, heads=1).kernels
 
 
 def _mix(alpha: Tensor, v3: Tensor, heads: int) -> Tensor:
@@ -279,10 +290,15 @@ def phase1_outputs(
     heads = check_phase1_inputs(values, inv_rms, queries, key_weights)
     if values.shape[2] != len(producers):
         raise ValueError(f"values hold {values.shape[2]} sources but {len(producers)} producers were given")
-    kernels = phase1_kernels_for(values)
-    if kernels is not None and not kernels.fits(heads, values.shape[-1]):
-        kernels = None
-    *h1s, lse = apply_function(_Phase1, queries, key_weights, values, inv_rms, (kernel, heads, kernels), *producers)
+    choice = phase1_choice(
+        values,
+        heads=heads,
+        queries=queries.shape[0],
+        sources=values.shape[2],
+        kernel=kernel,
+        key_norm=inv_rms is not None,
+    )
+    *h1s, lse = apply_function(_Phase1, queries, key_weights, values, inv_rms, (kernel, heads, choice), *producers)
     return tuple(h1s), lse
 
 
@@ -354,9 +370,11 @@ class _MergePartial(torch.autograd.Function):
 def merge(a: DepthStats, b: DepthStats, kernel: str = "softmax") -> DepthStats:
     """The arguments and result of ``reference.merge``; the Triton kernel for CUDA statistics when no
     gradient is needed (it has no backward; the merge is elementwise, so autograd's is cheap)."""
-    kernels = triton_for(a.h)
-    if kernels is not None and not (torch.is_grad_enabled() and any(x.requires_grad for x in (*a, *b))):
-        return kernels.merge(a, b, kernel)
+    grad = torch.is_grad_enabled() and any(x.requires_grad for x in (*a, *b))
+    case = backends.Case.like(a.h, heads=a.lse.shape[-1], kernel=kernel, grad=grad)
+    choice = backends.choose("merge", "forward", case, triton=triton_for(a.h))
+    if choice.kernels is not None:
+        return choice.kernels.merge(a, b, kernel)
     return reference.merge(a, b, kernel)
 
 
@@ -366,6 +384,7 @@ def merge_partial(
     """Phase 2; the arguments and result of ``reference.merge_partial``. The common case (one head,
     softmax, key norm) runs as one custom-autograd op, the others as the plain reference."""
     check_kernel(kernel)
-    if stats.lse.shape[-1] == 1 and kernel == "softmax" and key_weight is not None:
+    case = backends.Case.like(partial, heads=stats.lse.shape[-1], kernel=kernel, key_norm=key_weight is not None)
+    if backends.choose("merge_partial", "forward", case).backend == "torch":
         return apply_function(_MergePartial, stats.h, stats.lse, partial, query.reshape(-1), key_weight, eps)
     return reference.merge_partial(stats, partial, query, key_weight, eps, kernel)

@@ -8,7 +8,7 @@ stream keeps alive anyway), their inverse RMS, the queries and the log-sum-exp [
 recomputes the weights from lse (one pass of dot products) instead of recomputing the whole Phase 1 as
 ``torch.utils.checkpoint`` does, and writes every source's gradient once.
 
-Each call runs the fastest kernel the device has:
+Each call runs the kernel ``attnres.ops.backends`` picks (op ``phase1_op``), the fastest the device has:
 
 - CPU tensors: the compiled C++ kernel (``cpu.py``), which reads the list in place, forward and backward;
 - CUDA float32/bfloat16/float16: the Triton kernels (``triton.py``, ``triton_backward.py``) on a stack of
@@ -22,9 +22,6 @@ gets no gradient of its own.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from types import ModuleType
-
 import torch
 from torch import Tensor
 
@@ -34,12 +31,15 @@ from attnres.ops.two_phase.fused import phase1_backward, phase1_forward, phase1_
 from attnres.ops.two_phase.reference import query_heads
 
 
-def _kernel_inputs(sources: list[Tensor], inv_rms: list[Tensor], usable: Callable[[ModuleType], bool]):
-    """(kernels, values, inv_rms) in the layout the device's Phase-1 kernels read
-    (``fused.phase1_kernels_for``): the compiled CPU kernel reads the lists in place, Triton one strided
-    stack; None when there are none or ``usable(kernels)`` is false (then torch's products run)."""
-    kernels = fused.phase1_kernels_for(sources[0])  # read at call time: tests route it
-    if kernels is None or not usable(kernels):
+def _kernel_inputs(sources: list[Tensor], inv_rms: list[Tensor], queries: Tensor, phase: str):
+    """(kernels, values, inv_rms) in the layout the Phase-1 kernels the table picks (op ``phase1_op``) read:
+    the compiled CPU kernel reads the lists in place, Triton one strided stack; None when torch's products
+    run."""
+    case = dict(heads=query_heads(queries), queries=queries.shape[0], sources=len(sources), key_norm=bool(inv_rms))
+    kernels = fused.phase1_choice(
+        sources[0], phase, op="phase1_op", **case
+    ).kernels  # read at call time: tests route it
+    if kernels is None:
         return None
     if kernels is cpu:
         return kernels, list(sources), list(inv_rms) or None
@@ -61,7 +61,7 @@ def phase1_op(
     b, t, d = sources[0].shape
     heads, s_count = query_heads(queries), queries.shape[0]
     with autocast_disabled(sources[0].device.type):
-        found = _kernel_inputs(sources, inv_rms, lambda k: k.fits(heads, d))
+        found = _kernel_inputs(sources, inv_rms, queries, "forward")
         if found is not None:
             kernels, values, inv = found
             h, lse = kernels.phase1(values, inv, queries, key_weights, kernel=kernel)
@@ -96,7 +96,7 @@ def phase1_backward_op(
     b, t, d = sources[0].shape
     heads, n = query_heads(queries), len(sources)
     with autocast_disabled(sources[0].device.type):
-        found = _kernel_inputs(sources, inv_rms, lambda k: k.backward_fits(heads, d, queries.shape[0]))
+        found = _kernel_inputs(sources, inv_rms, queries, "backward")
         if found is not None:
             kernels, values_in, inv_in = found
             gv, du = kernels.phase1_backward(

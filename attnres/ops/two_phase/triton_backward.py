@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from attnres.ops.common import compute_dtype
+from attnres.ops.common import MAX_BACKWARD_WIDTH, compute_dtype
 from attnres.ops.depth_attention.reference import check_kernel
 from attnres.ops.depth_attention.triton import (
     _max_programs,
@@ -35,9 +35,6 @@ from attnres.ops.depth_attention.triton import (
 )
 from attnres.ops.depth_attention.triton_kernels import tile_coords
 from attnres.ops.two_phase.reference import check_phase1_inputs, query_matrix
-
-# the output gradient of a token for all S queries, padded to powers of two, held by one program
-MAX_BACKWARD_WIDTH = 16384
 
 __all__ = ["MAX_BACKWARD_WIDTH", "backward_fits", "phase1_backward"]
 

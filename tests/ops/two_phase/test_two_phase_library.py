@@ -7,6 +7,7 @@ import pytest
 import torch
 from reference import two_phase_inputs
 
+from attnres.ops import backends
 from attnres.ops.common import inverse_rms
 from attnres.ops.two_phase import compiled, library
 from attnres.ops.two_phase import reference as two_phase_reference
@@ -19,8 +20,8 @@ CASES = [("softmax", True, 1), ("softmax", True, 2), ("softmax", False, 1), ("si
 
 def force_form(monkeypatch, custom_op: bool) -> None:
     """phase1_sources onto one form whatever the size and device (the CPU runs pointwise by default)."""
-    monkeypatch.setattr(compiled, "POINTWISE_PAIRS", 0 if custom_op else 10**6)
-    monkeypatch.setattr(compiled, "CUSTOM_OP_DEVICES", frozenset({"cpu", "cuda"}))
+    monkeypatch.setattr(backends, "POINTWISE_PAIRS", 0 if custom_op else 10**6)
+    monkeypatch.setattr(backends, "CUSTOM_OP_DEVICES", frozenset({"cpu", "cuda"}))
 
 
 @pytest.fixture(params=["custom_op", "pointwise"])
