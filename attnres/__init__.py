@@ -25,23 +25,33 @@ _HOMES = {
     "ResidualScheme": "attnres.residual",
     "param_groups": "attnres.residual.param_groups",
     "match_prenorm_eps": "attnres.residual.norms",
+    "checkpoint_block": "attnres.residual.recompute",
+    "DepthRecord": "attnres.residual.observe",
+    "record_depth": "attnres.residual.observe",
+    "depth_weight_matrix": "attnres.analysis.depth",
+    "source_labels": "attnres.analysis.depth",
     "multi_query_depth_attention": "attnres.ops",
 }
 __all__ = [
     "AttnResLM",
     "BlockAttnRes",
+    "DepthRecord",
     "DepthState",
     "FullAttnRes",
     "LMOutput",
     "ModelConfig",
     "RESIDUALS",
     "ResidualScheme",
+    "checkpoint_block",
     "depth_attention",
+    "depth_weight_matrix",
     "match_prenorm_eps",
     "merge_stats",
     "multi_query_depth_attention",
     "param_groups",
+    "record_depth",
     "residual_scheme",
+    "source_labels",
 ]
 
 

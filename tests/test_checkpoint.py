@@ -306,9 +306,17 @@ def _drop_records(target: Path) -> None:
 @pytest.mark.parametrize(
     "saved,into,names",
     [
-        (lambda: BlockAttnRes(16, 4, num_blocks=2), lambda: FullAttnRes(16, 4), ["block (", "full ("]),
-        (lambda: BlockAttnRes(16, 4, num_blocks=2), lambda: BlockAttnRes(16, 4, num_blocks=4), ["attnres_blocks=2"]),
-        (lambda: FullAttnRes(16, 4, heads=4), lambda: FullAttnRes(16, 4), ["attnres_heads=4", "attnres_heads=1"]),
+        (lambda: BlockAttnRes(16, 4, attnres_blocks=2), lambda: FullAttnRes(16, 4), ["block (", "full ("]),
+        (
+            lambda: BlockAttnRes(16, 4, attnres_blocks=2),
+            lambda: BlockAttnRes(16, 4, attnres_blocks=4),
+            ["attnres_blocks=2"],
+        ),
+        (
+            lambda: FullAttnRes(16, 4, attnres_heads=4),
+            lambda: FullAttnRes(16, 4),
+            ["attnres_heads=4", "attnres_heads=1"],
+        ),
     ],
     ids=["block-to-full", "N2-to-N4", "heads4-to-1"],
 )
@@ -337,10 +345,10 @@ def test_a_checkpoint_from_before_the_scheme_record_still_loads(tmp_path):
     from attnres.checkpoint import load_model
     from attnres.model import AttnResLM, ModelConfig
 
-    own = _OwnModel(BlockAttnRes(16, 4, num_blocks=2))
+    own = _OwnModel(BlockAttnRes(16, 4, attnres_blocks=2))
     target = _save_weights(tmp_path / "own", own)
     _drop_records(target)
-    model = _OwnModel(BlockAttnRes(16, 4, num_blocks=2), seed=1)
+    model = _OwnModel(BlockAttnRes(16, 4, attnres_blocks=2), seed=1)
     load_checkpoint(target, model=model, restore_rng=False)
     assert params_equal(model, own)
 

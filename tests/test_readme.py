@@ -119,8 +119,15 @@ def test_the_readme_snippets_run_and_state_what_they_compute():
     own_model, use_it, op, _ = blocks(ROOT / "README.md")
     namespace: dict = {}
     exec(own_model, namespace)  # self-contained
-    shape = re.search(r"(\[[\d, ]+\])", comment_after(own_model, "residual.finish(depth)")).group(1)
+    shape = re.search(r"(\[[\d, ]+\])", comment_after(own_model, "y = forward(x, residual)")).group(1)
     assert list(namespace["y"].shape) == ast.literal_eval(shape)
+    # the snippet asserts the zero-query equivalence with the same blocks run as PreNorm, and the eps matching
+    # is what makes it hold: without it the snippet's own assertion fails
+    assert "torch.testing.assert_close(y, prenorm)" in own_model and 'residual_scheme("prenorm"' in own_model
+    unmatched = own_model.replace("attnres.match_prenorm_eps(", "(lambda norms, scheme: None)(")
+    assert unmatched != own_model, "the README's own-model snippet no longer calls attnres.match_prenorm_eps"
+    with pytest.raises(AssertionError, match="Tensor-likes are not close"):
+        exec(unmatched, {})
     namespace = {}
     torch.manual_seed(0)
     exec(use_it, namespace)

@@ -134,7 +134,7 @@ def run_bench(name: str, cfg, *, processes: int = 1) -> dict:
     check_config(name, cfg)  # before anything is built (a config built by hand too), as train checks its own
     if processes == 1:
         return BENCHES[name].run(cfg)
-    runs = spread.launch(name, cfg.__dict__, processes, threads=torch.get_num_threads())
+    runs = spread.launch(name, cfg.__dict__, processes, threads=torch.get_num_threads(), package=__name__)
     return spread.aggregate(name, runs)
 
 

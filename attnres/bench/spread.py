@@ -120,9 +120,10 @@ def format_spread(result: Mapping) -> str:
     return "\n".join(lines)
 
 
-def launch(name: str, config: Mapping, processes: int, *, threads: int) -> list[dict]:
+def launch(name: str, config: Mapping, processes: int, *, threads: int, package: str) -> list[dict]:
     """Run bench ``name`` at ``config`` (its dataclass's fields) in ``processes`` fresh interpreters, one
-    after the other (``python -m attnres.bench``), the variants rotated by one each time; their results."""
+    after the other (``python -m PACKAGE``: the bench package, whose registry this module does not
+    import), the variants rotated by one each time; their results."""
     if processes < 1:
         raise ValueError(f"--processes {processes}: must be at least 1")
     results = []
@@ -133,7 +134,7 @@ def launch(name: str, config: Mapping, processes: int, *, threads: int) -> list[
                 cfg["variants"] = rotated(cfg["variants"], i)
             out = os.path.join(tmp, f"process{i}.json")
             proc = subprocess.run(
-                [sys.executable, "-m", "attnres.bench", name, json.dumps(cfg), out, str(threads)],
+                [sys.executable, "-m", package, name, json.dumps(cfg), out, str(threads)],
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.PIPE,
                 text=True,

@@ -4,7 +4,9 @@ Each entry says how to build a block and the final norm, which ``ModelConfig`` f
 backbone (each with its check, as ``attnres.residual.RESIDUALS`` does for schemes), how many
 parameters the PreNorm model has, and what the backbone needs beyond the generic parts of
 ``AttnResLM`` (rotary tables, the kind of decoding cache, extra initialisation, per-step updates).
-``ModelConfig`` validates through this registry and names no backbone itself.
+``ModelConfig`` names no backbone itself: it validates through each entry's options and checks, which
+``attnres.model.backbone_args`` declares apart from the blocks, and tensor parallelism reads each
+entry's ``tensor_plan``.
 
 - ``"llama"``: the LLaMA-style decoder of ``attnres.model.llama`` (GQA attention with RoPE, SwiGLU).
 - ``"kimi_linear"``: Kimi Linear, the backbone of the paper's models (``attnres.model.kimi_linear``):
@@ -20,16 +22,24 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from attnres.model.backbone_args import BACKBONE_RULES, BackboneRules, validate_backbone
 from attnres.model.kimi_layout import KDA, MLA, kimi_sizes, layer_kinds, moe_layers
-from attnres.residual.options import (
-    Option,
-    bad_option,
-    boolean,
-    check_scheme_options,
-    is_positive_int,
-)
+from attnres.residual.options import Option
+
+__all__ = [  # the Kimi layout's names too: they were importable from here before it had its module
+    "BACKBONES",
+    "KDA",
+    "MLA",
+    "BackboneInfo",
+    "TensorPlan",
+    "kimi_params",
+    "kimi_sizes",
+    "layer_kinds",
+    "moe_layers",
+    "validate_backbone",
+]
 
 
 def _lazy(module: str, name: str) -> Callable:
@@ -59,23 +69,44 @@ def _no_stacks(model) -> list[str]:
 
 
 @dataclass(frozen=True)
+class TensorPlan:
+    """How tensor parallelism splits a backbone's Transformer blocks (``attnres.parallel.tensor`` and
+    the torchtitan integration both apply it).
+
+    ``block``: submodule of a block -> "colwise" (output features split) or "rowwise" (input features
+    split); a submodule a block does not have is skipped (Kimi Linear's dense and MoE layers differ).
+    ``widths(config)``: (field, its value, the width split over the ranks) for every width the plan
+    divides, which must be a multiple of tp. ``whole_sublayers``: the plan splits every sublayer of every
+    block (attention by heads), so the block's input may be gathered from a sequence-parallel stream and
+    torchtitan's plan, which shards every entry of every block, applies; False where some sublayers stay
+    replicated."""
+
+    block: Mapping[str, str]
+    widths: Callable
+    whole_sublayers: bool
+
+
+@dataclass(frozen=True)
 class BackboneInfo:
     """A registry entry.
 
     ``block(config, index)``: Transformer block ``index`` (holds its two sublayers and pre-norms as
     ``attn_norm``/``attn``/``mlp_norm``/``mlp`` and reads/writes the stream, like
-    ``attnres.model.llama.TransformerBlock``). ``norm(config)``: the final norm. ``options``: the
-    ModelConfig fields only this backbone reads; ``check(config)``: its cross-field rules.
-    ``rope_dim(config)``: width of the rotary tables (0: no rotary positions). ``params(config)``:
+    ``attnres.model.llama.TransformerBlock``). ``norm(config)``: the final norm. ``params(config)``:
     parameters of the PreNorm model. ``cache``: the kind of decoding cache the blocks read and write,
     a key of ``attnres.inference.CACHE_KINDS`` ("kv": keys and values; "hybrid": Kimi Linear's MLA
-    latents and KDA states); the inference layer builds it.
+    latents and KDA states); the inference layer builds it. ``tensor_plan``: how tensor parallelism
+    splits its blocks (``TensorPlan``).
     ``init_weights(model)``: initialisation of parameters the generic rule of
     ``AttnResLM.reset_parameters`` does not cover. ``matrix_stacks(model)``: names of parameters that
     are stacks of independent matrices (MoE experts: Muon treats each matrix on its own).
     ``step_counters(model)`` / ``end_step(model)``: statistics accumulated over a training step
     (summed over data-parallel replicas) and the per-step update and report that consume them.
     ``padded_batches``: whether ``AttnResLM`` may run batches with padding (an ``attention_mask``).
+
+    ``options`` (the ModelConfig fields only this backbone reads), ``check(config)`` (its cross-field
+    rules) and ``rope_dim(config)`` (width of the rotary tables; 0: no rotary positions) are its
+    ``BackboneRules`` of ``attnres.model.backbone_args``, which validation reads without importing a block.
     """
 
     name: str
@@ -84,32 +115,31 @@ class BackboneInfo:
     norm: Callable
     params: Callable
     cache: str
-    rope_dim: Callable
-    options: Mapping[str, Option] = field(default_factory=dict)
-    check: Callable = _nothing
+    tensor_plan: TensorPlan
     init_weights: Callable = _nothing
     matrix_stacks: Callable = _no_stacks
     step_counters: Callable = _no_counters
     end_step: Callable = _no_report
     padded_batches: bool = True
 
+    @property
+    def rules(self) -> BackboneRules:
+        return BACKBONE_RULES[self.name]
+
+    @property
+    def options(self) -> Mapping[str, Option]:
+        return self.rules.options
+
+    @property
+    def check(self) -> Callable:
+        return self.rules.check
+
+    @property
+    def rope_dim(self) -> Callable:
+        return self.rules.rope_dim
+
 
 # ----------------------------------------------------------------------------- llama
-
-
-def _llama_check(config) -> None:
-    if config.d_model % config.n_heads:
-        raise bad_option(
-            "n_heads", config.n_heads, f"must divide d_model={config.d_model}; pick a divisor of {config.d_model}"
-        )
-    if config.head_dim % 2:
-        raise bad_option(
-            "n_heads", config.n_heads, f"gives odd head_dim={config.head_dim}; RoPE needs an even head dimension"
-        )
-    if config.n_heads % config.n_kv_heads:
-        raise bad_option(
-            "n_kv_heads", config.n_kv_heads, f"must divide n_heads={config.n_heads} (grouped-query attention)"
-        )
 
 
 def _llama_params(config) -> int:
@@ -134,181 +164,31 @@ def _llama_norm(config):
     return nn.RMSNorm(config.d_model, eps=config.norm_eps)
 
 
-# ----------------------------------------------------------------------------- kimi_linear
+def _llama_widths(config) -> list[tuple[str, int | None, int | None]]:
+    return [
+        ("n_heads", config.n_heads, config.n_heads),
+        ("n_kv_heads", config.n_kv_heads, config.n_kv_heads),
+        ("d_ff", config.d_ff, config.d_ff),
+    ]
 
 
-def _pattern(value, config) -> str | None:
-    if not isinstance(value, str) or not value or set(value) - {KDA, MLA}:
-        return (
-            f"must be a non-empty string of {KDA!r} (KDA) and {MLA!r} (MLA) layers, repeated over the "
-            "layers, e.g. 'KKKM' (3:1, the paper's) or 'KM'"
-        )
-    if len(value) > config.n_layers:
-        return f"is longer than n_layers={config.n_layers}; give at most one letter per layer"
-    return None
-
-
-def _positive_or_none(what: str) -> Callable:
-    def check(value, config):
-        return None if value is None or is_positive_int(value) else f"must be a positive integer ({what}) or None"
-
-    return check
-
-
-def _positive(what: str) -> Callable:
-    def check(value, config):
-        return None if is_positive_int(value) else f"must be a positive integer ({what})"
-
-    return check
-
-
-def _experts(value, config):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0 or value == 1:
-        return "must be 0 (a dense MLP in every layer) or at least 2 (transformers' router scores experts in pairs)"
-    return None
-
-
-def _dense_layers(value, config):
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= config.n_layers:
-        return f"must be an integer in [0, n_layers={config.n_layers}] (leading layers with a dense MLP)"
-    return None
-
-
-def _positive_number(value, config):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        return "must be a positive number"
-    return None
-
-
-def _non_negative_number(value, config):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        return "must be a non-negative number (0 turns the router-bias balancing off)"
-    return None
-
-
-def _positive_number_or_none(what: str) -> Callable:
-    def check(value, config):
-        if value is None or _positive_number(value, config) is None:
-            return None
-        return f"must be a positive number ({what})"
-
-    return check
-
-
-def _negative_number_or_none(value, config):
-    if value is None or (not isinstance(value, bool) and isinstance(value, (int, float)) and value < 0):
-        return None
-    return "must be a negative number (the log of the smallest decay per step, e.g. -5) or None (Kimi Linear's decay)"
-
-
-KIMI_OPTIONS = {
-    "kimi_layer_pattern": Option(_pattern),
-    "kda_heads": Option(_positive_or_none("KDA heads; default n_heads")),
-    "kda_head_dim": Option(_positive_or_none("KDA head width; default d_model // n_heads")),
-    "kda_conv_kernel": Option(_positive("KDA short-convolution width")),
-    "mla_kv_rank": Option(_positive_or_none("MLA latent key/value rank; default d_model // 2")),
-    "mla_q_rank": Option(_positive_or_none("MLA query rank; None: uncompressed queries")),
-    "mla_qk_nope_dim": Option(_positive_or_none("MLA per-head query/key width")),
-    "mla_qk_rope_dim": Option(_positive_or_none("MLA key width shared by all heads")),
-    "mla_v_dim": Option(_positive_or_none("MLA per-head value width")),
-    "moe_experts": Option(_experts),
-    "moe_top_k": Option(_positive("experts per token")),
-    "moe_shared_experts": Option(_positive("shared experts")),
-    "moe_d_ff": Option(_positive_or_none("expert hidden width")),
-    "moe_dense_layers": Option(_dense_layers),
-    "moe_routed_scale": Option(_positive_number),
-    "moe_renormalize": Option(boolean),
-    "moe_bias_update_rate": Option(_non_negative_number),
-    "situ_beta": Option(_positive_number_or_none("SiTU's beta; None: SwiGLU")),
-    "situ_linear_beta": Option(_positive_number_or_none("SiTU's up-branch beta; None: off")),
-    "kda_full_rank_gate": Option(boolean),
-    "kda_gate_lower_bound": Option(_negative_number_or_none),
-    "mla_output_gate": Option(boolean),
-    "moe_layer_freq": Option(_positive("period of the MoE layers after the dense ones")),
-    "moe_groups": Option(_positive("expert groups")),
-    "moe_topk_groups": Option(_positive("expert groups a token's experts come from")),
-    "moe_latent_dim": Option(_positive_or_none("latent width of the routed experts; None: d_model")),
-    "moe_latent_norm": Option(boolean),
-}
-_MOE_ONLY = (
-    "moe_top_k",
-    "moe_shared_experts",
-    "moe_d_ff",
-    "moe_dense_layers",
-    "moe_routed_scale",
-    "moe_renormalize",
-    "moe_bias_update_rate",
-    "moe_layer_freq",
-    "moe_groups",
-    "moe_topk_groups",
-    "moe_latent_dim",
-    "moe_latent_norm",
+# q/k/v split by heads (n_heads/tp and n_kv_heads/tp per rank), the SwiGLU by hidden units
+LLAMA_TENSOR_PLAN = TensorPlan(
+    block={
+        "attn.q_proj": "colwise",
+        "attn.k_proj": "colwise",
+        "attn.v_proj": "colwise",
+        "attn.o_proj": "rowwise",
+        "mlp.gate_proj": "colwise",
+        "mlp.up_proj": "colwise",
+        "mlp.down_proj": "rowwise",
+    },
+    widths=_llama_widths,
+    whole_sublayers=True,
 )
 
 
-def _kimi_check(config) -> None:
-    import dataclasses
-
-    defaults = {f.name: f.default for f in dataclasses.fields(config)}
-    if config.n_kv_heads != config.n_heads:
-        raise bad_option(
-            "n_kv_heads",
-            config.n_kv_heads,
-            f"must equal n_heads={config.n_heads} for backbone='kimi_linear' (MLA expands one "
-            "latent into keys and values for every head)",
-        )
-    if config.rope_theta != defaults["rope_theta"]:
-        raise bad_option(
-            "rope_theta",
-            config.rope_theta,
-            "applies to backbone='llama' only: Kimi Linear's MLA has no positional encoding "
-            "(KDA carries position); drop it",
-        )
-    if config.situ_linear_beta is not None and config.situ_beta is None:
-        raise bad_option(
-            "situ_linear_beta", config.situ_linear_beta, "squashes SiTU's up branch: set situ_beta too, or drop it"
-        )
-    if config.moe_experts == 0:
-        for name in _MOE_ONLY:
-            if getattr(config, name) != defaults[name]:
-                raise bad_option(
-                    name,
-                    getattr(config, name),
-                    "applies to the mixture of experts only; set moe_experts >= 2 or drop it",
-                )
-        return
-    if config.moe_top_k > config.moe_experts:
-        raise bad_option("moe_top_k", config.moe_top_k, f"must be at most moe_experts={config.moe_experts}")
-    _check_moe_k3(config)
-
-
-def _check_moe_k3(config) -> None:
-    """Kimi K3's routing and MoE-layout rules (grouped top-k, the latent norm, MoE layers exist)."""
-    groups, chosen = config.moe_groups, config.moe_topk_groups
-    if config.moe_experts % groups or config.moe_experts // groups < 2:
-        raise bad_option(
-            "moe_groups",
-            groups,
-            f"must divide moe_experts={config.moe_experts} into groups of at least 2 experts (a group "
-            "scores by its top two)",
-        )
-    if chosen > groups:
-        raise bad_option("moe_topk_groups", chosen, f"must be at most moe_groups={groups}")
-    if config.moe_top_k > chosen * (config.moe_experts // groups):
-        raise bad_option(
-            "moe_top_k",
-            config.moe_top_k,
-            f"exceeds the {chosen * (config.moe_experts // groups)} experts of moe_topk_groups={chosen} groups",
-        )
-    if config.moe_latent_norm and config.moe_latent_dim is None:
-        raise bad_option("moe_latent_norm", True, "normalises the latent MoE's sum: set moe_latent_dim too")
-    if config.moe_layer_freq != 1 and not any(moe_layers(config)):
-        raise bad_option(
-            "moe_layer_freq",
-            config.moe_layer_freq,
-            f"with moe_dense_layers={config.moe_dense_layers} leaves no MoE layer among n_layers="
-            f"{config.n_layers}; lower either, or set moe_experts=0",
-        )
+# ----------------------------------------------------------------------------- kimi_linear
 
 
 def kimi_params(config) -> int:
@@ -353,6 +233,33 @@ def kimi_params(config) -> int:
     return total
 
 
+def _kimi_widths(config) -> list[tuple[str, int | None, int | None]]:
+    widths: list[tuple[str, int | None, int | None]] = [("d_ff", config.d_ff, config.d_ff)]
+    if any(moe_layers(config)) and config.moe_shared_experts:
+        moe_d_ff = kimi_sizes(config)["moe_d_ff"]  # the shared experts are one MLP this many times as wide
+        widths.append(("moe_d_ff", moe_d_ff, moe_d_ff * config.moe_shared_experts))
+    return widths
+
+
+# The dense MLPs and the MoE's shared experts only. KDA, MLA and the routed experts stay replicated:
+# transformers' KDA feeds q, k and v through one short convolution split by the full head count, MLA
+# reshapes by its configured head count, and the routed experts are 3-D stacks behind transformers' own
+# dispatch, none of which a column-wise nn.Linear split can reach (transformers' own TP plan for Kimi
+# Linear covers the MLPs only).
+KIMI_TENSOR_PLAN = TensorPlan(
+    block={
+        "mlp.gate_proj": "colwise",
+        "mlp.up_proj": "colwise",
+        "mlp.down_proj": "rowwise",
+        "mlp.shared_experts.gate_proj": "colwise",
+        "mlp.shared_experts.up_proj": "colwise",
+        "mlp.shared_experts.down_proj": "rowwise",
+    },
+    widths=_kimi_widths,
+    whole_sublayers=False,
+)
+
+
 # ----------------------------------------------------------------------------- registry
 
 BACKBONES: dict[str, BackboneInfo] = {
@@ -363,8 +270,7 @@ BACKBONES: dict[str, BackboneInfo] = {
         norm=_llama_norm,
         params=_llama_params,
         cache="kv",
-        rope_dim=lambda config: config.head_dim,
-        check=_llama_check,
+        tensor_plan=LLAMA_TENSOR_PLAN,
     ),
     "kimi_linear": BackboneInfo(
         "kimi_linear",
@@ -374,9 +280,7 @@ BACKBONES: dict[str, BackboneInfo] = {
         norm=_lazy("attnres.model.kimi_linear", "final_norm"),
         params=kimi_params,
         cache="hybrid",
-        rope_dim=lambda config: 0,
-        options=KIMI_OPTIONS,
-        check=_kimi_check,
+        tensor_plan=KIMI_TENSOR_PLAN,
         init_weights=_lazy("attnres.model.kimi_linear", "init_kimi_weights"),
         matrix_stacks=_lazy("attnres.model.kimi_linear", "matrix_stacks"),
         step_counters=_lazy("attnres.model.kimi_linear", "expert_load_counters"),
@@ -384,12 +288,3 @@ BACKBONES: dict[str, BackboneInfo] = {
         padded_batches=False,
     ),
 }
-
-
-def validate_backbone(config) -> None:
-    """``config.backbone`` names a registered backbone, its fields pass their checks, and no field of
-    another backbone is set."""
-    if not isinstance(config.backbone, str) or config.backbone not in BACKBONES:
-        raise bad_option("backbone", config.backbone, f"choose one of {sorted(BACKBONES)}")
-    check_scheme_options(config, BACKBONES, selector="backbone")
-    BACKBONES[config.backbone].check(config)

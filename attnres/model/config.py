@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
 import typing
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Union
 
-from attnres.model.backbones import BACKBONES, validate_backbone
-from attnres.residual import RESIDUALS, validate_scheme
+from attnres.model.backbone_args import (
+    BACKBONE_RULES,
+    KimiLinearArgs,
+    validate_backbone,
+)
+from attnres.residual.args import SCHEME_RULES, SchemeArgs, validate_scheme
 from attnres.residual.options import bad_option as _bad
 from attnres.residual.options import is_positive_int as _positive_int
 
@@ -38,7 +42,7 @@ def check_field_types(config) -> None:
     for f in dataclasses.fields(config):
         value, kind = getattr(config, f.name), hints[f.name]
         optional = False
-        if typing.get_origin(kind) is Union:
+        if typing.get_origin(kind) in (Union, types.UnionType):  # Optional[int] and int | None
             args = [a for a in typing.get_args(kind) if a is not type(None)]
             optional = len(args) < len(typing.get_args(kind))
             if len(args) != 1:
@@ -53,16 +57,8 @@ def check_field_types(config) -> None:
 
 
 @dataclass
-class ModelConfig:
-    """A decoder (LLaMA-style, or Kimi Linear) with a pluggable residual stream.
-
-    Sizes count Transformer blocks (``n_layers`` = L_b); the residual schemes count sublayers
-    (L = 2 * n_layers: one attention and one MLP each). Which fields the chosen backbone
-    (``attnres.model.backbones.BACKBONES``) and residual scheme (``attnres.residual.RESIDUALS``)
-    read, and how each is checked, is their registries' business; every field's one-line
-    description is in ``FIELD_DOCS`` below. ``attnres options`` prints them all as one table
-    (docs/options.md).
-    """
+class _DecoderArgs:
+    """The decoder's own fields (the first fields of ``ModelConfig``, in this order)."""
 
     backbone: str = "llama"
     vocab_size: int = 4096
@@ -78,64 +74,23 @@ class ModelConfig:
     init_std: float = 0.02
 
     residual: str = "block"
-    attnres_blocks: int | None = None
-    attnres_block_size: int | None = None
-    attnres_weights: str = "pseudo_query"
-    attnres_kernel: str = "softmax"
-    attnres_key_norm: bool = True
-    attnres_heads: int = 1
-    attnres_window: int | None = None
-    attnres_group_size: int | None = None
-    attnres_scale_norm_eps: bool = False
-    attnres_impl: str = "two_phase"
-    attnres_sources: str = "outputs"
-    attnres_block_sizes: Sequence[int] | None = None
-    attnres_query_rank: int | None = None
-    attnres_values: str = "raw"
-    attnres_score_scale: float | None = None
-    attnres_read_queries: Sequence[int] | None = None
-    attnres_routing: str = "replacement"
-    attnres_gain: str = "per_channel"
-    attnres_gain_init: float = 0.0
-    attnres_gain_lr: float = 1.0
 
-    layerscale_init: float | None = None
-    highway_rank: int | None = None
-    denseformer_dilation: int = 1
-    denseformer_period: int = 1
-    hyper_streams: int = 4
-    hyper_dynamic: bool = True
-    mhc_streams: int = 4
-    mhc_sinkhorn_iters: int = 20
-    gated_heads: int = 8
 
-    kimi_layer_pattern: str = "KKKM"
-    kda_heads: int | None = None
-    kda_head_dim: int | None = None
-    kda_conv_kernel: int = 4
-    mla_kv_rank: int | None = None
-    mla_q_rank: int | None = None
-    mla_qk_nope_dim: int | None = None
-    mla_qk_rope_dim: int | None = None
-    mla_v_dim: int | None = None
-    moe_experts: int = 0
-    moe_top_k: int = 2
-    moe_shared_experts: int = 1
-    moe_d_ff: int | None = None
-    moe_dense_layers: int = 1
-    moe_routed_scale: float = 1.0
-    moe_renormalize: bool = True
-    moe_bias_update_rate: float = 1e-3
-    situ_beta: float | None = None
-    situ_linear_beta: float | None = None
-    kda_full_rank_gate: bool = False
-    kda_gate_lower_bound: float | None = None
-    mla_output_gate: bool = False
-    moe_layer_freq: int = 1
-    moe_groups: int = 1
-    moe_topk_groups: int = 1
-    moe_latent_dim: int | None = None
-    moe_latent_norm: bool = False
+# Fields come base by base from the last base listed: the decoder's, every scheme family's
+# (``attnres.residual.args``), then Kimi Linear's (``attnres.model.backbone_args``); each is declared
+# once, there, with the name ``--set``, TOML specs, config.json and docs/options.md use.
+@dataclass
+class ModelConfig(KimiLinearArgs, SchemeArgs, _DecoderArgs):
+    """A decoder (LLaMA-style, or Kimi Linear) with a pluggable residual stream.
+
+    Sizes count Transformer blocks (``n_layers`` = L_b); the residual schemes count sublayers
+    (L = 2 * n_layers: one attention and one MLP each). Which fields the chosen backbone
+    (``attnres.model.backbones.BACKBONES``) and residual scheme (``attnres.residual.RESIDUALS``)
+    read, and how each is checked, is their registries' business (validation reads their rules in
+    ``attnres.model.backbone_args`` and ``attnres.residual.args``, which declare those fields); every
+    field's one-line description is in ``FIELD_DOCS`` below. ``attnres options`` prints them all as
+    one table (docs/options.md).
+    """
 
     def __post_init__(self):
         if self.n_kv_heads is None:
@@ -157,12 +112,12 @@ class ModelConfig:
     @property
     def rope_dim(self) -> int:
         """Width of the rotary tables: head_dim for "llama", 0 for a backbone without RoPE."""
-        return BACKBONES[self.backbone].rope_dim(self)
+        return BACKBONE_RULES[self.backbone].rope_dim(self)
 
     @property
     def block_sizes(self) -> list[int]:
         """Sublayers of each depth block, in order ("full": all 1; schemes without depth blocks: [L])."""
-        return RESIDUALS[self.residual].block_sizes(self)
+        return SCHEME_RULES[self.residual].block_sizes(self)
 
     @property
     def block_size(self) -> int:
@@ -173,7 +128,7 @@ class ModelConfig:
     @property
     def group_size(self) -> int:
         """G: sublayers sharing one Phase-1 pass in Full AttnRes' two-phase schedule (1 otherwise)."""
-        return RESIDUALS[self.residual].group_size(self)
+        return SCHEME_RULES[self.residual].group_size(self)
 
     @property
     def num_blocks(self) -> int:

@@ -3,6 +3,8 @@
 
 What is sharded over the ``tp`` ranks (``torch.distributed.tensor.parallel.parallelize_module``):
 
+Each backbone declares its plan (``attnres.model.backbones.BACKBONES[name].tensor_plan``):
+
 - LLaMA blocks: the attention's q/k/v projections column-wise (each rank computes n_heads/tp heads and
   n_kv_heads/tp key-value heads), its output projection row-wise; the SwiGLU's gate and up projections
   column-wise, its down projection row-wise. The row-wise layers all-reduce, so every sublayer output
@@ -35,41 +37,20 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from attnres.model.backbones import BACKBONES
 from attnres.model.lm import AttnResLM
 from attnres.parallel.state import full_tensor, local_shard
 
-# per Transformer block: submodule -> how its weight is split ("col": output features, "row": input
-# features); a submodule a block does not have is skipped (Kimi Linear's dense and MoE layers differ)
-BLOCK_PLANS: dict[str, dict[str, str]] = {
-    "llama": {
-        "attn.q_proj": "col",
-        "attn.k_proj": "col",
-        "attn.v_proj": "col",
-        "attn.o_proj": "row",
-        "mlp.gate_proj": "col",
-        "mlp.up_proj": "col",
-        "mlp.down_proj": "row",
-    },
-    "kimi_linear": {
-        "mlp.gate_proj": "col",
-        "mlp.up_proj": "col",
-        "mlp.down_proj": "row",
-        "mlp.shared_experts.gate_proj": "col",
-        "mlp.shared_experts.up_proj": "col",
-        "mlp.shared_experts.down_proj": "row",
-    },
-}
-
 
 def check_tensor_parallel(config, tp: int, sequence_parallel: bool = False) -> None:
-    """The widths ``tp`` ranks split must divide evenly: heads (LLaMA attention) and MLP hidden units;
-    sequence parallelism needs a LLaMA backbone and an untied head. Raises a ValueError naming the
+    """The widths ``tp`` ranks split must divide evenly (the backbone's ``TensorPlan.widths``: heads of
+    LLaMA attention, MLP hidden units); sequence parallelism needs a plan that splits every sublayer
+    (LLaMA's) and an untied head. Raises a ValueError naming the
     field, its value and the fix."""
     if tp == 1:
         return
-    from attnres.model.kimi_layout import kimi_sizes, moe_layers
-
-    if sequence_parallel and config.backbone != "llama":
+    plan = BACKBONES[config.backbone].tensor_plan
+    if sequence_parallel and not plan.whole_sublayers:
         raise ValueError(
             f"sequence_parallel with backbone={config.backbone!r} and tp={tp} is not supported: its attention "
             "runs whole on every rank (see attnres.parallel.tensor), which would need the whole sequence. "
@@ -81,14 +62,8 @@ def check_tensor_parallel(config, tp: int, sequence_parallel: bool = False) -> N
             "embedding and head stay whole, and the head would read a sequence-sharded state. Fix: set "
             "tie_embeddings=false, or drop --sequence-parallel"
         )
-
     # (field, its value, the width split over the ranks)
-    split: list[tuple[str, int | None, int | None]] = [("d_ff", config.d_ff, config.d_ff)]
-    if config.backbone == "llama":
-        split += [("n_heads", config.n_heads, config.n_heads), ("n_kv_heads", config.n_kv_heads, config.n_kv_heads)]
-    elif config.backbone == "kimi_linear" and any(moe_layers(config)) and config.moe_shared_experts:
-        moe_d_ff = kimi_sizes(config)["moe_d_ff"]  # the shared experts are one MLP this many times as wide
-        split.append(("moe_d_ff", moe_d_ff, moe_d_ff * config.moe_shared_experts))
+    split: list[tuple[str, int | None, int | None]] = plan.widths(config)
     for field, value, width in split:
         if width is not None and width % tp:
             what = field if value == width else f"the shared experts' width moe_d_ff * moe_shared_experts = {width}"
@@ -118,8 +93,8 @@ def parallelize_model(model: AttnResLM, tp_mesh, sequence_parallel: bool = False
 
     stream = Shard(1) if sequence_parallel else Replicate()  # where the residual stream lives: [B, T, d]
     styles: dict[str, Callable[[], ParallelStyle]] = {
-        "col": ColwiseParallel,
-        "row": lambda: RowwiseParallel(output_layouts=stream),
+        "colwise": ColwiseParallel,
+        "rowwise": lambda: RowwiseParallel(output_layouts=stream),
     }
     plan: dict = {}
     if sequence_parallel:  # Attention takes (x, cos, sin): x gathered over T once, the rope tables as given
@@ -130,7 +105,8 @@ def parallelize_model(model: AttnResLM, tp_mesh, sequence_parallel: bool = False
         }
     for block in model.blocks:
         names = {name for name, _ in block.named_modules()}
-        splits = {k: styles[how]() for k, how in BLOCK_PLANS[model.config.backbone].items() if k in names}
+        block_plan = BACKBONES[model.config.backbone].tensor_plan.block
+        splits = {k: styles[how]() for k, how in block_plan.items() if k in names}
         parallelize_module(block, tp_mesh, {**plan, **splits})
     if not model.config.tie_embeddings:  # a tied weight cannot be split two ways: both stay whole
         parallelize_module(model.embed, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=stream))

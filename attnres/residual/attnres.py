@@ -40,75 +40,21 @@ Depth blocks may be uneven (``attnres_block_sizes``): the geometry lives in
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
 
+from attnres.residual.args import (
+    block_sizes,
+    equal_block_sizes,
+    full_block_sizes,
+    group_size,
+)
 from attnres.residual.base import ResidualScheme, Stream
 from attnres.residual.depth_streams import stream_class
-from attnres.residual.options import (
-    Option,
-    boolean,
-    is_positive_int,
-    one_of,
-    positive_int,
-)
-
-WEIGHTS = ("pseudo_query", "input_query", "low_rank_query", "scalar")
-SOURCES = ("outputs", "states")
-KERNELS = ("softmax", "sigmoid")
-VALUES = ("raw", "normalized")
-ROUTINGS = ("replacement", "additive")
-GAINS = ("per_channel", "scalar", "unit")
-IMPLS = ("two_phase", "fused", "reference")
-DEFAULT_TARGET_BLOCKS = 8  # the paper's N ≈ 8
-
-
-# ----------------------------------------------------------------------------- geometry
-
-
-def block_size(config) -> int:
-    """S for Block AttnRes: ``attnres_block_size``, else ceil(L / ``attnres_blocks``), else the
-    smallest even S giving at most 8 depth blocks (boundaries before attention, the paper's default)."""
-    L = config.n_sublayers
-    if config.attnres_block_sizes is not None:
-        return max(config.attnres_block_sizes)
-    if config.attnres_block_size is not None:
-        return config.attnres_block_size
-    if config.attnres_blocks is not None:
-        return math.ceil(L / config.attnres_blocks)
-    s = 2
-    while math.ceil(L / s) > DEFAULT_TARGET_BLOCKS:
-        s += 2
-    return min(s, L)
-
-
-def equal_block_sizes(n_sublayers: int, size: int) -> list[int]:
-    """Blocks of ``size`` sublayers, the last one shorter when ``size`` does not divide L."""
-    full, rest = divmod(n_sublayers, size)
-    return [size] * full + ([rest] if rest else [])
-
-
-def block_sizes(config) -> list[int]:
-    """Sublayers per depth block, in order: ``attnres_block_sizes``, else equal blocks of S
-    (``block_size``) with the last one shorter."""
-    if config.attnres_block_sizes is not None:
-        return list(config.attnres_block_sizes)
-    return equal_block_sizes(config.n_sublayers, block_size(config))
-
-
-def full_block_sizes(config) -> list[int]:
-    """Full AttnRes: every sublayer output is its own source (S = 1)."""
-    return [1] * config.n_sublayers
-
-
-def group_size(config) -> int:
-    """G for Full AttnRes' two-phase schedule: ``attnres_group_size``, else round(sqrt(L))."""
-    if config.attnres_group_size is not None:
-        return config.attnres_group_size
-    return max(1, round(math.sqrt(config.n_sublayers)))
 
 
 def routing_gain_stats(model: nn.Module) -> dict[str, float]:
@@ -119,212 +65,6 @@ def routing_gain_stats(model: nn.Module) -> dict[str, float]:
         if isinstance(module, DepthAttentionResidual):
             return module.gain_stats()
     return {}
-
-
-# ----------------------------------------------------------------------------- options
-
-
-def _heads(value, config):
-    if not is_positive_int(value):
-        return "must be a positive integer"
-    if config.d_model % value:
-        return f"must divide d_model={config.d_model}"
-    if value > 1 and config.attnres_weights == "scalar":
-        return "scalar mixing has no query to split into heads; use attnres_heads=1"
-    return None
-
-
-def _weights(value, config):
-    if value not in WEIGHTS:
-        return f"choose one of {WEIGHTS}"
-    if value == "low_rank_query" and config.attnres_query_rank is None:
-        return f"needs attnres_query_rank=r, the rank of the input-dependent term (1 <= r < d_model={config.d_model})"
-    return None
-
-
-def _query_rank(r, config):
-    if config.attnres_weights != "low_rank_query":
-        return (
-            f"applies to attnres_weights='low_rank_query' only (attnres_weights={config.attnres_weights!r}); "
-            "drop it or set attnres_weights='low_rank_query'"
-        )
-    if not is_positive_int(r) or r >= config.d_model:
-        return (
-            f"must be an integer in [1, {config.d_model - 1}] (below d_model={config.d_model}); "
-            "use attnres_weights='input_query' for a full-rank query"
-        )
-    return None
-
-
-def _sources(value, config):
-    if value not in SOURCES:
-        return f"choose one of {SOURCES}"
-    if value == "states" and config.attnres_scale_norm_eps:
-        return (
-            "states-sourced AttnRes reads a weighted mix of running sums at init, not a multiple of the "
-            "PreNorm sum, so attnres_scale_norm_eps cannot make it exact; drop attnres_scale_norm_eps"
-        )
-    return None
-
-
-def _blocks(n, config):
-    L = config.n_sublayers
-    if config.attnres_block_size is not None:
-        return "give either attnres_blocks (N) or attnres_block_size (S), not both"
-    if config.attnres_block_sizes is not None:
-        return "give either attnres_blocks (N) or attnres_block_sizes (the sizes themselves), not both"
-    if not is_positive_int(n):
-        return "must be a positive integer"
-    if n > L:
-        return f"exceeds the number of sublayers L={L} (2 * n_layers); use at most {L}"
-    s = math.ceil(L / n)
-    if math.ceil(L / s) != n:
-        return (
-            f"cannot split L={L} sublayers into {n} blocks of {s} with only the last one shorter; "
-            f"set attnres_block_size instead (S={s} gives {math.ceil(L / s)} blocks), or list the sizes "
-            f"in attnres_block_sizes"
-        )
-    return None
-
-
-def _block_size(s, config):
-    L = config.n_sublayers
-    if not is_positive_int(s):
-        return "must be an integer >= 1 (sublayers per block)"
-    if s > L:
-        return f"exceeds the number of sublayers L={L}; use at most {L}"
-    if config.attnres_block_sizes is not None:
-        return "give either attnres_block_size (S) or attnres_block_sizes (the sizes themselves), not both"
-    return None
-
-
-def _block_sizes(sizes, config):
-    L = config.n_sublayers
-    if not isinstance(sizes, (list, tuple)) or not sizes or not all(is_positive_int(s) for s in sizes):
-        return "must be a non-empty list of positive integers (sublayers per depth block, in order)"
-    if sum(sizes) != L:
-        return f"sums to {sum(sizes)}, not to the L={L} sublayers (2 * n_layers); make the sizes add up to {L}"
-    return None
-
-
-def _multi_query_variant(config) -> str | None:
-    """What the multi-query read (normalized values, a score scale, several queries) cannot combine with."""
-    if config.attnres_weights != "pseudo_query":
-        return f"needs attnres_weights='pseudo_query' (attnres_weights={config.attnres_weights!r})"
-    if config.attnres_heads != 1:
-        return f"needs attnres_heads=1 (attnres_heads={config.attnres_heads})"
-    return None
-
-
-def _values(value, config):
-    if value not in VALUES:
-        return f"choose one of {VALUES}"
-    if value == "normalized" and config.attnres_scale_norm_eps:
-        return (
-            "a zero-query read of normalized values is no multiple of the PreNorm sum, so "
-            "attnres_scale_norm_eps cannot make it exact; drop attnres_scale_norm_eps"
-        )
-    return _multi_query_variant(config) if value == "normalized" else None
-
-
-def _score_scale(value, config):
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        return "must be a positive number (Inkling-2: d_model ** -0.5) or None"
-    return _multi_query_variant(config)
-
-
-def _read_queries(value, config):
-    n = config.n_sublayers + 1
-    if not isinstance(value, (list, tuple)) or len(value) != n or not all(is_positive_int(q) for q in value):
-        return (
-            f"must list {n} positive integers (queries per read: the L={config.n_sublayers} sublayers, then the "
-            "final aggregation)"
-        )
-    return _multi_query_variant(config)
-
-
-def _routing(value, config):
-    if value not in ROUTINGS:
-        return f"choose one of {ROUTINGS} (additive: the PreNorm stream plus a gained depth mixture)"
-    return None
-
-
-def _needs_additive(config) -> str | None:
-    if config.attnres_routing != "additive":
-        return (
-            f"applies to attnres_routing='additive' only (attnres_routing={config.attnres_routing!r}); "
-            "drop it or set attnres_routing='additive'"
-        )
-    return None
-
-
-def _learned_gain(config) -> str | None:
-    if config.attnres_gain == "unit":
-        return "attnres_gain='unit' has no learned gain (g = 1, fixed); drop it or set attnres_gain='per_channel'"
-    return None
-
-
-def _gain(value, config):
-    if value not in GAINS:
-        return f"choose one of {GAINS} (unit: Delta AttnRes' h_std + mixture, no gain parameter)"
-    if value == "unit" and config.attnres_scale_norm_eps:
-        return "a unit gain reads h_std + mixture, no multiple of the PreNorm sum; drop attnres_scale_norm_eps"
-    return _needs_additive(config)
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _gain_init(value, config):
-    if not _is_number(value):
-        return "must be a finite number (0: the model starts as PreNorm exactly; 1: h_std + the mixture)"
-    if value != 0 and config.attnres_scale_norm_eps:
-        return (
-            "with a nonzero gain a read at init is no multiple of the PreNorm sum, so attnres_scale_norm_eps "
-            "cannot make it exact; drop attnres_scale_norm_eps or set attnres_gain_init=0"
-        )
-    return _needs_additive(config) or _learned_gain(config)
-
-
-def _gain_lr(value, config):
-    if not _is_number(value) or value <= 0:
-        return "must be a positive number (the gain's learning rate over the optimizer's; 1: the same rate)"
-    return _needs_additive(config) or _learned_gain(config)
-
-
-# read by Full and Block AttnRes; the first five are ignored by every other scheme (so one
-# --set attnres_kernel=sigmoid can apply to a whole prenorm/block/full comparison)
-SHARED_OPTIONS = {
-    "attnres_weights": Option(_weights, exclusive=False),
-    "attnres_query_rank": Option(_query_rank, exclusive=False),
-    "attnres_sources": Option(_sources, exclusive=False),
-    "attnres_kernel": Option(one_of(*KERNELS), exclusive=False),
-    "attnres_key_norm": Option(boolean, exclusive=False),
-    "attnres_heads": Option(_heads, exclusive=False),
-    "attnres_impl": Option(one_of(*IMPLS), exclusive=False),
-    "attnres_scale_norm_eps": Option(boolean),
-    "attnres_values": Option(_values),
-    "attnres_score_scale": Option(_score_scale),
-    "attnres_read_queries": Option(_read_queries),
-    "attnres_routing": Option(_routing),
-    "attnres_gain": Option(_gain),
-    "attnres_gain_init": Option(_gain_init),
-    "attnres_gain_lr": Option(_gain_lr),
-}
-FULL_OPTIONS = {
-    **SHARED_OPTIONS,
-    "attnres_window": Option(positive_int("sources kept")),
-    "attnres_group_size": Option(positive_int("sublayers per group")),
-}
-BLOCK_OPTIONS = {
-    **SHARED_OPTIONS,
-    "attnres_blocks": Option(_blocks),
-    "attnres_block_size": Option(_block_size),
-    "attnres_block_sizes": Option(_block_sizes),
-}
 
 
 def source_plan(n_sublayers: int, block_size: int | Sequence[int]) -> list[tuple[int, bool]]:
@@ -453,6 +193,27 @@ class DepthAttentionResidual(ResidualScheme):
             # attnres.residual.record reads a record without it as this default
             "attnres_gain": self.gain_form,
         }
+
+    def extra_repr(self) -> str:
+        """The settings that make this scheme what it is, by their ``ModelConfig`` names: the shape, the
+        depth blocks (Block AttnRes) and every option away from its default."""
+        from attnres.residual.config import ResidualConfig
+
+        defaults = {f.name: f.default for f in dataclasses.fields(ResidualConfig)}
+        settings = self.settings()
+        shown = {"d_model": self.d_model, "n_sublayers": self.n_sublayers}
+        if self.block_size > 1 or self.scheme_name != "full":
+            shown["attnres_block_sizes"] = list(self.block_sizes)
+        for name, value in settings.items():
+            if name in shown or name in ("attnres_blocks", "attnres_block_sizes"):
+                continue
+            if name == "attnres_read_queries" and max(value) == 1:
+                continue
+            if value != defaults.get(name, value):
+                shown[name] = value
+        if self.impl != defaults["attnres_impl"]:
+            shown["attnres_impl"] = self.impl
+        return ", ".join(f"{name}={value!r}" for name, value in shown.items())
 
     def lr_scales(self) -> dict[str, float]:
         """Parameter name (relative to this module) -> its learning-rate multiplier, where not 1

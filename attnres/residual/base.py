@@ -286,6 +286,8 @@ class ResidualScheme(nn.Module):
 
     def stream(self, depth: DepthState, record=None) -> Stream:
         """A stream that continues from ``depth`` (a block's way in; ``stream.depth()`` is its way out)."""
+        if type(depth) is not DepthState:  # a stream, a tensor, or a tuple that lost its type: say which
+            raise TypeError(not_a_depth_state(depth))
         return self.resume(depth.at, depth.history, depth.state, record=record, cache=depth.cache)
 
     def finish(self, depth: DepthState, record=None) -> Tensor:
@@ -376,3 +378,19 @@ def check_records(model: nn.Module, tensors: Mapping[str, Tensor]) -> str | None
             if problem is not None:
                 return problem
     return None
+
+
+def not_a_depth_state(depth: Any, where: str = "residual.stream(depth) / residual.finish(depth)") -> str:
+    """The one-line error for a call (``where``) whose ``depth`` is something else than a ``DepthState``:
+    what it is, and the usual way it got there."""
+    if isinstance(depth, Stream):
+        what, fix = f"the stream itself ({type(depth).__name__})", "end each block with `return stream.depth()`"
+    elif isinstance(depth, Tensor):
+        what = f"a tensor {list(depth.shape)}"
+        fix = "begin with depth = residual.start(x) and pass on what each block returns"
+    elif type(depth) is tuple and len(depth) == 4:
+        what = "a plain tuple: a DepthState that torch.utils.checkpoint(use_reentrant=True) returned without its type"
+        fix = "that drops its gradients too; checkpoint blocks with attnres.checkpoint_block(block, depth, residual)"
+    else:
+        what, fix = f"a {type(depth).__name__}", "pass what residual.start(x) or the previous block returned"
+    return f"{where}: depth is {what}, not a DepthState; {fix}"

@@ -44,13 +44,7 @@ from torch import Tensor, nn
 
 from attnres.ops.common import autocast_disabled
 from attnres.residual.base import ResidualScheme, Stream
-from attnres.residual.options import Option, positive_int
 from attnres.residual.scaled import unit_rms
-
-DENSEFORMER_OPTIONS = {
-    "denseformer_dilation": Option(positive_int("blocks between connected outputs", lambda c: c.n_layers, "n_layers")),
-    "denseformer_period": Option(positive_int("blocks between two averagings", lambda c: c.n_layers, "n_layers")),
-}
 
 
 def dwa_blocks(config) -> list[int]:

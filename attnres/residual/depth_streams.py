@@ -50,6 +50,20 @@ from attnres.ops.token_queries import low_rank_queries
 from attnres.residual.base import COMPILED_OPS, Stream, widened
 
 
+def unviewed(t: Tensor) -> Tensor:
+    """``t``, or where it is a view that autograd tracks, its storage as a tensor of its own (no copy).
+
+    What a stream exports is often such a view: a sublayer's output kept as a source or partial sum
+    (``nn.Linear`` on [B, T, D] views its 2-D product), and under FSDP2 every source a block received,
+    which its pre-forward hook returns as views of themselves. FSDP2 warns for every view a wrapped block
+    returns, because an in-place op on one would drop its backward hook; the stream never writes into its
+    sources, so the alias is safe. Compiled graphs and tensors without gradients pass as they are (FSDP2
+    hooks only tensors that require grad)."""
+    if torch.compiler.is_compiling() or not t.requires_grad or t._base is None:
+        return t
+    return torch.ops.aten._unsafe_view(t, t.shape)
+
+
 class DepthAttentionStream(Stream):
     """The reference stream: h_l = sum_i alpha_i v_i over the stacked sources, plain autograd.
 
@@ -184,7 +198,7 @@ class DepthAttentionStream(Stream):
         if self.scheme.additive:
             assert self.residual is not None  # the scheme sets it on begin and resume
             state.append(self.residual)
-        return list(self.sources), state
+        return [unviewed(t) for t in self.sources], [unviewed(t) for t in state]
 
     def state_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.sources)
@@ -415,7 +429,7 @@ class TwoPhaseStream(FusedStream):
         elif self._phase1 is not None and self._phase1[0] == self.scheme.group_start[self._next]:
             _, h1, lse, queries = self._phase1
             cache += [*h1, lse] + ([queries] if queries is not None else [])
-        return tuple(cache)
+        return tuple(unviewed(t) for t in cache)
 
     def _restore(self, cache: Sequence[Tensor]) -> None:
         own = self._restore_derived(cache)

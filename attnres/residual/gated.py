@@ -47,33 +47,6 @@ from torch import Tensor, nn
 
 from attnres.ops.gated_depth_attention import gated_depth_attention
 from attnres.residual.base import ResidualScheme, Stream, widened
-from attnres.residual.options import Option, bad_option, is_positive_int, one_of
-
-IMPLS = ("two_phase", "fused", "reference")
-
-
-def _gated_heads(h, config):
-    if not is_positive_int(h):
-        return "must be a positive integer (depth-attention heads)"
-    if config.d_model % h:
-        return f"must divide d_model={config.d_model}"
-    return None
-
-
-GATED_OPTIONS = {
-    "gated_heads": Option(_gated_heads),
-    "attnres_impl": Option(one_of(*IMPLS), exclusive=False),
-}
-
-
-def check_gated(config) -> None:
-    """The default head count is never checked as an option; it must divide d_model too."""
-    if config.d_model % config.gated_heads:
-        raise bad_option(
-            "gated_heads",
-            config.gated_heads,
-            f"must divide d_model={config.d_model} (the default is 8); set gated_heads",
-        )
 
 
 def gated_params(config) -> int:

@@ -68,17 +68,10 @@ from torch import Tensor, nn
 
 from attnres.ops.common import autocast_disabled
 from attnres.residual.base import ResidualScheme, Stream, widened
-from attnres.residual.options import Option, boolean, positive_int
 from attnres.residual.scaled import unit_rms
 
 HC_DYNAMIC_SCALE_INIT = 0.01
 MHC_INIT = dict(alpha=0.01, pre_on=2.0, pre_off=-2.0, post=0.0, res_diag=0.0, res_off=-2.0)
-
-HYPER_OPTIONS = {"hyper_streams": Option(positive_int("number of residual streams")), "hyper_dynamic": Option(boolean)}
-MHC_OPTIONS = {
-    "mhc_streams": Option(positive_int("number of residual streams")),
-    "mhc_sinkhorn_iters": Option(positive_int("Sinkhorn-Knopp iterations")),
-}
 
 
 def sinkhorn(logits: Tensor, iters: int) -> Tensor:

@@ -27,7 +27,8 @@ write and before the end. Two ship with the library:
   Counts land on the sublayer being read or written (index L: the final aggregation).
 
 ``with observing(model.residual, IOCounter()) as counter: model(x)`` attaches observers to
-every stream the scheme starts inside the block.
+every stream the scheme starts inside the block; ``with record_depth(scheme) as record: model(x)``
+records the depth weights of a model of your own (docs/own_model.md).
 """
 
 from __future__ import annotations
@@ -44,11 +45,15 @@ from torch import Tensor
 class DepthRecord:
     """What a stream saw during one forward pass, for analysis (filled when requested).
 
-    ``weights[l]``: depth weights of sublayer l over its sources, [K_l, B, T]
-    (or [K_l, B, T, H] for multi-head); index L is the final aggregation.
-    None for schemes without depth weights. ``sources[l]`` names those
-    sources ("emb", "v3", "b2", "b2~" for a partial block sum).
-    ``input_rms[l]`` / ``output_rms[l]``: root-mean-square of the sublayer's
+    ``weights[l]``: depth weights of read l over its sources, [K_l, B, T] (or [K_l, B, T, H] for
+    multi-head). Reads count as sublayers do, from 0: read l is the input of sublayer l (the l-th
+    ``stream.apply``), index L the final aggregation. None for schemes without depth weights.
+    ``sources[l]`` names the K_l sources, row for row. Sources count from the embedding: "emb" is
+    source 0, and "v<i>" (Full AttnRes) is source i, the output of sublayer i - 1; "b<i>" (Block
+    AttnRes) is depth block i (blocks counted from 1), "b<i>~" its running sum while it is still open;
+    with ``attnres_sources="states"`` the sources are running sums, "s<i>" / "sb<i>", numbered alike.
+    So in ``attnres.depth_weight_matrix(record)`` [L + 1, sources] row l is read l and column i is
+    the source numbered i. ``input_rms[l]`` / ``output_rms[l]``: root-mean-square of the sublayer's
     input h_l and output f_l over batch and tokens.
     """
 
@@ -152,6 +157,15 @@ class IOCounter(StreamObserver):
             return op(*args, **kwargs)
 
         return counted
+
+
+@contextmanager
+def record_depth(scheme) -> Iterator[DepthRecord]:
+    """Record what ``scheme`` reads inside the block: yields a ``DepthRecord`` that every stream the
+    scheme starts or resumes there fills, block after block (one forward pass: run one inside it)."""
+    record = DepthRecord()
+    with observing(scheme, DepthRecorder(record)):
+        yield record
 
 
 @contextmanager

@@ -1,11 +1,12 @@
-"""A scheme's options: the ``ModelConfig`` fields it reads, each with its check.
+"""How an option is checked: ``Option``, the common checks, and the one validation loop.
 
-Each registry entry (``attnres.residual.RESIDUALS``) lists its options; an option shared by
-several schemes (Full and Block AttnRes share most of theirs) is listed by each of them.
-``check_scheme_options(config, registry)`` is all ``ModelConfig.validate`` needs to know about
-schemes: an option left at its default is never checked; a set option must belong to the
-chosen scheme (unless it is marked ``exclusive=False``: then the other schemes ignore it) and
-pass its check.
+The options themselves are declared with their checks once, apart from anything that builds a model:
+the scheme families' in ``attnres.residual.args`` (``SCHEME_RULES``: per scheme, the options it reads),
+the backbones' in ``attnres.model.backbone_args`` (``BACKBONE_RULES``). An option shared by several
+schemes (Full and Block AttnRes share most of theirs) is listed by each of them.
+``check_scheme_options(config, rules)`` is all validation needs: an option left at its default is
+never checked; a set option must belong to the chosen scheme (unless it is marked ``exclusive=False``:
+then the other schemes ignore it) and pass its check.
 """
 
 from __future__ import annotations
@@ -67,10 +68,10 @@ def positive_int(what: str, upper: Callable[[Any], int] | None = None, upper_nam
 
 
 def check_scheme_options(config, registry: Mapping[str, Any], selector: str = "residual") -> None:
-    """Every scheme option of ``config`` that is set: it belongs to the registry entry that
-    ``config.<selector>`` names (or is not exclusive) and passes its check. Raises the ValueError of
-    ``bad_option``. The backbone registry (``attnres.model.backbones``) checks its options the same
-    way, with ``selector="backbone"``."""
+    """Every scheme option of ``config`` that is set: it belongs to the entry of ``registry`` (each with
+    ``options``) that ``config.<selector>`` names (or is not exclusive) and passes its check. Raises the
+    ValueError of ``bad_option``. The backbones' rules (``attnres.model.backbone_args``) check their
+    options the same way, with ``selector="backbone"``."""
     defaults = {f.name: f.default for f in dataclasses.fields(config)}
     chosen = getattr(config, selector)
     owners: dict = {}

@@ -18,13 +18,22 @@ before schemes kept a record loads as it always did, with the model's own settin
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
 
-if TYPE_CHECKING:
-    from attnres.residual.base import ResidualScheme
+
+class ResidualScheme(Protocol):
+    """What this module reads of a scheme (``attnres.residual.base.ResidualScheme``, which imports this
+    module to save and check its record: naming the class here would make the two import each other)."""
+
+    scheme_name: str
+
+    def settings(self) -> dict[str, Any]: ...
+
+    def prenorm_read_scale(self, l: int) -> float | None: ...
+
 
 RECORD_VERSION = 1
 RECORD_KEY = "_extra_state"  # torch's name for a module's get_extra_state() in its state dict

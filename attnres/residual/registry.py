@@ -1,6 +1,7 @@
 """The registry of residual schemes: what each one is, its options and their checks, its geometry and
-its size. ``ModelConfig`` (and ``ResidualConfig``) ask this registry about schemes and name none
-themselves: a new scheme is one module and one entry here.
+its size. ``ModelConfig`` (and ``ResidualConfig``) ask the registries about schemes and name none
+themselves: a new scheme is one module, its options and checks in ``attnres.residual.args``
+(``SCHEME_RULES``, which validation reads without importing any builder) and one entry here.
 
 Each entry says where the scheme sits in the paper's Table 5 classification (weight type: fixed /
 static / dynamic; source: single state / multi-stream / cross-layer), how many parameters it adds and
@@ -10,45 +11,28 @@ how much depth state it keeps per token (``attnres.model.schemes_table`` renders
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from attnres.residual.attnres import (
-    BLOCK_OPTIONS,
-    FULL_OPTIONS,
-    DepthAttentionResidual,
-    block_sizes,
-    full_block_sizes,
-    group_size,
-    source_plan,
-)
+from attnres.residual.args import SCHEME_RULES, SchemeRules, validate_scheme
+from attnres.residual.attnres import DepthAttentionResidual, source_plan
 from attnres.residual.base import ResidualScheme
 from attnres.residual.dense import (
-    DENSEFORMER_OPTIONS,
     DenseFormerResidual,
     MUDDResidual,
     denseformer_params,
     denseformer_state,
     mudd_params,
 )
-from attnres.residual.gated import (
-    GATED_OPTIONS,
-    GatedDepthAttentionResidual,
-    check_gated,
-    gated_params,
-)
+from attnres.residual.gated import GatedDepthAttentionResidual, gated_params
 from attnres.residual.hyper import (
-    HYPER_OPTIONS,
-    MHC_OPTIONS,
     HyperConnectionResidual,
     ManifoldHyperConnectionResidual,
     hyper_params,
     mhc_params,
 )
-from attnres.residual.options import Option, bad_option, check_scheme_options
+from attnres.residual.options import Option
 from attnres.residual.prenorm import PreNormResidual
 from attnres.residual.scaled import (
-    HIGHWAY_OPTIONS,
-    LAYERSCALE_OPTIONS,
     HighwayResidual,
     LayerScaleResidual,
     ReZeroResidual,
@@ -56,6 +40,8 @@ from attnres.residual.scaled import (
     layerscale_params,
     rezero_params,
 )
+
+__all__ = ["RESIDUALS", "SchemeInfo", "build_residual", "scheme_options", "validate_scheme"]
 
 
 def _attnres_params(config) -> int:
@@ -95,14 +81,6 @@ def _no_state(config) -> int:
     return 0
 
 
-def _one_block(config) -> list[int]:
-    return [config.n_sublayers]
-
-
-def _no_groups(config) -> int:
-    return 1
-
-
 @dataclass(frozen=True)
 class SchemeInfo:
     """A registry entry: everything the rest of the library knows about a scheme.
@@ -114,12 +92,9 @@ class SchemeInfo:
     token, in units of d floats. A single running hidden state (every PreNorm-like scheme)
     counts 0; schemes that hold more count every d-vector they hold (n streams, or each stored
     source / block output).
-    ``options``: the ModelConfig fields this scheme reads, each with its check
-    (``attnres.residual.options``); ModelConfig validates through them.
-    ``block_sizes(config)`` / ``group_size(config)``: the sublayers of each depth block, in order
-    ([L] for schemes without blocks), and G, the sublayers sharing one Phase-1 pass (1 without).
-    ``check(config)``: a check of the whole config for this scheme, beyond its set options (which
-    are checked one by one); raises the ValueError of ``bad_option``.
+    ``options``, ``block_sizes``, ``group_size``, ``check``: the scheme's ``SchemeRules`` of
+    ``attnres.residual.args`` (the config fields it reads with their checks, its depth blocks, its
+    whole-config rule), which validation reads without importing any builder.
     """
 
     name: str
@@ -129,10 +104,26 @@ class SchemeInfo:
     source: str
     extra_params: Callable
     depth_state: Callable = _no_state
-    options: Mapping[str, Option] = field(default_factory=dict)
-    block_sizes: Callable = _one_block
-    group_size: Callable = _no_groups
-    check: Callable | None = None
+
+    @property
+    def rules(self) -> SchemeRules:
+        return SCHEME_RULES[self.name]
+
+    @property
+    def options(self) -> Mapping[str, Option]:
+        return self.rules.options
+
+    @property
+    def block_sizes(self) -> Callable:
+        return self.rules.block_sizes
+
+    @property
+    def group_size(self) -> Callable:
+        return self.rules.group_size
+
+    @property
+    def check(self) -> Callable | None:
+        return self.rules.check
 
     def weight_type_of(self, config) -> str:
         return self.weight_type(config) if callable(self.weight_type) else self.weight_type
@@ -155,9 +146,6 @@ RESIDUALS: dict[str, SchemeInfo] = {
         "cross-layer",
         _attnres_params,
         _full_state,
-        FULL_OPTIONS,
-        block_sizes=full_block_sizes,
-        group_size=group_size,
     ),
     "block": SchemeInfo(
         "block",
@@ -167,8 +155,6 @@ RESIDUALS: dict[str, SchemeInfo] = {
         "cross-layer",
         _attnres_params,
         lambda config: config.num_blocks + 1,
-        BLOCK_OPTIONS,
-        block_sizes=block_sizes,
     ),
     "rezero": SchemeInfo(
         "rezero",
@@ -185,7 +171,6 @@ RESIDUALS: dict[str, SchemeInfo] = {
         "static",
         "single state",
         layerscale_params,
-        options=LAYERSCALE_OPTIONS,
     ),
     "highway": SchemeInfo(
         "highway",
@@ -194,7 +179,6 @@ RESIDUALS: dict[str, SchemeInfo] = {
         "dynamic",
         "single state",
         highway_params,
-        options=HIGHWAY_OPTIONS,
     ),
     "denseformer": SchemeInfo(
         "denseformer",
@@ -204,7 +188,6 @@ RESIDUALS: dict[str, SchemeInfo] = {
         "cross-layer",
         denseformer_params,
         denseformer_state,
-        DENSEFORMER_OPTIONS,
     ),
     "mudd": SchemeInfo(
         "mudd",
@@ -223,7 +206,6 @@ RESIDUALS: dict[str, SchemeInfo] = {
         "multi-stream",
         hyper_params,
         lambda config: config.hyper_streams,
-        HYPER_OPTIONS,
     ),
     "mhc": SchemeInfo(
         "mhc",
@@ -233,7 +215,6 @@ RESIDUALS: dict[str, SchemeInfo] = {
         "multi-stream",
         mhc_params,
         lambda config: config.mhc_streams,
-        MHC_OPTIONS,
     ),
     "gated": SchemeInfo(
         "gated",
@@ -245,8 +226,6 @@ RESIDUALS: dict[str, SchemeInfo] = {
         "cross-layer",
         gated_params,
         lambda config: config.n_sublayers + 1,
-        GATED_OPTIONS,
-        check=check_gated,
     ),
 }
 
@@ -254,16 +233,6 @@ RESIDUALS: dict[str, SchemeInfo] = {
 def scheme_options() -> dict[str, Option]:
     """Every option of every registered scheme (the ModelConfig fields that belong to schemes)."""
     return {name: option for info in RESIDUALS.values() for name, option in info.options.items()}
-
-
-def validate_scheme(config) -> None:
-    """``config.residual`` names a registered scheme and its options pass their checks."""
-    if not isinstance(config.residual, str) or config.residual not in RESIDUALS:
-        raise bad_option("residual", config.residual, f"choose one of {sorted(RESIDUALS)}", owner=type(config).__name__)
-    check_scheme_options(config, RESIDUALS)
-    info = RESIDUALS[config.residual]
-    if info.check is not None:
-        info.check(config)
 
 
 def build_residual(config) -> ResidualScheme:

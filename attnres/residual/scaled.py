@@ -29,28 +29,8 @@ import torch
 from torch import Tensor, nn
 
 from attnres.residual.base import ResidualScheme, Stream
-from attnres.residual.options import Option
 
 HIGHWAY_BIAS_INIT = -2.0
-
-
-def _layerscale_init(v, config):
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
-        return "must be a positive number (or None for CaiT's depth rule)"
-    return None
-
-
-def _highway_rank(r, config):
-    if isinstance(r, bool) or not isinstance(r, int) or not 1 <= r < config.d_model:
-        return (
-            f"must be an integer in [1, {config.d_model - 1}] (below d_model={config.d_model}); "
-            "use None for a full-rank gate"
-        )
-    return None
-
-
-LAYERSCALE_OPTIONS = {"layerscale_init": Option(_layerscale_init)}
-HIGHWAY_OPTIONS = {"highway_rank": Option(_highway_rank)}
 
 
 def layerscale_init_value(config) -> float:

@@ -167,11 +167,11 @@ def test_kimi_linear_under_tensor_parallel_trains_like_one_process(corpus, tmp_p
     """Kimi Linear's dense MLP and the MoE's shared experts split over 2 ranks (KDA, MLA and the routed
     experts replicated: attnres.parallel.tensor says why); losses and expert loads equal one process."""
     from attnres.model import AttnResLM
-    from attnres.parallel.tensor import BLOCK_PLANS
+    from attnres.model.backbones import BACKBONES
 
     model_cfg, _ = build_configs("tiny", KIMI)
     present = {name for block in AttnResLM(model_cfg).blocks for name, _ in block.named_modules()}
-    assert set(BLOCK_PLANS["kimi_linear"]) <= present  # every entry of the plan splits something
+    assert set(BACKBONES["kimi_linear"].tensor_plan.block) <= present  # every entry of the plan splits something
     train_one(corpus, tmp_path / "one", model=KIMI, optimizer="muon", steps=2)
     train_parallel(corpus, tmp_path / "tp", 2, model=KIMI, optimizer="muon", steps=2, tp=2)
     (want_train, want_val), (got_train, got_val) = losses(tmp_path / "one"), losses(tmp_path / "tp")

@@ -27,9 +27,9 @@ GAINS = ("per_channel", "scalar", "unit")
 def scheme(kind: str, sources: str, seed: int = 0, **variants):
     torch.manual_seed(seed)
     if kind == "full":
-        s = FullAttnRes(D, L, routing="additive", sources=sources, **variants)
+        s = FullAttnRes(D, L, attnres_routing="additive", attnres_sources=sources, **variants)
     else:
-        s = BlockAttnRes(D, L, block_size=3, routing="additive", sources=sources, **variants)
+        s = BlockAttnRes(D, L, attnres_block_size=3, attnres_routing="additive", attnres_sources=sources, **variants)
     s = s.double()
     randomize(s, seed=seed + 1)  # queries, key norms and the gains away from their init
     return s
@@ -92,7 +92,7 @@ def loop_reference(s, x):
 @pytest.mark.parametrize("sources", SOURCES)
 @pytest.mark.parametrize("kind", ["full", "block"])
 def test_the_read_matches_a_loop_written_out(kind, sources, gain):
-    s = scheme(kind, sources, impl="reference", gain=gain)
+    s = scheme(kind, sources, attnres_impl="reference", attnres_gain=gain)
     x = torch.randn(2, 3, D, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
     got_inputs, got = run(s, x)
     want_inputs, want = loop_reference(s, x)
@@ -103,13 +103,17 @@ def test_the_read_matches_a_loop_written_out(kind, sources, gain):
 
 # (kind, variants, the form it must run)
 FORMS = {
-    "fused_block": ("block", {"impl": "fused"}, forms.FusedStream),
+    "fused_block": ("block", {"attnres_impl": "fused"}, forms.FusedStream),
     "two_phase_block": ("block", {}, forms.TwoPhaseStream),
-    "two_phase_full_grouped": ("full", {"group_size": 3}, forms.TwoPhaseStream),
+    "two_phase_full_grouped": ("full", {"attnres_group_size": 3}, forms.TwoPhaseStream),
     "compiled_block": ("block", {}, forms.CompiledTwoPhaseStream),
-    "token_queries": ("block", {"weights": "low_rank_query", "query_rank": 2}, forms.TokenQueryTwoPhaseStream),
-    "scalar": ("full", {"weights": "scalar"}, forms.ScalarMixStream),
-    "multi_query": ("block", {"values": "normalized"}, forms.MultiQueryStream),
+    "token_queries": (
+        "block",
+        {"attnres_weights": "low_rank_query", "attnres_query_rank": 2},
+        forms.TokenQueryTwoPhaseStream,
+    ),
+    "scalar": ("full", {"attnres_weights": "scalar"}, forms.ScalarMixStream),
+    "multi_query": ("block", {"attnres_values": "normalized"}, forms.MultiQueryStream),
 }
 
 
@@ -120,7 +124,7 @@ FORMS = {
 @pytest.mark.parametrize("case", sorted(FORMS))
 def test_each_form_routes_additively_as_the_reference_stream(case, sources, gain, monkeypatch):
     kind, variants, form = FORMS[case]
-    variants = {**variants, "gain": gain}
+    variants = {**variants, "attnres_gain": gain}
     if form is forms.CompiledTwoPhaseStream:  # run as eager code: what torch.compile traces
         monkeypatch.setattr(forms, "compiled_form", lambda embedding: True)
     x = torch.randn(2, 3, D, dtype=torch.float64, generator=torch.Generator().manual_seed(1), requires_grad=True)
@@ -238,9 +242,9 @@ def test_the_schemes_table_lists_additive_routing():
 def test_the_unit_gain_is_delta_attnres_h_std_plus_the_mixture(kind):
     """No gain parameter; read 0 (no earlier output) and the final read are h_std, as Delta AttnRes' first
     read and its norm(h_std) output; between them h_std + the mixture, the same as a learned gain of 1."""
-    unit = scheme(kind, "outputs", impl="reference", gain="unit")
+    unit = scheme(kind, "outputs", attnres_impl="reference", attnres_gain="unit")
     assert "routing_gain" not in dict(unit.named_parameters()) and "routing_gain" not in unit.state_dict()
-    learned = scheme(kind, "outputs", impl="reference", gain="per_channel", gain_init=1.0)
+    learned = scheme(kind, "outputs", attnres_impl="reference", attnres_gain="per_channel", attnres_gain_init=1.0)
     with torch.no_grad():  # the same queries and key norms
         for name, p in unit.named_parameters():
             dict(learned.named_parameters())[name].copy_(p)
@@ -260,7 +264,7 @@ def test_the_unit_gain_is_delta_attnres_h_std_plus_the_mixture(kind):
 
 @pytest.mark.parametrize("gain", ["per_channel", "scalar"])
 def test_the_learned_gain_starts_at_its_init(gain):
-    s = FullAttnRes(D, L, routing="additive", gain=gain, gain_init=0.5)
+    s = FullAttnRes(D, L, attnres_routing="additive", attnres_gain=gain, attnres_gain_init=0.5)
     assert s.routing_gain.shape == (L + 1, D if gain == "per_channel" else 1)
     assert torch.equal(s.routing_gain, torch.full_like(s.routing_gain, 0.5))
     assert s.gain_stats() == {"gain_rms": 0.5, "gain_shift_rms": 0.0}
@@ -275,9 +279,9 @@ def test_gradcheck_through_the_custom_backwards_with_a_gain(case):
     torch.manual_seed(0)
     n = 4
     if kind == "full":
-        s = FullAttnRes(4, n, routing="additive", gain_init=0.7, **variants)
+        s = FullAttnRes(4, n, attnres_routing="additive", attnres_gain_init=0.7, **variants)
     else:
-        s = BlockAttnRes(4, n, block_size=2, routing="additive", gain_init=0.7, **variants)
+        s = BlockAttnRes(4, n, attnres_block_size=2, attnres_routing="additive", attnres_gain_init=0.7, **variants)
     s = randomize(s.double(), seed=3)
     w = torch.randn(4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1)) / 2
 

@@ -106,7 +106,12 @@ def inkling2_forward(layers, final, x):
 def our_scheme(layers, final) -> BlockAttnRes:
     reads = [q for kind in TYPES for q in ((3 if kind == "hybrid" else 1), 1)] + [1]
     scheme = BlockAttnRes(
-        D, 2 * LAYERS, block_size=2 * PER_BLOCK, values="normalized", score_scale=D**-0.5, read_queries=reads
+        D,
+        2 * LAYERS,
+        attnres_block_size=2 * PER_BLOCK,
+        attnres_values="normalized",
+        attnres_score_scale=D**-0.5,
+        attnres_read_queries=reads,
     )
     with torch.no_grad():
         for i, layer in enumerate(layers):
@@ -151,7 +156,7 @@ def test_block_attnres_with_inkling2_options_computes_inkling2s_wiring():
     assert diff <= 1e-5, f"max difference {diff:.3g} from transformers' Inkling-2 wiring"
     # the options are what make it Inkling-2: the paper's raw-value read differs
     with torch.no_grad():
-        plain = BlockAttnRes(D, 2 * LAYERS, block_size=2 * PER_BLOCK)
+        plain = BlockAttnRes(D, 2 * LAYERS, attnres_block_size=2 * PER_BLOCK)
         plain.queries.copy_(our_scheme(layers, final).queries)
         assert (our_forward_plain(plain, layers, x) - want).abs().max() > 1e-3
 
@@ -170,6 +175,6 @@ def our_forward_plain(scheme, layers, x):
 
 def test_read_queries_are_checked():
     with pytest.raises(ValueError, match="attnres_read_queries"):
-        BlockAttnRes(D, 4, block_size=2, read_queries=[3, 1, 1])
+        BlockAttnRes(D, 4, attnres_block_size=2, attnres_read_queries=[3, 1, 1])
     with pytest.raises(ValueError, match="attnres_values.*pseudo_query"):
-        BlockAttnRes(D, 4, block_size=2, values="normalized", weights="scalar")
+        BlockAttnRes(D, 4, attnres_block_size=2, attnres_values="normalized", attnres_weights="scalar")

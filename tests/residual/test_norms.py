@@ -66,9 +66,9 @@ class StandIn(nn.Module):
 
 SCHEMES = {
     "full": lambda **kw: FullAttnRes(D, L, norm_eps=EPS, **kw),
-    "block": lambda **kw: BlockAttnRes(D, L, block_size=2, norm_eps=EPS, **kw),
-    "block_uneven": lambda **kw: BlockAttnRes(D, L, block_sizes=[1, 3, 2], norm_eps=EPS, **kw),
-    "sigmoid": lambda **kw: FullAttnRes(D, L, norm_eps=EPS, kernel="sigmoid", **kw),
+    "block": lambda **kw: BlockAttnRes(D, L, attnres_block_size=2, norm_eps=EPS, **kw),
+    "block_uneven": lambda **kw: BlockAttnRes(D, L, attnres_block_sizes=[1, 3, 2], norm_eps=EPS, **kw),
+    "sigmoid": lambda **kw: FullAttnRes(D, L, norm_eps=EPS, attnres_kernel="sigmoid", **kw),
 }
 
 
@@ -93,7 +93,7 @@ def test_zero_init_attnres_equals_prenorm(norm, scheme_name):
 def test_agrees_with_the_schemes_own_eps_scale(scheme_name):
     """The factors are those AttnResLM applies with attnres_scale_norm_eps (ResidualScheme.norm_eps_scale)."""
     model = StandIn("rmsnorm")
-    scheme = SCHEMES[scheme_name](scale_norm_eps=True)
+    scheme = SCHEMES[scheme_name](attnres_scale_norm_eps=True)
     set_to = match_prenorm_eps(model.all_norms(), scheme)
     assert set_to == pytest.approx([EPS * scheme.norm_eps_scale(l) for l in range(L + 1)], rel=1e-15)
     assert all(s < EPS for s in set_to[1:])

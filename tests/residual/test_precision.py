@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from attnres import AttnResLM, ModelConfig
+from attnres.ops import backends
 from attnres.ops.depth_attention import depth_attention_reference
-from attnres.ops.two_phase import compiled as compiled_phase1
 from attnres.residual import RESIDUALS, BlockAttnRes, FullAttnRes
 from attnres.residual import depth_streams as forms
 
@@ -32,7 +32,11 @@ def scheme(kind: str, form: str, seed: int = 0):
     """Block or Full AttnRes with sharp depth weights: pseudo-queries ~ N(0, 0.5), logits of std ~4."""
     torch.manual_seed(seed)
     impl = "two_phase" if form.startswith("compiled") else form
-    s = FullAttnRes(D, L, impl=impl) if kind == "full" else BlockAttnRes(D, L, num_blocks=L // 2, impl=impl)
+    s = (
+        FullAttnRes(D, L, attnres_impl=impl)
+        if kind == "full"
+        else BlockAttnRes(D, L, attnres_blocks=L // 2, attnres_impl=impl)
+    )
     with torch.no_grad():
         s.queries.normal_(0, 0.5)
     return s
@@ -42,8 +46,8 @@ def use_form(form: str, monkeypatch) -> None:
     if form.startswith("compiled"):
         monkeypatch.setattr(forms, "compiled_form", lambda embedding: True)
     if form == "compiled_op":
-        monkeypatch.setattr(compiled_phase1, "POINTWISE_PAIRS", 0)
-        monkeypatch.setattr(compiled_phase1, "CUSTOM_OP_DEVICES", frozenset({"cpu", "cuda"}))
+        monkeypatch.setattr(backends, "POINTWISE_PAIRS", 0)
+        monkeypatch.setattr(backends, "CUSTOM_OP_DEVICES", frozenset({"cpu", "cuda"}))
 
 
 class RoundedSublayer(nn.Module):

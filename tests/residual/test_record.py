@@ -52,32 +52,36 @@ def one_line(error: pytest.ExceptionInfo) -> str:
     "saved,into,names",
     [
         (
-            lambda: BlockAttnRes(D, L, num_blocks=2),
+            lambda: BlockAttnRes(D, L, attnres_blocks=2),
             lambda: FullAttnRes(D, L),
             ["block (attnres_block_sizes=[4, 4], attnres_blocks=2)", "full (attnres_block_sizes=[1] * 8"],
         ),
         (
-            lambda: BlockAttnRes(D, L, num_blocks=2),
-            lambda: BlockAttnRes(D, L, num_blocks=4),
+            lambda: BlockAttnRes(D, L, attnres_blocks=2),
+            lambda: BlockAttnRes(D, L, attnres_blocks=4),
             ["attnres_blocks=2", "attnres_blocks=4"],
         ),
-        (lambda: FullAttnRes(D, L, heads=4), lambda: FullAttnRes(D, L), ["attnres_heads=4", "attnres_heads=1"]),
+        (lambda: FullAttnRes(D, L, attnres_heads=4), lambda: FullAttnRes(D, L), ["attnres_heads=4", "attnres_heads=1"]),
         (
-            lambda: FullAttnRes(D, L, kernel="sigmoid"),
+            lambda: FullAttnRes(D, L, attnres_kernel="sigmoid"),
             lambda: FullAttnRes(D, L),
             ["attnres_kernel='sigmoid'", "attnres_kernel='softmax'"],
         ),
         (
-            lambda: FullAttnRes(D, L, routing="additive"),
+            lambda: FullAttnRes(D, L, attnres_routing="additive"),
             lambda: FullAttnRes(D, L),
             ["attnres_routing='additive'"],
         ),
         (
-            lambda: FullAttnRes(D, L, sources="states"),
+            lambda: FullAttnRes(D, L, attnres_sources="states"),
             lambda: FullAttnRes(D, L),
             ["attnres_sources='states'", "attnres_sources='outputs'"],
         ),
-        (lambda: FullAttnRes(D, L, window=2), lambda: FullAttnRes(D, L), ["attnres_window=2", "attnres_window=None"]),
+        (
+            lambda: FullAttnRes(D, L, attnres_window=2),
+            lambda: FullAttnRes(D, L),
+            ["attnres_window=2", "attnres_window=None"],
+        ),
         (
             lambda: residual_scheme("hyper", D, L, hyper_streams=2),
             lambda: residual_scheme("hyper", D, L, hyper_streams=4),
@@ -117,7 +121,7 @@ def test_loading_into_other_settings_is_one_error_naming_both(saved, into, names
 
 
 def test_block_with_n_equal_l_and_full_share_settings_and_load_into_each_other():
-    full, block = randomize(FullAttnRes(D, L)), BlockAttnRes(D, L, num_blocks=L)
+    full, block = randomize(FullAttnRes(D, L)), BlockAttnRes(D, L, attnres_blocks=L)
     block.load_state_dict(full.state_dict())
     x = embedding()
     torch.testing.assert_close(run(block.double(), x), run(full.double(), x), rtol=1e-12, atol=1e-12)
@@ -125,8 +129,8 @@ def test_block_with_n_equal_l_and_full_share_settings_and_load_into_each_other()
 
 def test_how_it_is_computed_is_no_setting():
     """attnres_impl and the group size change the arithmetic's order, not the function: they load."""
-    source = randomize(FullAttnRes(D, L, impl="fused", group_size=2)).double()
-    target = FullAttnRes(D, L, impl="reference").double()
+    source = randomize(FullAttnRes(D, L, attnres_impl="fused", attnres_group_size=2)).double()
+    target = FullAttnRes(D, L, attnres_impl="reference").double()
     target.load_state_dict(source.state_dict())
     x = embedding()
     torch.testing.assert_close(run(target, x), run(source, x), rtol=1e-12, atol=1e-12)
@@ -158,9 +162,9 @@ def test_every_rival_rejects_the_paper_schemes_weights(name):
 
 def test_a_record_cast_to_a_float_dtype_still_reads():
     """Loaders that cast a whole state dict (a bfloat16 from_pretrained) turn the record's bytes into floats."""
-    source = randomize(FullAttnRes(D, L, heads=2))
+    source = randomize(FullAttnRes(D, L, attnres_heads=2))
     state = {k: v.to(torch.bfloat16) for k, v in source.state_dict().items()}
-    FullAttnRes(D, L, heads=2).load_state_dict(state)
+    FullAttnRes(D, L, attnres_heads=2).load_state_dict(state)
     with pytest.raises(SchemeMismatch, match="attnres_heads=2"):
         FullAttnRes(D, L).load_state_dict(state)
 
@@ -211,9 +215,9 @@ class OwnModel(nn.Module):
 
 def test_match_prenorm_eps_survives_a_save_and_load(tmp_path):
     """The base eps a checkpoint's norms were matched from comes back, whatever the new model was built with."""
-    source = OwnModel(BlockAttnRes(D, L, num_blocks=4), eps=1e-3)
+    source = OwnModel(BlockAttnRes(D, L, attnres_blocks=4), eps=1e-3)
     save_file(source.state_dict(), tmp_path / "model.safetensors")
-    target = OwnModel(BlockAttnRes(D, L, num_blocks=4), eps=1e-6, seed=1)
+    target = OwnModel(BlockAttnRes(D, L, attnres_blocks=4), eps=1e-6, seed=1)
     assert target.eps() != source.eps()
     target.load_state_dict(load_file(tmp_path / "model.safetensors"))
     assert target.eps() == source.eps()

@@ -10,7 +10,7 @@ import pytest
 import torch
 from reference import randomize
 
-from attnres.ops.two_phase import compiled as compiled_phase1
+from attnres.ops import backends
 from attnres.residual import BlockAttnRes, DepthState, FullAttnRes
 from attnres.residual import attnres as attnres_scheme
 from attnres.residual import depth_streams as forms
@@ -19,24 +19,27 @@ D, L = 8, 6
 
 # (scheme, the form it must run); each builds its scheme fresh so parameters are seeded the same way
 CASES = {
-    "scalar": (lambda: BlockAttnRes(D, L, block_size=2, weights="scalar"), forms.ScalarMixStream),
-    "fused": (lambda: BlockAttnRes(D, L, block_size=2, impl="fused"), forms.FusedStream),
-    "fused_window": (lambda: FullAttnRes(D, L, window=2), forms.FusedStream),
-    "two_phase_block": (lambda: BlockAttnRes(D, L, block_sizes=[1, 3, 2]), forms.TwoPhaseStream),
-    "two_phase_full_grouped": (lambda: FullAttnRes(D, L, group_size=3), forms.TwoPhaseStream),
+    "scalar": (lambda: BlockAttnRes(D, L, attnres_block_size=2, attnres_weights="scalar"), forms.ScalarMixStream),
+    "fused": (lambda: BlockAttnRes(D, L, attnres_block_size=2, attnres_impl="fused"), forms.FusedStream),
+    "fused_window": (lambda: FullAttnRes(D, L, attnres_window=2), forms.FusedStream),
+    "two_phase_block": (lambda: BlockAttnRes(D, L, attnres_block_sizes=[1, 3, 2]), forms.TwoPhaseStream),
+    "two_phase_full_grouped": (lambda: FullAttnRes(D, L, attnres_group_size=3), forms.TwoPhaseStream),
     "two_phase_heads_sigmoid": (
-        lambda: BlockAttnRes(D, L, block_size=4, heads=2, kernel="sigmoid"),
+        lambda: BlockAttnRes(D, L, attnres_block_size=4, attnres_heads=2, attnres_kernel="sigmoid"),
         forms.TwoPhaseStream,
     ),
     "token_queries": (
-        lambda: BlockAttnRes(D, L, block_size=3, weights="low_rank_query", query_rank=2),
+        lambda: BlockAttnRes(D, L, attnres_block_size=3, attnres_weights="low_rank_query", attnres_query_rank=2),
         forms.TokenQueryTwoPhaseStream,
     ),
-    "compiled": (lambda: BlockAttnRes(D, L, block_size=4), forms.CompiledTwoPhaseStream),
-    "compiled_full": (lambda: FullAttnRes(D, L, group_size=2, key_norm=False), forms.CompiledTwoPhaseStream),
-    "compiled_full_grouped": (lambda: FullAttnRes(D, L, group_size=3), forms.CompiledTwoPhaseStream),
+    "compiled": (lambda: BlockAttnRes(D, L, attnres_block_size=4), forms.CompiledTwoPhaseStream),
+    "compiled_full": (
+        lambda: FullAttnRes(D, L, attnres_group_size=2, attnres_key_norm=False),
+        forms.CompiledTwoPhaseStream,
+    ),
+    "compiled_full_grouped": (lambda: FullAttnRes(D, L, attnres_group_size=3), forms.CompiledTwoPhaseStream),
     "compiled_heads_sigmoid": (
-        lambda: BlockAttnRes(D, L, block_size=4, heads=2, kernel="sigmoid"),
+        lambda: BlockAttnRes(D, L, attnres_block_size=4, attnres_heads=2, attnres_kernel="sigmoid"),
         forms.CompiledTwoPhaseStream,
     ),
 }
@@ -112,8 +115,8 @@ def test_each_form_matches_the_reference_stream(case, monkeypatch):
 @pytest.mark.parametrize("case", COMPILED_CASES)
 def test_compiled_forms_match_the_reference_with_either_phase1(case, pairs, monkeypatch):
     """Every Phase 1 as the custom op (pairs 0) or every one pointwise and recomputed in backward."""
-    monkeypatch.setattr(compiled_phase1, "POINTWISE_PAIRS", pairs)
-    monkeypatch.setattr(compiled_phase1, "CUSTOM_OP_DEVICES", frozenset({"cpu", "cuda"}))
+    monkeypatch.setattr(backends, "POINTWISE_PAIRS", pairs)
+    monkeypatch.setattr(backends, "CUSTOM_OP_DEVICES", frozenset({"cpu", "cuda"}))
     test_each_form_matches_the_reference_stream(case, monkeypatch)
 
 
@@ -143,20 +146,8 @@ def test_the_cache_carries_the_group_statistics_so_phase1_runs_once_per_group():
     assert len(calls) == 3
 
 
-def test_residual_config_has_model_configs_scheme_fields_and_defaults():
-    """ResidualConfig (own models) and ModelConfig (ours) describe a scheme with the same fields and defaults."""
-    from attnres import ModelConfig
-    from attnres.residual import ResidualConfig, scheme_options
-
-    ours = {f.name: f.default for f in dataclasses.fields(ResidualConfig)}
-    model = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
-    for name in scheme_options():
-        assert name in ours and ours[name] == model[name], name
-    assert ours["norm_eps"] == model["norm_eps"]
-
-
 def test_wrong_inputs_get_errors_naming_what_was_expected():
-    scheme = BlockAttnRes(D, L, block_size=2)
+    scheme = BlockAttnRes(D, L, attnres_block_size=2)
     with pytest.raises(ValueError, match=r"expected a floating tensor \[B, T, D\]"):
         scheme.begin(torch.randn(3, D))
     with pytest.raises(ValueError, match="last dimension 4 is not d_model=8"):

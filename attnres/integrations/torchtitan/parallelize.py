@@ -3,7 +3,8 @@
 Order (torchtitan's, and PyTorch's advice for composing them): tensor parallel, activation
 checkpointing, compile, then FSDP2.
 
-- **Tensor parallel** (``parallelism.tensor_parallel_degree``, LLaMA backbone): per Transformer block
+- **Tensor parallel** (``parallelism.tensor_parallel_degree``, a backbone whose ``tensor_plan`` splits
+  every sublayer: LLaMA's): the backbone's plan (``attnres.model.backbones``); for LLaMA, per Transformer block
   the attention's q/k/v projections and the MLP's gate/up projections are column-parallel (each rank
   computes its own heads and its slice of the hidden width), o_proj and down_proj row-parallel
   (their partial sums are all-reduced into the full hidden state). Everything else is replicated:
@@ -43,22 +44,12 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from attnres.model.backbones import BACKBONES
 from attnres.model.compile import compile_model
 from attnres.model.config import ModelConfig
 from attnres.model.lm import AttnResLM
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-# the plan per Transformer block of the LLaMA backbone (attnres.model.llama.TransformerBlock)
-BLOCK_TP_PLAN = {
-    "attn.q_proj": "colwise",
-    "attn.k_proj": "colwise",
-    "attn.v_proj": "colwise",
-    "attn.o_proj": "rowwise",
-    "mlp.gate_proj": "colwise",
-    "mlp.up_proj": "colwise",
-    "mlp.down_proj": "rowwise",
-}
 
 
 def check_tensor_parallel(config: ModelConfig, parallelism: Any) -> None:
@@ -66,14 +57,15 @@ def check_tensor_parallel(config: ModelConfig, parallelism: Any) -> None:
     tp = parallelism.tensor_parallel_degree
     if tp <= 1:
         return
-    if config.backbone != "llama":
+    plan = BACKBONES[config.backbone].tensor_plan
+    if not plan.whole_sublayers:  # this integration shards every entry of the plan in every block
         raise ValueError(
             f"parallelism.tensor_parallel_degree={tp} is not supported for backbone={config.backbone!r}: "
-            "the tensor-parallel plan covers the LLaMA backbone; use FSDP (data_parallel_shard_degree) for it"
+            "its tensor-parallel plan leaves sublayers replicated, which this integration does not shard; use "
+            "FSDP (data_parallel_shard_degree) for it"
         )
-    assert config.n_kv_heads is not None and config.d_ff is not None  # ModelConfig resolves them
-    for name, value in (("n_heads", config.n_heads), ("n_kv_heads", config.n_kv_heads), ("d_ff", config.d_ff)):
-        if value % tp:
+    for name, value, width in plan.widths(config):
+        if width is not None and width % tp:
             raise ValueError(
                 f"ModelConfig.{name}={value} is not divisible by parallelism.tensor_parallel_degree={tp}: "
                 "each rank takes an equal share; choose a degree that divides it"
@@ -95,8 +87,9 @@ def apply_tensor_parallel(model: AttnResLM, tp_mesh) -> None:
     """Shard every block's projections over ``tp_mesh`` (the plan in the module docstring); the
     modules keep their names, and their inputs and outputs stay plain, replicated tensors."""
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    plan = BACKBONES[model.config.backbone].tensor_plan.block
     for block in model.blocks.children():
-        parallelize_module(block, tp_mesh, {name: styles[style]() for name, style in BLOCK_TP_PLAN.items()})
+        parallelize_module(block, tp_mesh, {name: styles[style]() for name, style in plan.items()})
 
 
 def replicate_on_tp_mesh(model: AttnResLM, tp_mesh) -> None:
