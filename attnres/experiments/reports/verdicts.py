@@ -133,6 +133,22 @@ ROWS: tuple[Row, ...] = (
         ),
     ),
     Row(
+        "the same, LLaMA, each arm at its own best learning rate (5 seeds, whole validation split)",
+        "–",
+        "lr-sweep",
+        tuple(
+            (
+                s,
+                pair(
+                    {"lr": "0.006", "backbone": "llama", "scheme": s},
+                    {"lr": "0.006", "backbone": "llama", "scheme": "prenorm"},
+                ),
+            )
+            for s in ("block", "full")
+        ),
+        note="best rate 6e-3 for every arm, the edge of the grid",
+    ),
+    Row(
         "AttnRes gains at every scale (Figure 4): Block, s1 → s4",
         "parallel curves",
         "scaling",
