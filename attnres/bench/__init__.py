@@ -61,8 +61,9 @@ BENCHES: dict[str, Bench] = {
         roofline.format_table,
         "AttnRes's step overhead over prenorm across widths beside its memory-traffic limit (the least extra "
         "bytes of docs/method.md's schedule at this machine's copy bandwidth), eager and with --set "
-        "compile=true compiled with the compile warm-up; --set plot=FILE.png draws the curve",
-        "attnres bench roofline --quick",
+        "compile=true compiled with the compile warm-up; --set plot=FILE.png draws the curve; --processes N "
+        "reports the median and min-max over N fresh processes",
+        "attnres bench roofline --quick --processes 3",
     ),
     "op": Bench(
         op.OpBenchConfig,
@@ -134,10 +135,18 @@ def run_bench(name: str, cfg, *, processes: int = 1) -> dict:
     check_config(name, cfg)  # before anything is built (a config built by hand too), as train checks its own
     if processes == 1:
         return BENCHES[name].run(cfg)
-    runs = spread.launch(name, cfg.__dict__, processes, threads=torch.get_num_threads(), package=__name__)
-    return spread.aggregate(name, runs)
+    config = dict(cfg.__dict__)
+    plot = config.pop("plot", "")
+    if plot:  # the merged curve is drawn once here, not each process's own
+        config["plot"] = ""
+    runs = spread.launch(name, config, processes, threads=torch.get_num_threads(), package=__name__)
+    merged = spread.aggregate(name, runs)
+    if plot:
+        merged["config"]["plot"] = plot
+        merged["plot"] = roofline.draw(merged, plot)
+    return merged
 
 
 def format_result(name: str, result: dict) -> str:
     """The bench's table, and the spread over processes when there were several."""
-    return BENCHES[name].format_table(result) + spread.format_spread(result)
+    return BENCHES[name].format_table(result) + spread.format_spread(result, name)

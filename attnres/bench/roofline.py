@@ -21,7 +21,10 @@ bandwidth as ``attnres bench op`` does (a preallocated copy, read plus write byt
 ``attnres bench roofline`` sweeps the width: at each one it runs ``bench train`` (prenorm, Block, Full;
 eager, and compiled with ``--set compile=true``; round-robin in one process) and prints the measured
 step ratio beside the limit, the extra milliseconds beside the least extra milliseconds, and (compiled)
-the compile warm-up against PreNorm's; ``--set plot=FILE.png`` draws overhead against width.
+the compile warm-up against PreNorm's; ``--set plot=FILE.png`` draws overhead against width. With
+``--processes N`` the sweep runs in N fresh processes (``attnres.bench.spread``: the round-robin order
+``variants`` rotated from one to the next); each point's numbers are the medians of the per-process ones,
+shown with their min-max, and the plot draws the medians with min-max error bars.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import torch
 from attnres.bench import train
 from attnres.model import ModelConfig
 from attnres.residual.attnres import block_sizes, group_size
+from attnres.residual.options import bad_option
 from attnres.train.progress import progress_bar
 
 BACKWARD_FACTOR = 2.0  # a memory-bound backward moves about twice its forward's bytes (see the docstring)
@@ -130,6 +134,8 @@ class RooflineBenchConfig:
     compile: bool | str = False  # also the compiled rows (true: inductor, or a backend name)
     clock: str = "process"  # bench train's clock: process CPU time, which other jobs do not inflate
     plot: str = ""  # a PNG path: overhead against width, measured and limit
+    # the round-robin order of the timed rows: prenorm and the schemes, each once (--processes rotates it)
+    variants: list[str] = field(default_factory=lambda: ["prenorm", *SCHEMES])
 
     @classmethod
     def quick(cls) -> RooflineBenchConfig:
@@ -138,6 +144,13 @@ class RooflineBenchConfig:
 
 def train_config(cfg: RooflineBenchConfig, width: int) -> train.BenchConfig:
     """``bench train``'s config at one width of the sweep."""
+    if sorted(cfg.variants) != sorted(["prenorm", *SCHEMES]):
+        raise bad_option(
+            "variants",
+            cfg.variants,
+            f"the sweep times {', '.join(['prenorm', *SCHEMES])}, each once, in any order",
+            type(cfg).__name__,
+        )
     return train.BenchConfig(
         d_model=width,
         n_layers=cfg.n_layers,
@@ -151,7 +164,7 @@ def train_config(cfg: RooflineBenchConfig, width: int) -> train.BenchConfig:
         steps_per_repeat=cfg.steps_per_repeat,
         seed=cfg.seed,
         device=cfg.device,
-        variants=["prenorm", *SCHEMES],
+        variants=list(cfg.variants),
         memory=False,
         compile=cfg.compile,
         clock=cfg.clock,
@@ -205,23 +218,48 @@ def run(cfg: RooflineBenchConfig) -> dict:
     return result
 
 
+def _with_range(point: dict, key: str, fmt: str, unit: str = "") -> str:
+    """``point[key]`` and, when it was measured in several processes, its [min-max] over them."""
+    text = format(point[key], fmt) + unit
+    s = point.get("spread", {}).get(key)
+    return f"{text} [{format(s['min'], fmt)}-{format(s['max'], fmt)}]" if s else text
+
+
 def format_table(result: dict) -> str:
     c = result["config"]
+    processes = result.get("processes", 1)
+    spread = result.get("spread", {})
+    points = [dict(p, spread=spread.get(f"d={p['width']} {p['mode']} {p['residual']}", {})) for p in result["points"]]
+    bandwidth = f"{result['bandwidth_gbs']:.1f}"
+    if bw := spread.get("run", {}).get("bandwidth_gbs"):
+        bandwidth += f" [{bw['min']:.1f}-{bw['max']:.1f}]"
+    if processes > 1:
+        over = (
+            f"median over {processes} fresh processes [min-max over them] of each process's median over "
+            f"{c['repeats']} repeats"
+        )
+    else:
+        over = f"median over {c['repeats']} repeats (per-repeat 25-75 %)"
     lines = [
         f"bench roofline: {c['n_layers']} Transformer blocks, T {c['seq_len']}, batch {c['batch_size']}, "
         f"head dim {c['head_dim']}, Block N = {c['blocks']}, {c['device']}, {result['threads']} threads, "
-        f"torch {result['torch']}; copy bandwidth {result['bandwidth_gbs']:.1f} GB/s; step ratios over "
-        f"prenorm of the same mode, median over {c['repeats']} repeats (per-repeat 25-75 %)",
+        f"clock {c['clock']}, torch {result['torch']}; copy bandwidth {bandwidth} GB/s; step ratios over "
+        f"prenorm of the same mode, {over}",
         "",
         "| width | mode | scheme | measured | limit | extra ms | least extra ms | extra / least | warm-up vs prenorm |",
         "|---:|---|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for p in result["points"]:
-        warm = f"{p['warmup_ratio']:.2f}x" if p["warmup_ratio"] is not None else "-"
+    for p in points:
+        if processes > 1:
+            measured = _with_range(p, "measured_ratio", ".3f", "x")
+        else:
+            measured = f"{p['measured_ratio']:.3f}x ({p['ratio_p25']:.3f}-{p['ratio_p75']:.3f})"
+        warm = _with_range(p, "warmup_ratio", ".2f", "x") if p["warmup_ratio"] is not None else "-"
+        limit = _with_range(p, "limit_ratio", ".3f", "x")
         lines.append(
-            f"| {p['width']} | {p['mode']} | {p['residual']} | {p['measured_ratio']:.3f}x "
-            f"({p['ratio_p25']:.3f}-{p['ratio_p75']:.3f}) | {p['limit_ratio']:.3f}x | {p['extra_ms']:.2f} | "
-            f"{p['limit_extra_ms']:.2f} | {p['extra_over_limit']:.1f} | {warm} |"
+            f"| {p['width']} | {p['mode']} | {p['residual']} | {measured} | {limit} | "
+            f"{_with_range(p, 'extra_ms', '.2f')} | {_with_range(p, 'limit_extra_ms', '.2f')} | "
+            f"{_with_range(p, 'extra_over_limit', '.1f')} | {warm} |"
         )
     if "plot" in result:
         lines += ["", f"plot: {result['plot']}"]
@@ -229,37 +267,49 @@ def format_table(result: dict) -> str:
 
 
 def draw(result: dict, path: str) -> str:
-    """Overhead over prenorm (%) against width: measured (solid, per mode) and the limit (dashed)."""
+    """Overhead over prenorm (%) against width: measured (solid, per mode; over several processes the median
+    with min-max error bars) and the limit (dashed eager, dotted compiled; the median over processes)."""
     from attnres.analysis.plots import pyplot, save_png
 
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
+    spread = result.get("spread", {})
     points = result["points"]
     widths = sorted({p["width"] for p in points})
     for residual, color in zip(SCHEMES, ("tab:blue", "tab:orange"), strict=True):
-        for mode, marker in (("eager", "o"), ("compiled", "s")):
-            mine = [p for p in points if p["residual"] == residual and p["mode"] == mode]
-            if mine:
-                ax.plot(
-                    [p["width"] for p in mine],
-                    [100 * (p["measured_ratio"] - 1) for p in mine],
-                    marker=marker,
-                    color=color,
-                    label=f"{residual} {mode}",
+        for mode, marker, limit_style in (("eager", "o", "--"), ("compiled", "s", ":")):
+            mine = sorted(
+                (p for p in points if p["residual"] == residual and p["mode"] == mode), key=lambda p: p["width"]
+            )
+            if not mine:
+                continue
+            x = [p["width"] for p in mine]
+            y = [100 * (p["measured_ratio"] - 1) for p in mine]
+            ranges = [spread.get(f"d={p['width']} {mode} {residual}", {}).get("measured_ratio") for p in mine]
+            if all(ranges):
+                below = [yi - 100 * (r["min"] - 1) for yi, r in zip(y, ranges, strict=True)]
+                above = [100 * (r["max"] - 1) - yi for yi, r in zip(y, ranges, strict=True)]
+                ax.errorbar(
+                    x, y, yerr=[below, above], marker=marker, color=color, capsize=3, label=f"{residual} {mode}"
                 )
-        limit = [p for p in points if p["residual"] == residual and p["mode"] == "eager"]
-        ax.plot(
-            [p["width"] for p in limit],
-            [100 * (p["limit_ratio"] - 1) for p in limit],
-            linestyle="--",
-            color=color,
-            label=f"{residual} limit (memory traffic)",
-        )
+            else:
+                ax.plot(x, y, marker=marker, color=color, label=f"{residual} {mode}")
+            ax.plot(
+                x,
+                [100 * (p["limit_ratio"] - 1) for p in mine],
+                linestyle=limit_style,
+                color=color,
+                label=f"{residual} {mode} limit (memory traffic)",
+            )
     ax.set_xscale("log", base=2)
     ax.set_xticks(widths, [str(w) for w in widths])
     ax.set_xlabel("width d_model")
     ax.set_ylabel("step time over prenorm (%)")
     ax.axhline(0, color="grey", linewidth=0.5)
     ax.legend(fontsize=7)
-    ax.set_title(f"AttnRes overhead and its memory-traffic limit ({result['bandwidth_gbs']:.1f} GB/s copy)")
+    processes = result.get("processes", 1)
+    over = f"; median, min-max over {processes} processes" if processes > 1 else ""
+    ax.set_title(
+        f"AttnRes overhead and its memory-traffic limit\n({result['bandwidth_gbs']:.1f} GB/s copy{over})", fontsize=10
+    )
     return save_png(fig, path, dpi=120)

@@ -9,6 +9,8 @@ variants round-robin itself, so each ratio to the baseline is taken within one p
 processes we report the min, median and max of each headline number (``HEADLINES``). The merged
 result's rows hold the medians over processes (a ratio's median is the median of the per-process
 ratios, not a ratio of medians); ``spread`` holds min / median / max; ``runs`` each process's result.
+``bench roofline``'s rows are its ``points`` (one per width, mode and scheme); its copy bandwidth, a
+number of the whole run (``RUN_HEADLINES``), is aggregated too, under ``spread["run"]``.
 
 Within one process the benches already report the spread over repeats (``*_min`` / ``*_max`` beside
 each median, pooled over the repeats of every round).
@@ -42,7 +44,19 @@ HEADLINES: dict[str, tuple[str, ...]] = {
     ),
     "op": ("fwd_ms", "bwd_ms", "fwd_frac_of_copy", "bwd_frac_of_copy", "copy_gbps"),
     "decode": ("prefill_ms", "prefill_ratio", "decode_ms", "decode_ratio", "warmup_s"),
+    "roofline": (
+        "measured_ratio",
+        "extra_ms",
+        "extra_over_limit",
+        "limit_ratio",
+        "limit_extra_ms",
+        "warmup_ratio",
+    ),
 }
+# numbers of a whole run rather than of one row, aggregated the same way under spread["run"]
+RUN_HEADLINES: dict[str, tuple[str, ...]] = {"roofline": ("bandwidth_gbs",)}
+# benches whose own table shows the min-max over processes: no second spread table
+INLINE_SPREAD = frozenset({"roofline"})
 
 
 def min_median_max(values: Sequence[float]) -> dict[str, float]:
@@ -53,7 +67,10 @@ def min_median_max(values: Sequence[float]) -> dict[str, float]:
 
 
 def row_items(result: Mapping) -> dict[str, dict]:
-    """A bench result's rows by name: train and decode key them already; op's list is keyed 'K=8 impl'."""
+    """A bench result's rows by name: train and decode key them already; op's list is keyed 'K=8 impl',
+    roofline's points 'd=256 eager block'."""
+    if "points" in result:
+        return {f"d={p['width']} {p['mode']} {p['residual']}": p for p in result["points"]}
     rows = result["rows"]
     if isinstance(rows, Mapping):
         return dict(rows)
@@ -95,16 +112,22 @@ def aggregate(name: str, runs: Sequence[Mapping]) -> dict:
                 continue
             spread[row][key] = min_median_max(values)
             merged_rows[row][key] = spread[row][key]["median"]
+    for key in RUN_HEADLINES.get(name, ()):
+        values = [r[key] for r in runs if isinstance(r.get(key), int | float)]
+        if values:
+            spread.setdefault("run", {})[key] = min_median_max(values)
+            merged[key] = spread["run"][key]["median"]
     merged["processes"] = len(runs)
     merged["spread"] = spread
     merged["runs"] = list(runs)
     return merged
 
 
-def format_spread(result: Mapping) -> str:
-    """The spread table of an aggregated result (empty for a single process)."""
+def format_spread(result: Mapping, name: str = "") -> str:
+    """The spread table of an aggregated result (empty for a single process, and for bench ``name`` when
+    its own table shows the spread)."""
     spread = result.get("spread")
-    if not spread:
+    if not spread or name in INLINE_SPREAD:
         return ""
     lines = [
         "",

@@ -112,3 +112,98 @@ def test_the_sweep_checks_every_width_like_bench_train():
     # the memory of the widest point is checked before anything is built
     with pytest.raises(ValueError, match="batch_size"):
         run_bench("roofline", bench_config("roofline", widths=[64, 4096], batch_size=10**5, seq_len=4096))
+
+
+def _point(width, residual, ratio, limit, extra_ms, least_ms, warmup=None, mode="eager"):
+    return {
+        "width": width,
+        "mode": mode,
+        "residual": residual,
+        "measured_ratio": ratio,
+        "ratio_p25": ratio - 0.01,
+        "ratio_p75": ratio + 0.01,
+        "limit_ratio": limit,
+        "extra_ms": extra_ms,
+        "limit_extra_ms": least_ms,
+        "extra_over_limit": extra_ms / least_ms,
+        "warmup_ratio": warmup,
+    }
+
+
+def _process(bandwidth, block_ratio, full_ratio, warmup):
+    config = {"n_layers": 8, "seq_len": 128, "batch_size": 4, "head_dim": 64, "blocks": 8, "device": "cpu"}
+    return {
+        "config": {**config, "repeats": 3, "clock": "process", "plot": ""},
+        "bandwidth_gbs": bandwidth,
+        "threads": 1,
+        "torch": "2",
+        "points": [
+            _point(128, "block", block_ratio, 1.02, 10 * (block_ratio - 1), 0.2),
+            _point(128, "full", full_ratio, 1.01, 10 * (full_ratio - 1), 0.1),
+            _point(128, "block", block_ratio - 0.05, 1.04, 1.0, 0.2, warmup, mode="compiled"),
+        ],
+    }
+
+
+def test_processes_are_aggregated_point_by_point(tmp_path):
+    """Each point's numbers over processes: the median of the per-process ones, with min / max; the copy
+    bandwidth likewise; the table shows median [min-max] and the plot draws it."""
+    from attnres.bench import format_result
+    from attnres.bench.roofline import draw
+    from attnres.bench.spread import aggregate
+
+    runs = [_process(5.0, 1.20, 1.30, 3.0), _process(4.0, 1.10, 1.40, 2.0), _process(6.0, 1.30, 1.35, 4.0)]
+    runs[1]["points"].reverse()  # points are matched by width, mode and scheme, not position
+    merged = aggregate("roofline", runs)
+    assert merged["processes"] == 3 and merged["runs"] == runs
+    block = merged["spread"]["d=128 eager block"]
+    assert block["measured_ratio"] == pytest.approx({"min": 1.10, "median": 1.20, "max": 1.30, "n": 3})
+    assert block["extra_ms"]["median"] == pytest.approx(2.0)
+    assert block["extra_over_limit"]["median"] == pytest.approx(10.0)
+    assert "warmup_ratio" not in block  # eager points have no warm-up
+    compiled = merged["spread"]["d=128 compiled block"]
+    assert compiled["warmup_ratio"] == {"min": 2.0, "median": 3.0, "max": 4.0, "n": 3}
+    assert merged["spread"]["run"]["bandwidth_gbs"] == {"min": 4.0, "median": 5.0, "max": 6.0, "n": 3}
+    assert merged["bandwidth_gbs"] == 5.0
+    full = next(p for p in merged["points"] if p["residual"] == "full")
+    assert full["measured_ratio"] == pytest.approx(1.35) and full["limit_ratio"] == pytest.approx(1.01)
+    assert runs[0]["points"][0]["measured_ratio"] == 1.20  # the inputs are not modified
+
+    table = format_result("roofline", merged)
+    assert "| 128 | eager | block | 1.200x [1.100-1.300] | 1.020x [1.020-1.020] |" in table
+    assert "copy bandwidth 5.0 [4.0-6.0] GB/s" in table and "over 3 fresh processes" in table
+    assert "| row | number |" not in table  # the spread is in the table itself, not a second one
+    plot = draw(merged, str(tmp_path / "roofline.png"))
+    assert (tmp_path / "roofline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.endswith(".png")
+
+
+def test_the_round_robin_order_may_rotate_but_times_each_scheme_once():
+    from attnres.bench import bench_config
+    from attnres.bench.roofline import train_config
+
+    cfg = bench_config("roofline", quick=True, variants="full,prenorm,block")
+    assert train_config(cfg, 64).variants == ["full", "prenorm", "block"]
+    with pytest.raises(ValueError, match="RooflineBenchConfig.variants"):
+        train_config(bench_config("roofline", quick=True, variants="prenorm,block"), 64)
+
+
+def test_processes_run_the_sweep_in_fresh_interpreters(tmp_path, capsys):
+    import json
+
+    from attnres.cli import main
+
+    out, plot = tmp_path / "roofline.json", tmp_path / "roofline.png"
+    argv = ["bench", "roofline", "--processes", "2", "--threads", "1", "--json", str(out)]
+    for s in ("widths=16,32", "n_layers=2", "seq_len=8", "batch_size=2", "vocab_size=64", "blocks=2"):
+        argv += ["--set", s]
+    argv += ["--set", "warmup=1", "--set", "repeats=2", "--set", "steps_per_repeat=1", "--set", f"plot={plot}"]
+    assert main(argv) == 0
+    assert "| 32 | eager | full |" in capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert result["processes"] == 2 and len(result["runs"]) == 2
+    assert [run["config"]["variants"] for run in result["runs"]] == [
+        ["prenorm", "block", "full"],
+        ["block", "full", "prenorm"],
+    ]
+    assert result["spread"]["d=32 eager full"]["measured_ratio"]["n"] == 2
+    assert result["config"]["plot"] == str(plot) and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
