@@ -18,6 +18,8 @@ TokenQueryTwoPhaseStream    two-phase with low-rank per-token queries (their inp
 CompiledTwoPhaseStream      two-phase as torch.compile traces it for training and prefill: Phase 1
                             over the sources as separate tensors, no buffer (a custom op with its
                             own backward, small ones pointwise), recomputed in backward
+DecodeStream                two-phase's buffer read one token at a time without gradients: per read
+                            one pass over the rows and the partial sum (no Phase-1 statistics)
 ==========================  ====================================================================
 
 The state a stream holds is tensors: ``sources`` (the completed sources b_0 = embedding, b_1, ...),
@@ -41,13 +43,13 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from attnres.ops.common import DepthStats, inverse_rms
+from attnres.ops.common import DepthStats, compute_dtype, inverse_rms
 from attnres.ops.depth_attention import (
     depth_attention_reference,
     multi_query_depth_attention,
 )
 from attnres.ops.token_queries import low_rank_queries
-from attnres.residual.base import COMPILED_OPS, Stream, widened
+from attnres.residual.base import COMPILED_OPS, PLAIN_OPS, Stream, widened
 
 
 def unviewed(t: Tensor) -> Tensor:
@@ -483,6 +485,174 @@ class TokenQueryTwoPhaseStream(TwoPhaseStream):
         return self.ops.merge_partial_token(stats, self.partial, queries[:, :, i], self._key_weight(l), s.eps, s.kernel)
 
 
+class _DecodeViews:
+    """Views of a decoding buffer [B, 1, K, D] and its inverse RMS [B, 1, K] (or None), each made at its
+    first use: the first m rows as [B, m, D] and [B, m, 1] (what a read attends over), and row i as
+    [B, 1, D] and [B, 1] (what a store writes)."""
+
+    def __init__(self, buffer: Tensor, inv_rms: Tensor | None):
+        self.buffer, self.inv_rms = buffer, inv_rms
+        self._prefixes: dict[int, tuple[Tensor, Tensor | None]] = {}
+        self._rows: dict[int, tuple[Tensor, Tensor | None]] = {}
+        self._all: tuple[Tensor, Tensor | None] | None = None  # all K rows: [B, K, D] and [B, K, 1]
+
+    def prefix(self, m: int) -> tuple[Tensor, Tensor | None]:
+        got = self._prefixes.get(m)
+        if got is None:
+            if self._all is None:
+                inv = self.inv_rms.select(1, 0).unsqueeze(-1) if self.inv_rms is not None else None
+                self._all = (self.buffer.select(1, 0), inv)
+            rows, inv = self._all
+            got = self._prefixes[m] = (rows.narrow(1, 0, m), inv.narrow(1, 0, m) if inv is not None else None)
+        return got
+
+    def row(self, i: int) -> tuple[Tensor, Tensor | None]:
+        got = self._rows.get(i)
+        if got is None:
+            inv = self.inv_rms.select(2, i) if self.inv_rms is not None else None
+            got = self._rows[i] = (self.buffer.select(2, i), inv)
+        return got
+
+
+class DecodeStream(TwoPhaseStream):
+    """Two-phase's buffer read one token at a time without gradients (KV-cached decoding). At T = 1 a read
+    is a handful of vectors, so the general form's dozens of small ops per sublayer (Phase-1 statistics,
+    merges, casts, views) cost more than the arithmetic. Here a read stores the partial sum as the row after
+    the sources (with its inverse RMS) and attends over all its rows in one pass: logits, softmax or
+    sigmoid, weighted sum. Pseudo-queries only, no window. The cache is two-phase's (buffer, inverse RMS),
+    so either form resumes from the other's. With an observer that wraps ``ops`` (I/O counting) it reads
+    and stores as two-phase does, so the counts stay those of the ops."""
+
+    _partial_stored = False  # whether the row after the sources holds this stream's partial sum
+    _rows: _DecodeViews | None = None  # ``_views``, once looked up
+    _kept: tuple[list[Tensor], Tensor] | None = None  # ``_constants``, once looked up
+
+    def _constants(self) -> tuple[list[Tensor], Tensor]:
+        """(u = query * key-norm weight of each read as a column [1, D, 1], eps as a 0-d tensor), in the
+        compute dtype: computed once and kept on the scheme until a query, weight or eps changes (in place,
+        as an optimizer step or a load does, or moved to another device or dtype); looked up once per stream."""
+        if self._kept is not None:
+            return self._kept
+        s = self.scheme
+        cd = compute_dtype(self.buffer.dtype)
+        q, g = s.queries, s.key_norm_weight if s.key_norm else None
+        # inference tensors (parameters made under inference_mode) have no version counter: not kept
+        versioned = not q.is_inference() and (g is None or not g.is_inference())
+        key = (
+            (q.data_ptr(), q._version, cd, s.eps) + ((g.data_ptr(), g._version) if g is not None else ())
+            if versioned
+            else None
+        )
+        kept = s.__dict__.get("_decode_constants")
+        if key is None or kept is None or kept[0] is not q or kept[1] is not g or kept[2] != key:
+            u = q.detach().to(cd)
+            if g is not None:
+                u = u * g.detach().to(cd)
+            columns = list(u[:, None, :, None].unbind(0))
+            kept = (q, g, key, (columns, torch.tensor(s.eps, dtype=cd, device=u.device)))
+            if key is not None:
+                s.__dict__["_decode_constants"] = kept
+        self._kept = kept[3]
+        return kept[3]
+
+    def _store(self, row: int, v: Tensor) -> None:
+        """Row ``row`` of the buffer and of the inverse RMS from v [B, 1, D] (gradients are off already)."""
+        slot = self._views().row(row)
+        slot[0].copy_(v)
+        if slot[1] is not None:
+            cd = slot[1].dtype
+            norm = (
+                torch.linalg.vector_norm(v, dim=-1) if v.dtype == cd else torch.linalg.vector_norm(v, dim=-1, dtype=cd)
+            )
+            torch.rsqrt(torch.addcmul(self._constants()[1], norm, norm, value=1.0 / v.shape[-1]), out=slot[1])
+
+    def _views(self) -> _DecodeViews:
+        """Views of the buffer and the inverse RMS, made once per forward pass (kept on the scheme with the
+        buffer they view), not once per Transformer block's stream: the views are ops as costly as the
+        arithmetic here."""
+        if self._rows is None:
+            kept = self.scheme.__dict__.get("_decode_views")
+            if kept is None or kept.buffer is not self.buffer or kept.inv_rms is not self.inv_rms:
+                kept = _DecodeViews(self.buffer, self.inv_rms)
+                self.scheme.__dict__["_decode_views"] = kept
+            self._rows = kept
+        return self._rows
+
+    def _add_source(self, v: Tensor) -> None:
+        if self.ops is not PLAIN_OPS:
+            super()._add_source(v)
+            return
+        self._store(len(self.sources), v)
+        self.sources.append(v)
+
+    def _write(self, l: int, f: Tensor) -> None:
+        super()._write(l, f)
+        self._partial_stored = False
+
+    def _aggregate(self, l: int) -> Tensor:
+        if self.ops is not PLAIN_OPS:
+            return super()._aggregate(l)
+        s = self.scheme
+        self._handed, self._phase1 = (), None  # the two-phase form's group statistics: none needed here
+        m = len(self.sources)
+        if self.partial is not None:
+            # stored by the reader, not the writer: a stream resumed from an earlier state rewrites the row
+            if not self._partial_stored:
+                self._store(m, self.partial)
+                self._partial_stored = True
+            m += 1
+        v, inv = self._views().prefix(m)  # [B, m, D]: the completed sources, then the partial sum; [B, m, 1]
+        columns, _ = self._constants()
+        u = columns[l]  # [1, D, 1]
+        if v.dtype != u.dtype:
+            v = v.to(u.dtype)
+        b, _, d = v.shape
+        if s.heads == 1:
+            z = torch.bmm(v, u if b == 1 else u.expand(b, -1, -1))  # [B, m, 1]
+            if inv is not None:
+                z.mul_(inv)
+            alpha = torch.softmax(z, dim=1) if s.kernel == "softmax" else torch.sigmoid(z)
+            h = torch.bmm(alpha.transpose(1, 2), v)  # [B, 1, D]
+        else:
+            vh = v.view(b, m, s.heads, d // s.heads)
+            z = (vh * u.view(s.heads, -1)).sum(-1)  # [B, m, H]
+            if inv is not None:
+                z.mul_(inv)
+            alpha = torch.softmax(z, dim=1) if s.kernel == "softmax" else torch.sigmoid(z)
+            h = (alpha.unsqueeze(-1) * vh).sum(1).view(b, 1, d)
+        out_dtype = self.sources[0].dtype
+        return h if h.dtype == out_dtype else h.to(out_dtype)
+
+    def _export(self):
+        # without gradients no tensor needs ``unviewed``: skip its per-tensor checks over the whole history
+        history, state = list(self.sources), [self.partial] if self.partial is not None else []
+        if self.scheme.additive:
+            assert self.residual is not None  # the scheme sets it on begin and resume
+            state.append(self.residual)
+        if any(t.requires_grad for t in history) or any(t.requires_grad for t in state):
+            return super()._export()
+        return history, state
+
+    def _cache(self) -> Sequence[Tensor]:
+        if self.ops is not PLAIN_OPS:
+            return super()._cache()
+        return tuple(self._derived())
+
+
+def decode_form(scheme, embedding: Tensor) -> bool:
+    """Whether a stream runs ``DecodeStream``: one token per sequence without gradients, in eager mode
+    (a compiled step fuses the general form itself) and outside autocast (whose lower-precision products
+    the general form's ops turn off), with pseudo-queries and no window."""
+    return (
+        embedding.shape[1] == 1
+        and not torch.is_grad_enabled()
+        and not torch.compiler.is_compiling()
+        and not torch.is_autocast_enabled(embedding.device.type)
+        and scheme.weights_kind == "pseudo_query"
+        and scheme.window is None
+    )
+
+
 def compiled_form(embedding: Tensor) -> bool:
     """Whether a stream is traced by torch.compile for training or prefill. Such a stream keeps no
     buffer and runs ``COMPILED_OPS``: under the compiler, row writes into a buffer become copies
@@ -577,4 +747,6 @@ def stream_class(scheme, embedding: Tensor) -> type:
         return FusedStream
     if scheme.weights_kind == "low_rank_query":
         return TokenQueryTwoPhaseStream
+    if decode_form(scheme, embedding):
+        return DecodeStream
     return CompiledTwoPhaseStream if compiled_form(embedding) else TwoPhaseStream
