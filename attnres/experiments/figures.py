@@ -107,15 +107,23 @@ def block_size_plot(
     return _save(fig, path)
 
 
-def curves_plot(panels: list[tuple[str, str, dict[str, tuple[np.ndarray, np.ndarray]]]], path: str, title: str) -> str:
-    """Side-by-side line plots. panels: (title, xlabel, {label: (x, y)})."""
+def curves_plot(
+    panels: list[tuple[str, str, dict[str, tuple[np.ndarray, np.ndarray]]]],
+    path: str,
+    title: str,
+    ylabel: str = "validation loss (nats/token)",
+    logy: bool = False,
+) -> str:
+    """Side-by-side line plots. panels: (title, xlabel, {label: (x, y)}); ``logy``: a log y axis."""
     plt = pyplot()
     fig, axes = plt.subplots(1, len(panels), figsize=(6.2 * len(panels), 4.4), squeeze=False)
     for ax, (ptitle, xlabel, lines) in zip(axes[0], panels, strict=True):
         for i, (label, (x, y)) in enumerate(lines.items()):
             ax.plot(x, y, marker="o", ms=3, color=f"C{i % 10}", ls="-" if i < 10 else "--", label=label)
         ax.set_xlabel(xlabel)
-        ax.set_ylabel("validation loss (nats/token)")
+        ax.set_ylabel(ylabel)
+        if logy:
+            ax.set_yscale("log")
         ax.set_title(ptitle, fontsize=10)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)

@@ -148,16 +148,32 @@ def status_of(
         return RunStatus(run, run_dir, "partial", int(step))
     root = Path(runs_root)
     if reuse and root.is_dir() and not isinstance(runs_root, LabelledRuns):  # its neighbours are runs
+        found = []  # (when it was trained, its experiment, this run's directory, the source)
         for other in sorted(root.iterdir()):
             if other.name == name:
                 continue
             cand = other / run.hash
             if is_done(cand, run.hash):
-                return RunStatus(run, run_dir, "reusable", run.train.steps, source=cand)
+                found.append((_trained_at(cand), other.name, run_dir, cand))
+                continue
             alias = _compatible_run(other, payload, run.hash, indexes)
             if alias is not None:
-                return RunStatus(run, run_dir.parent / alias.name, "reusable", run.train.steps, source=alias)
+                found.append((_trained_at(alias), other.name, run_dir.parent / alias.name, alias))
+        if found:
+            # the first trained of the identical runs: a later experiment's copy of the same config (trained
+            # again, at another commit) never displaces the run an experiment's report already reads
+            _, _, where, source = min(found, key=lambda f: (f[0], f[1]))
+            return RunStatus(run, where, "reusable", run.train.steps, source=source)
     return RunStatus(run, run_dir, "missing")
+
+
+def _trained_at(run_dir: Path) -> str:
+    """When the run was first trained ('YYYY-MM-DD HH:MM:SS' of its first training invocation, through any
+    copies), or '~' (after every date) where its run.json does not say."""
+    info = read_json(run_dir / RUN_FILE) or {}
+    trained = info.get("source_invocations") or [i for i in info.get("invocations", []) if "reused_from" not in i]
+    starts = [i["started"] for i in trained if isinstance(i, dict) and isinstance(i.get("started"), str)]
+    return min(starts, default="~")
 
 
 def plan_status(spec: ExperimentSpec, runs_root=DEFAULT_RUNS_ROOT) -> list[RunStatus]:

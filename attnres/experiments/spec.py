@@ -103,6 +103,7 @@ REPORT_AXES = {
     "importance": ("backbone", "scheme"),
     "kimi-scaling": ("size", "scheme"),
     "lr-sweep": ("lr", "backbone", "scheme"),
+    "additive": ("backbone", "scheme"),
     "generic": (),
 }
 DEFAULT_TOKENS_PER_SECOND = 6000.0

@@ -400,3 +400,40 @@ def test_the_final_loss_covers_the_whole_validation_split(tmp_path, write_spec, 
         r.loss == json.loads((r.dir / SUMMARY_FILE).read_text())["val_loss"] for r in col.results
     )
     assert col.results[1].eval_tokens == t.eval_batches * t.batch_size * t.seq_len
+
+
+def test_the_first_trained_of_identical_runs_is_the_one_reused(tmp_path, write_spec, tiny_base):
+    """Two experiments hold the same config, trained at different times: a third reuses the first trained,
+    whatever the experiments' names, so a later experiment never changes what an existing report reads."""
+    specs, root = tmp_path / "specs", tmp_path / "runs"
+    for name in ("zeta", "alpha", "third"):
+        write_spec(
+            specs,
+            name,
+            f"""
+            [experiment]
+            name = "{name}"
+            reuse = false
+            {tiny_base()}
+        """,
+        )
+    zeta, alpha = load_spec("zeta", specs), load_spec("alpha", specs)
+    run_experiment(zeta, root, progress=False, log=quiet)
+    run_experiment(alpha, root, progress=False, log=quiet)
+    dates = {"zeta": "2026-01-01 00:00:00", "alpha": "2026-02-01 00:00:00"}
+    for name, started in dates.items():
+        (done,) = plan_status(load_spec(name, specs), root)
+        info = json.loads((done.dir / RUN_FILE).read_text())
+        info["invocations"][0]["started"] = started
+        (done.dir / RUN_FILE).write_text(json.dumps(info))
+    third = load_spec("third", specs)
+    third.reuse = True
+    (s,) = plan_status(third, root)
+    assert s.state == "reusable" and s.source.parent.name == "zeta"  # trained first, though named last
+    dates = {"zeta": "2026-03-01 00:00:00", "alpha": "2026-02-01 00:00:00"}
+    (done,) = plan_status(zeta, root)
+    info = json.loads((done.dir / RUN_FILE).read_text())
+    info["invocations"][0]["started"] = dates["zeta"]
+    (done.dir / RUN_FILE).write_text(json.dumps(info))
+    (s,) = plan_status(third, root)
+    assert s.source.parent.name == "alpha"

@@ -28,11 +28,16 @@ lr-sweep   lr, backbone, scheme   per backbone the loss at each learning rate, e
                                   arm's best rate, Block / Full vs the baseline each at
                                   its best rate, MoE load balance, the share of the Kimi
                                   Linear gain kept with dense MLPs
+additive   backbone, scheme       per backbone: additive routing against the baseline and the
+                                  replacement arm of its family, each learned gain's final
+                                  RMS and whether its runs test additive routing at all
+                                  (gain RMS >= 0.1, or the fixed unit gain); gain RMS
+                                  against the training step
 generic    any                    groups with mean ± std and paired Δ vs the baseline
 ========== ===================== =====================================================
 
 One module per report kind (``scaling``, ``ablations``, ``block_size``, ``arena``, ``dynamics``,
-``arch_sweep``, ``kimi_linear``, ``lr_sweep``, ``demo``, ``retrofit``, ``generic``), what they share in
+``arch_sweep``, ``kimi_linear``, ``lr_sweep``, ``demo``, ``retrofit``, ``additive``, ``generic``), what they share in
 ``common`` (the ``Report`` page, tables, numbers) and ``sections`` (status, provenance, statistics, all runs);
 ``page.write_report`` picks the sections of a spec's kind; ``verdicts`` builds docs/experiments.md's verdict
 table from the reports' corrected comparisons.

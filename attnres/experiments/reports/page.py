@@ -6,6 +6,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from attnres.experiments.reports.ablations import ablations_report
+from attnres.experiments.reports.additive import additive_report
 from attnres.experiments.reports.arch_sweep import arch_sweep_report
 from attnres.experiments.reports.arena import arena_report
 from attnres.experiments.reports.block_size import block_size_report
@@ -47,6 +48,7 @@ BUILDERS: dict[str, Callable[[Report], None]] = {
     "retrofit": retrofit_report,
     "routing": routing_report,
     "importance": importance_report,
+    "additive": additive_report,
     "generic": generic_report,
 }
 

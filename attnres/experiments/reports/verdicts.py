@@ -241,6 +241,35 @@ ROWS: tuple[Row, ...] = (
         note="not a test of additive routing: the zero-initialised gain never moved",
     ),
     Row(
+        "additive routing as published (Delta AttnRes: unit gain), additive − replacement, LLaMA: Block / Full",
+        "1.7-8.2 % lower perplexity (Delta AttnRes)",
+        "additive",
+        tuple(
+            (s, pair({"backbone": "llama", "scheme": f"{s}-delta"}, {"backbone": "llama", "scheme": s}))
+            for s in ("block", "full")
+        ),
+        note="lr 3e-3, where Full replacement itself is worse than PreNorm; Kimi Linear not run yet",
+    ),
+    Row(
+        "the same against PreNorm, LLaMA: Block / Full",
+        "–",
+        "additive",
+        tuple(
+            (s, pair({"backbone": "llama", "scheme": f"{s}-delta"}, {"backbone": "llama", "scheme": "prenorm"}))
+            for s in ("block", "full")
+        ),
+    ),
+    Row(
+        "additive routing with a learned per-channel gain from 1, against PreNorm, LLaMA: Block / Full",
+        "–",
+        "additive",
+        tuple(
+            (s, pair({"backbone": "llama", "scheme": f"{s}-gain1"}, {"backbone": "llama", "scheme": "prenorm"}))
+            for s in ("block", "full")
+        ),
+        note="every run's gain stayed near 1 (RMS 1.01): a test of additive routing by the report's rule",
+    ),
+    Row(
         "states instead of outputs as sources (replacement routing), Kimi Linear",
         "–",
         "routing",
