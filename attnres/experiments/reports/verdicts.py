@@ -149,6 +149,13 @@ ROWS: tuple[Row, ...] = (
         note="best rate 6e-3 for every arm, the edge of the grid",
     ),
     Row(
+        "the same at equal wall-clock, trained (each arm given prenorm's training time; eager CPU step costs at d 64)",
+        "negligible overhead",
+        "equal-time",
+        tuple((s, pair({"scheme": s}, {"scheme": "prenorm"})) for s in ("block", "full")),
+        note="205 / 191 steps against 250, from the measured step-time ratios 1.22 / 1.31",
+    ),
+    Row(
         "AttnRes gains at every scale (Figure 4): Block, s1 → s4",
         "parallel curves",
         "scaling",
