@@ -10,7 +10,8 @@ Every bench module has the same three parts, which the registry names:
 ``run_bench`` runs one, in this process or (``processes`` > 1) in several fresh ones whose headline
 numbers it reports as min / median / max (``attnres.bench.spread``); ``format_result`` prints it.
 
-``train``: step time and peak memory of residual schemes; ``op``: the depth-attention op against
+``train``: step time and peak memory of residual schemes; ``compile``: the compile warm-up of a training
+start, with the compiler's caches cold and warm; ``op``: the depth-attention op against
 the machine's copy bandwidth; ``graph``: the ops torch.compile traces per scheme; ``decode``:
 prefill throughput, decode latency and residual I/O; ``pipeline``: pipeline traffic and step time
 with and without cross-stage caching (torchrun); ``kimi``: our Kimi Linear backbone against
@@ -27,7 +28,7 @@ from typing import Any
 
 import torch
 
-from attnres.bench import decode, graph, kimi, op, pipeline, roofline, spread, train
+from attnres.bench import compile, decode, graph, kimi, op, pipeline, roofline, spread, train
 from attnres.bench.checks import check_config, check_fields, coerce
 
 
@@ -64,6 +65,14 @@ BENCHES: dict[str, Bench] = {
         "compile=true compiled with the compile warm-up; --set plot=FILE.png draws the curve; --processes N "
         "reports the median and min-max over N fresh processes",
         "attnres bench roofline --quick --processes 3",
+    ),
+    "compile": Bench(
+        compile.CompileBenchConfig,
+        compile.run,
+        compile.format_table,
+        "how long torch.compile keeps a training start waiting, per scheme: fresh processes over a new cache "
+        "directory per variant, the first start cold and the next ones reading the compiler's on-disk caches",
+        "attnres bench compile --quick --variants prenorm,block,full",
     ),
     "op": Bench(
         op.OpBenchConfig,

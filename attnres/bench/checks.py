@@ -232,8 +232,16 @@ def check_roofline(cfg: Any) -> None:
         check_train(train_config(cfg, width))
 
 
+def check_compile(cfg: Any) -> None:
+    from attnres.bench.compile import _train_config
+
+    for variant in ["prenorm"] + [v for v in cfg.variants if v != "prenorm"]:  # each start is a bench train row
+        check_train(dataclasses.replace(_train_config(cfg, variant), variants=[variant]))
+
+
 CHECKS: dict[str, Callable[[Any], None]] = {
     "train": check_train,
+    "compile": check_compile,
     "roofline": check_roofline,
     "op": check_op,
     "graph": check_graph,

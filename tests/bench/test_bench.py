@@ -312,7 +312,7 @@ def test_every_bench_has_the_registry_interface():
     from attnres.bench import BENCHES, bench_config
     from attnres.cli import build_parser
 
-    assert set(BENCHES) == {"train", "roofline", "op", "graph", "decode", "pipeline", "kimi"}
+    assert set(BENCHES) == {"train", "roofline", "op", "graph", "decode", "pipeline", "kimi", "compile"}
     for name, bench in BENCHES.items():
         assert build_parser().parse_args(["bench", name]).what == name  # the command offers the registry
         quick = bench.config.quick()
