@@ -58,12 +58,12 @@ def reference_stream_inputs(residual, embedding, outputs):
         srcs = done + ([partial] if partial is not None else [])
         stacked = torch.stack(srcs)
         kw = residual.key_norm_weight[l].detach().double() if residual.key_norm else None
-        if residual.weights_kind == "scalar":
+        if residual.query_form.name == "scalar":
             logits = residual.mix_logits[l].detach().double()
             a = torch.softmax(logits, 0) if residual.kernel == "softmax" else torch.sigmoid(logits)
             h = (a[:, None, None, None] * stacked).sum(0)
         else:
-            if residual.weights_kind == "pseudo_query":
+            if residual.query_form.name == "pseudo_query":
                 q = residual.queries[l].detach().double()
             else:
                 recent = partial if partial is not None else blocks[-1]

@@ -28,7 +28,17 @@ from typing import Any
 
 import torch
 
-from attnres.bench import compile, decode, graph, kimi, op, pipeline, roofline, spread, train
+from attnres.bench import (
+    compile,
+    decode,
+    graph,
+    kimi,
+    op,
+    pipeline,
+    roofline,
+    spread,
+    train,
+)
 from attnres.bench.checks import check_config, check_fields, coerce
 
 

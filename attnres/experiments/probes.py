@@ -139,14 +139,15 @@ def mixing_matrix(model, x: torch.Tensor, max_tokens: int = MIXING_TOKENS) -> di
 def gain_probe(model) -> dict | None:
     """``routing_gain`` (see the module docstring)."""
     from attnres.residual.attnres import DepthAttentionResidual
+    from attnres.residual.variants import AdditiveRouting
 
     scheme = next((m for m in model.modules() if isinstance(m, DepthAttentionResidual)), None)
     stats = scheme.gain_stats() if scheme is not None else {}
     if not stats:
         return None
-    assert scheme is not None  # a learned gain belongs to a scheme
+    assert scheme is not None and isinstance(scheme.routing, AdditiveRouting)  # a learned gain is additive routing's
     g = scheme.routing_gain.detach().double()
-    return {**stats, "gain_init": scheme.gain_init, "per_read_rms": g.pow(2).mean(-1).sqrt().tolist()}
+    return {**stats, "gain_init": scheme.routing.init, "per_read_rms": g.pow(2).mean(-1).sqrt().tolist()}
 
 
 def run_probes(model, val, *, seq_len: int) -> dict:

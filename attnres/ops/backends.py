@@ -275,6 +275,12 @@ OPS: dict[str, Op] = {
             ("torch", "reference"),
             "Phase 2: a sublayer's partial sum merged into its Phase-1 result",
         ),
+        Op(
+            "decode_read",
+            "residual.depth_streams.DecodeStream (two_phase.cpu.DecodeReader)",
+            ("cpu_kernel", "torch"),
+            "a read of the buffer at one token per sequence without gradients (KV-cached decoding)",
+        ),
         Op("multi_query", "depth_attention.multi_query", ("reference",), "several full-width queries, one pass"),
         Op("token_queries", "token_queries", ("reference",), "two-phase with per-token (low-rank) queries"),
         Op("gated_depth_attention", "gated_depth_attention", ("reference",), "the gated multi-head rival"),
@@ -565,6 +571,17 @@ def _rule_merge_partial(op, phase, case, env=None, triton=_UNSET, kernels=None, 
     )
 
 
+def _rule_decode_read(op, phase, case, env=None, triton=_UNSET, kernels=None, load=True) -> Choice:
+    if phase == "backward":
+        return Choice(op, phase, "torch", "a decode read runs without gradients; it has no backward")
+    if case.dtype not in (torch.float32, torch.float64):
+        return Choice(op, phase, "torch", f"{case.describe()} rows, and the C++ kernel reads float32/float64")
+    module, why = _cpu_kernel(case, env)
+    if module is None:
+        return Choice(op, phase, "torch", f"no C++ kernel: {why}")
+    return Choice(op, phase, "cpu_kernel", why, module)
+
+
 def _rule_single(op, phase, case, env, triton, kernels, load) -> Choice:
     return Choice(op, phase, "reference", "plain autograd, the only implementation")
 
@@ -576,6 +593,7 @@ _RULES: dict[str, Callable[..., Choice]] = {
     "phase1_op": _rule_phase1_op,
     "merge": _rule_merge,
     "merge_partial": _rule_merge_partial,
+    "decode_read": _rule_decode_read,
     "multi_query": _rule_single,
     "token_queries": _rule_single,
     "gated_depth_attention": _rule_single,

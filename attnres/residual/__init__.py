@@ -8,8 +8,9 @@
 - options.py: scheme options and their validation; observe.py: observers (the depth record,
   residual I/O counting), kept out of the streams' arithmetic; record.py: the settings a scheme's
   state dict saves, so that its weights never load into a scheme computing another function;
-- prenorm.py: the PreNorm baseline; attnres.py: Full and Block AttnRes (the scheme), with its
-  streams, the reference and each fast form, in depth_streams.py;
+- prenorm.py: the PreNorm baseline; attnres.py: Full and Block AttnRes (the scheme, the paper's
+  method), with each variant a named object in variants.py and its streams, the reference and each
+  fast form, in depth_streams.py;
 - scaled.py: single-state rivals (ReZero, LayerScale, Highway);
 - dense.py: cross-layer rivals over block outputs (DenseFormer, MUDD);
 - hyper.py: multi-stream rivals (Hyper-Connections, mHC);

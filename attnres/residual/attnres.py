@@ -1,47 +1,44 @@
-"""Attention Residuals: Full (docs/method.md §3) and Block (docs/method.md §4) with the Table-4 variants.
+"""Attention Residuals, the paper's method: Full (docs/method.md §3) and Block AttnRes (§4).
 
-Full AttnRes is Block AttnRes with one sublayer per depth block (S = 1): every
-output is its own block, no partial sums exist, and each sublayer attends over
-the embedding and all earlier outputs. One class therefore serves both.
+Full AttnRes is Block AttnRes with one sublayer per depth block (S = 1): every output is its own
+block, no partial sums exist, and each sublayer attends over the embedding and all earlier outputs.
+One class therefore serves both. The method, for consumer l (0-based: sublayers 0 … L-1, and the final
+aggregation l = L), and where the code computes it:
 
-This module holds the scheme: its options, the depth-block geometry and the parameters. The
-streams it starts, the reference and each fast form, are in ``attnres.residual.depth_streams``.
+    sources of l  [b_0 = embedding, b_1 … b_{n-1}, b_n^i]   ``source_plan`` (here): which are complete,
+                                                             whether a partial sum b_n^i is open
+    z_i  (Eq. 1)  w_l · RMSNorm_{g_l}(b_i)                   ``queries[l]``, ``key_norm_weight[l]`` (here)
+    α    (Eq. 2)  softmax_i(z_i)                             ``DepthAttentionStream._aggregate``
+    h_l  (Eq. 3)  Σ_i α_i b_i                                  (``depth_streams``), whose op
+                                                               ``depth_attention_reference`` is Eq. 1-3
+    v_l  (Eq. 4)  f_l(Norm_l(h_l)), written back             ``DepthAttentionStream._write``: v_l joins the
+                                                             open block's partial sum; a closing block
+                                                             becomes a source
+
+``DepthAttentionStream`` is that reference, plain autograd; every fast form beside it in
+``attnres.residual.depth_streams`` computes the same values to rounding. Every variant (docs/method.md
+§5: other query forms, the sigmoid kernel, state sources, additive routing) is a named object of
+``attnres.residual.variants`` that the scheme composes (``query_form``, ``kernel_form``,
+``source_form``, ``routing``) and the streams ask; none is a flag here. The other Table-4 options stay
+settings of the scheme: ``heads`` (channel groups), ``key_norm`` and ``window``.
 
 Three implementations (``ModelConfig.attnres_impl``), equal to rounding:
 - ``two_phase`` (default): docs/method.md §6 in training too. At a depth block's first
-  sublayer one Phase-1 op attends all S pseudo-queries of the block to the
-  completed blocks at once (its backward also runs once per block); each
-  sublayer then merges the partial sum by online softmax. Needs queries known when
-  the block starts: pseudo-queries, and low-rank queries (whose input is the
-  block's input; ``attnres.ops.token_queries``) in Block AttnRes. Full-rank
-  input-dependent queries, low-rank queries in Full AttnRes and windows use
-  ``fused``; scalar mixing (no query at all) is a plain weighted sum under any impl.
+  sublayer one Phase-1 op attends all S queries of the block to the completed blocks at once
+  (its backward also runs once per block); each sublayer then merges the partial sum by online
+  softmax. Needs queries known when the block starts (``query_form.known_at_block_start``);
+  other query forms and windows use ``fused``; scalar mixing (no query at all) is a plain
+  weighted sum under any impl.
 - ``fused``: one custom-autograd depth attention per sublayer over buffer views.
-- ``reference``: plain autograd over a stacked source list.
+- ``reference``: the reference stream, plain autograd over a stacked source list.
 
-Sources (``attnres_sources``): "outputs" (the paper: block sums of sublayer
-outputs) or "states" (running residual sums at block boundaries; method.md §5,
-not from the paper). A states stream is the outputs stream whose partial sum
-starts from the last completed state instead of from nothing, so every
-implementation serves both.
-
-Routing (``attnres_routing``): "replacement" (the paper: a read is the depth mixture) or "additive"
-(Delta Attention Residuals' corrected form: a read is the ordinary PreNorm stream h_std plus g_l times
-the mixture). The gain (``attnres_gain``) is learned per channel or as one scalar per read, starting
-at ``attnres_gain_init`` (0: the model starts as PreNorm exactly) and trained at ``attnres_gain_lr``
-times the learning rate; or it is "unit", Delta AttnRes as published: no gain parameter, h_std plus the
-mixture at every read but the first and the final one, which return h_std (docs/method.md §5). The
-stream keeps h_std beside its sources and wraps whatever its form's read computes, so every
-implementation serves all of them.
-
-Depth blocks may be uneven (``attnres_block_sizes``): the geometry lives in
-``source_plan`` alone, which every path reads.
+Depth blocks may be uneven (``attnres_block_sizes``): the geometry lives in ``source_plan`` alone,
+which every path reads.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 
 import torch
@@ -55,6 +52,7 @@ from attnres.residual.args import (
 )
 from attnres.residual.base import ResidualScheme, Stream
 from attnres.residual.depth_streams import stream_class
+from attnres.residual.variants import variants_of
 
 
 def routing_gain_stats(model: nn.Module) -> dict[str, float]:
@@ -92,48 +90,36 @@ def source_plan(n_sublayers: int, block_size: int | Sequence[int]) -> list[tuple
 
 
 class DepthAttentionResidual(ResidualScheme):
-    """Block AttnRes with block size S (S = 1: Full AttnRes), L sublayers, one query per sublayer + final."""
+    """Block AttnRes with block size S (S = 1: Full AttnRes), L sublayers, one query per sublayer + final.
 
-    query_rank: int | None = None  # r of low-rank queries (attnres_weights="low_rank_query")
+    The paper's parameters: ``queries`` w_l [L + 1, D] (zero at init: uniform weights, docs/method.md
+    §3) and ``key_norm_weight`` g_l [L + 1, D] (ones). A variant's own parameters keep their names
+    (``query_proj``, ``query_up``, ``query_down``, ``mix_logits``, ``extra_queries``, ``routing_gain``);
+    its object makes them."""
+
+    queries: nn.Parameter  # w_l (pseudo- and low-rank queries)
+    key_norm_weight: nn.Parameter  # g_l (with key norm)
+    routing_gain: Tensor  # g_l of additive routing (a buffer for the unit gain)
 
     def __init__(self, config):
         super().__init__()
         d, L = config.d_model, config.n_sublayers
         self.d_model, self.n_sublayers = d, L
         self.scheme_name = config.residual  # "full" or "block" (or a subclass's)
-        self.block_sizes = full_block_sizes(config) if config.residual == "full" else block_sizes(config)
-        self.block_size = max(self.block_sizes)  # the largest block (uneven blocks: see block_sizes)
-        self.num_blocks = len(self.block_sizes)
-        self.heads = config.attnres_heads
-        self.weights_kind = config.attnres_weights
-        self.kernel = config.attnres_kernel
-        self.key_norm = config.attnres_key_norm and config.attnres_weights != "scalar"
-        self.window = config.attnres_window
         self.eps = config.norm_eps
         self.impl = config.attnres_impl
         self.scale_norm_eps = config.attnres_scale_norm_eps
-        self.states = config.attnres_sources == "states"
-        # the Inkling-2 variant (docs/own_model.md): normalized values, scaled logits, several queries per read
-        self.values = config.attnres_values
-        self.score_scale = config.attnres_score_scale
-        self.read_queries = list(config.attnres_read_queries or [1] * (L + 1))
-        self.multi_query = self.values != "raw" or self.score_scale is not None or max(self.read_queries) > 1
-        # additive routing (Delta AttnRes): read l is h_std + g_l * (the depth mixture), h_std the PreNorm
-        # stream; g = 0 at init (the default) starts the model as PreNorm exactly
-        self.additive = config.attnres_routing == "additive"
-        self.gain_form = config.attnres_gain
-        self.gain_init = float(config.attnres_gain_init)
-        self.gain_lr = float(config.attnres_gain_lr)
-        if self.additive and self.gain_form == "unit":
-            # Delta AttnRes' own form: no gain; its first read has no earlier source and its output is
-            # norm(h_std), so g is 0 there. A buffer, not a skipped read: every query stays in the graph
-            unit = torch.ones(L + 1, 1)
-            unit[0] = unit[L] = 0.0
-            self.register_buffer("routing_gain", unit, persistent=False)
-        elif self.additive:
-            self.routing_gain = nn.Parameter(
-                torch.full((L + 1, d if self.gain_form == "per_channel" else 1), self.gain_init)
-            )
+        # the variants (attnres.residual.variants), the paper's by default
+        self.query_form, self.kernel_form, self.source_form, self.routing = variants_of(config)
+        self.kernel = self.kernel_form.name  # the ops take the kernel by name
+        self.heads = config.attnres_heads
+        self.key_norm = config.attnres_key_norm and self.query_form.has_keys
+        self.window = config.attnres_window
+
+        # the depth blocks (docs/method.md §4)
+        self.block_sizes = full_block_sizes(config) if config.residual == "full" else block_sizes(config)
+        self.block_size = max(self.block_sizes)  # the largest block (uneven blocks: see block_sizes)
+        self.num_blocks = len(self.block_sizes)
         self.plan = source_plan(L, self.block_sizes)
         # the first sublayer of each sublayer's depth block (the final aggregation is its own block)
         self.block_start: list[int] = []
@@ -147,51 +133,37 @@ class DepthAttentionResidual(ResidualScheme):
             [(l // group) * group if l < L else L for l in range(L + 1)] if self.grouped else list(self.block_start)
         )
 
-        n_q = L + 1  # every sublayer plus the final aggregation
-        if self.weights_kind == "pseudo_query":
-            # zero init: uniform weights at step 0 (docs/method.md §3; random init destabilises training)
-            self.queries = nn.Parameter(torch.zeros(n_q, d))
-        elif self.weights_kind == "input_query":
-            self.query_proj = nn.ParameterList([nn.Parameter(torch.zeros(d, d)) for _ in range(n_q)])
-        elif self.weights_kind == "low_rank_query":
-            # q_l = w_l + U_l V_l h: U zero-initialised (q = w = 0 at step 0, uniform weights as for
-            # pseudo-queries), V random so that U receives gradient from the first step
-            r = self.query_rank = config.attnres_query_rank
-            self.queries = nn.Parameter(torch.zeros(n_q, d))
-            self.query_up = nn.Parameter(torch.zeros(n_q, d, r))
-            self.query_down = nn.Parameter(torch.randn(n_q, r, d) / math.sqrt(d))
-        else:  # scalar: one learned logit per (sublayer, source)
-            self.mix_logits = nn.ParameterList([nn.Parameter(torch.zeros(self.num_sources(l))) for l in range(n_q)])
-        if max(self.read_queries) > 1:
-            # a read's queries beyond its first, in read order; zero at init like the first
-            self.extra_queries = nn.Parameter(torch.zeros(sum(self.read_queries) - n_q, d))
-            self.extra_start = [sum(q - 1 for q in self.read_queries[:l]) for l in range(n_q)]
+        # the parameters, one set per consumer: every sublayer plus the final aggregation
+        n_q = L + 1
+        self.routing.build(self, n_q, d)  # additive routing: routing_gain
+        self.query_form.build(self, n_q, d)  # the paper's: queries, w_l = 0
         if self.key_norm:
             self.key_norm_weight = nn.Parameter(torch.ones(n_q, d))
 
     def settings(self) -> dict:
+        q = self.query_form
         return {
             "d_model": self.d_model,
             "n_sublayers": self.n_sublayers,
             "attnres_blocks": self.num_blocks,
             "attnres_block_sizes": list(self.block_sizes),
             "attnres_window": self.window,
-            "attnres_weights": self.weights_kind,
-            "attnres_query_rank": self.query_rank,
+            "attnres_weights": q.name,
+            "attnres_query_rank": q.rank,
             "attnres_kernel": self.kernel,
             "attnres_key_norm": self.key_norm,
             "attnres_heads": self.heads,
-            "attnres_sources": "states" if self.states else "outputs",
-            "attnres_values": self.values,
-            "attnres_score_scale": self.score_scale,
-            "attnres_read_queries": list(self.read_queries),
-            "attnres_routing": "additive" if self.additive else "replacement",
+            "attnres_sources": self.source_form.name,
+            "attnres_values": q.values,
+            "attnres_score_scale": q.score_scale,
+            "attnres_read_queries": q.per_read(self.n_sublayers + 1),
+            "attnres_routing": self.routing.name,
             "attnres_scale_norm_eps": self.scale_norm_eps,
             "norm_eps": self.eps,
             # the additive gain's form (per_channel under replacement routing); its init and learning rate only
             # start and train the gain, whose value the weights carry, so they are no setting (as impl is not).
             # attnres.residual.record reads a record without it as this default
-            "attnres_gain": self.gain_form,
+            "attnres_gain": self.routing.gain,
         }
 
     def extra_repr(self) -> str:
@@ -218,22 +190,13 @@ class DepthAttentionResidual(ResidualScheme):
     def lr_scales(self) -> dict[str, float]:
         """Parameter name (relative to this module) -> its learning-rate multiplier, where not 1
         (``attnres.residual.param_groups.lr_scales``; the trainer's optimizer honours it)."""
-        learned = self.additive and self.gain_form != "unit"
-        return {"routing_gain": self.gain_lr} if learned and self.gain_lr != 1.0 else {}
+        return self.routing.lr_scales()
 
     @torch.no_grad()
     def gain_stats(self) -> dict[str, float]:
         """The additive gain now: ``gain_rms`` (RMS of g over reads and channels) and ``gain_shift_rms``
         (RMS of g minus its initial value: 0 until training moves it); {} without a learned gain."""
-        if not self.additive or self.gain_form == "unit":
-            return {}
-        g = self.routing_gain.detach()
-        full = getattr(g, "full_tensor", None)  # sharded (FSDP2): the whole gain
-        g = (full() if callable(full) else g).double()
-        return {
-            "gain_rms": g.pow(2).mean().sqrt().item(),
-            "gain_shift_rms": (g - self.gain_init).pow(2).mean().sqrt().item(),
-        }
+        return self.routing.gain_stats(self)
 
     def num_sources(self, l: int) -> int:
         """K_l: how many sources sublayer l (L = final aggregation) attends over."""
@@ -244,19 +207,17 @@ class DepthAttentionResidual(ResidualScheme):
 
     def prenorm_read_scale(self, l: int) -> float | None:
         """c, where at init (zero queries: uniform weights) read l returns c times the PreNorm residual
-        sum: 1/K_l for softmax over K_l sources, 1/2 for sigmoid. None where no such c exists: with
-        "states" sources (a mix of running sums), normalized values, or a window that leaves sources out.
-        Additive routing with zero-initialised gains reads the PreNorm sum itself at init: c = 1; with
-        nonzero (or unit) gains it reads h_std + g * mixture, no multiple of it."""
-        if self.additive:
-            return 1.0 if self.gain_form != "unit" and self.gain_init == 0 else None
-        if (
-            self.states
-            or self.values != "raw"
-            or (self.window is not None and self.num_sources(l) < self.plan[l][0] + int(self.plan[l][1]))
-        ):
-            return None
-        return 0.5 if self.kernel == "sigmoid" else 1.0 / self.num_sources(l)
+        sum: the kernel's uniform weight (1/K_l for softmax over K_l sources, 1/2 for sigmoid). None
+        where no such c exists: with "states" sources (a mix of running sums), normalized values, or a
+        window that leaves sources out. The routing has the last word: additive routing with
+        zero-initialised gains reads the PreNorm sum itself at init (c = 1)."""
+        complete, partial = self.plan[l]
+        uniform = (
+            self.source_form.sums_to_prenorm
+            and self.query_form.uniform_at_init()
+            and self.num_sources(l) == complete + int(partial)  # no source left out by a window
+        )
+        return self.routing.read_scale(self.kernel_form.uniform_weight(self.num_sources(l)) if uniform else None)
 
     def norm_eps_scale(self, l: int) -> float:
         """With ``attnres_scale_norm_eps``: c^2 (``prenorm_read_scale``). RMSNorm(c S) with eps c^2
@@ -266,20 +227,18 @@ class DepthAttentionResidual(ResidualScheme):
         return 1.0 if c is None else c * c
 
     def stream_form(self, embedding: Tensor) -> type:
-        """The stream class this scheme runs (``attnres_impl``, its weights, the compiler); an
+        """The stream class this scheme runs (``attnres_impl``, its variants, the compiler); an
         instance may override it to run a measuring form (``attnres.experiments.importance``)."""
         return stream_class(self, embedding)
 
     def _begin(self, embedding: Tensor) -> Stream:
         stream = self.stream_form(embedding)(self, [embedding])
-        if self.additive:
-            stream.residual = embedding
+        self.routing.begin(stream, embedding)
         return stream
 
     def _resume(self, history, state, cache=()):
-        # the state: [partial block sum] if a block is open, then with additive routing the PreNorm stream
-        residual = state[-1] if self.additive else None
-        partial = state[0] if len(state) > int(self.additive) else None
-        stream = self.stream_form(history[0])(self, history, partial, cache)
-        stream.residual = residual
+        # the state: [partial block sum] if a block is open, then the routing's own (additive: h_std)
+        own = len(state) - self.routing.state_size
+        stream = self.stream_form(history[0])(self, history, state[0] if own else None, cache)
+        self.routing.resume(stream, state[own:])
         return stream

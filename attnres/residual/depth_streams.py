@@ -1,25 +1,29 @@
 """The streams of Full and Block AttnRes: the reference, and each fast form as a subclass tested against it.
 
-``DepthAttentionStream`` is docs/method.md §3-§4 as written, and every other class here computes
-the same values to rounding (tests/residual/test_attnres.py runs each against it):
+``DepthAttentionStream`` is docs/method.md §3-§4 as written (its read and write first), and every
+other class here computes the same values to rounding (tests/residual/test_stream_forms.py runs each
+against it). ``stream_class`` picks the form from the scheme's implementation, its query form
+(``attnres.residual.variants``) and the compiler:
 
 ==========================  ====================================================================
 class                       what it changes
 ==========================  ====================================================================
 DepthAttentionStream        the reference: per read, stack the sources and attend (plain autograd)
-ScalarMixStream             scalar mixing (no query, no key norm): a learned softmax per read
-MultiQueryStream            normalized values, scaled logits, several queries per read (Inkling-2)
+ScalarMixStream             ``ScalarMixing``: no query, no key norm; a learned softmax per read
+MultiQueryStream            ``MultiQueries``: normalized values, scaled logits, several queries per
+                            read (Inkling-2)
 FusedStream                 completed sources copied once into a buffer [B, T, N+1, D]; each read
                             is one custom-autograd depth attention over views of it
 TwoPhaseStream              docs/method.md §6 in training too: one Phase-1 pass per depth block
                             (or per group of G sublayers in Full AttnRes), then one exact merge
                             with the partial sum per sublayer
-TokenQueryTwoPhaseStream    two-phase with low-rank per-token queries (their input: the block's)
+TokenQueryTwoPhaseStream    two-phase with ``LowRankQueries``, per token (their input: the block's)
 CompiledTwoPhaseStream      two-phase as torch.compile traces it for training and prefill: Phase 1
                             over the sources as separate tensors, no buffer (a custom op with its
                             own backward, small ones pointwise), recomputed in backward
 DecodeStream                two-phase's buffer read one token at a time without gradients: per read
-                            one pass over the rows and the partial sum (no Phase-1 statistics)
+                            one pass over the rows and the partial sum (no Phase-1 statistics),
+                            one C++ kernel call on the CPU
 ==========================  ====================================================================
 
 The state a stream holds is tensors: ``sources`` (the completed sources b_0 = embedding, b_1, ...),
@@ -38,18 +42,26 @@ statistics and merges in float32 either way (``attnres.ops.common.compute_dtype`
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from attnres.ops.backends import Case, choose
 from attnres.ops.common import DepthStats, compute_dtype, inverse_rms
 from attnres.ops.depth_attention import (
     depth_attention_reference,
     multi_query_depth_attention,
 )
-from attnres.ops.token_queries import low_rank_queries
+from attnres.ops.two_phase.cpu import DecodeReader
 from attnres.residual.base import COMPILED_OPS, PLAIN_OPS, Stream, widened
+from attnres.residual.variants import (
+    LowRankQueries,
+    MultiQueries,
+    PseudoQueries,
+    ScalarMixing,
+)
 
 
 def unviewed(t: Tensor) -> Tensor:
@@ -67,12 +79,17 @@ def unviewed(t: Tensor) -> Tensor:
 
 
 class DepthAttentionStream(Stream):
-    """The reference stream: h_l = sum_i alpha_i v_i over the stacked sources, plain autograd.
+    """The reference stream, docs/method.md §3-§4 as written: per read, stack the sources and attend
+    (plain autograd); per write, add the output to the open block's partial sum.
 
-    ``scheme``: the ``DepthAttentionResidual`` that owns the queries, key norms and the geometry
-    (``scheme.plan[l]`` = (completed sources, has partial) for sublayer l). ``sources``: the
-    completed sources, [embedding] at the start; ``partial``: the running block sum, if any;
-    ``cache``: what ``_cache`` of the same form handed over (then nothing is recomputed)."""
+    ``scheme``: the ``DepthAttentionResidual`` that owns the queries, key norms, variants and the
+    geometry (``scheme.plan[l]`` = (completed sources, has partial) for sublayer l). ``sources``: the
+    completed sources, [embedding] at the start; ``partial``: the running block sum b_n^i, None at a
+    block's start (a zero source would add a bogus term to the softmax); ``cache``: what ``_cache`` of
+    the same form handed over (then nothing is recomputed)."""
+
+    # additive routing (``AdditiveRouting``): the ordinary PreNorm stream, embedding + every output so far
+    residual: Tensor | None = None
 
     def __init__(self, scheme, sources: Sequence[Tensor], partial: Tensor | None = None, cache: Sequence[Tensor] = ()):
         super().__init__(scheme.n_sublayers)
@@ -87,16 +104,39 @@ class DepthAttentionStream(Stream):
                 self._add_source(v)
         self.partial: Tensor | None = partial
 
-    def _allocate(self, embedding: Tensor) -> None:
-        """Tensors a fast form derives from the sources, allocated once per forward pass."""
+    # ------------------------------------------------------------------ the method
+    def _read(self, l: int) -> Tensor:
+        """h_l (Eq. 1-3), routed (the paper: the mixture itself)."""
+        return self.scheme.routing.route(self, l, self._aggregate(l))
 
-    def _restore(self, cache: Sequence[Tensor]) -> None:
-        """Take back the tensors that ``_cache`` of the same form exported (the fast forms' buffers)."""
-        raise NotImplementedError(f"{type(self).__name__} exports no cache to resume from")
+    def _aggregate(self, l: int) -> Tensor:
+        """Σ_i α_i v_i, α = softmax_i(q_l · RMSNorm_{g_l}(v_i)) over the sources of read l."""
+        s = self.scheme
+        return self.ops.attend_reference(
+            torch.stack(self._producers(l)),
+            self._query(l),
+            self._key_weight(l),
+            eps=s.eps,
+            kernel=s.kernel,
+            normalize_keys=s.key_norm,
+        ).h
 
-    def _add_source(self, v: Tensor) -> None:
-        """A completed source (the embedding, or a depth block just closed)."""
-        self.sources.append(v)
+    def _write(self, l: int, f: Tensor) -> None:
+        """v_l (Eq. 4) joins the open depth block's partial sum; a block that closes becomes a source."""
+        s = self.scheme
+        f = widened(f, self.sources[0])
+        s.routing.write(self, f)
+        if self.partial is not None:
+            self.partial = self.ops.accumulate(self.partial, f)
+        else:  # a block's first output (state sources: the running sum continues from the last state)
+            self.partial = s.source_form.open_block(self.sources[-1], f, self.ops.accumulate)
+        complete, _ = s.plan[l + 1]
+        if complete > len(self.sources):  # the depth block just closed
+            self._add_source(self.partial)
+            self.partial = None
+
+    def _end(self) -> Tensor:
+        return self._read(self.n_sublayers)
 
     # ------------------------------------------------------------------ which sources, which query
     def _source_rows(self, l: int) -> list[tuple[int, int]]:
@@ -115,35 +155,10 @@ class DepthAttentionStream(Stream):
         return out
 
     def _query(self, l: int) -> Tensor:
-        s = self.scheme
-        if s.weights_kind == "pseudo_query":
-            q = s.queries[l]
-            return q.view(s.heads, -1) if s.heads > 1 else q
-        if s.weights_kind == "low_rank_query":
-            # the most recent completed source: the same for every sublayer of a depth block
-            q = low_rank_queries(
-                s.queries[l : l + 1], s.query_up[l : l + 1], s.query_down[l : l + 1], self.sources[-1]
-            )[:, :, 0]
-            return q.unflatten(-1, (s.heads, -1)) if s.heads > 1 else q
-        # input-dependent: project the stream's most recent state
-        recent = self.partial if self.partial is not None else self.sources[-1]
-        q = recent @ s.query_proj[l].to(recent.dtype).t()
-        return q.unflatten(-1, (s.heads, -1)) if s.heads > 1 else q
+        return self.scheme.query_form.query(self, l)
 
     def _key_weight(self, l: int) -> Tensor | None:
         return self.scheme.key_norm_weight[l] if self.scheme.key_norm else None
-
-    # ------------------------------------------------------------------ the read
-    def _aggregate(self, l: int) -> Tensor:
-        s = self.scheme
-        return self.ops.attend_reference(
-            torch.stack(self._producers(l)),
-            self._query(l),
-            self._key_weight(l),
-            eps=s.eps,
-            kernel=s.kernel,
-            normalize_keys=s.key_norm,
-        ).h
 
     def _weights(self, l: int) -> Tensor:
         """alpha [K, B, T] (or [K, B, T, H]) of read l, for the depth record."""
@@ -159,47 +174,21 @@ class DepthAttentionStream(Stream):
         assert weights is not None  # the reference op always returns its weights
         return weights
 
-    # ------------------------------------------------------------------ routing
-    # additive routing (``scheme.additive``): the ordinary PreNorm stream, embedding + every output so far
-    residual: Tensor | None = None
+    # ------------------------------------------------------------------ what a fast form derives
+    def _allocate(self, embedding: Tensor) -> None:
+        """Tensors a fast form derives from the sources, allocated once per forward pass."""
 
-    def _route(self, l: int, mixture: Tensor) -> Tensor:
-        """What read l returns: the depth mixture (replacement), or h_std + g_l * mixture (additive; g_l
-        a learned [D] or [1] gain, or the unit form's fixed 1, 0 at the first and final reads). Wraps any
-        form's ``_aggregate``, so every fast form routes additively without a path of its own."""
-        if not self.scheme.additive:
-            return mixture
-        assert self.residual is not None  # the scheme sets it on begin and resume
-        return self.residual + self.scheme.routing_gain[l].to(mixture.dtype) * mixture
+    def _restore(self, cache: Sequence[Tensor]) -> None:
+        """Take back the tensors that ``_cache`` of the same form exported (the fast forms' buffers)."""
+        raise NotImplementedError(f"{type(self).__name__} exports no cache to resume from")
 
-    # ------------------------------------------------------------------ stream interface
-    def _read(self, l: int) -> Tensor:
-        return self._route(l, self._aggregate(l))
+    def _add_source(self, v: Tensor) -> None:
+        """A completed source (the embedding, or a depth block just closed)."""
+        self.sources.append(v)
 
-    def _write(self, l: int, f: Tensor) -> None:
-        f = widened(f, self.sources[0])
-        if self.scheme.additive:
-            assert self.residual is not None  # the scheme sets it on begin and resume
-            self.residual = self.ops.accumulate(self.residual, f)
-        if self.partial is not None:
-            self.partial = self.ops.accumulate(self.partial, f)
-        elif self.scheme.states:  # a running sum of the whole stream: it continues from the last state
-            self.partial = self.ops.accumulate(self.sources[-1], f)
-        else:
-            self.partial = f
-        complete, _ = self.scheme.plan[l + 1]
-        if complete > len(self.sources):  # the depth block just closed
-            self._add_source(self.partial)
-            self.partial = None
-
-    def _end(self) -> Tensor:
-        return self._route(self.n_sublayers, self._aggregate(self.n_sublayers))
-
+    # ------------------------------------------------------------------ hand-over and records
     def _export(self):
-        state = [self.partial] if self.partial is not None else []
-        if self.scheme.additive:
-            assert self.residual is not None  # the scheme sets it on begin and resume
-            state.append(self.residual)
+        state = ([self.partial] if self.partial is not None else []) + self.scheme.routing.state(self)
         return [unviewed(t) for t in self.sources], [unviewed(t) for t in state]
 
     def state_bytes(self) -> int:
@@ -209,7 +198,7 @@ class DepthAttentionStream(Stream):
         s = self.scheme
         # outputs: v_i (Full) / b_i (Block); states: s_i, the running sum after i sublayers (Full) /
         # sb_i, after i depth blocks (Block); "~": the running sum inside the current block
-        prefix = ("s" if s.block_size == 1 else "sb") if s.states else ("v" if s.block_size == 1 else "b")
+        prefix = s.source_form.prefix(s.block_size == 1)
         names = [("emb" if i == 0 else f"{prefix}{i}") for a, b in self._source_rows(l) for i in range(a, b)]
         if self.partial is not None:
             names.append(f"{prefix}{len(self.sources)}~")
@@ -221,10 +210,7 @@ class ScalarMixStream(DepthAttentionStream):
     """Input-independent mixing (paper Table 4): one learned logit per (sublayer, source), no query."""
 
     def _alpha(self, l: int) -> Tensor:
-        logits = self.scheme.mix_logits[l]
-        if logits.dtype in (torch.float16, torch.bfloat16):
-            logits = logits.float()
-        return torch.softmax(logits, dim=0) if self.scheme.kernel == "softmax" else torch.sigmoid(logits)
+        return self.scheme.query_form.weights(self.scheme, l)
 
     def _aggregate(self, l: int) -> Tensor:
         # no stacking: each term keeps a reference to its (already alive) source
@@ -248,17 +234,11 @@ class MultiQueryStream(DepthAttentionStream):
     softmax does; Inkling-2 skips the read there)."""
 
     def _queries(self, l: int) -> Tensor:
-        s = self.scheme
-        first = s.queries[l : l + 1]
-        extra = s.read_queries[l] - 1
-        if not extra:
-            return first
-        start = s.extra_start[l]
-        return torch.cat([first, s.extra_queries[start : start + extra]])
+        return self.scheme.query_form.queries(self.scheme, l)
 
     def _aggregate(self, l: int) -> Tensor:
-        s = self.scheme
-        producers, q = self._producers(l), s.read_queries[l]
+        s, form = self.scheme, self.scheme.query_form
+        producers, q = self._producers(l), form.read_queries[l]
         if len(producers) == 1:
             h = producers[0]
             return h if q == 1 else h.expand(q, *h.shape)
@@ -267,14 +247,14 @@ class MultiQueryStream(DepthAttentionStream):
             self._queries(l),
             self._key_weight(l),
             eps=s.eps,
-            scale=s.score_scale,
-            values=s.values,
+            scale=form.score_scale,
+            values=form.values,
             kernel=s.kernel,
         )
         return out[0] if q == 1 else out
 
     def _weights(self, l: int) -> Tensor:
-        s = self.scheme
+        s, form = self.scheme, self.scheme.query_form
         producers = self._producers(l)
         if len(producers) == 1:
             b, t, _ = producers[0].shape
@@ -284,8 +264,8 @@ class MultiQueryStream(DepthAttentionStream):
             self._queries(l)[:1],
             self._key_weight(l),
             eps=s.eps,
-            scale=s.score_scale,
-            values=s.values,
+            scale=form.score_scale,
+            values=form.values,
             kernel=s.kernel,
             return_weights=True,
         ).weights[0]
@@ -330,6 +310,15 @@ class FusedStream(DepthAttentionStream):
         self.buffer = cache[0]  # rows 0..n-1 hold the sources already
 
 
+class Phase1(NamedTuple):
+    """A Phase-1 group's statistics (docs/method.md §6), kept by the stream until the group ends."""
+
+    start: int  # the group's first sublayer
+    h: tuple[Tensor, ...]  # per query of the group: its normalised output over the group's sources [B, T, D]
+    lse: Tensor  # [B, T, S] ([B, T, S, H] with heads), float32
+    queries: Tensor | None  # the group's per-token queries (low-rank), else None
+
+
 class TwoPhaseStream(FusedStream):
     """docs/method.md §6: at the first sublayer of a group (a depth block; G sublayers in Full
     AttnRes) one Phase-1 op attends all the group's pseudo-queries to the sources completed before
@@ -338,8 +327,7 @@ class TwoPhaseStream(FusedStream):
 
     keeps_inv_rms = True  # each source's inverse RMS, computed once for every reader (with key norm)
     inv_rms: Tensor | None = None
-    # (group start, S tensors h1 [B, T, D], lse [B, T, S(, H)], per-token queries or None)
-    _phase1: tuple | None = None
+    _phase1: Phase1 | None = None  # the current group's
     _handed: Sequence[Tensor] = ()  # a resumed group's statistics, unpacked at the first read
 
     def _allocate(self, embedding: Tensor) -> None:
@@ -379,11 +367,11 @@ class TwoPhaseStream(FusedStream):
             self.buffer[:, :, a:b], inv, queries, key_weights, self.sources[a:b], kernel=self.scheme.kernel
         )
 
-    def _run_phase1(self, start: int, stop: int, n: int) -> tuple:
+    def _run_phase1(self, start: int, stop: int, n: int) -> Phase1:
         s = self.scheme
         key_weights = s.key_norm_weight[start:stop] if s.key_norm else None
         h1, lse = self._phase1_over(0, n, self._group_queries(start, stop), key_weights)
-        return (start, h1, lse, None)
+        return Phase1(start, h1, lse, None)
 
     def _merge_partial(self, l: int, stats: DepthStats, i: int) -> Tensor:
         s = self.scheme
@@ -394,18 +382,17 @@ class TwoPhaseStream(FusedStream):
         start, stop = self._group(l)
         n = s.plan[start][0]  # sources completed when the group began
         if self._handed:  # handed over by the previous block: this group's statistics
-            self._phase1 = (
+            self._phase1 = Phase1(
                 start,
                 tuple(self._handed[: stop - start]),
                 self._handed[stop - start],
                 self._handed[stop - start + 1] if len(self._handed) > stop - start + 1 else None,
             )
             self._handed = ()
-        if self._phase1 is None or self._phase1[0] != start:
+        if self._phase1 is None or self._phase1.start != start:
             self._phase1 = self._run_phase1(start, stop, n)
-        _, h1, lse, _ = self._phase1
         i = l - start
-        h, lse = h1[i], lse[:, :, i]
+        h, lse = self._phase1.h[i], self._phase1.lse[:, :, i]
         m = s.plan[l][0]
         if m > n:  # sources completed inside the group (Full AttnRes): attend to them, merge
             q = self._group_queries(l, l + 1)
@@ -428,8 +415,8 @@ class TwoPhaseStream(FusedStream):
         cache = self._derived()
         if self._handed:
             cache += list(self._handed)
-        elif self._phase1 is not None and self._phase1[0] == self.scheme.group_start[self._next]:
-            _, h1, lse, queries = self._phase1
+        elif self._phase1 is not None and self._phase1.start == self.scheme.group_start[self._next]:
+            h1, lse, queries = self._phase1.h, self._phase1.lse, self._phase1.queries
             cache += [*h1, lse] + ([queries] if queries is not None else [])
         return tuple(unviewed(t) for t in cache)
 
@@ -467,21 +454,17 @@ class TokenQueryTwoPhaseStream(TwoPhaseStream):
 
     keeps_inv_rms = False  # the token-query ops normalise their keys themselves
 
-    def _run_phase1(self, start: int, stop: int, n: int) -> tuple:
+    def _run_phase1(self, start: int, stop: int, n: int) -> Phase1:
         s = self.scheme
         key_weights = s.key_norm_weight[start:stop] if s.key_norm else None
-        queries = low_rank_queries(
-            s.queries[start:stop], s.query_up[start:stop], s.query_down[start:stop], self.sources[n - 1]
-        )
-        if s.heads > 1:
-            queries = queries.unflatten(-1, (s.heads, -1))
+        queries = s.query_form.block_queries(s, start, stop, self.sources[n - 1])
         h1, lse = self.ops.phase1_token(self.sources[:n], queries, key_weights, eps=s.eps, kernel=s.kernel)
-        return (start, h1, lse, queries)
+        return Phase1(start, h1, lse, queries)
 
     def _merge_partial(self, l: int, stats: DepthStats, i: int) -> Tensor:
         s = self.scheme
-        assert self._phase1 is not None  # _aggregate ran the group's Phase 1 before this merge
-        queries = self._phase1[3]
+        assert self._phase1 is not None and self._phase1.queries is not None  # _aggregate ran Phase 1
+        queries = self._phase1.queries
         return self.ops.merge_partial_token(stats, self.partial, queries[:, :, i], self._key_weight(l), s.eps, s.kernel)
 
 
@@ -490,11 +473,17 @@ class _DecodeViews:
     first use: the first m rows as [B, m, D] and [B, m, 1] (what a read attends over), and row i as
     [B, 1, D] and [B, 1] (what a store writes)."""
 
-    def __init__(self, buffer: Tensor, inv_rms: Tensor | None):
+    def __init__(self, buffer: Tensor, inv_rms: Tensor | None, scheme):
         self.buffer, self.inv_rms = buffer, inv_rms
         self._prefixes: dict[int, tuple[Tensor, Tensor | None]] = {}
         self._rows: dict[int, tuple[Tensor, Tensor | None]] = {}
         self._all: tuple[Tensor, Tensor | None] | None = None  # all K rows: [B, K, D] and [B, K, 1]
+        # the C++ kernel's reader where the backend table chooses it (one call per read), else None (torch ops)
+        case = Case.like(buffer, heads=scheme.heads, kernel=scheme.kernel, key_norm=inv_rms is not None)
+        self.reader = None
+        if choose("decode_read", "forward", case).backend == "cpu_kernel":
+            inv = inv_rms.select(1, 0) if inv_rms is not None else None
+            self.reader = DecodeReader(buffer.select(1, 0), inv, scheme.heads, scheme.kernel, scheme.eps)
 
     def prefix(self, m: int) -> tuple[Tensor, Tensor | None]:
         got = self._prefixes.get(m)
@@ -519,8 +508,10 @@ class DecodeStream(TwoPhaseStream):
     is a handful of vectors, so the general form's dozens of small ops per sublayer (Phase-1 statistics,
     merges, casts, views) cost more than the arithmetic. Here a read stores the partial sum as the row after
     the sources (with its inverse RMS) and attends over all its rows in one pass: logits, softmax or
-    sigmoid, weighted sum. Pseudo-queries only, no window. The cache is two-phase's (buffer, inverse RMS),
-    so either form resumes from the other's. With an observer that wraps ``ops`` (I/O counting) it reads
+    sigmoid, weighted sum: on the CPU in float32/float64 one call of the C++ kernel
+    (``two_phase.cpu.DecodeReader``, the ``decode_read`` op of ``attnres.ops.backends``), else a few torch
+    ops. Pseudo-queries only, no window. The cache is two-phase's (buffer, inverse RMS), so either form
+    resumes from the other's. With an observer that wraps ``ops`` (I/O counting) it reads
     and stores as two-phase does, so the counts stay those of the ops."""
 
     _partial_stored = False  # whether the row after the sources holds this stream's partial sum
@@ -573,7 +564,7 @@ class DecodeStream(TwoPhaseStream):
         if self._rows is None:
             kept = self.scheme.__dict__.get("_decode_views")
             if kept is None or kept.buffer is not self.buffer or kept.inv_rms is not self.inv_rms:
-                kept = _DecodeViews(self.buffer, self.inv_rms)
+                kept = _DecodeViews(self.buffer, self.inv_rms, self.scheme)
                 self.scheme.__dict__["_decode_views"] = kept
             self._rows = kept
         return self._rows
@@ -582,7 +573,11 @@ class DecodeStream(TwoPhaseStream):
         if self.ops is not PLAIN_OPS:
             super()._add_source(v)
             return
-        self._store(len(self.sources), v)
+        reader = self._views().reader
+        if reader is not None:
+            reader.store(len(self.sources), v)
+        else:
+            self._store(len(self.sources), v)
         self.sources.append(v)
 
     def _write(self, l: int, f: Tensor) -> None:
@@ -595,6 +590,12 @@ class DecodeStream(TwoPhaseStream):
         s = self.scheme
         self._handed, self._phase1 = (), None  # the two-phase form's group statistics: none needed here
         m = len(self.sources)
+        columns, _ = self._constants()
+        reader = self._views().reader
+        if reader is not None:  # one kernel call: store the partial sum (once) as row m, attend over the rows
+            fresh = self.partial if self.partial is not None and not self._partial_stored else None
+            self._partial_stored = self.partial is not None
+            return reader.read(m + int(self.partial is not None), columns[l], store=fresh)
         if self.partial is not None:
             # stored by the reader, not the writer: a stream resumed from an earlier state rewrites the row
             if not self._partial_stored:
@@ -602,7 +603,6 @@ class DecodeStream(TwoPhaseStream):
                 self._partial_stored = True
             m += 1
         v, inv = self._views().prefix(m)  # [B, m, D]: the completed sources, then the partial sum; [B, m, 1]
-        columns, _ = self._constants()
         u = columns[l]  # [1, D, 1]
         if v.dtype != u.dtype:
             v = v.to(u.dtype)
@@ -611,24 +611,22 @@ class DecodeStream(TwoPhaseStream):
             z = torch.bmm(v, u if b == 1 else u.expand(b, -1, -1))  # [B, m, 1]
             if inv is not None:
                 z.mul_(inv)
-            alpha = torch.softmax(z, dim=1) if s.kernel == "softmax" else torch.sigmoid(z)
+            alpha = s.kernel_form.weights(z, dim=1)
             h = torch.bmm(alpha.transpose(1, 2), v)  # [B, 1, D]
         else:
             vh = v.view(b, m, s.heads, d // s.heads)
             z = (vh * u.view(s.heads, -1)).sum(-1)  # [B, m, H]
             if inv is not None:
                 z.mul_(inv)
-            alpha = torch.softmax(z, dim=1) if s.kernel == "softmax" else torch.sigmoid(z)
+            alpha = s.kernel_form.weights(z, dim=1)
             h = (alpha.unsqueeze(-1) * vh).sum(1).view(b, 1, d)
         out_dtype = self.sources[0].dtype
         return h if h.dtype == out_dtype else h.to(out_dtype)
 
     def _export(self):
         # without gradients no tensor needs ``unviewed``: skip its per-tensor checks over the whole history
-        history, state = list(self.sources), [self.partial] if self.partial is not None else []
-        if self.scheme.additive:
-            assert self.residual is not None  # the scheme sets it on begin and resume
-            state.append(self.residual)
+        history = list(self.sources)
+        state = ([self.partial] if self.partial is not None else []) + self.scheme.routing.state(self)
         if any(t.requires_grad for t in history) or any(t.requires_grad for t in state):
             return super()._export()
         return history, state
@@ -648,7 +646,7 @@ def decode_form(scheme, embedding: Tensor) -> bool:
         and not torch.is_grad_enabled()
         and not torch.compiler.is_compiling()
         and not torch.is_autocast_enabled(embedding.device.type)
-        and scheme.weights_kind == "pseudo_query"
+        and type(scheme.query_form) is PseudoQueries
         and scheme.window is None
     )
 
@@ -726,26 +724,21 @@ class CompiledTwoPhaseStream(TwoPhaseStream):
 
 
 def stream_class(scheme, embedding: Tensor) -> type:
-    """The form a ``DepthAttentionResidual`` runs (``attnres_impl``, its weights, the compiler)."""
-    if scheme.weights_kind == "scalar":
+    """The form a ``DepthAttentionResidual`` runs (``attnres_impl``, its query form, the compiler)."""
+    form = scheme.query_form
+    if isinstance(form, ScalarMixing):  # query forms with a read of their own, under any impl
         return ScalarMixStream
-    if scheme.multi_query:
+    if isinstance(form, MultiQueries):
         return MultiQueryStream
     if scheme.impl == "reference":
         return DepthAttentionStream
     # Phase 1 needs every query of a group known when it starts: pseudo-queries, and low-rank queries
     # in Block AttnRes (their input is the block's input); Full AttnRes' per-sublayer low-rank
     # queries, full-rank input-dependent queries and windows read one sublayer at a time
-    two_phase = (
-        scheme.impl == "two_phase"
-        and scheme.window is None
-        and (
-            scheme.weights_kind == "pseudo_query" or (scheme.weights_kind == "low_rank_query" and scheme.block_size > 1)
-        )
-    )
+    two_phase = scheme.impl == "two_phase" and scheme.window is None and form.known_at_block_start(scheme.block_size)
     if not two_phase:
         return FusedStream
-    if scheme.weights_kind == "low_rank_query":
+    if isinstance(form, LowRankQueries):
         return TokenQueryTwoPhaseStream
     if decode_form(scheme, embedding):
         return DecodeStream

@@ -66,7 +66,7 @@ def loop_reference(s, x):
         # completed depth blocks before sublayer l, and whether one is open (the final read: all closed,
         # the last block shorter)
         n_closed, open_block = (l // S, l % S > 0) if f is not None else (-(-L // S), False)
-        if s.states:
+        if s.source_form.name == "states":
             running = [x + sum(outputs[: j * S], torch.zeros_like(x)) for j in range(n_closed + 1)]
             values = running + ([x + sum(outputs, torch.zeros_like(x))] if open_block else [])
         else:

@@ -2,7 +2,9 @@
 whole-sequence forward computes: token-by-token logits against one forward pass in float64, for every
 variant the form claims; the variants it leaves to the general forms still decode exactly; and the
 stream-level cases the form adds (a state resumed twice, a cache handed to or from two-phase, an observer
-that wraps the ops, queries changed between tokens) agree with the reference stream."""
+that wraps the ops, queries changed between tokens) agree with the reference stream. Every test runs with
+each backend of the ``decode_read`` op (the C++ kernel's one call per read, and the torch ops), and the
+kernel's reader is checked against a float64 reference on random rows."""
 
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ from reference import randomize
 
 from attnres import AttnResLM, ModelConfig
 from attnres.inference import KVCache
+from attnres.ops import backends
+from attnres.ops.two_phase import cpu
 from attnres.residual import BlockAttnRes, FullAttnRes
 from attnres.residual import depth_streams as forms
 from attnres.residual.observe import IOCounter, observing
@@ -42,6 +46,15 @@ FALLBACK = {
     "full_input_query": ("full", {"attnres_weights": "input_query"}),
     "block_normalized_values": ("block", {"attnres_values": "normalized"}),
 }
+
+
+@pytest.fixture(autouse=True, params=["cpu_kernel", "torch"])
+def decode_backend(request):
+    """Every test of this module once per decode_read backend."""
+    if request.param == "cpu_kernel" and cpu.kernel() is None:
+        pytest.skip(f"the C++ kernel is not available here: {cpu.status()}")
+    with backends.forced("decode_read", request.param):
+        yield request.param
 
 
 def model_for(residual: str, dtype=torch.float64, **overrides) -> AttnResLM:
@@ -176,8 +189,7 @@ def sublayers():
 def reference_run(scheme, x: torch.Tensor) -> torch.Tensor:
     """Sublayer by sublayer through the reference stream."""
     stream = forms.DepthAttentionStream(scheme, [x])
-    if scheme.additive:
-        stream.residual = x
+    scheme.routing.begin(stream, x)
     for f in sublayers():
         stream.apply(f)
     return stream.end()
@@ -244,3 +256,66 @@ def test_an_observer_that_wraps_the_ops_counts_two_phase_reads():
     (r1, w1, o1), (r2, w2, o2) = counts.values()
     assert (r1, w1) == (r2, w2) and sum(r1) > 0
     torch.testing.assert_close(o1, o2, rtol=1e-12, atol=1e-12)
+
+
+def reference_read(rows, inv, u, m, heads, kernel):
+    """The decode read in float64 as the math is written: z_i = r_i (v_i . u) per head, softmax over the m
+    rows (or sigmoid), the weighted sum of the rows."""
+    b, _, d = rows.shape
+    v = rows[:, :m].double().view(b, m, heads, d // heads)
+    z = (v * u.double().view(heads, -1)).sum(-1)
+    if inv is not None:
+        z = z * inv[:, :m, None].double()
+    alpha = torch.softmax(z, dim=1) if kernel == "softmax" else torch.sigmoid(z)
+    return (alpha.unsqueeze(-1) * v).sum(1).reshape(b, 1, d)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("heads", [1, 4])
+@pytest.mark.parametrize("kernel", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("key_norm", [True, False])
+def test_the_kernel_reader_equals_the_float64_reference(decode_backend, dtype, heads, kernel, key_norm):
+    if decode_backend != "cpu_kernel":
+        pytest.skip("the reader is the kernel's")
+    g = torch.Generator().manual_seed(3)
+    b, k, d, eps = 3, 6, 40, 1e-6
+    buffer = torch.randn(b, 2, k, d, generator=g, dtype=dtype)[:, :1]  # batch stride of two tokens' rows
+    inv = torch.rand(b, 1, k, generator=g, dtype=dtype) + 0.5 if key_norm else None
+    reader = cpu.DecodeReader(buffer.select(1, 0), inv.select(1, 0) if inv is not None else None, heads, kernel, eps)
+    u = torch.randn(d, generator=g, dtype=dtype)
+    tol = {"rtol": 1e-12, "atol": 1e-12} if dtype == torch.float64 else {"rtol": 2e-6, "atol": 2e-6}
+    rows, norms = buffer.select(1, 0), (inv.select(1, 0) if inv is not None else None)
+    torch.testing.assert_close(reader.read(4, u).double(), reference_read(rows, norms, u, 4, heads, kernel), **tol)
+    # a read that first stores a vector as row m - 1, with its inverse RMS
+    v = torch.randn(b, 1, d, generator=g, dtype=dtype)
+    got = reader.read(5, u, store=v)
+    torch.testing.assert_close(rows[:, 4], v[:, 0])
+    if norms is not None:
+        want = torch.rsqrt(v.double().pow(2).mean(-1) + eps)[:, 0]
+        torch.testing.assert_close(norms[:, 4].double(), want, **tol)
+    torch.testing.assert_close(got.double(), reference_read(rows, norms, u, 5, heads, kernel), **tol)
+    # a store alone writes the row and reads nothing
+    w = torch.randn(b, 1, d, generator=g, dtype=dtype)
+    reader.store(5, w)
+    torch.testing.assert_close(rows[:, 5], w[:, 0])
+
+
+def test_the_table_chooses_the_kernel_for_float_cpu_rows_and_torch_otherwise(decode_backend):
+    if decode_backend != "cpu_kernel":
+        pytest.skip("one run is enough")
+    case = backends.Case(device="cpu", dtype=torch.float32, d=32, heads=2)
+    assert backends._RULES["decode_read"]("decode_read", "forward", case, None).backend == "cpu_kernel"
+    bf16 = backends.Case(device="cpu", dtype=torch.bfloat16, d=32, heads=2)
+    assert backends._RULES["decode_read"]("decode_read", "forward", bf16, None).backend == "torch"
+    off = backends._RULES["decode_read"]("decode_read", "forward", case, {"ATTNRES_CPU_KERNEL": "0"})
+    assert off.backend == "torch" and "ATTNRES_CPU_KERNEL=0" in off.reason
+    cuda = backends.Case(device="cuda", dtype=torch.float32, d=32, heads=2)
+    assert backends._RULES["decode_read"]("decode_read", "forward", cuda, None).backend == "torch"
+
+
+def test_decoding_runs_the_backend_the_table_chose(decode_backend):
+    model = model_for("block", torch.float32, attnres_heads=2)
+    with backends.record() as choices:
+        decoded(model, tokens(8), prefill=6)
+    ran = {c.backend for c in choices if c.op == "decode_read"}
+    assert ran == {decode_backend}

@@ -104,7 +104,7 @@ def reference_inputs(scheme, emb, outs):
             for l in range(L + 1):
                 done = len(sizes) if l == L else next(m for m, e in enumerate(ends) if l < e)
                 start = ends[done - 1] if done else 0
-                if scheme.states:
+                if scheme.source_form.name == "states":
                     complete = [v0] + [state(ends[m]) for m in range(done)]
                     partial = state(l) if l > start else None
                 else:
@@ -113,14 +113,14 @@ def reference_inputs(scheme, emb, outs):
                 if scheme.window is not None and len(complete) - 1 > scheme.window:
                     complete = [complete[0]] + complete[-scheme.window :]
                 srcs = complete + ([partial] if partial is not None else [])
-                if scheme.weights_kind == "scalar":
+                if scheme.query_form.name == "scalar":
                     z = P[f"mix_logits.{l}"].detach()
                     a = torch.softmax(z, 0) if scheme.kernel == "softmax" else torch.sigmoid(z)
                     result[l][b, t] = sum(a[i] * srcs[i] for i in range(len(srcs)))
                     continue
-                if scheme.weights_kind == "pseudo_query":
+                if scheme.query_form.name == "pseudo_query":
                     q = P["queries"][l].detach()
-                elif scheme.weights_kind == "input_query":
+                elif scheme.query_form.name == "input_query":
                     q = P[f"query_proj.{l}"].detach() @ srcs[-1]
                 else:  # low rank, from the newest completed source
                     q = P["queries"][l].detach() + P["query_up"][l].detach() @ (

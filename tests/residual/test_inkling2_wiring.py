@@ -119,7 +119,9 @@ def our_scheme(layers, final) -> BlockAttnRes:
                 q = layer.attention_input.query.reshape(-1, D)
                 scheme.queries[2 * i].copy_(q[0])
                 if len(q) > 1:
-                    scheme.extra_queries[scheme.extra_start[2 * i] : scheme.extra_start[2 * i] + 2].copy_(q[1:])
+                    scheme.extra_queries[
+                        scheme.query_form.extra_start[2 * i] : scheme.query_form.extra_start[2 * i] + 2
+                    ].copy_(q[1:])
             scheme.queries[2 * i + 1].copy_(layer.mlp_input.query)
         scheme.queries[2 * LAYERS].copy_(final.query)
     return scheme

@@ -38,7 +38,7 @@ from attnres.ops.two_phase.reference import check_queries, query_matrix
 SOURCE = Path(__file__).with_name("cpu_kernel.cpp")
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-Wno-psabi")
 NATIVE = ("-march=native",)  # dropped when the compiler refuses it
-ABI = 1
+ABI = 2
 # below this many source values per call one thread does the work: starting threads costs more
 PARALLEL_MIN_VALUES = 1 << 16
 ENV = "ATTNRES_CPU_KERNEL"
@@ -271,3 +271,79 @@ def phase1_backward(
     outputs = (_pointer(gv), _pointer(du))
     _call("backward", cd, *common, softmax, _pointer(lse_c), _pointer(gh), _pointer(g_lse), *outputs, threads)
     return gv, du
+
+
+_DECODE_ARGTYPES = (
+    [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+    + [ctypes.c_int64] * 3
+    + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_double, ctypes.c_int64, ctypes.c_void_p]
+    + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64]
+)
+
+
+def _decode_function(dtype: torch.dtype):
+    """The kernel's decode entry for ``dtype``, its argument types declared (ctypes then converts plain ints)."""
+    lib = kernel()
+    if lib is None:
+        raise RuntimeError(f"the compiled CPU kernel is not available: {status()}")
+    fn = getattr(lib, f"attnres_decode_read_{'f64' if dtype == torch.float64 else 'f32'}")
+    if fn.argtypes is None:
+        fn.argtypes, fn.restype = _DECODE_ARGTYPES, None
+    return fn
+
+
+class DecodeReader:
+    """Reads of a decoding buffer, one token per sequence without gradients, each one kernel call.
+
+    ``rows`` [B, K, D] and ``inv_rms`` [B, K] (or None: no key norm) are two-phase's buffer and inverse RMS
+    at T = 1, float32 or float64 CPU tensors with contiguous rows; their pointers and strides are bound once.
+    ``read(m, u)`` attends over the first m rows with u [D] (query * key weight, ``heads`` heads) and returns
+    the weighted sum [B, 1, D]; ``store=v`` first writes v [B, 1, D] as row m - 1 (and its inverse RMS).
+    ``store(row, v)`` only writes. The math is ``DecodeStream``'s torch form, which tests compare it with."""
+
+    def __init__(self, rows: Tensor, inv_rms: Tensor | None, heads: int, kernel: str, eps: float):
+        if rows.device.type != "cpu" or rows.dtype not in (torch.float32, torch.float64) or rows.stride(-1) != 1:
+            raise ValueError(
+                f"the CPU decode kernel reads float32/float64 CPU rows with contiguous channels; got {rows.dtype} "
+                f"on {rows.device} with strides {rows.stride()}"
+            )
+        if inv_rms is not None and inv_rms.dtype != rows.dtype:
+            raise ValueError(f"inv_rms is {inv_rms.dtype} and the rows {rows.dtype}: they must match")
+        b, _, d = rows.shape
+        self.rows, self.inv_rms, self.dtype = rows, inv_rms, rows.dtype
+        self._fn = _decode_function(rows.dtype)
+        self._bound = (
+            rows.data_ptr(),
+            rows.stride(0),
+            rows.stride(1),
+            inv_rms.data_ptr() if inv_rms is not None else None,
+            inv_rms.stride(0) if inv_rms is not None else 0,
+            inv_rms.stride(1) if inv_rms is not None else 0,
+            b,
+            heads,
+            d,
+        )
+        self.shape, self.eps, self.softmax = (b, 1, d), eps, int(kernel == "softmax")
+
+    def read(self, m: int, u: Tensor, store: Tensor | None = None) -> Tensor:
+        out = torch.empty(self.shape, dtype=self.dtype)
+        if u.dtype != self.dtype or u.numel() != self.shape[2] or not u.is_contiguous():
+            raise ValueError(
+                f"u must be {self.shape[2]} contiguous {self.dtype} values; got {tuple(u.shape)} {u.dtype}"
+            )
+        stored: tuple[int | None, int, int] = (None, 0, 0)
+        if store is not None:
+            store = self._row(store)  # held until the call returns
+            stored = (store.data_ptr(), store.stride(0), m - 1)
+        self._fn(*self._bound, *stored, self.eps, m, u.data_ptr(), self.softmax, out.data_ptr(), out.stride(0))
+        return out
+
+    def store(self, row: int, v: Tensor) -> None:
+        v = self._row(v)
+        self._fn(*self._bound, v.data_ptr(), v.stride(0), row, self.eps, 0, None, self.softmax, None, 0)
+
+    def _row(self, v: Tensor) -> Tensor:
+        """v [B, 1, D] in the rows' dtype with contiguous channels (a copy where it is not)."""
+        if v.shape != self.shape:
+            raise ValueError(f"the CPU decode kernel stores rows of shape {self.shape}; got {tuple(v.shape)}")
+        return v if v.dtype == self.dtype and v.stride(-1) == 1 else v.to(self.dtype).contiguous()

@@ -318,6 +318,53 @@ struct Phase1 {
   }
 };
 
+// Decoding: one token per sequence, no gradients. A read of two-phase's buffer (rows [K, D] per sequence, the
+// inverse RMS [K] beside them) in one call, which at T = 1 costs less than the dozen small torch ops it replaces:
+// optionally store a vector as row m (the partial sum, with its inverse RMS), then attend over the first
+// `rows` rows with u [D] (query * key weight) per head and write the weighted sum. The math is the two-phase
+// read's: z_i = r_i (v_i . u) per head, softmax over i (or sigmoid), out = sum_i alpha_i v_i.
+template <typename T>
+struct DecodeBuffer {
+  T* buf;
+  int64_t buf_stride, row_stride;  // between sequences, between rows
+  T* rinv;                         // null: no key norm
+  int64_t rinv_stride, rinv_row_stride;
+  int64_t B, H, D;
+
+  // row `row` of every sequence := v (sequences v_stride apart), and its inverse RMS 1 / sqrt(eps + |v|^2 / D)
+  void store(int64_t row, const T* v, int64_t v_stride, T eps) const {
+    for (int64_t b = 0; b < B; ++b) {
+      const T* x = v + b * v_stride;
+      std::copy(x, x + D, buf + b * buf_stride + row * row_stride);
+      if (rinv) rinv[b * rinv_stride + row * rinv_row_stride] = T(1) / std::sqrt(eps + dot(x, x, D) / T(D));
+    }
+  }
+
+  void read(int64_t rows, const T* u, bool softmax, T* out, int64_t out_stride) const {
+    const int64_t e = D / H;
+    std::vector<T> w(rows);
+    for (int64_t b = 0; b < B; ++b) {
+      const T* base = buf + b * buf_stride;
+      for (int64_t h = 0; h < H; ++h) {
+        for (int64_t i = 0; i < rows; ++i) {
+          const T r = rinv ? rinv[b * rinv_stride + i * rinv_row_stride] : T(1);
+          w[i] = r * dot(base + i * row_stride + h * e, u + h * e, e);
+        }
+        if (softmax) {
+          const T top = *std::max_element(w.begin(), w.end());
+          T sum = 0;
+          for (auto& z : w) sum += (z = std::exp(z - top));
+          for (auto& z : w) z /= sum;
+        } else {
+          for (auto& z : w) z = T(1) / (T(1) + std::exp(-z));
+        }
+        combine(out + b * out_stride + h * e, e, rows, false,
+                [&](int64_t i) { return std::pair<T, const T*>(w[i], base + i * row_stride + h * e); });
+      }
+    }
+  }
+};
+
 // Runs body(x0, x1, part) over `threads` contiguous token ranges (one in this thread when threads <= 1).
 template <typename F>
 void split_tokens(int64_t N, int threads, F body) {
@@ -376,4 +423,18 @@ void run_backward(const Phase1<T>& op, int64_t N, int threads, const T* lse, con
 ATTNRES_PHASE1(float, f32)
 ATTNRES_PHASE1(double, f64)
 
-extern "C" int attnres_phase1_abi() { return 1; }
+#define ATTNRES_DECODE(T, SUFFIX)                                                                              \
+  extern "C" void attnres_decode_read_##SUFFIX(T* buf, int64_t buf_stride, int64_t row_stride, T* rinv,        \
+                                               int64_t rinv_stride, int64_t rinv_row_stride, int64_t B,       \
+                                               int64_t H, int64_t D, const T* store, int64_t store_stride,    \
+                                               int64_t store_row, double eps, int64_t rows, const T* u,       \
+                                               int softmax, T* out, int64_t out_stride) {                     \
+    const DecodeBuffer<T> db{buf, buf_stride, row_stride, rinv, rinv_stride, rinv_row_stride, B, H, D};         \
+    if (store) db.store(store_row, store, store_stride, T(eps));                                               \
+    if (u) db.read(rows, u, softmax != 0, out, out_stride);                                                    \
+  }
+
+ATTNRES_DECODE(float, f32)
+ATTNRES_DECODE(double, f64)
+
+extern "C" int attnres_phase1_abi() { return 2; }
