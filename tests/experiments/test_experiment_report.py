@@ -484,9 +484,10 @@ def test_cli_experiment_report_and_errors(tmp_path, write_spec, tiny_base, capsy
     err = capsys.readouterr().err
     assert "unknown experiment 'nope'" in err and "cli" in err
     write_spec(specs, "broken", '[experiment]\nname = "broken"\n[base]\nlr = "fast"\n')
-    assert main(["report", "broken", *common]) == 2
+    assert main(["report", "broken", *common, "--out", str(tmp_path / "r3")]) == 2
     err = capsys.readouterr().err
     assert "broken.toml" in err and "lr" in err
+    assert not (tmp_path / "r3").exists()  # a report that fails leaves no directory
 
 
 def test_experiment_refuses_silent_no_ops_and_a_partial_report_names_a_command_that_works(

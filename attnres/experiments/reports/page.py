@@ -76,8 +76,8 @@ def write_report(
             f"`{experiment_command(spec, runs_root)}` first"
         )
     out = Path(out_dir) if out_dir is not None else Path(DEFAULT_REPORTS_ROOT) / spec.name
+    col = collect(spec, runs_root)  # first: a spec or run that cannot be read leaves no directory behind
     out.mkdir(parents=True, exist_ok=True)
-    col = collect(spec, runs_root)
     command = command or f"attnres report {spec.name}"
     if spec.report == "demo":
         (out / REPORT_FILE).write_text(demo_page(Report(col, out, draw=figures), command, wall_seconds))
