@@ -145,3 +145,11 @@ def test_validating_a_config_imports_no_builder():
     assert builders <= set(graph)
     for config in ("attnres.model.config", "attnres.residual.config"):
         assert not reachable(graph, config) & builders, config
+
+
+def test_the_method_reaches_neither_the_scheme_nor_the_fast_streams():
+    """attnres.residual.method (the paper's method in one screen) is what the scheme and the fast streams
+    build on: it reaches neither of them, so both import it and no circle can form."""
+    graph = import_graph()
+    reached = reachable(graph, "attnres.residual.method")
+    assert not reached & {"attnres.residual.attnres", "attnres.residual.depth_streams"}, sorted(reached)

@@ -8,16 +8,17 @@
 - options.py: scheme options and their validation; observe.py: observers (the depth record,
   residual I/O counting), kept out of the streams' arithmetic; record.py: the settings a scheme's
   state dict saves, so that its weights never load into a scheme computing another function;
-- prenorm.py: the PreNorm baseline; attnres.py: Full and Block AttnRes (the scheme, the paper's
-  method), with each variant a named object in variants.py and its streams, the reference and each
-  fast form, in depth_streams.py;
+- prenorm.py: the PreNorm baseline; method.py: the paper's method in one screen (the depth blocks,
+  ``source_plan``, and the reference stream, each line of docs/method.md §3-§4 beside its code);
+  attnres.py: Full and Block AttnRes as one scheme, with each variant a named object in variants.py
+  and each fast form of its stream in depth_streams.py;
 - scaled.py: single-state rivals (ReZero, LayerScale, Highway);
 - dense.py: cross-layer rivals over block outputs (DenseFormer, MUDD);
 - hyper.py: multi-stream rivals (Hyper-Connections, mHC);
 - gated.py: the gated multi-head depth attention of popular write-ups (a rival, not AttnRes).
 """
 
-from attnres.residual.attnres import DepthAttentionResidual, source_plan
+from attnres.residual.attnres import DepthAttentionResidual
 from attnres.residual.base import DepthState, ResidualScheme, Stream, StreamOps
 from attnres.residual.config import ResidualConfig
 from attnres.residual.dense import DenseFormerResidual, MUDDResidual
@@ -27,6 +28,7 @@ from attnres.residual.hyper import (
     ManifoldHyperConnectionResidual,
     sinkhorn,
 )
+from attnres.residual.method import source_plan
 from attnres.residual.modules import (
     BlockAttnRes,
     FullAttnRes,

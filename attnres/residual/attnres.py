@@ -1,26 +1,16 @@
-"""Attention Residuals, the paper's method: Full (docs/method.md §3) and Block AttnRes (§4).
+"""Full (docs/method.md §3) and Block AttnRes (§4) as one residual scheme: ``DepthAttentionResidual``.
 
-Full AttnRes is Block AttnRes with one sublayer per depth block (S = 1): every output is its own
-block, no partial sums exist, and each sublayer attends over the embedding and all earlier outputs.
-One class therefore serves both. The method, for consumer l (0-based: sublayers 0 … L-1, and the final
-aggregation l = L), and where the code computes it:
+The paper's method itself, each line of docs/method.md §3-§4 beside the code that computes it, is
+``attnres.residual.method``: the depth blocks (``source_plan``) and the reference stream
+(``DepthAttentionStream``: read = Eq. 1-3 by the reference op, write = Eq. 4 into the block sums).
+This scheme holds what that stream reads: the paper's parameters (``queries`` = w_l,
+``key_norm_weight`` = g_l), the geometry (``plan``) and the variants. Full AttnRes is Block AttnRes
+with one sublayer per depth block (S = 1), so one class serves both.
 
-    sources of l  [b_0 = embedding, b_1 … b_{n-1}, b_n^i]   ``source_plan`` (here): which are complete,
-                                                             whether a partial sum b_n^i is open
-    z_i  (Eq. 1)  w_l · RMSNorm_{g_l}(b_i)                   ``queries[l]``, ``key_norm_weight[l]`` (here)
-    α    (Eq. 2)  softmax_i(z_i)                             ``DepthAttentionStream._aggregate``
-    h_l  (Eq. 3)  Σ_i α_i b_i                                  (``depth_streams``), whose op
-                                                               ``depth_attention_reference`` is Eq. 1-3
-    v_l  (Eq. 4)  f_l(Norm_l(h_l)), written back             ``DepthAttentionStream._write``: v_l joins the
-                                                             open block's partial sum; a closing block
-                                                             becomes a source
-
-``DepthAttentionStream`` is that reference, plain autograd; every fast form beside it in
-``attnres.residual.depth_streams`` computes the same values to rounding. Every variant (docs/method.md
-§5: other query forms, the sigmoid kernel, state sources, additive routing) is a named object of
-``attnres.residual.variants`` that the scheme composes (``query_form``, ``kernel_form``,
-``source_form``, ``routing``) and the streams ask; none is a flag here. The other Table-4 options stay
-settings of the scheme: ``heads`` (channel groups), ``key_norm`` and ``window``.
+Every variant (docs/method.md §5: other query forms, the sigmoid kernel, state sources, additive
+routing) is a named object of ``attnres.residual.variants`` that the scheme composes (``query_form``,
+``kernel_form``, ``source_form``, ``routing``) and the streams ask; none is a flag here. The other
+Table-4 options stay settings of the scheme: ``heads`` (channel groups), ``key_norm`` and ``window``.
 
 Three implementations (``ModelConfig.attnres_impl``), equal to rounding:
 - ``two_phase`` (default): docs/method.md §6 in training too. At a depth block's first
@@ -39,7 +29,6 @@ which every path reads.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
@@ -52,7 +41,18 @@ from attnres.residual.args import (
 )
 from attnres.residual.base import ResidualScheme, Stream
 from attnres.residual.depth_streams import stream_class
+from attnres.residual.method import source_plan
 from attnres.residual.variants import variants_of
+
+__all__ = [  # the helpers of args and method too: they are imported from here
+    "DepthAttentionResidual",
+    "block_sizes",
+    "equal_block_sizes",
+    "full_block_sizes",
+    "group_size",
+    "routing_gain_stats",
+    "source_plan",
+]
 
 
 def routing_gain_stats(model: nn.Module) -> dict[str, float]:
@@ -63,30 +63,6 @@ def routing_gain_stats(model: nn.Module) -> dict[str, float]:
         if isinstance(module, DepthAttentionResidual):
             return module.gain_stats()
     return {}
-
-
-def source_plan(n_sublayers: int, block_size: int | Sequence[int]) -> list[tuple[int, bool]]:
-    """For each sublayer l (and the final aggregation at index L): (completed sources, has partial).
-
-    ``block_size``: S (equal blocks, the last one shorter) or the list of block sizes.
-    Completed sources count b_0 (the embedding) and every finished depth block.
-    """
-    sizes = equal_block_sizes(n_sublayers, block_size) if isinstance(block_size, int) else list(block_size)
-    if sum(sizes) != n_sublayers:
-        raise ValueError(f"block sizes {sizes} do not add up to the {n_sublayers} sublayers")
-    closes = set()
-    end = 0
-    for size in sizes:
-        end += size
-        closes.add(end - 1)  # a block closes after its last sublayer
-    plan, complete, partial = [], 1, False
-    for l in range(n_sublayers):
-        plan.append((complete, partial))
-        partial = True
-        if l in closes:
-            complete, partial = complete + 1, False
-    plan.append((complete, False))
-    return plan
 
 
 class DepthAttentionResidual(ResidualScheme):

@@ -67,6 +67,20 @@ def widened(f: Tensor, stream: Tensor) -> Tensor:
     return f if f.dtype == wide else f.to(wide)
 
 
+def unviewed(t: Tensor) -> Tensor:
+    """``t``, or where it is a view that autograd tracks, its storage as a tensor of its own (no copy).
+
+    What a stream exports is often such a view: a sublayer's output kept as a source or partial sum
+    (``nn.Linear`` on [B, T, D] views its 2-D product), and under FSDP2 every source a block received,
+    which its pre-forward hook returns as views of themselves. FSDP2 warns for every view a wrapped block
+    returns, because an in-place op on one would drop its backward hook; the stream never writes into its
+    sources, so the alias is safe. Compiled graphs and tensors without gradients pass as they are (FSDP2
+    hooks only tensors that require grad)."""
+    if torch.compiler.is_compiling() or not t.requires_grad or t._base is None:
+        return t
+    return torch.ops.aten._unsafe_view(t, t.shape)
+
+
 def store_row(buffer: Tensor, row: int, v: Tensor) -> None:
     """buffer[:, :, row] = v, outside autograd (the buffer is a read-only view for the ops)."""
     with torch.no_grad():

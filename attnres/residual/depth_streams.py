@@ -1,8 +1,9 @@
-"""The streams of Full and Block AttnRes: the reference, and each fast form as a subclass tested against it.
+"""The streams of Full and Block AttnRes: each fast form as a subclass of the reference, tested against it.
 
-``DepthAttentionStream`` is docs/method.md §3-§4 as written (its read and write first), and every
-other class here computes the same values to rounding (tests/residual/test_stream_forms.py runs each
-against it). ``stream_class`` picks the form from the scheme's implementation, its query form
+The reference, ``DepthAttentionStream``, is docs/method.md §3-§4 as written and lives with the rest of
+the paper's method in ``attnres.residual.method`` (importable from here too). Every class here
+computes the same values to rounding (tests/residual/test_stream_forms.py runs each against it).
+``stream_class`` picks the form from the scheme's implementation, its query form
 (``attnres.residual.variants``) and the compiler:
 
 ==========================  ====================================================================
@@ -50,160 +51,16 @@ from torch.utils.checkpoint import checkpoint
 
 from attnres.ops.backends import Case, choose
 from attnres.ops.common import DepthStats, compute_dtype, inverse_rms
-from attnres.ops.depth_attention import (
-    depth_attention_reference,
-    multi_query_depth_attention,
-)
+from attnres.ops.depth_attention import multi_query_depth_attention
 from attnres.ops.two_phase.cpu import DecodeReader
-from attnres.residual.base import COMPILED_OPS, PLAIN_OPS, Stream, widened
+from attnres.residual.base import COMPILED_OPS, PLAIN_OPS, unviewed
+from attnres.residual.method import DepthAttentionStream
 from attnres.residual.variants import (
     LowRankQueries,
     MultiQueries,
     PseudoQueries,
     ScalarMixing,
 )
-
-
-def unviewed(t: Tensor) -> Tensor:
-    """``t``, or where it is a view that autograd tracks, its storage as a tensor of its own (no copy).
-
-    What a stream exports is often such a view: a sublayer's output kept as a source or partial sum
-    (``nn.Linear`` on [B, T, D] views its 2-D product), and under FSDP2 every source a block received,
-    which its pre-forward hook returns as views of themselves. FSDP2 warns for every view a wrapped block
-    returns, because an in-place op on one would drop its backward hook; the stream never writes into its
-    sources, so the alias is safe. Compiled graphs and tensors without gradients pass as they are (FSDP2
-    hooks only tensors that require grad)."""
-    if torch.compiler.is_compiling() or not t.requires_grad or t._base is None:
-        return t
-    return torch.ops.aten._unsafe_view(t, t.shape)
-
-
-class DepthAttentionStream(Stream):
-    """The reference stream, docs/method.md §3-§4 as written: per read, stack the sources and attend
-    (plain autograd); per write, add the output to the open block's partial sum.
-
-    ``scheme``: the ``DepthAttentionResidual`` that owns the queries, key norms, variants and the
-    geometry (``scheme.plan[l]`` = (completed sources, has partial) for sublayer l). ``sources``: the
-    completed sources, [embedding] at the start; ``partial``: the running block sum b_n^i, None at a
-    block's start (a zero source would add a bogus term to the softmax); ``cache``: what ``_cache`` of
-    the same form handed over (then nothing is recomputed)."""
-
-    # additive routing (``AdditiveRouting``): the ordinary PreNorm stream, embedding + every output so far
-    residual: Tensor | None = None
-
-    def __init__(self, scheme, sources: Sequence[Tensor], partial: Tensor | None = None, cache: Sequence[Tensor] = ()):
-        super().__init__(scheme.n_sublayers)
-        self.scheme = scheme
-        self.sources: list[Tensor] = []
-        if cache:
-            self.sources = list(sources)
-            self._restore(cache)
-        else:
-            self._allocate(sources[0])
-            for v in sources:
-                self._add_source(v)
-        self.partial: Tensor | None = partial
-
-    # ------------------------------------------------------------------ the method
-    def _read(self, l: int) -> Tensor:
-        """h_l (Eq. 1-3), routed (the paper: the mixture itself)."""
-        return self.scheme.routing.route(self, l, self._aggregate(l))
-
-    def _aggregate(self, l: int) -> Tensor:
-        """Σ_i α_i v_i, α = softmax_i(q_l · RMSNorm_{g_l}(v_i)) over the sources of read l."""
-        s = self.scheme
-        return self.ops.attend_reference(
-            torch.stack(self._producers(l)),
-            self._query(l),
-            self._key_weight(l),
-            eps=s.eps,
-            kernel=s.kernel,
-            normalize_keys=s.key_norm,
-        ).h
-
-    def _write(self, l: int, f: Tensor) -> None:
-        """v_l (Eq. 4) joins the open depth block's partial sum; a block that closes becomes a source."""
-        s = self.scheme
-        f = widened(f, self.sources[0])
-        s.routing.write(self, f)
-        if self.partial is not None:
-            self.partial = self.ops.accumulate(self.partial, f)
-        else:  # a block's first output (state sources: the running sum continues from the last state)
-            self.partial = s.source_form.open_block(self.sources[-1], f, self.ops.accumulate)
-        complete, _ = s.plan[l + 1]
-        if complete > len(self.sources):  # the depth block just closed
-            self._add_source(self.partial)
-            self.partial = None
-
-    def _end(self) -> Tensor:
-        return self._read(self.n_sublayers)
-
-    # ------------------------------------------------------------------ which sources, which query
-    def _source_rows(self, l: int) -> list[tuple[int, int]]:
-        """Row ranges [start, stop) of completed sources that sublayer l reads (a window keeps the
-        embedding and the last W)."""
-        complete, _ = self.scheme.plan[l]
-        w = self.scheme.window
-        if w is None or complete - 1 <= w:
-            return [(0, complete)]
-        return [(0, 1), (complete - w, complete)]
-
-    def _producers(self, l: int) -> list[Tensor]:
-        out = [t for a, b in self._source_rows(l) for t in self.sources[a:b]]
-        if self.partial is not None:
-            out.append(self.partial)
-        return out
-
-    def _query(self, l: int) -> Tensor:
-        return self.scheme.query_form.query(self, l)
-
-    def _key_weight(self, l: int) -> Tensor | None:
-        return self.scheme.key_norm_weight[l] if self.scheme.key_norm else None
-
-    def _weights(self, l: int) -> Tensor:
-        """alpha [K, B, T] (or [K, B, T, H]) of read l, for the depth record."""
-        s = self.scheme
-        weights = depth_attention_reference(
-            torch.stack(self._producers(l)),
-            self._query(l),
-            self._key_weight(l),
-            eps=s.eps,
-            kernel=s.kernel,
-            normalize_keys=s.key_norm,
-        ).weights
-        assert weights is not None  # the reference op always returns its weights
-        return weights
-
-    # ------------------------------------------------------------------ what a fast form derives
-    def _allocate(self, embedding: Tensor) -> None:
-        """Tensors a fast form derives from the sources, allocated once per forward pass."""
-
-    def _restore(self, cache: Sequence[Tensor]) -> None:
-        """Take back the tensors that ``_cache`` of the same form exported (the fast forms' buffers)."""
-        raise NotImplementedError(f"{type(self).__name__} exports no cache to resume from")
-
-    def _add_source(self, v: Tensor) -> None:
-        """A completed source (the embedding, or a depth block just closed)."""
-        self.sources.append(v)
-
-    # ------------------------------------------------------------------ hand-over and records
-    def _export(self):
-        state = ([self.partial] if self.partial is not None else []) + self.scheme.routing.state(self)
-        return [unviewed(t) for t in self.sources], [unviewed(t) for t in state]
-
-    def state_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.sources)
-
-    def depth_weights(self, l: int):
-        s = self.scheme
-        # outputs: v_i (Full) / b_i (Block); states: s_i, the running sum after i sublayers (Full) /
-        # sb_i, after i depth blocks (Block); "~": the running sum inside the current block
-        prefix = s.source_form.prefix(s.block_size == 1)
-        names = [("emb" if i == 0 else f"{prefix}{i}") for a, b in self._source_rows(l) for i in range(a, b)]
-        if self.partial is not None:
-            names.append(f"{prefix}{len(self.sources)}~")
-        with torch.no_grad():
-            return self._weights(l), names
 
 
 class ScalarMixStream(DepthAttentionStream):

@@ -1,8 +1,9 @@
 """The variants of Full and Block AttnRes: each a named object composed onto the paper's method.
 
-``DepthAttentionResidual`` (``attnres.residual.attnres``) is the paper's method; each choice away from
-it is one object here, holding its own settings and doing what it changes. The scheme builds them
-from its config in one place (``variants_of``) and its streams ask them, instead of branching on flags:
+``DepthAttentionResidual`` (``attnres.residual.attnres``) runs the paper's method
+(``attnres.residual.method``); each choice away from it is one object here, holding its own settings
+and doing what it changes. The scheme builds them from its config in one place (``variants_of``) and
+its streams ask them, instead of branching on flags:
 
 ===============  =============================================  =======================================
 choice           objects (the paper's first)                     ``ModelConfig`` fields
