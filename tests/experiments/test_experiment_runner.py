@@ -420,20 +420,19 @@ def test_the_first_trained_of_identical_runs_is_the_one_reused(tmp_path, write_s
     zeta, alpha = load_spec("zeta", specs), load_spec("alpha", specs)
     run_experiment(zeta, root, progress=False, log=quiet)
     run_experiment(alpha, root, progress=False, log=quiet)
-    dates = {"zeta": "2026-01-01 00:00:00", "alpha": "2026-02-01 00:00:00"}
-    for name, started in dates.items():
-        (done,) = plan_status(load_spec(name, specs), root)
+
+    def trained(spec, started: str) -> None:
+        (done,) = plan_status(spec, root)
         info = json.loads((done.dir / RUN_FILE).read_text())
         info["invocations"][0]["started"] = started
         (done.dir / RUN_FILE).write_text(json.dumps(info))
+
+    trained(zeta, "2026-01-01 00:00:00")
+    trained(alpha, "2026-02-01 00:00:00")
     third = load_spec("third", specs)
     third.reuse = True
     (s,) = plan_status(third, root)
     assert s.state == "reusable" and s.source.parent.name == "zeta"  # trained first, though named last
-    dates = {"zeta": "2026-03-01 00:00:00", "alpha": "2026-02-01 00:00:00"}
-    (done,) = plan_status(zeta, root)
-    info = json.loads((done.dir / RUN_FILE).read_text())
-    info["invocations"][0]["started"] = dates["zeta"]
-    (done.dir / RUN_FILE).write_text(json.dumps(info))
+    trained(zeta, "2026-03-01 00:00:00")
     (s,) = plan_status(third, root)
     assert s.source.parent.name == "alpha"
