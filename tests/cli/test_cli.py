@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 import attnres.cli
+from attnres.bench import BENCHES
 from attnres.cli import build_parser, main
 from attnres.cli.options import CLIError, parse_set, run_overrides, unescape
 
@@ -119,7 +120,9 @@ def _parsers(parser, name="attnres"):
 
 def test_every_help_shows_defaults_and_an_example():
     commands = dict(_parsers(build_parser()))
-    assert len(commands) == 13 + 7  # the verbs and the benches
+    benches = {f"attnres bench {name}" for name in BENCHES}
+    assert len(benches) >= 8 and benches <= set(commands)  # the walk reaches the nested bench parsers
+    assert len(commands) == len(attnres.cli.VERBS) + len(benches)
     for command, parser in commands.items():
         text = " ".join(parser.format_help().split())
         assert "example" in text and f"{command} " in text.replace("-m attnres", "attnres"), command
