@@ -114,20 +114,21 @@ class TransformerBlock(nn.Module):
         outputs to it. Tensors in, tensors out, so per-block wrappers (FSDP2's ``fully_shard``,
         ``checkpoint_wrapper``, ``torch.compile``) see an ordinary module."""
         stream = residual.stream(depth)
-        stream.apply(
-            lambda h: self._sublayer(lambda x: self.attn(self.attn_norm(x), cos, sin, cache=cache, layer=index), h)
-        )
-        stream.apply(lambda h: self._sublayer(lambda x: self.mlp(self.mlp_norm(x)), h))
+        self._sublayer(stream, self.attn_norm, lambda x: self.attn(x, cos, sin, cache=cache, layer=index))
+        self._sublayer(stream, self.mlp_norm, self.mlp)
         return stream.depth()
 
-    def _sublayer(self, run, h: Tensor) -> Tensor:
+    def _sublayer(self, stream, norm: nn.Module, run) -> None:
+        """f = run(norm(h)) through the stream. Eagerly the stream computes norm(h) with its read (one
+        pass where it can: attnres.ops.rms_norm); checkpointed, the norm runs inside the checkpoint."""
         # never under no_grad (decoding, whose KV cache must be written once): nothing to save there
         if not (self.gradient_checkpointing and self.training and torch.is_grad_enabled()):
-            return run(h)
+            stream.apply(run, norm=norm)
+            return
         checkpoint = self._gradient_checkpointing_func or partial(
             torch.utils.checkpoint.checkpoint, use_reentrant=False
         )
-        return checkpoint(run, h)
+        stream.apply(lambda h: checkpoint(lambda x: run(norm(x)), h))
 
 
 # ----------------------------------------------------------------------------- running the blocks

@@ -37,7 +37,7 @@ from types import ModuleType
 from typing import NamedTuple
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from attnres.ops.common import MAX_BACKWARD_WIDTH, MAX_PADDED_WIDTH, triton_kernels
 
@@ -109,14 +109,18 @@ class Case:
     grad: bool = False
     create_graph: bool = False
     compiling: bool = False
+    subclass: str = ""  # the tensor subclass among the inputs (DTensor, ...), whose memory a kernel cannot read
     reference: str = ""
     forward: str | None = None
     check: Callable[[ModuleType, bool], str | None] | None = field(default=None, compare=False, repr=False)
 
     @classmethod
-    def like(cls, x: Tensor, **fields) -> Case:
-        """A case for sources like ``x`` (its device, dtype and last dimension) under the current compile state."""
+    def like(cls, x: Tensor, *others: Tensor | None, **fields) -> Case:
+        """A case for sources like ``x`` (its device, dtype and last dimension) under the current compile
+        state; ``others``: more inputs whose type counts (a tensor subclass among them rules out kernels)."""
         fields.setdefault("compiling", torch.compiler.is_compiling())
+        found = [type(t).__name__ for t in (x, *others) if t is not None and type(t) not in (Tensor, nn.Parameter)]
+        fields.setdefault("subclass", found[0] if found else "")
         return cls(device=x.device.type, dtype=x.dtype, d=x.shape[-1] if x.dim() else 1, **fields)
 
     def describe(self) -> str:
@@ -272,8 +276,14 @@ OPS: dict[str, Op] = {
         Op(
             "merge_partial",
             "two_phase.fused.merge_partial",
-            ("torch", "reference"),
-            "Phase 2: a sublayer's partial sum merged into its Phase-1 result",
+            ("cpu_kernel", "torch", "reference"),
+            "Phase 2: a sublayer's partial sum merged into its Phase-1 result (and the RMSNorm after it)",
+        ),
+        Op(
+            "rms_norm",
+            "rms_norm.rms_norm",
+            ("cpu_kernel", "reference"),
+            "a sublayer's pre-norm where no merge fuses it (PreNorm's read, a depth block's first read)",
         ),
         Op(
             "decode_read",
@@ -454,6 +464,8 @@ def _cpu_kernel(case: Case, env: Mapping[str, str] | None, backward: bool = Fals
         return None, f"{case.device} tensors, and the C++ kernel runs CPU tensors"
     if case.compiling:
         return None, "torch.compile is tracing, and it cannot trace into a ctypes call"
+    if case.subclass:
+        return None, f"{case.subclass} inputs, and the C++ kernel reads plain tensors' memory"
     setting = _env(env, CPU_KERNEL_ENV, "auto")
     if setting == "0":
         return None, f"turned off by {CPU_KERNEL_ENV}=0"
@@ -565,10 +577,31 @@ def _rule_merge(op, phase, case, env, triton, kernels, load) -> Choice:
 
 def _rule_merge_partial(op, phase, case, env=None, triton=_UNSET, kernels=None, load=True) -> Choice:
     if case.heads == 1 and case.kernel == "softmax" and case.key_norm:
-        return Choice(op, phase, "torch", "one head, softmax, key norm: the lean custom Function")
+        if phase == "backward" and case.forward is not None:
+            return Choice(op, phase, case.forward, f"the forward ran {case.forward}, whose Function's backward follows")
+        if case.dtype not in (torch.float32, torch.float64):
+            why = f"{case.describe()} tensors, and the C++ kernel runs float32/float64"
+        else:
+            module, why = _cpu_kernel(case, env)
+            if module is not None:
+                return Choice(op, phase, "cpu_kernel", f"one head, softmax, key norm; {why}", module)
+        return Choice(
+            op, phase, "torch", f"one head, softmax, key norm: the lean custom Function (no C++ kernel: {why})"
+        )
     return Choice(
         op, phase, "reference", f"{case.heads} heads, {case.kernel}, key norm {case.key_norm}: plain autograd"
     )
+
+
+def _rule_rms_norm(op, phase, case, env=None, triton=_UNSET, kernels=None, load=True) -> Choice:
+    if phase == "backward" and case.forward is not None:
+        return Choice(op, phase, case.forward, f"the forward ran {case.forward}, whose Function's backward follows")
+    if case.dtype not in (torch.float32, torch.float64):
+        return Choice(op, phase, "reference", f"{case.describe()} tensors, and the C++ kernel runs float32/float64")
+    module, why = _cpu_kernel(case, env)
+    if module is None:
+        return Choice(op, phase, "reference", f"torch.nn.functional.rms_norm (no C++ kernel: {why})")
+    return Choice(op, phase, "cpu_kernel", why, module)
 
 
 def _rule_decode_read(op, phase, case, env=None, triton=_UNSET, kernels=None, load=True) -> Choice:
@@ -593,6 +626,7 @@ _RULES: dict[str, Callable[..., Choice]] = {
     "phase1_op": _rule_phase1_op,
     "merge": _rule_merge,
     "merge_partial": _rule_merge_partial,
+    "rms_norm": _rule_rms_norm,
     "decode_read": _rule_decode_read,
     "multi_query": _rule_single,
     "token_queries": _rule_single,
@@ -621,8 +655,15 @@ def _pinned(op: str, phase: str, case: Case, backend: str, env, kernels) -> Choi
         if refused is not None:
             raise ValueError(f"forced {op}={backend!r}, but {refused}")
         return Choice(op, phase, backend, reason, module)
-    if op == "merge_partial" and backend == "torch" and _rule_merge_partial(op, phase, case).backend != "torch":
-        raise ValueError(f"forced {op}={backend!r}, but its custom Function covers one head, softmax and key norm only")
+    if (
+        op == "merge_partial"
+        and backend in ("torch", "cpu_kernel")
+        and _rule_merge_partial(
+            op, "forward", replace(case, device="cpu", dtype=torch.float32, compiling=False), env
+        ).backend
+        not in ("torch", "cpu_kernel")
+    ):
+        raise ValueError(f"forced {op}={backend!r}, but it covers one head, softmax and key norm only")
     if backend == "cpu_kernel":
         ok, why = cpu_kernel_status(env)
         if not ok:

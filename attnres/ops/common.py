@@ -34,6 +34,22 @@ class DepthStats(NamedTuple):
     lse: Tensor
 
 
+class RMSNormArgs(NamedTuple):
+    """The RMSNorm a sublayer applies to what it reads (``torch.nn.RMSNorm``'s weight and eps), handed to
+    Phase 2 (``merge_partial(..., norm=...)``), which may compute the merge and the norm in one pass.
+
+    ``eps`` None: ``torch.finfo(dtype).eps`` of the input, as ``nn.RMSNorm`` does."""
+
+    weight: Tensor | None
+    eps: float | None
+
+    def __call__(self, h: Tensor) -> Tensor:
+        return torch.nn.functional.rms_norm(h, (h.shape[-1],), self.weight, self.eps)
+
+    def eps_for(self, dtype: torch.dtype) -> float:
+        return self.eps if self.eps is not None else torch.finfo(dtype).eps
+
+
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Logits, statistics and weights: float32 for float32/bfloat16/float16, float64 for float64."""
     return torch.float64 if dtype == torch.float64 else torch.float32

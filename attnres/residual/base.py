@@ -49,8 +49,10 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
+from attnres.ops.common import RMSNormArgs
 from attnres.ops.depth_attention import depth_attention_reference, fused_depth_attention
 from attnres.ops.gated_depth_attention import gated_depth_attention
+from attnres.ops.rms_norm import plain_rms_norm, rms_norm
 from attnres.ops.token_queries import merge_partial_token, phase1_token_queries
 from attnres.ops.two_phase import reference as two_phase_reference
 from attnres.ops.two_phase.compiled import phase1_sources
@@ -148,8 +150,11 @@ class Stream:
         self._next = 0
         self._reading = False
 
-    def read(self, l: int | None = None) -> Tensor:
-        """The input h_l of sublayer ``l`` (default: the next one), before its pre-norm."""
+    def read(self, l: int | None = None, norm: nn.Module | None = None) -> Tensor:
+        """The input h_l of sublayer ``l`` (default: the next one), before its pre-norm; with ``norm``
+        (the sublayer's pre-norm module) norm(h_l), which a stream may compute in one pass with its read
+        (two-phase AttnRes fuses Phase 2 with a plain ``nn.RMSNorm``; ``attnres.ops.rms_norm``). Observers
+        that read inputs see h_l either way (with one attached nothing is fused)."""
         l = self._next if l is None else l
         if l == self._next >= self.n_sublayers and not self._reading:
             raise ValueError(
@@ -162,10 +167,17 @@ class Stream:
             raise RuntimeError(f"stream.read({l}) out of order: expected read({self._next})")
         self._reading = True
         self.at = l
+        args = plain_rms_norm(norm) if norm is not None else None
+        if args is not None and not any(observer.reads_inputs for observer in self.observers):
+            x = self._read_normed(l, args)
+            if x is not None:
+                return x
         h = self._read(l)
         for observer in self.observers:
             observer.after_read(self, l, h)
-        return h
+        if norm is None:
+            return h
+        return rms_norm(h, args) if args is not None else norm(h)
 
     def write(self, l: int | None, f: Tensor) -> None:
         """Sublayer ``l``'s output f_l (``l`` None: the sublayer just read)."""
@@ -184,9 +196,11 @@ class Stream:
             observer.before_write(self, l, f)
         self._write(l, f)
 
-    def apply(self, sublayer: Callable[[Tensor], Tensor]) -> Tensor:
-        """Run the next sublayer: ``f = sublayer(read())``, written back; returns f."""
-        f = sublayer(self.read())
+    def apply(self, sublayer: Callable[[Tensor], Tensor], norm: nn.Module | None = None) -> Tensor:
+        """Run the next sublayer: ``f = sublayer(read())``, written back; returns f. With ``norm``, the
+        sublayer's pre-norm: ``f = sublayer(norm(read()))``, the norm computed with the read
+        (``read(norm=...)``)."""
+        f = sublayer(self.read(norm=norm))
         self.write(None, f)
         return f
 
@@ -222,6 +236,11 @@ class Stream:
         return None
 
     # -- to implement
+    def _read_normed(self, l: int, norm: RMSNormArgs) -> Tensor | None:
+        """norm(h_l) computed together with the read, or None where this stream has no such path (the
+        default: ``read`` then applies the norm to h_l)."""
+        return None
+
     def _read(self, l: int) -> Tensor:
         raise NotImplementedError
 

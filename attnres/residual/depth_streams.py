@@ -50,8 +50,9 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from attnres.ops.backends import Case, choose
-from attnres.ops.common import DepthStats, compute_dtype, inverse_rms
+from attnres.ops.common import DepthStats, RMSNormArgs, compute_dtype, inverse_rms
 from attnres.ops.depth_attention import multi_query_depth_attention
+from attnres.ops.rms_norm import rms_norm
 from attnres.ops.two_phase.cpu import DecodeReader
 from attnres.residual.base import COMPILED_OPS, PLAIN_OPS, unviewed
 from attnres.residual.method import DepthAttentionStream
@@ -59,6 +60,7 @@ from attnres.residual.variants import (
     LowRankQueries,
     MultiQueries,
     PseudoQueries,
+    ReplacementRouting,
     ScalarMixing,
 )
 
@@ -230,11 +232,20 @@ class TwoPhaseStream(FusedStream):
         h1, lse = self._phase1_over(0, n, self._group_queries(start, stop), key_weights)
         return Phase1(start, h1, lse, None)
 
-    def _merge_partial(self, l: int, stats: DepthStats, i: int) -> Tensor:
+    def _merge_partial(self, l: int, stats: DepthStats, i: int, norm: RMSNormArgs | None = None) -> Tensor:
         s = self.scheme
-        return self.ops.merge_partial(stats, self.partial, s.queries[l], self._key_weight(l), s.eps, s.kernel)
+        return self.ops.merge_partial(
+            stats, self.partial, s.queries[l], self._key_weight(l), s.eps, s.kernel, norm=norm
+        )
 
-    def _aggregate(self, l: int) -> Tensor:
+    def _read_normed(self, l: int, norm: RMSNormArgs) -> Tensor | None:
+        # Phase 2 and the sublayer's pre-norm in one pass; routings other than replacement transform the
+        # mixture first, so they read it whole
+        if type(self.scheme.routing) is not ReplacementRouting:
+            return None
+        return self._aggregate(l, norm)
+
+    def _aggregate(self, l: int, norm: RMSNormArgs | None = None) -> Tensor:
         s = self.scheme
         start, stop = self._group(l)
         n = s.plan[start][0]  # sources completed when the group began
@@ -257,8 +268,9 @@ class TwoPhaseStream(FusedStream):
             (h2,), lse2 = self._phase1_over(n, m, q, kw)
             h, lse = self.ops.merge(DepthStats(h, lse), DepthStats(h2, lse2[:, :, 0]), s.kernel)
         if self.partial is None:
-            return h.to(self.sources[0].dtype)
-        return self._merge_partial(l, DepthStats(h, lse), i)
+            h = h.to(self.sources[0].dtype)
+            return h if norm is None else rms_norm(h, norm)
+        return self._merge_partial(l, DepthStats(h, lse), i, norm)
 
     def state_bytes(self) -> int:
         held = [self.buffer] + ([self.inv_rms] if self.inv_rms is not None else [])
@@ -318,11 +330,12 @@ class TokenQueryTwoPhaseStream(TwoPhaseStream):
         h1, lse = self.ops.phase1_token(self.sources[:n], queries, key_weights, eps=s.eps, kernel=s.kernel)
         return Phase1(start, h1, lse, queries)
 
-    def _merge_partial(self, l: int, stats: DepthStats, i: int) -> Tensor:
+    def _merge_partial(self, l: int, stats: DepthStats, i: int, norm: RMSNormArgs | None = None) -> Tensor:
         s = self.scheme
         assert self._phase1 is not None and self._phase1.queries is not None  # _aggregate ran Phase 1
         queries = self._phase1.queries
-        return self.ops.merge_partial_token(stats, self.partial, queries[:, :, i], self._key_weight(l), s.eps, s.kernel)
+        h = self.ops.merge_partial_token(stats, self.partial, queries[:, :, i], self._key_weight(l), s.eps, s.kernel)
+        return h if norm is None else rms_norm(h, norm)
 
 
 class _DecodeViews:
@@ -441,9 +454,12 @@ class DecodeStream(TwoPhaseStream):
         super()._write(l, f)
         self._partial_stored = False
 
-    def _aggregate(self, l: int) -> Tensor:
-        if self.ops is not PLAIN_OPS:
-            return super()._aggregate(l)
+    def _read_normed(self, l: int, norm: RMSNormArgs) -> Tensor | None:
+        return None  # one token per read: the decode kernel's read, then the norm
+
+    def _aggregate(self, l: int, norm: RMSNormArgs | None = None) -> Tensor:
+        if self.ops is not PLAIN_OPS or norm is not None:  # norm: never handed here (_read_normed is None)
+            return super()._aggregate(l, norm)
         s = self.scheme
         self._handed, self._phase1 = (), None  # the two-phase form's group statistics: none needed here
         m = len(self.sources)

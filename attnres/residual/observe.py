@@ -68,7 +68,14 @@ def _rms(x: Tensor) -> float:
 
 
 class StreamObserver:
-    """Base class: every hook does nothing."""
+    """Base class: every hook does nothing.
+
+    ``reads_inputs``: whether ``after_read`` needs the sublayer input h_l. A stream that computes a read
+    together with the sublayer's pre-norm (``read(norm=...)``) never forms h_l, so with such an observer
+    attached it reads h_l and applies the norm after; observers that set it False are not called after a
+    fused read, and the stream's arithmetic stays exactly what it is unobserved."""
+
+    reads_inputs = True
 
     def attach(self, stream) -> None:
         stream.observers.append(self)
@@ -131,6 +138,8 @@ class IOCounter(StreamObserver):
     """Residual I/O per sublayer (``reads[l]``, ``writes[l]``; index L: the final aggregation),
     in d-vectors per token, of the last forward pass: the stream begun at sublayer 0 and those
     resumed from it block by block."""
+
+    reads_inputs = False  # it counts the operations, not the values
 
     def __init__(self):
         self.reads: list[int] = []

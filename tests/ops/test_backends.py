@@ -14,8 +14,9 @@ from reference import two_phase_inputs
 
 from attnres.ops import backends
 from attnres.ops.backends import Case, choose, forced, record
-from attnres.ops.common import DepthStats, inverse_rms
+from attnres.ops.common import DepthStats, RMSNormArgs, inverse_rms
 from attnres.ops.depth_attention import depth_attention_reference, fused_depth_attention
+from attnres.ops.rms_norm import plain_rms_norm, rms_norm
 from attnres.ops.two_phase import compiled, cpu, fused, library
 from attnres.ops.two_phase import reference as two_phase_reference
 
@@ -194,26 +195,84 @@ def test_merge_backends_equal_the_float64_reference(backend, kernel):
             assert torch.autograd.gradcheck(merged, leaves)
 
 
-@pytest.mark.parametrize("backend", ["torch", "reference"])
-def test_merge_partial_backends_equal_the_float64_reference(backend):
+@pytest.mark.parametrize("backend", ["cpu_kernel", "torch", "reference"])
+@pytest.mark.parametrize("norm", ["none", "weighted", "unweighted"])
+def test_merge_partial_backends_equal_the_float64_reference(backend, norm):
+    """Phase 2, alone and with the RMSNorm after it (which the C++ kernel fuses), against the float64
+    reference; h1 read as a query's slice of Phase 1's [B, T, S, D] output, as streams pass it."""
     runnable(backend)
-    v, q, kw, p = two_phase_inputs(n=3, S=1, B=1, T=2, D=4, seed=10)
+    v, q, kw, p = two_phase_inputs(n=3, S=2, B=2, T=3, D=6, seed=10)
     values = v.permute(1, 2, 0, 3)
     stats = two_phase_reference.phase1(values, inverse_rms(values, EPS), q, kw)
-    leaves = (stats.h[:, :, 0].clone(), stats.lse[:, :, 0].clone(), p.clone(), q[0].clone(), kw[0].clone())
-    leaves = tuple(x.requires_grad_() for x in leaves)
+    g = torch.Generator().manual_seed(11)
+    weight = torch.rand(6, generator=g, dtype=torch.float64) + 0.5
+    h1 = stats.h.clone().requires_grad_()  # [B, T, S, D]: its slice [:, :, 1] is strided
+    leaves = (stats.lse[:, :, 1].clone(), p.clone(), q[1].clone(), kw[1].clone(), weight)
+    leaves = (h1, *(x.requires_grad_() for x in leaves))
 
-    def run(h, lse, partial, query, weight):
-        return fused.merge_partial(DepthStats(h, lse), partial, query, weight, EPS)
+    def rms(w):
+        return None if norm == "none" else RMSNormArgs(w if norm == "weighted" else None, 1e-5)
 
-    want = two_phase_reference.merge_partial(DepthStats(*leaves[:2]), *leaves[2:], EPS)
+    def run(h, lse, partial, query, key_weight, w):
+        return fused.merge_partial(DepthStats(h[:, :, 1], lse), partial, query, key_weight, EPS, norm=rms(w))
+
+    want = two_phase_reference.merge_partial(DepthStats(h1[:, :, 1], leaves[1]), *leaves[2:5], EPS, norm=rms(leaves[5]))
     with forced("merge_partial", backend), record() as found:
         got = run(*leaves)
         assert torch.autograd.gradcheck(run, leaves)
+        if backend == "cpu_kernel":  # a graph of the gradient: the kernel's Function hands over to torch's form
+            assert torch.autograd.gradgradcheck(run, leaves)
     assert ran(found, "merge_partial") == {("forward", backend)}
+    torch.testing.assert_close(got, want, **F64)
+    gx = torch.randn(got.shape, generator=g, dtype=torch.float64)
+    grads = [torch.autograd.grad(y, leaves, gx, allow_unused=True) for y in (got, want)]
+    for a, w in zip(*grads, strict=True):
+        assert (a is None) == (w is None)
+        if a is not None:
+            torch.testing.assert_close(a, w, **F64)
+
+
+@pytest.mark.parametrize("backend", ["cpu_kernel", "reference"])
+@pytest.mark.parametrize("weighted", [True, False])
+def test_rms_norm_backends_equal_the_float64_reference(backend, weighted):
+    runnable(backend)
+    g = torch.Generator().manual_seed(13)
+    wide = torch.randn(2, 3, 2, 5, generator=g, dtype=torch.float64) * 2 + 0.3
+    h = wide.requires_grad_()  # read as [:, :, 0]: rows 10 values apart, as a Phase-1 slice
+    weight = (torch.rand(5, generator=g, dtype=torch.float64) + 0.5).requires_grad_() if weighted else None
+    leaves = (h, weight) if weighted else (h,)
+
+    def run(x, w=None):
+        return rms_norm(x[:, :, 0], RMSNormArgs(w, 1e-4))
+
+    with forced("rms_norm", backend), record() as found:
+        got = run(*leaves)
+        assert torch.autograd.gradcheck(run, leaves)
+        assert torch.autograd.gradgradcheck(run, leaves)
+    assert ran(found, "rms_norm") == {("forward", backend)}
+    want = torch.nn.functional.rms_norm(h[:, :, 0], (5,), weight, 1e-4)
     torch.testing.assert_close(got, want, **F64)
     for a, w in zip(torch.autograd.grad(got.sum(), leaves), torch.autograd.grad(want.sum(), leaves), strict=True):
         torch.testing.assert_close(a, w, **F64)
+
+
+def test_only_a_plain_rms_norm_is_computed_by_the_stream():
+    norm = torch.nn.RMSNorm(8, eps=1e-5)
+    assert plain_rms_norm(norm) == (norm.weight, 1e-5)
+    assert plain_rms_norm(torch.nn.RMSNorm(8, elementwise_affine=False)) == (None, None)
+    assert plain_rms_norm(torch.nn.LayerNorm(8)) is None
+    assert plain_rms_norm(torch.nn.RMSNorm((4, 8))) is None  # over two dimensions
+
+    class Scaled(torch.nn.RMSNorm):
+        pass
+
+    assert plain_rms_norm(Scaled(8)) is None  # a subclass may change forward
+    handle = norm.register_forward_hook(lambda *args: None)
+    assert plain_rms_norm(norm) is None  # the kernel would skip the hook
+    handle.remove()
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(lambda *args: None)
+    assert plain_rms_norm(norm) is None
+    handle.remove()
 
 
 # ----------------------------------------------------------------------------- the choice
@@ -301,7 +360,13 @@ def test_compiled_phase1_form_and_the_small_ops(monkeypatch):
     grad = choose("merge", "forward", Case(device="cuda", grad=True), load=False)
     assert grad.backend == "reference" and "gradient" in grad.reason
     assert choose("merge", "backward", GPU16, load=False).backend == "reference"
-    assert choose("merge_partial", "forward", Case()).backend == "torch"
+    eager = "cpu_kernel" if cpu.kernel() is not None else "torch"
+    assert choose("merge_partial", "forward", Case()).backend == eager
+    assert choose("rms_norm", "forward", Case()).backend == ("cpu_kernel" if eager == "cpu_kernel" else "reference")
+    for case in (Case(compiling=True), Case(dtype=torch.bfloat16), Case(device="cuda")):
+        assert choose("merge_partial", "forward", case).backend == "torch"
+        assert choose("rms_norm", "forward", case).backend == "reference"
+    assert choose("merge_partial", "forward", Case(), env={"ATTNRES_CPU_KERNEL": "0"}).backend == "torch"
     for case in (Case(heads=2), Case(kernel="sigmoid"), Case(key_norm=False)):
         assert choose("merge_partial", "forward", case).backend == "reference"
     asked = Case(reference="impl='reference'")

@@ -176,3 +176,74 @@ def test_a_stream_handed_between_the_compiled_and_the_buffer_form_computes_the_s
 
     monkeypatch.setattr(forms, "compiled_form", lambda embedding: False)
     assert_same_pass(got, trained_pass(scheme_for(case), x))
+
+
+def normed_pass(scheme, x, norms, fused: bool):
+    """One pass whose sublayers read through their pre-norms (``read(norm=...)`` where ``fused``, else
+    norm(read())) and its backward: (normed inputs, output, d/dx, d/dparameters of scheme and norms)."""
+    x.grad = None
+    inputs = []
+    stream = scheme.begin(x)
+    for f, norm in zip(sublayers(), norms, strict=True):
+        h = stream.read(norm=norm) if fused else norm(stream.read())
+        inputs.append(h)
+        stream.write(None, f(h))
+    out = stream.end()
+    (out.square().sum() + sum((h * h.detach().cos()).sum() for h in inputs)).backward()
+    named = [*scheme.named_parameters(), *((f"norm{i}", n.weight) for i, n in enumerate(norms))]
+    return inputs, out, x.grad.clone(), {n: p.grad.clone() for n, p in named}
+
+
+@pytest.mark.parametrize("kernel", ["0", "auto"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_read_through_the_pre_norm_equals_the_norm_of_the_read(case, kernel, monkeypatch):
+    """``read(norm=)``, which two-phase fuses with Phase 2 (and the C++ kernel computes in one pass), gives
+    the reference stream's norm(read()), values and gradients, norm weights included."""
+    monkeypatch.setenv("ATTNRES_CPU_KERNEL", kernel)
+    if CASES[case][1] is forms.CompiledTwoPhaseStream:
+        monkeypatch.setattr(forms, "compiled_form", lambda embedding: True)
+    g = torch.Generator().manual_seed(4)
+
+    def norms():
+        made = [torch.nn.RMSNorm(D, eps=1e-5).double() for _ in range(L)]
+        with torch.no_grad():
+            for n in made:
+                n.weight.copy_(torch.rand(D, generator=torch.Generator().manual_seed(7), dtype=torch.float64) + 0.5)
+        return made
+
+    x = torch.randn(2, 3, D, dtype=torch.float64, generator=g, requires_grad=True)
+    with backends.record() as found:
+        got = normed_pass(scheme_for(case), x, norms(), fused=True)
+    if CASES[case][1] is forms.TwoPhaseStream and kernel == "auto" and backends.availability("cpu_kernel")[0]:
+        # one head, softmax, key norm: Block's kernel merges the partial sum and normalises at once; Full
+        # AttnRes has no partial sum, and its reads run the norm's kernel
+        op = "merge_partial" if "block" in case else "rms_norm"
+        if "heads" not in case:
+            assert ("forward", "cpu_kernel") in {(c.phase, c.backend) for c in found if c.op == op}
+    monkeypatch.setattr(
+        attnres_scheme,
+        "stream_class",
+        lambda s, e: forms.ScalarMixStream if case == "scalar" else forms.DepthAttentionStream,
+    )
+    assert_same_pass(got, normed_pass(scheme_for(case), x, norms(), fused=False))
+
+
+def test_observers_that_read_inputs_see_the_whole_mixture_before_the_norm(monkeypatch):
+    from attnres.residual import DepthRecord, DepthRecorder, IOCounter, observing
+
+    scheme = BlockAttnRes(D, L, attnres_block_size=2).double()
+    norm = torch.nn.RMSNorm(D).double()
+    x = torch.randn(2, 3, D, dtype=torch.float64)
+    calls = []
+    monkeypatch.setattr(forms.TwoPhaseStream, "_read_normed", lambda self, l, n: calls.append(l))
+    scheme.begin(x).read(norm=norm)
+    assert calls == [0]
+    with observing(scheme, IOCounter()):  # it counts operations, not values: the read stays fused
+        scheme.begin(x).read(norm=norm)
+    assert calls == [0, 0]
+    record = DepthRecord()
+    with observing(scheme, DepthRecorder(record)):
+        stream = scheme.begin(x)
+        torch.testing.assert_close(stream.read(norm=norm), norm(x))
+    assert calls == [0, 0]  # the recorder sees h_l, so nothing was fused
+    assert record.input_rms

@@ -1,4 +1,6 @@
-"""Phase 1 on the CPU as a compiled C++ kernel (``cpu_kernel.cpp``), with the torch formulation as fallback.
+"""Two-phase depth attention on the CPU as a compiled C++ kernel (``cpu_kernel.cpp``), with the torch
+formulation as fallback: Phase 1, the Phase-2 merge fused with the next RMSNorm (``merge_norm``), and that
+RMSNorm alone (``rms_norm``, so PreNorm's reads run the same code).
 
 ``phase1`` and ``phase1_backward`` have the contract of ``fused.phase1_forward`` / ``fused.phase1_backward``
 over a [B, T, n, D] stack or a list of n [B, T, D] sources, in float32 and float64 (the compute dtypes of the
@@ -38,7 +40,7 @@ from attnres.ops.two_phase.reference import check_queries, query_matrix
 SOURCE = Path(__file__).with_name("cpu_kernel.cpp")
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-Wno-psabi")
 NATIVE = ("-march=native",)  # dropped when the compiler refuses it
-ABI = 2
+ABI = 3
 # below this many source values per call one thread does the work: starting threads costs more
 PARALLEL_MIN_VALUES = 1 << 16
 ENV = "ATTNRES_CPU_KERNEL"
@@ -347,3 +349,179 @@ class DecodeReader:
         if v.shape != self.shape:
             raise ValueError(f"the CPU decode kernel stores rows of shape {self.shape}; got {tuple(v.shape)}")
         return v if v.dtype == self.dtype and v.stride(-1) == 1 else v.to(self.dtype).contiguous()
+
+
+_MERGE_SCALARS = 4  # per token, what the merge's forward keeps for its backward: s, r, w, rho
+
+
+def _merge_function(name: str, dtype: torch.dtype):
+    lib = kernel()
+    if lib is None:
+        raise RuntimeError(f"the compiled CPU kernel is not available: {status()}")
+    return getattr(lib, f"attnres_merge_norm_{name}_{'f64' if dtype == torch.float64 else 'f32'}")
+
+
+def _flat(x: Tensor | None, cd: torch.dtype, d: int | None = None) -> Tensor | None:
+    """x as a contiguous ``cd`` tensor [N, d] (or flat without ``d``), a view where it already is one."""
+    if x is None:
+        return None
+    x = x.detach().to(cd)
+    return (x.reshape(-1, d) if d is not None else x.reshape(-1)).contiguous()
+
+
+def _token_rows(x: Tensor, cd: torch.dtype) -> tuple[Tensor, int]:
+    """x [B, T, D] in ``cd`` and the stride between its tokens' rows: read in place when B and T flatten
+    with one stride and D is contiguous (a query's slice of Phase 1's [B, T, S, D] output), else copied."""
+    x = x.detach().to(cd)
+    b, t, _ = x.shape
+    if x.stride(2) != 1 or (b > 1 and t > 1 and x.stride(0) != t * x.stride(1)):
+        x = x.contiguous()
+    return x, (x.stride(1) if t > 1 else x.stride(0))
+
+
+def _rows_of(x: Tensor, cd: torch.dtype) -> tuple[Tensor, int]:
+    """``_token_rows`` for x of any rank [..., D]: the leading dimensions as tokens."""
+    if x.dim() == 3:
+        return _token_rows(x, cd)
+    return _token_rows(x.reshape(1, -1, x.shape[-1]) if x.dim() < 3 else x.flatten(0, -3), cd)
+
+
+def _merge_operands(h1: Tensor, lse: Tensor | None, partial: Tensor, u: Tensor, weight: Tensor | None, cd):
+    """The merge's inputs: h1 with its row stride, the rest contiguous ``cd`` tensors [N, D] / [N] / [D]."""
+    d = partial.shape[-1]
+    rows, stride = _rows_of(h1, cd)
+    return (rows, stride), _flat(lse, cd), _flat(partial, cd, d), _flat(u, cd), _flat(weight, cd)
+
+
+def merge_norm(
+    h1: Tensor,
+    lse: Tensor,
+    partial: Tensor,
+    u: Tensor,
+    key_eps: float,
+    weight: Tensor | None = None,
+    norm_eps: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Phase 2 (one head, softmax, key norm) and, with ``norm_eps``, the RMSNorm after it, in one call.
+
+    h1 [B, T, D] and lse [B, T] (or [B, T, 1]) are the Phase-1 result, ``partial`` [B, T, D] the partial sum,
+    u [D] the query times the key-norm weight. Returns (out [B, T, D] in the compute dtype: h, or
+    RMSNorm(h) * weight when ``norm_eps`` is given; the [B*T, 4] scalars ``merge_norm_backward`` needs)."""
+    cd = compute_dtype(partial.dtype)
+    ops = _merge_operands(h1, lse, partial, u, weight, cd)
+    n, d = ops[2].shape
+    out = torch.empty(n, d, dtype=cd)
+    saved = torch.empty(n, _MERGE_SCALARS, dtype=cd)
+    norm = norm_eps is not None
+    (h1_rows, h1_stride), *rest = ops
+    _merge_function("forward", cd)(
+        _pointer(h1_rows),
+        ctypes.c_int64(h1_stride),
+        *[_pointer(t) for t in rest],
+        ctypes.c_int64(n),
+        ctypes.c_int64(d),
+        ctypes.c_double(key_eps),
+        ctypes.c_double(norm_eps if norm_eps is not None else 0.0),
+        ctypes.c_int(norm),
+        _pointer(out),
+        _pointer(saved),
+        ctypes.c_int(_threads(n * d)),
+    )
+    return out.view(partial.shape), saved
+
+
+def merge_norm_backward(
+    h1: Tensor,
+    partial: Tensor,
+    u: Tensor,
+    key_eps: float,
+    weight: Tensor | None,
+    norm_eps: float | None,
+    saved: Tensor,
+    grad_out: Tensor,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
+    """(dh1, dlse [B, T], dpartial, du [D], dweight [D] or None) for ``merge_norm``'s output gradient, in the
+    compute dtype; ``saved`` is its second result."""
+    cd = compute_dtype(partial.dtype)
+    (h1_rows, h1_stride), _, p, u_c, w_c = _merge_operands(h1, None, partial, u, weight, cd)
+    n, d = p.shape
+    gx = grad_out.detach().to(cd).reshape(n, d).contiguous()
+    gh1, gp = torch.empty(n, d, dtype=cd), torch.empty(n, d, dtype=cd)
+    glse, du = torch.empty(n, dtype=cd), torch.empty(d, dtype=cd)
+    norm = norm_eps is not None
+    dw = torch.empty(d, dtype=cd) if norm and weight is not None else None
+    _merge_function("backward", cd)(
+        _pointer(h1_rows),
+        ctypes.c_int64(h1_stride),
+        None,
+        _pointer(p),
+        _pointer(u_c),
+        _pointer(w_c),
+        ctypes.c_int64(n),
+        ctypes.c_int64(d),
+        ctypes.c_double(key_eps),
+        ctypes.c_double(norm_eps if norm_eps is not None else 0.0),
+        ctypes.c_int(norm),
+        _pointer(gx),
+        _pointer(saved),
+        _pointer(gh1),
+        _pointer(gp),
+        _pointer(glse),
+        _pointer(du),
+        _pointer(dw),
+        ctypes.c_int(_threads(n * d)),
+    )
+    shape = partial.shape
+    return gh1.view(shape), glse.view(shape[:-1]), gp.view(shape), du, dw
+
+
+def _norm_function(name: str, dtype: torch.dtype):
+    lib = kernel()
+    if lib is None:
+        raise RuntimeError(f"the compiled CPU kernel is not available: {status()}")
+    return getattr(lib, f"attnres_rms_norm_{name}_{'f64' if dtype == torch.float64 else 'f32'}")
+
+
+def rms_norm(h: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
+    """(RMSNorm(h) * weight [..., D] in the compute dtype, the per-token 1 / rms [N] its backward needs), the
+    math of ``torch.nn.functional.rms_norm`` over the last dimension."""
+    cd = compute_dtype(h.dtype)
+    d = h.shape[-1]
+    (x, stride), w = _rows_of(h, cd), _flat(weight, cd)
+    n = h.numel() // d
+    out, rho = torch.empty(n, d, dtype=cd), torch.empty(n, dtype=cd)
+    _norm_function("forward", cd)(
+        _pointer(x),
+        ctypes.c_int64(stride),
+        _pointer(w),
+        ctypes.c_int64(n),
+        ctypes.c_int64(d),
+        ctypes.c_double(eps),
+        _pointer(out),
+        _pointer(rho),
+        ctypes.c_int(_threads(n * d)),
+    )
+    return out.view(h.shape), rho
+
+
+def rms_norm_backward(h: Tensor, weight: Tensor | None, rho: Tensor, grad_out: Tensor) -> tuple[Tensor, Tensor | None]:
+    """(dh, dweight or None) for ``rms_norm``'s output gradient, in the compute dtype."""
+    cd = compute_dtype(h.dtype)
+    d = h.shape[-1]
+    (x, stride), w, gx = _rows_of(h, cd), _flat(weight, cd), _flat(grad_out, cd, d)
+    n = h.numel() // d
+    gh = torch.empty(n, d, dtype=cd)
+    dw = torch.empty(d, dtype=cd) if weight is not None else None
+    _norm_function("backward", cd)(
+        _pointer(x),
+        ctypes.c_int64(stride),
+        _pointer(w),
+        ctypes.c_int64(n),
+        ctypes.c_int64(d),
+        _pointer(gx),
+        _pointer(rho),
+        _pointer(gh),
+        _pointer(dw),
+        ctypes.c_int(_threads(n * d)),
+    )
+    return gh.view(h.shape), dw

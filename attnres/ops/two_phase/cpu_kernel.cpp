@@ -1,16 +1,24 @@
-// Phase 1 of two-phase depth attention on the CPU: forward and backward, one pass over the sources per token.
+// Two-phase depth attention on the CPU: Phase 1 over the sources, and the Phase-2 merge fused with the RMSNorm
+// the sublayer applies next (plus that RMSNorm alone, so PreNorm's reads run the same code), forward and backward.
 //
 // attnres/ops/two_phase/cpu.py compiles this file on first use (a plain C ABI called through ctypes, no torch
 // headers, so it builds in about a second) and falls back to the torch formulation when no compiler is there.
-// The math is fused.phase1_forward / fused.phase1_backward's (read those first); here a token's n source rows,
-// its S query outputs and its S x H statistics stay in cache while they are used, so each source row is read
-// from memory once per direction and each gradient row written once. The PyTorch products it replaces run
-// [B*T] batches of tiny n x D by D x S matrices and materialise every [B*T, n, S, H] intermediate.
 //
+// Phase 1. The math is fused.phase1_forward / fused.phase1_backward's (read those first); here a token's n source
+// rows, its S query outputs and its S x H statistics stay in cache while they are used, so each source row is
+// read from memory once per direction and each gradient row written once. The PyTorch products it replaces run
+// [B*T] batches of tiny n x D by D x S matrices and materialise every [B*T, n, S, H] intermediate.
 // Layout: source i of token x is src[i] + x * src_stride (x = b * T + t; the caller checks that B and T flatten
 // with one stride), D contiguous values; its inverse RMS is rinv[i][x * rinv_stride] (rinv null: no key norm).
 // u [S, D] = queries * key_weights. Head h of H owns channels [h * D / H, (h + 1) * D / H).
 // Outputs: h [N, S, D], lse [N, S, H] (zero for the sigmoid kernel); backward gv [N, n, D] and du [S, D].
+//
+// Merge + norm (MergeNorm). fused.merge_partial's math (the online-softmax merge of the running partial sum
+// into Phase 1's h and lse) followed by an optional RMSNorm, in one pass per token: it reads the partial row and
+// the Phase-1 row (h1_stride apart per token, so a strided slice of Phase 1's [N, S, D] output is read in place)
+// and writes h and norm(h). The backward recomputes h from the saved per-token scalars instead of storing it.
+// RMSNorm alone (RMSNorm) is the same norm over a strided input, saving the inverse RMS for its backward.
+// Per-thread partial sums of the weight gradients are added in a fixed order, so results do not depend on timing.
 
 #include <algorithm>
 #include <cmath>
@@ -155,6 +163,18 @@ inline T dot(const T* a, const T* b, int64_t len) {
   for (; c + W <= len; c += W) p += load(a + c) * load(b + c);
   T acc = total(p + q);
   for (; c < len; ++c) acc += a[c] * b[c];
+  return acc;
+}
+
+// sum a b c over len values
+template <typename T>
+inline T dot3(const T* a, const T* b, const T* c3, int64_t len) {
+  constexpr int64_t W = WIDTH<T>;
+  vec<T> p{};
+  int64_t c = 0;
+  for (; c + W <= len; c += W) p += load(a + c) * load(b + c) * load(c3 + c);
+  T acc = total(p);
+  for (; c < len; ++c) acc += a[c] * b[c] * c3[c];
   return acc;
 }
 
@@ -365,6 +385,158 @@ struct DecodeBuffer {
   }
 };
 
+// Phase 2 fused with the pre-norm of the sublayer that reads it: per token one call merges the partial sum p into
+// the Phase-1 result (h1, lse) and, with `norm`, applies the RMSNorm that follows, so h itself is never written:
+//   s = p . u, r = 1 / sqrt(key_eps + |p|^2 / D), w = sigmoid(r s - lse), h = h1 + w (p - h1)
+//   x = h rho g with rho = 1 / sqrt(norm_eps + |h|^2 / D) and g the norm's weight (null: ones); without norm x = h.
+// The math is fused._MergePartial's followed by nn.RMSNorm (read those first). One head, softmax, key norm.
+// The forward keeps [N, 4] scalars (s, r, w, rho); the backward recomputes h from h1, p and w (two passes over a
+// token's row, which stays in cache) and writes dh1 and dp once each, with dlse [N], du [D] and dg [D].
+template <typename T>
+struct MergeNorm {
+  const T *h1, *lse, *p, *u, *g;  // g null: no weight
+  int64_t h1_stride, D;             // h1's rows are h1_stride apart (a query's slice of Phase 1's output)
+  T key_eps, norm_eps;
+  bool norm;
+
+  void forward(int64_t x0, int64_t x1, T* out, T* saved) const {
+    constexpr int64_t W = WIDTH<T>;
+    for (int64_t x = x0; x < x1; ++x) {
+      const T *a = h1 + x * h1_stride, *b = p + x * D;
+      T* o = out + x * D;
+      T s, pp;
+      dot2(b, u, b, D, s, pp);
+      const T r = T(1) / std::sqrt(key_eps + pp / T(D));
+      const T w = T(1) / (T(1) + std::exp(lse[x] - r * s));
+      vec<T> hh{};
+      int64_t c = 0;
+      for (; c + W <= D; c += W) {
+        const vec<T> av = load(a + c), h = av + w * (load(b + c) - av);
+        store(o + c, h);
+        hh += h * h;
+      }
+      T sum = total(hh);
+      for (; c < D; ++c) {
+        o[c] = a[c] + w * (b[c] - a[c]);
+        sum += o[c] * o[c];
+      }
+      T rho = T(1);
+      if (norm) {
+        rho = T(1) / std::sqrt(norm_eps + sum / T(D));
+        c = 0;
+        if (g) {
+          for (; c + W <= D; c += W) store(o + c, load(o + c) * rho * load(g + c));
+          for (; c < D; ++c) o[c] *= rho * g[c];
+        } else {
+          for (; c + W <= D; c += W) store(o + c, load(o + c) * rho);
+          for (; c < D; ++c) o[c] *= rho;
+        }
+      }
+      T* k = saved + 4 * x;
+      k[0] = s, k[1] = r, k[2] = w, k[3] = rho;
+    }
+  }
+
+  // gx [N, D] in; gh1, gp [N, D], glse [N] out; du, dg [D] accumulated (the caller's per-thread partials)
+  void backward(int64_t x0, int64_t x1, const T* gx, const T* saved, T* gh1, T* gp, T* glse, T* du, T* dg) const {
+    constexpr int64_t W = WIDTH<T>;
+    for (int64_t x = x0; x < x1; ++x) {
+      const T *a = h1 + x * h1_stride, *b = p + x * D, *gr = gx + x * D;
+      const T* k = saved + 4 * x;
+      const T s = k[0], r = k[1], w = k[2], rho = k[3];
+      // pass 1: c1 = (g gx) . h, e1 = (g gx) . (p - h1), e2 = h . (p - h1); then dL/dh = rho g gx - beta h
+      vec<T> vc1{}, ve1{}, ve2{};
+      int64_t c = 0;
+      for (; c + W <= D; c += W) {
+        const vec<T> av = load(a + c), diff = load(b + c) - av, h = av + w * diff;
+        const vec<T> gg = g ? load(gr + c) * load(g + c) : load(gr + c);
+        vc1 += gg * h;
+        ve1 += gg * diff;
+        ve2 += h * diff;
+      }
+      T c1 = total(vc1), e1 = total(ve1), e2 = total(ve2);
+      for (; c < D; ++c) {
+        const T diff = b[c] - a[c], h = a[c] + w * diff, gg = g ? gr[c] * g[c] : gr[c];
+        c1 += gg * h, e1 += gg * diff, e2 += h * diff;
+      }
+      const T beta = norm ? rho * rho * rho * c1 / T(D) : T(0);
+      const T scale = norm ? rho : T(1);
+      const T gw = scale * e1 - beta * e2;  // dL/dw = dL/dh . (p - h1)
+      const T gz = gw * w * (T(1) - w), gs = gz * r;
+      const T kp = -(gz * s) * r * r * r / T(D);  // the key norm's term on p
+      glse[x] = -gz;
+      // pass 2: dh1 = (1 - w) dh, dp = w dh + gs u + kp p; du += gs p, dg += gx h rho
+      T *o1 = gh1 + x * D, *op = gp + x * D;
+      c = 0;
+      for (; c + W <= D; c += W) {
+        const vec<T> av = load(a + c), bv = load(b + c), h = av + w * (bv - av), gv = load(gr + c);
+        const vec<T> gh = scale * (g ? gv * load(g + c) : gv) - beta * h;
+        store(o1 + c, (T(1) - w) * gh);
+        store(op + c, w * gh + gs * load(u + c) + kp * bv);
+        store(du + c, load(du + c) + gs * bv);
+        if (norm && dg) store(dg + c, load(dg + c) + rho * gv * h);
+      }
+      for (; c < D; ++c) {
+        const T h = a[c] + w * (b[c] - a[c]), gh = scale * (g ? gr[c] * g[c] : gr[c]) - beta * h;
+        o1[c] = (T(1) - w) * gh;
+        op[c] = w * gh + gs * u[c] + kp * b[c];
+        du[c] += gs * b[c];
+        if (norm && dg) dg[c] += rho * gr[c] * h;
+      }
+    }
+  }
+};
+
+// The pre-norm of a sublayer whose stream has no merge to fuse it with (PreNorm's running sum, a block's first
+// read): x = h rho g, rho = 1 / sqrt(eps + |h|^2 / D), as nn.RMSNorm; the forward keeps rho [N], the backward
+// writes dh = rho g gx - rho^3 / D ((g gx) . h) h and accumulates dg += rho gx h. The same arithmetic as
+// MergeNorm's norm, so every scheme's pre-norm costs the same (the baseline is timed with this kernel too).
+template <typename T>
+struct RMSNorm {
+  const T *h, *g;            // g null: no weight
+  int64_t h_stride, D;       // h's rows are h_stride apart
+  T eps;
+
+  void forward(int64_t x0, int64_t x1, T* out, T* rho_out) const {
+    constexpr int64_t W = WIDTH<T>;
+    for (int64_t x = x0; x < x1; ++x) {
+      const T* a = h + x * h_stride;
+      T* o = out + x * D;
+      const T rho = T(1) / std::sqrt(eps + dot(a, a, D) / T(D));
+      int64_t c = 0;
+      if (g) {
+        for (; c + W <= D; c += W) store(o + c, load(a + c) * rho * load(g + c));
+        for (; c < D; ++c) o[c] = a[c] * rho * g[c];
+      } else {
+        for (; c + W <= D; c += W) store(o + c, load(a + c) * rho);
+        for (; c < D; ++c) o[c] = a[c] * rho;
+      }
+      rho_out[x] = rho;
+    }
+  }
+
+  void backward(int64_t x0, int64_t x1, const T* gx, const T* rho_in, T* gh, T* dg) const {
+    constexpr int64_t W = WIDTH<T>;
+    for (int64_t x = x0; x < x1; ++x) {
+      const T *a = h + x * h_stride, *gr = gx + x * D;
+      const T rho = rho_in[x];
+      const T c1 = g ? dot3(gr, g, a, D) : dot(gr, a, D);
+      const T beta = rho * rho * rho * c1 / T(D);
+      T* o = gh + x * D;
+      int64_t c = 0;
+      for (; c + W <= D; c += W) {
+        const vec<T> av = load(a + c), gv = load(gr + c);
+        store(o + c, rho * (g ? gv * load(g + c) : gv) - beta * av);
+        if (dg) store(dg + c, load(dg + c) + rho * gv * av);
+      }
+      for (; c < D; ++c) {
+        o[c] = rho * (g ? gr[c] * g[c] : gr[c]) - beta * a[c];
+        if (dg) dg[c] += rho * gr[c] * a[c];
+      }
+    }
+  }
+};
+
 // Runs body(x0, x1, part) over `threads` contiguous token ranges (one in this thread when threads <= 1).
 template <typename F>
 void split_tokens(int64_t N, int threads, F body) {
@@ -437,4 +609,61 @@ ATTNRES_PHASE1(double, f64)
 ATTNRES_DECODE(float, f32)
 ATTNRES_DECODE(double, f64)
 
-extern "C" int attnres_phase1_abi() { return 2; }
+#define ATTNRES_MERGE_NORM(T, SUFFIX)                                                                          \
+  extern "C" void attnres_merge_norm_forward_##SUFFIX(const T* h1, int64_t h1_stride, const T* lse, const T* p, \
+                                                     const T* u, const T* g, int64_t N, int64_t D,            \
+                                                     double key_eps, double norm_eps, int norm, T* out,       \
+                                                     T* saved, int threads) {                                 \
+    const MergeNorm<T> op{h1, lse, p, u, g, h1_stride, D, T(key_eps), T(norm_eps), norm != 0};                   \
+    split_tokens(N, threads, [&](int64_t x0, int64_t x1, int64_t) { op.forward(x0, x1, out, saved); });        \
+  }                                                                                                            \
+  extern "C" void attnres_merge_norm_backward_##SUFFIX(                                                        \
+      const T* h1, int64_t h1_stride, const T* lse, const T* p, const T* u, const T* g, int64_t N, int64_t D,   \
+      double key_eps, double norm_eps, int norm, const T* gx, const T* saved, T* gh1, T* gp, T* glse, T* du,    \
+      T* dg, int threads) {                                                                                    \
+    const MergeNorm<T> op{h1, lse, p, u, g, h1_stride, D, T(key_eps), T(norm_eps), norm != 0};                   \
+    const int64_t t = std::max<int64_t>(1, std::min<int64_t>(threads, N));                                     \
+    /* one [2, D] partial (du, dg) per range, summed in a fixed order: the result does not depend on scheduling */ \
+    std::vector<T> parts(t * 2 * D, T(0));                                                                     \
+    split_tokens(N, static_cast<int>(t), [&](int64_t x0, int64_t x1, int64_t part) {                           \
+      T* mine = parts.data() + part * 2 * D;                                                                   \
+      op.backward(x0, x1, gx, saved, gh1, gp, glse, mine, dg ? mine + D : nullptr);                            \
+    });                                                                                                        \
+    std::fill(du, du + D, T(0));                                                                               \
+    if (dg) std::fill(dg, dg + D, T(0));                                                                       \
+    for (int64_t part = 0; part < t; ++part)                                                                   \
+      for (int64_t c = 0; c < D; ++c) {                                                                        \
+        du[c] += parts[part * 2 * D + c];                                                                      \
+        if (dg) dg[c] += parts[part * 2 * D + D + c];                                                          \
+      }                                                                                                        \
+  }
+
+#define ATTNRES_RMS_NORM(T, SUFFIX)                                                                            \
+  extern "C" void attnres_rms_norm_forward_##SUFFIX(const T* h, int64_t h_stride, const T* g, int64_t N,      \
+                                                   int64_t D, double eps, T* out, T* rho, int threads) {       \
+    const RMSNorm<T> op{h, g, h_stride, D, T(eps)};                                                            \
+    split_tokens(N, threads, [&](int64_t x0, int64_t x1, int64_t) { op.forward(x0, x1, out, rho); });          \
+  }                                                                                                            \
+  extern "C" void attnres_rms_norm_backward_##SUFFIX(const T* h, int64_t h_stride, const T* g, int64_t N,     \
+                                                    int64_t D, const T* gx, const T* rho, T* gh, T* dg,        \
+                                                    int threads) {                                             \
+    const RMSNorm<T> op{h, g, h_stride, D, T(0)};                                                              \
+    const int64_t t = std::max<int64_t>(1, std::min<int64_t>(threads, N));                                     \
+    std::vector<T> parts(dg ? t * D : 0, T(0));                                                                \
+    split_tokens(N, static_cast<int>(t), [&](int64_t x0, int64_t x1, int64_t part) {                           \
+      op.backward(x0, x1, gx, rho, gh, dg ? parts.data() + part * D : nullptr);                                \
+    });                                                                                                        \
+    if (dg) {                                                                                                  \
+      std::fill(dg, dg + D, T(0));                                                                             \
+      for (int64_t part = 0; part < t; ++part)                                                                 \
+        for (int64_t c = 0; c < D; ++c) dg[c] += parts[part * D + c];                                          \
+    }                                                                                                          \
+  }
+
+ATTNRES_RMS_NORM(float, f32)
+ATTNRES_RMS_NORM(double, f64)
+
+ATTNRES_MERGE_NORM(float, f32)
+ATTNRES_MERGE_NORM(double, f64)
+
+extern "C" int attnres_phase1_abi() { return 3; }

@@ -31,6 +31,7 @@ from torch import Tensor
 from attnres.ops import backends
 from attnres.ops.common import (
     DepthStats,
+    RMSNormArgs,
     apply_function,
     autocast_disabled,
     autocast_off,
@@ -367,6 +368,57 @@ class _MergePartial(torch.autograd.Function):
         )
 
 
+class _MergeNormKernel(torch.autograd.Function):
+    """_MergePartial's math, and with a norm the RMSNorm after it, as one C++ kernel call each way
+    (``cpu.merge_norm``): h is never written, and backward recomputes it from h1, p and the saved
+    [B, T]-sized scalars. CPU float32/float64, eager."""
+
+    @staticmethod
+    def forward(ctx, h1, lse1, partial, query, key_weight, weight, eps, norm_eps):
+        from attnres.ops.two_phase import cpu
+
+        u = (query.detach() * key_weight.detach()).to(compute_dtype(partial.dtype))
+        out, saved = cpu.merge_norm(h1, lse1, partial, u, eps, weight, norm_eps)
+        ctx.save_for_backward(h1, lse1, partial, query, key_weight, weight, saved)
+        ctx.eps, ctx.norm_eps = eps, norm_eps
+        return out.to(partial.dtype)
+
+    @staticmethod
+    @autocast_off
+    def backward(ctx, grad):
+        from attnres.ops.two_phase import cpu
+
+        h1, lse1, partial, query, key_weight, weight, saved = ctx.saved_tensors
+        if torch.is_grad_enabled():  # a graph of the gradient (create_graph): the torch form's
+            return _MergeNormKernel._graph_backward(ctx, grad)
+        u = (query * key_weight).to(saved.dtype)
+        gh1, glse, gp, du, dw = cpu.merge_norm_backward(h1, partial, u, ctx.eps, weight, ctx.norm_eps, saved, grad)
+        return (
+            gh1.to(h1.dtype),
+            glse.view(lse1.shape).to(lse1.dtype),
+            gp.to(partial.dtype),
+            (du * key_weight.to(du.dtype)).to(query.dtype),
+            (du * query.to(du.dtype)).to(key_weight.dtype),
+            dw.to(weight.dtype) if dw is not None else None,
+            None,
+            None,
+        )
+
+    @staticmethod
+    def _graph_backward(ctx, grad):
+        h1, lse1, partial, query, key_weight, weight, _ = ctx.saved_tensors
+        inputs = (h1, lse1, partial, query, key_weight, weight)
+        norm = RMSNormArgs(weight, ctx.norm_eps) if ctx.norm_eps is not None else None
+        out = reference.merge_partial(DepthStats(h1, lse1), partial, query, key_weight, ctx.eps, "softmax", norm)
+        wanted = [x for x, need in zip(inputs, ctx.needs_input_grad[:6], strict=True) if need and x is not None]
+        grads = iter(torch.autograd.grad(out, wanted, grad, create_graph=True, allow_unused=True))
+        found = [
+            next(grads) if need and x is not None else None
+            for x, need in zip(inputs, ctx.needs_input_grad[:6], strict=True)
+        ]
+        return (*found, None, None)
+
+
 def merge(a: DepthStats, b: DepthStats, kernel: str = "softmax") -> DepthStats:
     """The arguments and result of ``reference.merge``; the Triton kernel for CUDA statistics when no
     gradient is needed (it has no backward; the merge is elementwise, so autograd's is cheap)."""
@@ -379,12 +431,42 @@ def merge(a: DepthStats, b: DepthStats, kernel: str = "softmax") -> DepthStats:
 
 
 def merge_partial(
-    stats: DepthStats, partial: Tensor, query: Tensor, key_weight: Tensor | None, eps: float, kernel: str = "softmax"
+    stats: DepthStats,
+    partial: Tensor,
+    query: Tensor,
+    key_weight: Tensor | None,
+    eps: float,
+    kernel: str = "softmax",
+    norm: RMSNormArgs | None = None,
 ) -> Tensor:
-    """Phase 2; the arguments and result of ``reference.merge_partial``. The common case (one head,
-    softmax, key norm) runs as one custom-autograd op, the others as the plain reference."""
+    """Phase 2; the arguments and result of ``reference.merge_partial`` (``norm``: the RMSNorm after it,
+    the result then norm(h)). The common case (one head, softmax, key norm) runs as one C++ kernel call
+    on CPU float32/float64 tensors in eager mode, the merge and the norm in one pass (forward and
+    backward), else as one custom-autograd op; the others as the plain reference."""
     check_kernel(kernel)
-    case = backends.Case.like(partial, heads=stats.lse.shape[-1], kernel=kernel, key_norm=key_weight is not None)
-    if backends.choose("merge_partial", "forward", case).backend == "torch":
-        return apply_function(_MergePartial, stats.h, stats.lse, partial, query.reshape(-1), key_weight, eps)
-    return reference.merge_partial(stats, partial, query, key_weight, eps, kernel)
+    weight = norm.weight if norm is not None else None
+    case = backends.Case.like(
+        partial,
+        stats.h,
+        query,
+        key_weight,
+        weight,
+        heads=stats.lse.shape[-1],
+        kernel=kernel,
+        key_norm=key_weight is not None,
+    )
+    backend = backends.choose("merge_partial", "forward", case).backend
+    if backend == "cpu_kernel":
+        # under autocast the norm runs after the merge, in the dtype autocast gives it
+        fused_norm = norm is not None and not torch.is_autocast_enabled(partial.device.type)
+        weight, norm_eps = (
+            (norm.weight, norm.eps_for(partial.dtype)) if norm is not None and fused_norm else (None, None)
+        )
+        h = apply_function(
+            _MergeNormKernel, stats.h, stats.lse, partial, query.reshape(-1), key_weight, weight, eps, norm_eps
+        )
+        return h if fused_norm or norm is None else norm(h)
+    if backend == "torch":
+        h = apply_function(_MergePartial, stats.h, stats.lse, partial, query.reshape(-1), key_weight, eps)
+        return h if norm is None else norm(h)
+    return reference.merge_partial(stats, partial, query, key_weight, eps, kernel, norm)

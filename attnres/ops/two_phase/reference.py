@@ -24,7 +24,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from attnres.ops.common import DepthStats, compute_dtype, inverse_rms, split_heads
+from attnres.ops.common import (
+    DepthStats,
+    RMSNormArgs,
+    compute_dtype,
+    inverse_rms,
+    split_heads,
+)
 from attnres.ops.depth_attention.reference import check_kernel
 
 
@@ -112,12 +118,19 @@ def merge(a: DepthStats, b: DepthStats, kernel: str = "softmax") -> DepthStats:
 
 
 def merge_partial(
-    stats: DepthStats, partial: Tensor, query: Tensor, key_weight: Tensor | None, eps: float, kernel: str = "softmax"
+    stats: DepthStats,
+    partial: Tensor,
+    query: Tensor,
+    key_weight: Tensor | None,
+    eps: float,
+    kernel: str = "softmax",
+    norm: RMSNormArgs | None = None,
 ) -> Tensor:
     """Phase 2: fold the intra-block partial sum p [B, T, D] into one query's Phase-1 result, exactly.
 
     stats: h [B, T, D], lse [B, T, H]; query [D] or [H, D/H]; key_weight [D] (key norm on) or None.
-    Returns partial's dtype.
+    ``norm``: the RMSNorm the reading sublayer applies next; the result is then norm(h). Returns
+    partial's dtype.
     """
     check_kernel(kernel)
     heads = stats.lse.shape[-1]
@@ -135,4 +148,5 @@ def merge_partial(
         h = torch.lerp(h1, p, torch.sigmoid(z - stats.lse.to(cd)).unsqueeze(-1))
     else:
         h = h1 + torch.sigmoid(z).unsqueeze(-1) * p
-    return h.flatten(-2).to(partial.dtype)
+    h = h.flatten(-2).to(partial.dtype)
+    return h if norm is None else norm(h)
