@@ -51,28 +51,30 @@ def use_form(form: str, monkeypatch) -> None:
 
 
 class RoundedSublayer(nn.Module):
-    """A sublayer computed in float32 whose output is rounded to bfloat16, as a Linear's under autocast:
-    handed back as bfloat16 under autocast and as float32 otherwise. Both runs then feed the stream the
-    same values, and a difference between them is the stream's own arithmetic (for PreNorm: none)."""
+    """A sublayer computed in float32 whose output is rounded to ``half`` (bfloat16 or float16), as a
+    Linear's under autocast: handed back in that dtype under autocast and as float32 otherwise. Both runs
+    then feed the stream the same values, and a difference between them is the stream's own arithmetic
+    (for PreNorm: none)."""
 
-    def __init__(self):
+    def __init__(self, half: torch.dtype = torch.bfloat16):
         super().__init__()
+        self.half = half
         self.norm, self.up, self.down = nn.RMSNorm(D), nn.Linear(D, 2 * D), nn.Linear(2 * D, D)
 
     def forward(self, h):
         with torch.autocast(h.device.type, enabled=False):
-            f = self.down(nn.functional.gelu(self.up(self.norm(h.float())))).to(torch.bfloat16)
+            f = self.down(nn.functional.gelu(self.up(self.norm(h.float())))).to(self.half)
         return f if torch.is_autocast_enabled(h.device.type) else f.to(h.dtype)
 
 
-def run(s, device: str, autocast: bool):
+def run(s, device: str, autocast: bool, half: torch.dtype = torch.bfloat16):
     """The stream over L rounded sublayers: (its output, the gradients of x and of every parameter)."""
     torch.manual_seed(1)
-    sublayers = nn.ModuleList(RoundedSublayer() for _ in range(L)).to(device)
+    sublayers = nn.ModuleList(RoundedSublayer(half) for _ in range(L)).to(device)
     head = nn.Linear(D, 5).to(device)
     s = s.to(device)
     x = torch.randn(2, 8, D, generator=torch.Generator().manual_seed(2)).to(device).requires_grad_()
-    with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+    with torch.autocast(device, dtype=half, enabled=autocast):
         # as the model drives it: each Transformer block of two sublayers resumes the stream from a DepthState
         depth = s.start(x)
         for first in range(0, L, 2):
@@ -91,17 +93,18 @@ def cosine(a, b) -> float:
     return torch.nn.functional.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0).item()
 
 
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("kind", ["block", "full"])
-def test_under_autocast_the_depth_stream_keeps_float32(kind, form, device, monkeypatch):
-    """Given the same bfloat16 sublayer outputs, the stream under autocast computes what it computes in
-    float32. Kept in bfloat16, Block's partial sums round at every write (at this size the gradient's
-    cosine drops to 0.997, 0.992 for the worst tensor, reads are off by 1e-2) and each source's gradient is
-    summed over its readers in bfloat16 (Full: entries off by 1 % of the largest)."""
+def test_under_autocast_the_depth_stream_keeps_float32(kind, form, device, half, monkeypatch):
+    """Given the same half-precision sublayer outputs (bfloat16 or float16), the stream under autocast
+    computes what it computes in float32. Kept in bfloat16, Block's partial sums round at every write (at
+    this size the gradient's cosine drops to 0.997, 0.992 for the worst tensor, reads are off by 1e-2) and
+    each source's gradient is summed over its readers in bfloat16 (Full: entries off by 1 % of the largest)."""
     use_form(form, monkeypatch)
-    y32, g32 = run(scheme(kind, form), device, autocast=False)
-    y16, g16 = run(scheme(kind, form), device, autocast=True)
+    y32, g32 = run(scheme(kind, form), device, autocast=False, half=half)
+    y16, g16 = run(scheme(kind, form), device, autocast=True, half=half)
     torch.testing.assert_close(y16, y32, rtol=1e-5, atol=1e-6)
     flat16, flat32 = (torch.cat([g.flatten() for g in grads.values()]) for grads in (g16, g32))
     assert cosine(flat16, flat32) >= 0.999
