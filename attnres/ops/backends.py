@@ -92,6 +92,7 @@ class Case:
     ``device`` a device type; ``d``/``heads`` the channels and heads of a source; ``queries`` (S) and
     ``sources`` (n) of a Phase 1; ``grad``: a merge whose inputs need a gradient; ``create_graph``: a backward
     run with grad mode on (a graph of the gradient is wanted); ``compiling``: torch.compile is tracing;
+    ``values``: the elements of an op whose choice depends on size (rms_norm), 0 where it does not;
     ``reference``: why a depth attention asks for the plain reference (``impl="reference"``, the weights or
     statistics wanted), or ''; ``forward``: for a backward, the backend its forward ran; ``check``: the
     per-call check of a Triton module against the real tensors, ``check(module, require_cuda)`` -> the
@@ -110,6 +111,7 @@ class Case:
     create_graph: bool = False
     compiling: bool = False
     subclass: str = ""  # the tensor subclass among the inputs (DTensor, ...), whose memory a kernel cannot read
+    values: int = 0  # the elements an op runs over where its choice depends on size (rms_norm), else 0
     reference: str = ""
     forward: str | None = None
     check: Callable[[ModuleType, bool], str | None] | None = field(default=None, compare=False, repr=False)
@@ -593,11 +595,21 @@ def _rule_merge_partial(op, phase, case, env=None, triton=_UNSET, kernels=None, 
     )
 
 
+# Below this many elements one torch.nn.functional.rms_norm call (about 9 µs) costs less than a kernel call's
+# dispatch (about 20 µs: the choice, the autograd Function, ctypes); measured on this project's CPU machine,
+# where they cross near 256 tokens of 256 channels. Decoding (a token per sequence) stays on torch's.
+RMS_NORM_MIN_VALUES = 1 << 16
+
+
 def _rule_rms_norm(op, phase, case, env=None, triton=_UNSET, kernels=None, load=True) -> Choice:
     if phase == "backward" and case.forward is not None:
         return Choice(op, phase, case.forward, f"the forward ran {case.forward}, whose Function's backward follows")
     if case.dtype not in (torch.float32, torch.float64):
         return Choice(op, phase, "reference", f"{case.describe()} tensors, and the C++ kernel runs float32/float64")
+    if 0 < case.values < RMS_NORM_MIN_VALUES:
+        return Choice(
+            op, phase, "reference", f"{case.values} values: below {RMS_NORM_MIN_VALUES} one torch call costs less"
+        )
     module, why = _cpu_kernel(case, env)
     if module is None:
         return Choice(op, phase, "reference", f"torch.nn.functional.rms_norm (no C++ kernel: {why})")

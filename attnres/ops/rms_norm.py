@@ -48,7 +48,7 @@ class _RMSNormKernel(torch.autograd.Function):
 
 def rms_norm(h: Tensor, norm: RMSNormArgs) -> Tensor:
     """RMSNorm(h) * weight over the last dimension, in h's dtype (``norm``: weight and eps)."""
-    case = backends.Case.like(h, norm.weight)
+    case = backends.Case.like(h, norm.weight, values=h.numel())
     if backends.choose("rms_norm", "forward", case).backend == "cpu_kernel" and not torch.is_autocast_enabled(
         h.device.type
     ):

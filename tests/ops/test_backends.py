@@ -363,6 +363,14 @@ def test_compiled_phase1_form_and_the_small_ops(monkeypatch):
     eager = "cpu_kernel" if cpu.kernel() is not None else "torch"
     assert choose("merge_partial", "forward", Case()).backend == eager
     assert choose("rms_norm", "forward", Case()).backend == ("cpu_kernel" if eager == "cpu_kernel" else "reference")
+    # a decoded token's norm is one torch call: below the threshold a kernel call's dispatch costs more
+    small = Case(values=backends.RMS_NORM_MIN_VALUES - 1)
+    assert (
+        choose("rms_norm", "forward", small).backend == "reference"
+        and "values" in choose("rms_norm", "forward", small).reason
+    )
+    large = Case(values=backends.RMS_NORM_MIN_VALUES)
+    assert choose("rms_norm", "forward", large).backend == choose("rms_norm", "forward", Case()).backend
     for case in (Case(compiling=True), Case(dtype=torch.bfloat16), Case(device="cuda")):
         assert choose("merge_partial", "forward", case).backend == "torch"
         assert choose("rms_norm", "forward", case).backend == "reference"

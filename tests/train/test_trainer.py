@@ -165,6 +165,10 @@ def test_cli_demo_trains_the_demo_spec_reuses_its_runs_and_writes_its_report(cor
     text = capsys.readouterr().out
     for scheme in ("prenorm", "block", "full"):
         assert f"| {scheme} |" in text
+    # it ends by naming its files and what to run next, with paths that exist
+    closing = text[text.index(f"report: {out / 'REPORT.md'}") :]
+    assert "loss_curves.png" in closing and "prenorm/ block/ full/" in closing
+    assert f"next:\n  attnres sample {out / 'block'} --prompt" in closing and "attnres demo --full" in closing
     report = (out / "REPORT.md").read_text()
     assert report.startswith("# attnres demo\n") and f"Command: `attnres demo --preset tiny --data {corpus}" in report
     assert "Wall time (this invocation" in report and "Training: 6 steps x 4 x 32 tokens" in report
