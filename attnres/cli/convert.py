@@ -92,7 +92,12 @@ def run(args) -> int:
     try:
         import attnres.hf as hf
     except ImportError as e:
-        raise CLIError(f"attnres convert needs transformers: pip install 'attnres[hf]' ({e})") from e
+        missing = (e.name or "").split(".")[0]
+        # the hf extra absent (transformers, accelerate, or what they import) or too old: install it; an
+        # attnres module that fails to import is a fault of its own and keeps its traceback
+        if missing != "attnres" and (e.name or "transformers" in str(e)):
+            raise CLIError(f"attnres convert needs transformers: pip install 'attnres[hf]' ({e})") from e
+        raise
     nested = nested_paths(args.source, args.out)
     if nested is not None:  # --force would replace the source's own files (config.json, tokenizer.json)
         raise CLIError(f"{nested}; write the converted model to a directory outside {args.source}")

@@ -221,3 +221,17 @@ def test_compiled_decoding_without_a_cpp_compiler_is_a_clear_error(monkeypatch):
     with pytest.raises(ValueError, match=r"compile=True compiles with inductor.*C\+\+ compiler"):
         CompiledDecoder(model, 1, setting=True)
     CompiledDecoder(model, 1, setting="aot_eager")  # a backend that generates no code needs none
+
+
+def test_convert_names_the_missing_extra_and_keeps_a_fault_of_its_own(monkeypatch, tmp_path, capsys):
+    """Without transformers, convert says which extra to install; an attnres module that fails to import is
+    not called a missing extra: its own error comes through."""
+    argv = ["convert", str(tmp_path / "src"), str(tmp_path / "out")]
+    monkeypatch.delitem(sys.modules, "attnres.hf", raising=False)  # restored afterwards; imported anew below
+    monkeypatch.setitem(sys.modules, "transformers", None)  # as if it were not installed
+    assert main(argv) == 2
+    assert "needs transformers: pip install 'attnres[hf]'" in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "attnres.hf", None)  # attnres.hf itself broken
+    with pytest.raises(ImportError, match="attnres.hf"):
+        main(argv)
+    assert "needs transformers" not in capsys.readouterr().err
