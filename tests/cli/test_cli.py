@@ -235,3 +235,15 @@ def test_convert_names_the_missing_extra_and_keeps_a_fault_of_its_own(monkeypatc
     with pytest.raises(ImportError, match="attnres.hf"):
         main(argv)
     assert "needs transformers" not in capsys.readouterr().err
+
+
+def test_train_with_a_billion_positions_builds_no_billion_row_table(tmp_path):
+    """`train --set max_seq_len=10**9` trains as written: the rotary table grows with the positions used, so
+    the run allocates what its sequences need (a table of 10**9 rows would be about 128 GB)."""
+    import resource
+
+    out = tmp_path / "run"
+    argv = ["train", "--preset", "tiny", "--steps", "1", "--set", "max_seq_len=1000000000", "--out", str(out)]
+    assert main([*argv, "--no-progress"]) == 0
+    assert json.loads((out / "config.json").read_text())["model"]["max_seq_len"] == 10**9
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss < 8 * 2**20  # KiB on Linux: under 8 GiB
