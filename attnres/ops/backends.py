@@ -278,8 +278,9 @@ OPS: dict[str, Op] = {
         Op(
             "merge_partial",
             "two_phase.fused.merge_partial",
-            ("cpu_kernel", "torch", "reference"),
+            ("triton", "cpu_kernel", "torch", "reference"),
             "Phase 2: a sublayer's partial sum merged into its Phase-1 result (and the RMSNorm after it)",
+            triton="two_phase",
         ),
         Op(
             "rms_norm",
@@ -581,15 +582,22 @@ def _rule_merge_partial(op, phase, case, env=None, triton=_UNSET, kernels=None, 
     if case.heads == 1 and case.kernel == "softmax" and case.key_norm:
         if phase == "backward" and case.forward is not None:
             return Choice(op, phase, case.forward, f"the forward ran {case.forward}, whose Function's backward follows")
-        if case.dtype not in (torch.float32, torch.float64):
-            why = f"{case.describe()} tensors, and the C++ kernel runs float32/float64"
-        else:
+        module, why, offered = _offer(op, case, env, triton, load)
+        if offered and case.subclass:
+            why = f"{case.subclass} inputs, and the Triton kernel reads plain tensors' memory"
+        elif offered and case.compiling:
+            why = "torch.compile is tracing; inductor fuses the torch form"
+        elif offered and module is not None and not module.merge_norm_fits(case.d):
+            why = f"D={case.d} is too wide for one program"
+        elif offered:
+            return Choice(op, phase, "triton", f"one head, softmax, key norm; {why}", module)
+        if case.device == "cpu" and case.dtype in (torch.float32, torch.float64):
             module, why = _cpu_kernel(case, env)
             if module is not None:
                 return Choice(op, phase, "cpu_kernel", f"one head, softmax, key norm; {why}", module)
-        return Choice(
-            op, phase, "torch", f"one head, softmax, key norm: the lean custom Function (no C++ kernel: {why})"
-        )
+        elif case.device == "cpu":
+            why = f"{case.describe()} tensors, and the C++ kernel runs float32/float64"
+        return Choice(op, phase, "torch", f"one head, softmax, key norm: the lean custom Function (no kernel: {why})")
     return Choice(
         op, phase, "reference", f"{case.heads} heads, {case.kernel}, key norm {case.key_norm}: plain autograd"
     )
@@ -654,6 +662,15 @@ def _pinned(op: str, phase: str, case: Case, backend: str, env, kernels) -> Choi
             f"forced {op} backward={backend!r}, but its forward ran {case.forward!r}; force both phases "
             f"(forced({op!r}, {backend!r}))"
         )
+    if (
+        op == "merge_partial"
+        and backend in ("torch", "cpu_kernel", "triton")
+        and _rule_merge_partial(
+            op, "forward", replace(case, device="cpu", dtype=torch.float32, compiling=False), env
+        ).backend
+        not in ("torch", "cpu_kernel")
+    ):
+        raise ValueError(f"forced {op}={backend!r}, but it covers one head, softmax and key norm only")
     if backend == "triton":
         module = kernels or triton_kernels(_TRITON_MODULES[OPS[op].triton or "two_phase"])
         if module is None:
@@ -667,15 +684,6 @@ def _pinned(op: str, phase: str, case: Case, backend: str, env, kernels) -> Choi
         if refused is not None:
             raise ValueError(f"forced {op}={backend!r}, but {refused}")
         return Choice(op, phase, backend, reason, module)
-    if (
-        op == "merge_partial"
-        and backend in ("torch", "cpu_kernel")
-        and _rule_merge_partial(
-            op, "forward", replace(case, device="cpu", dtype=torch.float32, compiling=False), env
-        ).backend
-        not in ("torch", "cpu_kernel")
-    ):
-        raise ValueError(f"forced {op}={backend!r}, but it covers one head, softmax and key norm only")
     if backend == "cpu_kernel":
         ok, why = cpu_kernel_status(env)
         if not ok:

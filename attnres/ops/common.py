@@ -15,7 +15,7 @@ import functools
 import importlib
 import os
 from types import ModuleType
-from typing import NamedTuple
+from typing import NamedTuple, overload
 
 import torch
 from torch import Tensor
@@ -128,3 +128,36 @@ def triton_kernels(module_name: str) -> ModuleType | None:
 MAX_PADDED_WIDTH = 8192
 # Phase 1's backward kernel holds a token's output gradient for all S queries, padded likewise
 MAX_BACKWARD_WIDTH = 16384
+
+
+@overload
+def flat_rows(x: Tensor, cd: torch.dtype, d: int | None = None) -> Tensor: ...
+@overload
+def flat_rows(x: None, cd: torch.dtype, d: int | None = None) -> None: ...
+@overload
+def flat_rows(x: Tensor | None, cd: torch.dtype, d: int | None = None) -> Tensor | None: ...
+def flat_rows(x: Tensor | None, cd: torch.dtype, d: int | None = None) -> Tensor | None:
+    """x as a contiguous ``cd`` tensor [N, d] (or flat without ``d``), a view where it already is one; None
+    stays None. The kernels' operands (the C++ and the Triton merge + norm)."""
+    if x is None:
+        return None
+    x = x.detach().to(cd)
+    return (x.reshape(-1, d) if d is not None else x.reshape(-1)).contiguous()
+
+
+def token_rows(x: Tensor, cd: torch.dtype) -> tuple[Tensor, int]:
+    """x [B, T, D] in ``cd`` and the stride between its tokens' rows: read in place when B and T flatten
+    with one stride and D is contiguous (a query's slice of Phase 1's [B, T, S, D] output), else copied."""
+    x = x.detach().to(cd)
+    b, t, _ = x.shape
+    if x.stride(2) != 1 or (b > 1 and t > 1 and x.stride(0) != t * x.stride(1)):
+        x = x.contiguous()
+    return x, (x.stride(1) if t > 1 else x.stride(0))
+
+
+def rows_of(x: Tensor, cd: torch.dtype) -> tuple[Tensor, int]:
+    """``token_rows`` for x of any rank [..., D]: the leading dimensions as tokens (h1 of a merge, read in
+    place where its rows are evenly spaced)."""
+    if x.dim() == 3:
+        return token_rows(x, cd)
+    return token_rows(x.reshape(1, -1, x.shape[-1]) if x.dim() < 3 else x.flatten(0, -3), cd)

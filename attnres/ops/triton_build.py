@@ -15,6 +15,7 @@ import triton
 from attnres.ops.depth_attention import triton as da
 from attnres.ops.two_phase import triton as tp
 from attnres.ops.two_phase import triton_backward as tpb
+from attnres.ops.two_phase import triton_merge_norm as tmn
 
 # pointers in the sources' dtype; every other pointer is in the compute dtype
 _DEPTH_ATTENTION_SOURCE_POINTERS = frozenset({"v0_ptr", "v1_ptr", "v2_ptr", "h_ptr", "gh_ptr", "dv_ptr"})
@@ -22,7 +23,7 @@ _PHASE1_SOURCE_POINTERS = frozenset({"v_ptr"})
 
 
 def _aot_signature(fn, dtype: str, constexprs: Mapping[str, object], source_pointers) -> dict[str, str]:
-    """Argument types for ``triton.compile``: source/compute-dtype pointers, i32, fp32 eps."""
+    """Argument types for ``triton.compile``: source/compute-dtype pointers, i32, fp32 eps (any ``*eps``)."""
     compute = "fp64" if dtype == "fp64" else "fp32"
     sig = {}
     for name in fn.arg_names:
@@ -31,7 +32,7 @@ def _aot_signature(fn, dtype: str, constexprs: Mapping[str, object], source_poin
         elif name.endswith("_ptr"):
             sig[name] = f"*{dtype if name in source_pointers else compute}"
         else:
-            sig[name] = "fp32" if name == "eps" else "i32"
+            sig[name] = "fp32" if name.endswith("eps") else "i32"
     return sig
 
 
@@ -137,6 +138,19 @@ def compile_check(arch: int = 90, d: int = 1024, heads: int = 1) -> dict[str, tu
             dict(D=d, SOFTMAX=True, BLOCK_T=fwd_tile[0], BLOCK_H=bh, BLOCK_DH=bdh),
         )
     )
+    bt, bd, warps = tmn._tile(d)
+    for fn in (tmn._merge_norm_fwd_kernel, tmn._merge_norm_bwd_kernel):
+        direction = "forward" if fn is tmn._merge_norm_fwd_kernel else "backward"
+        variants.append(
+            (
+                f"merge_norm {direction} fp32",
+                fn,
+                "fp32",
+                warps,
+                frozenset(),
+                dict(D=d, NORM=True, WEIGHT=True, BLOCK_T=bt, BLOCK_D=bd),
+            )
+        )
     report = {}
     for name, fn, dtype, warps, source_pointers, constexprs in variants:
         src = ASTSource(fn, _aot_signature(fn, dtype, constexprs, source_pointers), constexprs)

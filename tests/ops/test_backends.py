@@ -371,9 +371,14 @@ def test_compiled_phase1_form_and_the_small_ops(monkeypatch):
     )
     large = Case(values=backends.RMS_NORM_MIN_VALUES)
     assert choose("rms_norm", "forward", large).backend == choose("rms_norm", "forward", Case()).backend
-    for case in (Case(compiling=True), Case(dtype=torch.bfloat16), Case(device="cuda")):
+    for case in (Case(compiling=True), Case(dtype=torch.bfloat16), Case(device="cuda", compiling=True)):
         assert choose("merge_partial", "forward", case).backend == "torch"
         assert choose("rms_norm", "forward", case).backend == "reference"
+    # CUDA: the Triton merge + norm where triton is installed, else the lean Function
+    cuda = choose("merge_partial", "forward", Case(device="cuda"), load=False)
+    assert cuda.backend == ("triton" if backends.triton_version() is not None else "torch")
+    off = choose("merge_partial", "forward", Case(device="cuda"), env={"ATTNRES_TRITON": "0"}, load=False)
+    assert off.backend == "torch" and "ATTNRES_TRITON=0" in off.reason
     assert choose("merge_partial", "forward", Case(), env={"ATTNRES_CPU_KERNEL": "0"}).backend == "torch"
     for case in (Case(heads=2), Case(kernel="sigmoid"), Case(key_norm=False)):
         assert choose("merge_partial", "forward", case).backend == "reference"

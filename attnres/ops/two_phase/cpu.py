@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from attnres.ops.common import DepthStats, compute_dtype
+from attnres.ops.common import DepthStats, compute_dtype, flat_rows, rows_of
 from attnres.ops.two_phase.reference import check_queries, query_matrix
 
 SOURCE = Path(__file__).with_name("cpu_kernel.cpp")
@@ -361,36 +361,11 @@ def _merge_function(name: str, dtype: torch.dtype):
     return getattr(lib, f"attnres_merge_norm_{name}_{'f64' if dtype == torch.float64 else 'f32'}")
 
 
-def _flat(x: Tensor | None, cd: torch.dtype, d: int | None = None) -> Tensor | None:
-    """x as a contiguous ``cd`` tensor [N, d] (or flat without ``d``), a view where it already is one."""
-    if x is None:
-        return None
-    x = x.detach().to(cd)
-    return (x.reshape(-1, d) if d is not None else x.reshape(-1)).contiguous()
-
-
-def _token_rows(x: Tensor, cd: torch.dtype) -> tuple[Tensor, int]:
-    """x [B, T, D] in ``cd`` and the stride between its tokens' rows: read in place when B and T flatten
-    with one stride and D is contiguous (a query's slice of Phase 1's [B, T, S, D] output), else copied."""
-    x = x.detach().to(cd)
-    b, t, _ = x.shape
-    if x.stride(2) != 1 or (b > 1 and t > 1 and x.stride(0) != t * x.stride(1)):
-        x = x.contiguous()
-    return x, (x.stride(1) if t > 1 else x.stride(0))
-
-
-def _rows_of(x: Tensor, cd: torch.dtype) -> tuple[Tensor, int]:
-    """``_token_rows`` for x of any rank [..., D]: the leading dimensions as tokens."""
-    if x.dim() == 3:
-        return _token_rows(x, cd)
-    return _token_rows(x.reshape(1, -1, x.shape[-1]) if x.dim() < 3 else x.flatten(0, -3), cd)
-
-
 def _merge_operands(h1: Tensor, lse: Tensor | None, partial: Tensor, u: Tensor, weight: Tensor | None, cd):
     """The merge's inputs: h1 with its row stride, the rest contiguous ``cd`` tensors [N, D] / [N] / [D]."""
     d = partial.shape[-1]
-    rows, stride = _rows_of(h1, cd)
-    return (rows, stride), _flat(lse, cd), _flat(partial, cd, d), _flat(u, cd), _flat(weight, cd)
+    rows, stride = rows_of(h1, cd)
+    return (rows, stride), flat_rows(lse, cd), flat_rows(partial, cd, d), flat_rows(u, cd), flat_rows(weight, cd)
 
 
 def merge_norm(
@@ -487,7 +462,7 @@ def rms_norm(h: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tens
     math of ``torch.nn.functional.rms_norm`` over the last dimension."""
     cd = compute_dtype(h.dtype)
     d = h.shape[-1]
-    (x, stride), w = _rows_of(h, cd), _flat(weight, cd)
+    (x, stride), w = rows_of(h, cd), flat_rows(weight, cd)
     n = h.numel() // d
     out, rho = torch.empty(n, d, dtype=cd), torch.empty(n, dtype=cd)
     _norm_function("forward", cd)(
@@ -508,7 +483,7 @@ def rms_norm_backward(h: Tensor, weight: Tensor | None, rho: Tensor, grad_out: T
     """(dh, dweight or None) for ``rms_norm``'s output gradient, in the compute dtype."""
     cd = compute_dtype(h.dtype)
     d = h.shape[-1]
-    (x, stride), w, gx = _rows_of(h, cd), _flat(weight, cd), _flat(grad_out, cd, d)
+    (x, stride), w, gx = rows_of(h, cd), flat_rows(weight, cd), flat_rows(grad_out, cd, d)
     n = h.numel() // d
     gh = torch.empty(n, d, dtype=cd)
     dw = torch.empty(d, dtype=cd) if weight is not None else None

@@ -369,37 +369,37 @@ class _MergePartial(torch.autograd.Function):
 
 
 class _MergeNormKernel(torch.autograd.Function):
-    """_MergePartial's math, and with a norm the RMSNorm after it, as one C++ kernel call each way
-    (``cpu.merge_norm``): h is never written, and backward recomputes it from h1, p and the saved
-    [B, T]-sized scalars. CPU float32/float64, eager."""
+    """_MergePartial's math, and with a norm the RMSNorm after it, as one kernel call each way: the C++
+    kernel's (``cpu.merge_norm``, CPU float32/float64, eager) or the Triton one (``triton.merge_norm``,
+    CUDA), the ``kernels`` module the table chose. h is never written, and backward recomputes it from h1,
+    p and the saved [B, T]-sized scalars."""
 
     @staticmethod
-    def forward(ctx, h1, lse1, partial, query, key_weight, weight, eps, norm_eps):
-        from attnres.ops.two_phase import cpu
-
+    def forward(ctx, h1, lse1, partial, query, key_weight, weight, eps, norm_eps, kernels):
         u = (query.detach() * key_weight.detach()).to(compute_dtype(partial.dtype))
-        out, saved = cpu.merge_norm(h1, lse1, partial, u, eps, weight, norm_eps)
+        out, saved = kernels.merge_norm(h1, lse1, partial, u, eps, weight, norm_eps)
         ctx.save_for_backward(h1, lse1, partial, query, key_weight, weight, saved)
-        ctx.eps, ctx.norm_eps = eps, norm_eps
+        ctx.eps, ctx.norm_eps, ctx.kernels = eps, norm_eps, kernels
         return out.to(partial.dtype)
 
     @staticmethod
     @autocast_off
     def backward(ctx, grad):
-        from attnres.ops.two_phase import cpu
-
         h1, lse1, partial, query, key_weight, weight, saved = ctx.saved_tensors
         if torch.is_grad_enabled():  # a graph of the gradient (create_graph): the torch form's
             return _MergeNormKernel._graph_backward(ctx, grad)
         u = (query * key_weight).to(saved.dtype)
-        gh1, glse, gp, du, dw = cpu.merge_norm_backward(h1, partial, u, ctx.eps, weight, ctx.norm_eps, saved, grad)
+        gh1, glse, gp, du, dw = ctx.kernels.merge_norm_backward(
+            h1, partial, u, ctx.eps, weight, ctx.norm_eps, saved, grad
+        )
         return (
-            gh1.to(h1.dtype),
+            gh1.view(h1.shape).to(h1.dtype),
             glse.view(lse1.shape).to(lse1.dtype),
-            gp.to(partial.dtype),
+            gp.view(partial.shape).to(partial.dtype),
             (du * key_weight.to(du.dtype)).to(query.dtype),
             (du * query.to(du.dtype)).to(key_weight.dtype),
             dw.to(weight.dtype) if dw is not None else None,
+            None,
             None,
             None,
         )
@@ -416,7 +416,7 @@ class _MergeNormKernel(torch.autograd.Function):
             next(grads) if need and x is not None else None
             for x, need in zip(inputs, ctx.needs_input_grad[:6], strict=True)
         ]
-        return (*found, None, None)
+        return (*found, None, None, None)
 
 
 def merge(a: DepthStats, b: DepthStats, kernel: str = "softmax") -> DepthStats:
@@ -440,9 +440,10 @@ def merge_partial(
     norm: RMSNormArgs | None = None,
 ) -> Tensor:
     """Phase 2; the arguments and result of ``reference.merge_partial`` (``norm``: the RMSNorm after it,
-    the result then norm(h)). The common case (one head, softmax, key norm) runs as one C++ kernel call
-    on CPU float32/float64 tensors in eager mode, the merge and the norm in one pass (forward and
-    backward), else as one custom-autograd op; the others as the plain reference."""
+    the result then norm(h)). The common case (one head, softmax, key norm) runs as one kernel call, the
+    merge and the norm in one pass (forward and backward): Triton's on CUDA, the C++ one on CPU
+    float32/float64 tensors in eager mode; else as one custom-autograd op; the others as the plain
+    reference."""
     check_kernel(kernel)
     weight = norm.weight if norm is not None else None
     case = backends.Case.like(
@@ -455,15 +456,25 @@ def merge_partial(
         kernel=kernel,
         key_norm=key_weight is not None,
     )
-    backend = backends.choose("merge_partial", "forward", case).backend
-    if backend == "cpu_kernel":
+    choice = backends.choose("merge_partial", "forward", case, triton=triton_for(partial))
+    backend = choice.backend
+    if backend in ("cpu_kernel", "triton"):
         # under autocast the norm runs after the merge, in the dtype autocast gives it
         fused_norm = norm is not None and not torch.is_autocast_enabled(partial.device.type)
         weight, norm_eps = (
             (norm.weight, norm.eps_for(partial.dtype)) if norm is not None and fused_norm else (None, None)
         )
         h = apply_function(
-            _MergeNormKernel, stats.h, stats.lse, partial, query.reshape(-1), key_weight, weight, eps, norm_eps
+            _MergeNormKernel,
+            stats.h,
+            stats.lse,
+            partial,
+            query.reshape(-1),
+            key_weight,
+            weight,
+            eps,
+            norm_eps,
+            choice.kernels,
         )
         return h if fused_norm or norm is None else norm(h)
     if backend == "torch":

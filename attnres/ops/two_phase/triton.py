@@ -14,6 +14,9 @@ gradient is needed (autograd's elementwise backward is cheap).
   flash attention) and writes h = acc / l and lse = m + log l. The inverse RMS of each source is
   read from ``inv_rms`` (computed once when the source was written), not recomputed.
 - merge: lse = logaddexp(lse_a, lse_b), h = h_a + exp(lse_b - lse) (h_b - h_a), per head.
+- merge_norm (``triton_merge_norm.py``, re-exported here): Phase 2 and the sublayer's RMSNorm in one pass,
+  forward and backward, with the contract of the C++ kernel's ``cpu.merge_norm`` (``fused._MergeNormKernel``
+  runs either).
 
 Tests run the kernels on the CPU through ``TRITON_INTERPRET=1`` (see
 ``attnres.ops.depth_attention.triton``, whose tiling helpers these kernels share).
@@ -38,8 +41,19 @@ from attnres.ops.depth_attention.triton import (
 from attnres.ops.depth_attention.triton_kernels import tile_coords
 from attnres.ops.two_phase.reference import check_phase1_inputs, query_matrix
 from attnres.ops.two_phase.triton_backward import backward_fits, phase1_backward
+from attnres.ops.two_phase.triton_merge_norm import fits as merge_norm_fits
+from attnres.ops.two_phase.triton_merge_norm import merge_norm, merge_norm_backward
 
-__all__ = ["backward_fits", "fits", "merge", "phase1", "phase1_backward"]
+__all__ = [
+    "backward_fits",
+    "fits",
+    "merge",
+    "merge_norm",
+    "merge_norm_backward",
+    "merge_norm_fits",
+    "phase1",
+    "phase1_backward",
+]
 
 
 @triton.jit

@@ -429,3 +429,93 @@ def test_phase1_backward_on_cuda_against_float64(dtype, tol, heads, kernel):
     for got, want in ((gv, want_v), (du, want_u)):
         scale = want.abs().max().item()
         torch.testing.assert_close(got.double().cpu(), want, rtol=tol, atol=tol * scale)
+
+
+def merge_norm_inputs(B=2, T=5, D=12, S=3, dtype=torch.float64, seed=3):
+    """Phase 1's h1 as one query's slice of a [B, T, S, D] output (read in place), its lse [B, T, 1], a
+    partial sum, a query and key weight, and a norm weight; every tensor random (never zeros)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, scale=1.0, shift=0.0):
+        return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale + shift).to(DEVICE, dtype)
+
+    h1 = rand(B, T, S, D)[:, :, 1]
+    return (
+        h1,
+        rand(B, T, 1),
+        rand(B, T, D, scale=2, shift=0.3),
+        rand(D),
+        rand(D, scale=0.2, shift=1.0),
+        rand(D, shift=1.0),
+    )
+
+
+@pytest.mark.parametrize("norm", ["weighted", "unweighted", "none"])
+@pytest.mark.parametrize("D", [12, 64])
+def test_merge_norm_matches_float64_autograd(norm, D):
+    """The Triton merge + RMSNorm, forward and backward, against float64 autograd through
+    reference.merge_partial with its norm: h1 read in place from a strided slice, tokens over several
+    programs (B * T = 70 at D = 12, 3 tokens at D = 64)."""
+    from attnres.ops.common import RMSNormArgs
+    from attnres.ops.two_phase import triton_merge_norm as tm
+
+    b, t = (2, 35) if D == 12 else (1, 3)
+    h1, lse, p, q, kw, w = merge_norm_inputs(B=b, T=t, D=D)
+    weight = w if norm == "weighted" else None
+    norm_eps = None if norm == "none" else 1e-5
+    out, saved = tm.merge_norm(h1, lse, p, q * kw, EPS, weight, norm_eps)
+
+    leaves = [x.detach().double().cpu().requires_grad_() for x in (h1, lse, p, q, kw, w)]
+    args = RMSNormArgs(leaves[5] if norm == "weighted" else None, norm_eps) if norm_eps is not None else None
+    want = two_phase_reference.merge_partial(
+        DepthStats(leaves[0], leaves[1]), leaves[2], leaves[3], leaves[4], EPS, norm=args
+    )
+    torch.testing.assert_close(out.cpu(), want.detach(), **F64)
+
+    grad = torch.randn(want.shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    want.backward(grad)
+    gh1, glse, gp, du, dw = tm.merge_norm_backward(h1, p, q * kw, EPS, weight, norm_eps, saved, grad.to(DEVICE))
+    torch.testing.assert_close(gh1.view(h1.shape).cpu(), leaves[0].grad, **F64)
+    torch.testing.assert_close(glse.view(lse.shape).cpu(), leaves[1].grad, **F64)
+    torch.testing.assert_close(gp.view(p.shape).cpu(), leaves[2].grad, **F64)
+    torch.testing.assert_close((du * kw).cpu(), leaves[3].grad, **F64)  # du is dL/du, u = query * key weight
+    torch.testing.assert_close((du * q).cpu(), leaves[4].grad, **F64)
+    if norm == "weighted":
+        torch.testing.assert_close(dw.cpu(), leaves[5].grad, **F64)
+    else:
+        assert dw is None
+
+    # float32 inputs: float32 results close to the float64 truth
+    h1f, lsef, pf, qf, kwf, wf = (x.float() for x in (h1, lse, p, q, kw, w))
+    out32, saved32 = tm.merge_norm(h1f, lsef, pf, qf * kwf, EPS, wf if norm == "weighted" else None, norm_eps)
+    assert out32.dtype == torch.float32
+    torch.testing.assert_close(out32.double().cpu(), want.detach(), **F32)
+    gp32 = tm.merge_norm_backward(
+        h1f, pf, qf * kwf, EPS, wf if norm == "weighted" else None, norm_eps, saved32, grad.float().to(DEVICE)
+    )[2]
+    torch.testing.assert_close(gp32.view(p.shape).double().cpu(), leaves[2].grad, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("norm", ["weighted", "none"])
+def test_routed_merge_partial_runs_the_triton_merge_norm(monkeypatch, norm):
+    """fused.merge_partial offered the Triton kernels (as on CUDA) runs them, forward and backward, and gives
+    the reference's values and gradients."""
+    from attnres.ops import backends
+    from attnres.ops.common import RMSNormArgs
+
+    h1, lse, p, q, kw, w = merge_norm_inputs(B=2, T=4, D=8)
+
+    def run():
+        leaves = [x.detach().clone().requires_grad_() for x in (h1, lse, p, q, kw, w)]
+        args = RMSNormArgs(leaves[5], 1e-5) if norm == "weighted" else None
+        with backends.record() as found:
+            out = fused.merge_partial(DepthStats(leaves[0], leaves[1]), leaves[2], leaves[3], leaves[4], EPS, norm=args)
+            grads = torch.autograd.grad((out * out.detach().cos()).sum(), leaves[: 6 if args else 5])
+        return (out, *grads), {(c.phase, c.backend) for c in found if c.op == "merge_partial"}
+
+    want, _ = run()
+    route_to_triton(monkeypatch)
+    got, ran = run()
+    assert ("forward", "triton") in ran
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, **F64)
