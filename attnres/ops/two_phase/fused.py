@@ -96,9 +96,12 @@ class _Phase1(torch.autograd.Function):
         values, inv_rms = ctx.values, ctx.inv_rms
         b, t, n, d = values.shape
         s_count = queries.shape[0]
-        gh = torch.stack(
-            [g if g is not None else torch.zeros(b, t, d, dtype=cd, device=values.device) for g in g_h1s], dim=2
-        ).to(cd)  # [B, T, S, D]
+        if len(g_h1s) == 1 and g_h1s[0] is not None:  # one query (a read inside a group, the last read)
+            gh = g_h1s[0].unsqueeze(2).to(cd)  # [B, T, 1, D], a view: nothing to assemble
+        else:
+            gh = torch.stack(
+                [g if g is not None else torch.zeros(b, t, d, dtype=cd, device=values.device) for g in g_h1s], dim=2
+            ).to(cd)  # [B, T, S, D]
         needs_du = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         # the kernels' backward when the forward ran a kernel (Triton, or the CPU one) and no graph of the
         # gradient is wanted (create_graph: the kernels' results are not differentiable, torch's are)
