@@ -155,3 +155,25 @@ def test_a_partial_sweep_renders_and_an_unfinished_rate_does_not_win(sweep, tmp_
     kimi = text.split("### Kimi Linear (KDA")[1].split("##")[0]
     assert _row(kimi, "| block |").endswith("| 0.003 (of 0.001, 0.003 only: the other rates are unfinished) |")
     assert "m = 4." in text and "## How much of the Kimi Linear gain" not in text
+
+
+def test_arms_choose_their_best_rates_from_one_grid_while_seeds_are_missing(sweep, tmp_path):
+    """Seed 2 of Kimi Linear is unfinished in a different place at every rate (prenorm has it at 0.001 and
+    0.003, Block at 0.001, Full at none), as while a sweep's last seed trains: no rate is complete, and
+    every arm still picks from one grid, the rates where they share the most seeds (here all three, on
+    seeds 0 and 1), never each arm from the rates where it alone has the most."""
+    spec, runs = sweep
+    extra = {("prenorm", "0.001"), ("prenorm", "0.003"), ("block", "0.001")}
+
+    def keep(labels, seed):
+        if labels["backbone"] == "kimi_dense":
+            return False
+        return labels["backbone"] != "kimi_linear" or seed < 2 or (labels["scheme"], labels["lr"]) in extra
+
+    _finish(plan_status(spec, runs), keep)
+    text = write_report(spec, runs, tmp_path / "out", figures=False).read_text()
+    kimi = text.split("### Kimi Linear (KDA")[1].split("##")[0]
+    assert _row(kimi, "| prenorm |").endswith("| 0.003 |")
+    assert _row(kimi, "| block |").endswith("| 0.006 (edge of the grid) |")
+    assert _row(kimi, "| full |").endswith("| 0.001 (edge of the grid) |")
+    assert "provisional" not in text.split("## Verdict")[1]

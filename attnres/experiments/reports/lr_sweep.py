@@ -30,40 +30,30 @@ def _rate(label: str) -> float:
         return float("nan")
 
 
-def _complete(rep: Report, backbone: str, scheme: str) -> dict[str, int]:
-    """lr -> finished seeds, for the rates of one arm where every planned seed has finished."""
+def candidate_lrs(rep: Report, backbone: str) -> list[str]:
+    """The rates every arm of a backbone chooses its best rate from, one grid for all of them: the rates at
+    which the schemes with a finished run share the most finished seeds. So no arm picks from a wider grid
+    than the arm it is compared with (an unfinished rate is left out for all), and a rate with one lucky
+    seed does not win against rates averaged over more; the whole grid once every seed has finished."""
     col = rep.col
-    out = {}
-    for lr in col.points("lr"):
-        done = len(col.losses(lr=lr, backbone=backbone, scheme=scheme))
-        if done and done == len({r.run.seed for r in col.select(lr=lr, backbone=backbone, scheme=scheme)}):
-            out[lr] = done
-    return out
-
-
-def candidate_lrs(rep: Report, backbone: str, scheme: str) -> list[str]:
-    """The rates an arm's best rate is chosen from: those where every planned seed of every scheme of the
-    backbone has finished, so that each arm of a comparison picks from the same grid; before any rate is
-    complete for all of them, the rates complete for this arm, or else those with its most finished seeds,
-    so that a rate with one lucky seed does not win against rates averaged over five."""
-    col = rep.col
-    common = [lr for lr in col.points("lr") if all(lr in _complete(rep, backbone, s) for s in col.points("scheme"))]
-    if common:
-        return common
-    own = list(_complete(rep, backbone, scheme))
-    if own:
-        return own
-    counts = {lr: len(col.losses(lr=lr, backbone=backbone, scheme=scheme)) for lr in col.points("lr")}
-    most = max(counts.values(), default=0)
-    return [lr for lr, n in counts.items() if n and n == most]
+    schemes = [s for s in col.points("scheme") if col.losses(backbone=backbone, scheme=s)]
+    if not schemes:
+        return []
+    shared = {
+        lr: set.intersection(*(set(col.losses(lr=lr, backbone=backbone, scheme=s)) for s in schemes))
+        for lr in col.points("lr")
+    }
+    most = max(len(seeds) for seeds in shared.values())
+    return [lr for lr, seeds in shared.items() if most and len(seeds) == most]
 
 
 def best_lr(rep: Report, backbone: str, scheme: str) -> str | None:
     """The learning rate (its label) with the lowest mean final loss over the finished seeds of one arm,
-    among ``candidate_lrs``; ties go to the rate listed first. None when no run of the arm has finished."""
+    among ``candidate_lrs``; ties go to the rate listed first. None when no candidate rate has a finished run
+    of the arm."""
     col = rep.col
     means = {}
-    for lr in candidate_lrs(rep, backbone, scheme):
+    for lr in candidate_lrs(rep, backbone):
         m, _, n = mean_std(col.losses(lr=lr, backbone=backbone, scheme=scheme).values())
         if n:
             means[lr] = m
@@ -75,7 +65,7 @@ def _best_label(rep: Report, backbone: str, scheme: str) -> str:
     lr = best_lr(rep, backbone, scheme)
     if lr is None:
         return "—"
-    cands = candidate_lrs(rep, backbone, scheme)
+    cands = candidate_lrs(rep, backbone)
     if len(cands) < len(rep.col.points("lr")):
         return f"{lr} (of {', '.join(cands)} only: the other rates are unfinished)"
     return f"{lr}{_edge(rep, lr)}"
@@ -123,8 +113,9 @@ def lr_sweep_report(rep: Report) -> None:
         "## Final loss per learning rate",
         "",
         "Mean final validation loss over seeds with its 95 % interval (mean ± t_{0.975, n−1}·std/√n). The "
-        "best rate of an arm is the one with the lowest mean, among the rates where all seeds of every scheme "
-        "of the backbone have finished (the same grid for each arm of a comparison); "
+        "best rate of an arm is the one with the lowest mean, among the rates where the schemes of the "
+        "backbone share the most finished seeds (the whole grid once every seed has finished; the same grid "
+        "for each arm of a comparison); "
         "a best rate at the edge of the grid means the arm's optimum may lie outside it.",
         "",
     )
@@ -270,7 +261,7 @@ def lr_sweep_report(rep: Report) -> None:
                     + (f", {d.n} seeds" if d.n > 1 else "")
                 )
         if parts:
-            cands = candidate_lrs(rep, bb, base)
+            cands = candidate_lrs(rep, bb)
             provisional = (
                 f" (provisional: the best rates are chosen from lr {', '.join(cands)} only, the rest of the grid "
                 "is unfinished)"
