@@ -149,6 +149,22 @@ ROWS: tuple[Row, ...] = (
         note="best rate 6e-3 for every arm, the edge of the grid",
     ),
     Row(
+        "the same on Kimi Linear, each arm at its own best learning rate (whole validation split)",
+        "(the paper's backbone)",
+        "lr-sweep",
+        tuple(
+            (
+                s,
+                pair(
+                    {"lr": "0.006", "backbone": "kimi_linear", "scheme": s},
+                    {"lr": "0.006", "backbone": "kimi_linear", "scheme": "prenorm"},
+                ),
+            )
+            for s in ("block", "full")
+        ),
+        note="best rate 6e-3 for every arm, the edge of the grid; 3 of the 5 planned seeds so far",
+    ),
+    Row(
         "the same at equal wall-clock, trained (each arm given prenorm's training time; eager CPU step costs at d 64)",
         "negligible overhead",
         "equal-time",
