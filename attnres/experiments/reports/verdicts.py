@@ -162,7 +162,7 @@ ROWS: tuple[Row, ...] = (
             )
             for s in ("block", "full")
         ),
-        note="best rate 6e-3 for every arm, the edge of the grid; 3 of the 5 planned seeds so far",
+        note="best rate 6e-3 for every arm, the edge of the grid; 4 of the 5 planned seeds so far",
     ),
     Row(
         "the same at equal wall-clock, trained (each arm given prenorm's training time; eager CPU step costs at d 64)",
