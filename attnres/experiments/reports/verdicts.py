@@ -41,6 +41,12 @@ def pair(variant: dict[str, str], base: dict[str, str]) -> Pick:
     return lambda rep: rep.paired(rep.col.losses(**variant), rep.col.losses(**base))
 
 
+def at_rate(backbone: str, lr: str) -> tuple[tuple[str, Pick], ...]:
+    """The lr-sweep's Block and Full against prenorm on ``backbone``, all three at rate ``lr``."""
+    base = {"lr": lr, "backbone": backbone, "scheme": "prenorm"}
+    return tuple((s, pair({**base, "scheme": s}, base)) for s in ("block", "full"))
+
+
 def at_equal_time(size: str, scheme: str) -> Pick:
     """The kimi-scaling report's Δ at the baseline's training time, read off the scheme's curve."""
 
@@ -136,32 +142,14 @@ ROWS: tuple[Row, ...] = (
         "the same, LLaMA, each arm at its own best learning rate (5 seeds, whole validation split)",
         "–",
         "lr-sweep",
-        tuple(
-            (
-                s,
-                pair(
-                    {"lr": "0.006", "backbone": "llama", "scheme": s},
-                    {"lr": "0.006", "backbone": "llama", "scheme": "prenorm"},
-                ),
-            )
-            for s in ("block", "full")
-        ),
+        at_rate("llama", "0.006"),
         note="best rate 6e-3 for every arm, the edge of the grid",
     ),
     Row(
         "the same on Kimi Linear, each arm at its own best learning rate (whole validation split)",
         "(the paper's backbone)",
         "lr-sweep",
-        tuple(
-            (
-                s,
-                pair(
-                    {"lr": "0.006", "backbone": "kimi_linear", "scheme": s},
-                    {"lr": "0.006", "backbone": "kimi_linear", "scheme": "prenorm"},
-                ),
-            )
-            for s in ("block", "full")
-        ),
+        at_rate("kimi_linear", "0.006"),
         note="best rate 6e-3 for every arm, the edge of the grid; 4 of the 5 planned seeds so far",
     ),
     Row(

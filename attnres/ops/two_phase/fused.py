@@ -463,10 +463,8 @@ def merge_partial(
     backend = choice.backend
     if backend in ("cpu_kernel", "triton"):
         # under autocast the norm runs after the merge, in the dtype autocast gives it
-        fused_norm = norm is not None and not torch.is_autocast_enabled(partial.device.type)
-        weight, norm_eps = (
-            (norm.weight, norm.eps_for(partial.dtype)) if norm is not None and fused_norm else (None, None)
-        )
+        fused = norm if norm is not None and not torch.is_autocast_enabled(partial.device.type) else None
+        weight, norm_eps = (fused.weight, fused.eps_for(partial.dtype)) if fused is not None else (None, None)
         h = apply_function(
             _MergeNormKernel,
             stats.h,
@@ -479,7 +477,7 @@ def merge_partial(
             norm_eps,
             choice.kernels,
         )
-        return h if fused_norm or norm is None else norm(h)
+        return h if norm is None or fused is not None else norm(h)
     if backend == "torch":
         h = apply_function(_MergePartial, stats.h, stats.lse, partial, query.reshape(-1), key_weight, eps)
         return h if norm is None else norm(h)
