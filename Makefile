@@ -43,7 +43,7 @@ install: $(BIN)/.installed-extras
 TEST_WORKERS ?= $(shell nproc 2>/dev/null || echo 2)
 
 test: $(BIN)/.installed-test
-	$(BIN)/python -m pytest -n $(TEST_WORKERS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --durations=15
 
 # the retrofit round trips and the HF model class on the lowest transformers pyproject.toml allows (make test
 # runs the newest): that version goes into build/ beside the installed one, and PYTHONPATH puts it first

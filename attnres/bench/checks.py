@@ -20,7 +20,7 @@ import torch
 
 from attnres.model import ModelConfig
 from attnres.model.checkpointing import CHECKPOINTING
-from attnres.model.compile import check_compile_setting, check_compiler
+from attnres.model.compile import GRANULARITIES, check_compile_setting, check_compiler
 from attnres.residual import RESIDUALS
 from attnres.residual.options import bad_option
 from attnres.train.config import BOOL_WORDS, parse_bool, parse_value
@@ -169,6 +169,7 @@ def check_train(cfg) -> None:
     check_clock(cfg.clock)
     check_choice(cfg, "optimizer", OPTIMIZER_NAMES)
     check_choice(cfg, "activation_checkpointing", CHECKPOINTING)
+    check_choice(cfg, "compile_granularity", GRANULARITIES)
     device = check_device(cfg)
     check_compiler(cfg.compile, device, "BenchConfig.compile")
     variants = ["prenorm"] + [v for v in cfg.variants if v != "prenorm"]  # the baseline run() adds

@@ -45,6 +45,9 @@ class CompileBenchConfig:
     blocks: int | None = 8  # Block AttnRes N (None: the model's default)
     optimizer: str = "adamw"
     backend: str = "inductor"  # the torch.compile backend (e.g. aot_eager: tracing and autograd, no code)
+    # "model": one graph for the whole forward; "sublayer": each attention/MLP sublayer once, reused by every
+    # block, the residual stream eager (attnres.model.compile)
+    compile_granularity: str = "model"
     variants: list[str] = field(default_factory=lambda: ["prenorm", "block", "full"])
     starts: int = 2  # fresh processes per variant over its cache directory: the first cold, the rest warm
     warmup: int = 2  # compiled steps timed as the start (compilation happens in the first; a recompile in the second)
@@ -128,7 +131,8 @@ def format_table(result: dict) -> str:
     n = c["starts"]
     lines = [
         f"bench compile: d={c['d_model']}, {c['n_layers']} blocks, T={c['seq_len']}, batch={c['batch_size']}, "
-        f"{c['optimizer']}, backend={c['backend']}, device={c['device']}, {result['threads']} threads, "
+        f"{c['optimizer']}, backend={c['backend']}, one graph per {c.get('compile_granularity', 'model')}, "
+        f"device={c['device']}, {result['threads']} threads, "
         f"torch {result['torch']}; each variant {n} fresh processes over its own new cache directory",
         "",
         "| variant | "

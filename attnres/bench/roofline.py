@@ -132,6 +132,7 @@ class RooflineBenchConfig:
     seed: int = 0
     device: str = "cpu"
     compile: bool | str = False  # also the compiled rows (true: inductor, or a backend name)
+    compile_granularity: str = "model"  # or "sublayer": one graph per sublayer kind (attnres.model.compile)
     clock: str = "process"  # bench train's clock: process CPU time, which other jobs do not inflate
     plot: str = ""  # a PNG path: overhead against width, measured and limit
     # the round-robin order of the timed rows: prenorm and the schemes, each once (--processes rotates it)
@@ -167,6 +168,7 @@ def train_config(cfg: RooflineBenchConfig, width: int) -> train.BenchConfig:
         variants=list(cfg.variants),
         memory=False,
         compile=cfg.compile,
+        compile_granularity=cfg.compile_granularity,
         clock=cfg.clock,
         profile_rounds=0,
     )

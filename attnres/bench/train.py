@@ -80,6 +80,7 @@ class BenchConfig:
     # with compile (true: inductor, or a backend name) every variant also runs compiled, in the same
     # process and round-robin, as the row "VARIANT compiled" (ratios: compiled to compiled prenorm)
     compile: bool | str = False
+    compile_granularity: str = "model"  # or "sublayer" (attnres.model.compile): one graph per sublayer kind
     activation_checkpointing: str = "none"  # none | block | sublayer, for every variant
     # "wall": elapsed time; "process": CPU time of this process, which other jobs on a shared machine
     # do not inflate (it counts every thread's CPU time, so it equals step time only at one thread)
@@ -173,7 +174,7 @@ def _setup(cfg: BenchConfig, row: str):
     model = AttnResLM(model_config(cfg, variant)).to(device)
     model.set_activation_checkpointing(cfg.activation_checkpointing)
     if compiled:
-        compile_model(model, cfg.compile)
+        compile_model(model, cfg.compile, granularity=cfg.compile_granularity)
     # The trainer's grouping (Muon on matrices, AdamW on the rest); the lr is irrelevant to timing.
     opt = build_optimizer(model, cfg.optimizer, lr=1e-4, weight_decay=0.0)
     g = torch.Generator().manual_seed(cfg.seed)
@@ -445,10 +446,17 @@ def format_table(result: dict) -> str:
     lines.append("")
     lines.append("per repeat: the spread of each repeat's step over the baseline's step in the same repeat.")
     if c.get("compile"):
+        scope = (
+            "of the whole model"
+            if c.get("compile_granularity", "model") == "model"
+            else "of each attention/MLP sublayer, one graph per kind that every block reuses "
+            "(the residual stream eager)"
+        )
         lines.append(
-            "`X compiled`: torch.compile of the whole model (attnres.model.compile), compared with "
+            f"`X compiled`: torch.compile {scope} (attnres.model.compile), compared with "
             "compiled prenorm; 'vs eager' is the compiled step over the same variant's eager one; "
-            f"warm-up s: the {c['warmup']} warm-up steps, compilation included."
+            f"warm-up s: the {c['warmup']} warm-up steps, compilation included (one process compiles every "
+            "row, so a row may reuse graphs an earlier one built: `attnres bench compile` starts each afresh)."
         )
     lines.append(
         "variant `X` is the default implementation (two_phase where it applies); "

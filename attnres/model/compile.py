@@ -7,10 +7,16 @@ Two granularities:
   head) as one graph. The residual arithmetic is where compiling pays: a dozen small memory-bound
   ``[B, T, D]`` passes per sublayer fuse into a few loops.
 - ``"sublayer"``: each attention and MLP sublayer's ``forward`` on its own; the residual stream
-  stays eager. For wrappers whose hooks must stay outside the graph (FSDP2 shards per sublayer,
-  pipeline stages send tensors between sublayer groups): only the sublayer's ``forward`` method is
-  compiled, so the module's ``__call__`` and its hooks run eagerly around it, as PyTorch recommends
-  for FSDP2 (compile per unit that ``fully_shard`` wraps).
+  stays eager (its depth attention runs the eager kernels: the C++ Phase 1 and merge + RMSNorm on the
+  CPU, Triton on CUDA). This is regional compilation: every block's attention runs the same code over
+  parameters of the same shapes, so dynamo compiles it once and every block reuses that graph (the MLP
+  likewise), and the first compile costs the same whatever the residual scheme. The whole-model graph
+  instead unrolls the depth attention of every sublayer, each over a different number of sources, which
+  makes an AttnRes model's first compile 3-4x PreNorm's (docs/performance.md). Also for wrappers whose
+  hooks must stay outside the graph (FSDP2 shards per sublayer, pipeline stages send tensors between
+  sublayer groups): only the sublayer's ``forward`` method is compiled, so the module's ``__call__``
+  and its hooks run eagerly around it, as PyTorch recommends for FSDP2 (compile per unit that
+  ``fully_shard`` wraps).
 """
 
 from __future__ import annotations

@@ -47,6 +47,9 @@ from attnres.parallel.tensor import (
 )
 from attnres.parallel.tensor import clip_grad_norm as clip_mixed_grad_norm
 
+# how a run compiled per sublayer describes its layout
+SUBLAYER_GRAPHS = "per attention/MLP sublayer, one graph each reused by every block; the residual stream stays eager"
+
 
 def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
@@ -105,10 +108,11 @@ class SingleProcess:
     def is_main(self) -> bool:
         return True
 
-    def compile(self, setting) -> str:
-        """torch.compile what this strategy runs, in place (parameter names unchanged); returns how."""
-        compile_model(self.model, setting)
-        return "whole model"
+    def compile(self, setting, granularity: str = "model") -> str:
+        """torch.compile what this strategy runs, in place (parameter names unchanged), one graph per
+        ``granularity`` where the layout allows it; returns how."""
+        compile_model(self.model, setting, granularity=granularity)
+        return "whole model" if granularity == "model" else SUBLAYER_GRAPHS
 
     def forward_backward(self, x: Tensor, y: Tensor, scale: float) -> float:
         with self.autocast():
@@ -189,10 +193,13 @@ class DataParallel(_Distributed):
         else:
             self.wrapped = nn.parallel.DistributedDataParallel(model)
 
-    def compile(self, setting) -> str:
+    def compile(self, setting, granularity: str = "model") -> str:
         if self.shard:  # per unit that fully_shard wraps, its hooks outside the graph
             compile_model(self.model, setting, granularity="sublayer")
             return "per attention/MLP sublayer (FSDP2 units; the residual stream stays eager)"
+        if granularity == "sublayer":  # DDP's hooks are on the wrapper, outside every sublayer's graph
+            compile_model(self.model, setting, granularity="sublayer")
+            return SUBLAYER_GRAPHS + " under DDP"
         self.wrapped.compile(backend=compile_model_backend(setting))  # DDP: dynamo splits at buckets
         return "whole model under DDP"
 
@@ -297,7 +304,7 @@ class PipelineParallel(_Replicas):
         )
         super().__init__(self.pipeline.model, autocast)
 
-    def compile(self, setting) -> str:
+    def compile(self, setting, granularity: str = "model") -> str:
         # a stage's forward takes the microbatch index and a history cache (Python state, one graph
         # break each); its sublayers are the tensor-in, tensor-out part
         compile_model(self.model, setting, granularity="sublayer")
@@ -383,7 +390,7 @@ class TensorParallel(_Replicas):
                 fully_shard(block.get_submodule("mlp"), mesh=self.mesh["dp"])
             fully_shard(model, mesh=self.mesh["dp"])
 
-    def compile(self, setting) -> str:
+    def compile(self, setting, granularity: str = "model") -> str:
         # the sublayers are where the DTensors are (and FSDP2's units); the residual stream between them
         # holds plain tensors, as in the pipeline and FSDP2 layouts
         compile_model(self.model, setting, granularity="sublayer")

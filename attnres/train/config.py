@@ -64,6 +64,11 @@ class TrainConfig:
     dist_timeout: float = 600.0  # seconds a collective may wait before the job fails
     # speed and memory knobs that leave the arithmetic as it is (a run may resume with them changed)
     compile: bool | str = False  # torch.compile: true (inductor) or a backend name, e.g. "aot_eager"
+    # what one graph covers: "model" (the whole forward, fastest steps, the longest first compile) or
+    # "sublayer" (each attention/MLP sublayer compiled once and reused by every block, the residual stream
+    # eager: a first compile as short as PreNorm's, whatever the scheme). FSDP2, pipeline and tensor
+    # parallel runs always compile per sublayer.
+    compile_granularity: str = "model"
     # none | block | sublayer (attnres.model.checkpointing); None (what `--set ...=none` reads as) is "none"
     activation_checkpointing: str | None = "none"
     # retrofit-by-fine-tuning (experiments/retrofit.toml): train the model as PreNorm for the first
@@ -165,9 +170,11 @@ class TrainConfig:
                 batch_size=self.batch_size // self.dp,
             )
         from attnres.model.checkpointing import CHECKPOINTING
-        from attnres.model.compile import check_compile_setting
+        from attnres.model.compile import GRANULARITIES, check_compile_setting
 
         check_compile_setting(self.compile)
+        if self.compile_granularity not in GRANULARITIES:
+            raise bad("compile_granularity", f"choose one of {GRANULARITIES}")
         if self.activation_checkpointing not in CHECKPOINTING:
             raise bad("activation_checkpointing", f"choose one of {CHECKPOINTING}")
         if self.activation_checkpointing == "block" and self.pp > 1:
@@ -197,6 +204,7 @@ RESUMABLE_CHANGES = {
     "device",
     "cache_dir",
     "compile",
+    "compile_granularity",
     "activation_checkpointing",
 } | PARALLEL_FIELDS
 

@@ -219,7 +219,8 @@ class Trainer:
         self.model_config = model_config
         self.n_params = model.num_params()
         self.strategy = build_layout(model, c, self._autocast)
-        self.compiled = self.strategy.compile(c.compile) if c.compile else None  # in place: names unchanged
+        # in place: names unchanged
+        self.compiled = self.strategy.compile(c.compile, c.compile_granularity) if c.compile else None
         self.model = self.strategy.model  # this rank's parameters, under their full-model names
         self.optimizer = self._build_optimizer(self.model)
         self.checkpointer = Checkpointer(

@@ -78,6 +78,39 @@ def test_compiling_in_place_keeps_state_dict_names():
     assert list(model.state_dict()) == names
 
 
+@pytest.mark.parametrize("residual", ["prenorm", "block", "full"])
+def test_sublayer_granularity_compiles_each_sublayer_kind_once_for_every_block(residual):
+    """Regional compilation: four blocks, yet one attention graph and one MLP graph, whatever the scheme
+    (the depth attention stays eager), so an AttnRes model's first compile is PreNorm's; and the compiled
+    model's logits and gradients are the eager ones."""
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    model = tiny(residual, n_layers=4)
+    x = tokens(2, 12)
+    model(x).square().mean().backward()
+    eager_out, eager_grads = model(x).detach(), grads(model)
+    model.zero_grad()
+    counter = CompileCounter()
+    compile_model(model, counter, granularity="sublayer")
+    for _ in range(2):  # a second step must not recompile either
+        model.zero_grad()
+        out = model(x)
+        out.square().mean().backward()
+    assert counter.frame_count == 2, f"{counter.frame_count} graphs for 4 blocks' attention and MLP sublayers"
+    torch.testing.assert_close(out.detach(), eager_out, rtol=1e-5, atol=1e-6)
+    for name, g in grads(model).items():
+        torch.testing.assert_close(g, eager_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_compile_granularity_is_checked_and_reaches_the_run_layout():
+    from attnres.train.config import TrainConfig
+
+    with pytest.raises(ValueError, match=r"compile_granularity.*'block'.*model.*sublayer"):
+        TrainConfig(compile=True, compile_granularity="block")
+    assert TrainConfig(compile=True, compile_granularity="sublayer").compile_granularity == "sublayer"
+
+
 def test_compile_setting_errors_name_the_field_and_the_choices():
     with pytest.raises(ValueError, match=r"TrainConfig.compile='nope' is not a torch.compile backend.*aot_eager"):
         check_compile_setting("nope")
