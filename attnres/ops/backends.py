@@ -283,6 +283,12 @@ OPS: dict[str, Op] = {
             triton="two_phase",
         ),
         Op(
+            "merge_norm",
+            "two_phase.fused.merge_norm",
+            ("cpu_kernel", "reference"),
+            "a read that merges two depth attentions (Full AttnRes inside a group), with the RMSNorm after it",
+        ),
+        Op(
             "rms_norm",
             "rms_norm.rms_norm",
             ("cpu_kernel", "reference"),
@@ -603,6 +609,19 @@ def _rule_merge_partial(op, phase, case, env=None, triton=_UNSET, kernels=None, 
     )
 
 
+def _rule_merge_norm(op, phase, case, env=None, triton=_UNSET, kernels=None, load=True) -> Choice:
+    if phase == "backward" and case.forward is not None:
+        return Choice(op, phase, case.forward, f"the forward ran {case.forward}, whose Function's backward follows")
+    if case.heads != 1 or case.kernel != "softmax":
+        return Choice(op, phase, "reference", f"{case.heads} heads, {case.kernel}: plain autograd")
+    if case.dtype not in (torch.float32, torch.float64):
+        return Choice(op, phase, "reference", f"{case.describe()} tensors, and the C++ kernel runs float32/float64")
+    module, why = _cpu_kernel(case, env)
+    if module is None:
+        return Choice(op, phase, "reference", f"merge, then the norm (no C++ kernel: {why})")
+    return Choice(op, phase, "cpu_kernel", f"one head, softmax; {why}", module)
+
+
 # Below this many elements one torch.nn.functional.rms_norm call (about 9 µs) costs less than a kernel call's
 # dispatch (about 20 µs: the choice, the autograd Function, ctypes); measured on this project's CPU machine,
 # where they cross near 256 tokens of 256 channels. Decoding (a token per sequence) stays on torch's.
@@ -646,6 +665,7 @@ _RULES: dict[str, Callable[..., Choice]] = {
     "phase1_op": _rule_phase1_op,
     "merge": _rule_merge,
     "merge_partial": _rule_merge_partial,
+    "merge_norm": _rule_merge_norm,
     "rms_norm": _rule_rms_norm,
     "decode_read": _rule_decode_read,
     "multi_query": _rule_single,

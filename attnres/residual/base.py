@@ -56,7 +56,7 @@ from attnres.ops.rms_norm import plain_rms_norm, rms_norm
 from attnres.ops.token_queries import merge_partial_token, phase1_token_queries
 from attnres.ops.two_phase import reference as two_phase_reference
 from attnres.ops.two_phase.compiled import phase1_sources
-from attnres.ops.two_phase.fused import merge, merge_partial, phase1_outputs
+from attnres.ops.two_phase.fused import merge, merge_norm, merge_partial, phase1_outputs
 from attnres.residual import record
 
 
@@ -104,6 +104,7 @@ class StreamOps:
     phase1: Callable = phase1_outputs
     phase1_sources: Callable = phase1_sources
     merge: Callable = merge
+    merge_norm: Callable = merge_norm  # a read that is a merge (Full AttnRes inside a group), and its norm
     merge_partial: Callable = merge_partial
     attend: Callable = fused_depth_attention
     attend_reference: Callable = depth_attention_reference
@@ -115,7 +116,7 @@ class StreamOps:
 PLAIN_OPS = StreamOps()
 # what a stream traced by torch.compile for training runs: plain autograd, which inductor fuses and
 # differentiates itself (attnres.ops.two_phase.compiled says why)
-COMPILED_OPS = StreamOps(merge_partial=two_phase_reference.merge_partial)
+COMPILED_OPS = StreamOps(merge_partial=two_phase_reference.merge_partial, merge_norm=two_phase_reference.merge_norm)
 
 
 class DepthState(NamedTuple):

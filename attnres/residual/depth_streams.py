@@ -266,7 +266,10 @@ class TwoPhaseStream(FusedStream):
             q = self._group_queries(l, l + 1)
             kw = s.key_norm_weight[l : l + 1] if s.key_norm else None
             (h2,), lse2 = self._phase1_over(n, m, q, kw)
-            h, lse = self.ops.merge(DepthStats(h, lse), DepthStats(h2, lse2[:, :, 0]), s.kernel)
+            inside = DepthStats(h2, lse2[:, :, 0])
+            if self.partial is None:  # the merge is the read: merged and normed in one pass where a kernel can
+                return self.ops.merge_norm(DepthStats(h, lse), inside, s.kernel, norm, self.sources[0].dtype)
+            h, lse = self.ops.merge(DepthStats(h, lse), inside, s.kernel)
         if self.partial is None:
             h = h.to(self.sources[0].dtype)
             return h if norm is None else rms_norm(h, norm)

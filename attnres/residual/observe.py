@@ -125,6 +125,7 @@ IO_RULES: dict[str, Callable[..., tuple[int, int]]] = {
     "phase1": lambda values, inv_rms, queries, *rest, **kw: (_vectors(values), queries.shape[0]),
     "phase1_sources": lambda sources, inv_rms, queries, *rest, **kw: (len(sources), queries.shape[0]),
     "merge": lambda *args, **kw: (2, 1),
+    "merge_norm": lambda *args, **kw: (2, 1),  # the merge and the norm in one pass: the merged read, normed
     "merge_partial": lambda *args, **kw: (2, 1),
     "attend": lambda segments, producers, *rest, **kw: (len(producers), 1),
     "attend_reference": lambda sources, *rest, **kw: (sources.shape[0], 1),

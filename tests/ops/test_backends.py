@@ -10,8 +10,9 @@ import importlib
 import pytest
 import torch
 from interpreted_triton import DEVICE, ON_GPU
-from reference import two_phase_inputs
+from reference import randomize, two_phase_inputs
 
+from attnres import AttnResLM, ModelConfig
 from attnres.ops import backends
 from attnres.ops.backends import Case, choose, forced, record
 from attnres.ops.common import DepthStats, RMSNormArgs, inverse_rms
@@ -230,6 +231,69 @@ def test_merge_partial_backends_equal_the_float64_reference(backend, norm):
         assert (a is None) == (w is None)
         if a is not None:
             torch.testing.assert_close(a, w, **F64)
+
+
+@pytest.mark.parametrize("backend", ["cpu_kernel", "reference"])
+@pytest.mark.parametrize("norm", ["none", "weighted", "unweighted"])
+def test_merge_norm_backends_equal_the_float64_reference(backend, norm):
+    """Full AttnRes' read inside a group: the group's Phase 1 merged with the Phase 1 over the sources completed
+    inside it, and the RMSNorm after it (which the C++ kernel fuses), against the float64 reference, values,
+    gradients and (the kernel's Function hands over to the reference) a graph of the gradient; h1 read as a
+    query's strided slice of Phase 1's [B, T, S, D] output, as streams pass it."""
+    runnable(backend)
+    v, q, kw, _ = two_phase_inputs(n=3, S=2, B=2, T=3, D=6, seed=20)
+    values = v.permute(1, 2, 0, 3)
+    group = two_phase_reference.phase1(values[:, :, :2], inverse_rms(values[:, :, :2], EPS), q, kw)
+    inside = two_phase_reference.phase1(values[:, :, 2:], inverse_rms(values[:, :, 2:], EPS), q[1:], kw[1:])
+    g = torch.Generator().manual_seed(21)
+    weight = torch.rand(6, generator=g, dtype=torch.float64) + 0.5
+    leaves = tuple(
+        x.clone().requires_grad_()
+        for x in (group.h, group.lse[:, :, 1], inside.h[:, :, 0], inside.lse[:, :, 0] + 0.7, weight)
+    )
+
+    def rms(w):
+        return None if norm == "none" else RMSNormArgs(w if norm == "weighted" else None, 1e-5)
+
+    def run(h1, lse1, h2, lse2, w, impl=fused):
+        return impl.merge_norm(DepthStats(h1[:, :, 1], lse1), DepthStats(h2, lse2), "softmax", rms(w))
+
+    want = run(*leaves, impl=two_phase_reference)
+    with forced("merge_norm", backend), record() as found:
+        got = run(*leaves)
+        assert torch.autograd.gradcheck(run, leaves)
+        assert torch.autograd.gradgradcheck(run, leaves)
+    assert ran(found, "merge_norm") == {("forward", backend)}
+    torch.testing.assert_close(got, want, **F64)
+    gx = torch.randn(got.shape, generator=g, dtype=torch.float64)
+    grads = [torch.autograd.grad(y, leaves, gx, allow_unused=True) for y in (got, want)]
+    for a, w in zip(*grads, strict=True):
+        assert (a is None) == (w is None)
+        if a is not None:
+            torch.testing.assert_close(a, w, **F64)
+
+
+def test_full_attnres_reads_inside_a_group_run_one_merge_norm_kernel_call():
+    """A float64 Full AttnRes model, eagerly: every read inside a Phase-1 group is one merge_norm call (the C++
+    kernel where it builds), and the model's loss and every gradient equal those of the merge-then-norm
+    reference."""
+    runnable("cpu_kernel")
+    cfg = ModelConfig(vocab_size=61, d_model=32, n_layers=4, n_heads=2, residual="full", attnres_group_size=4)
+    torch.manual_seed(0)
+    x = torch.randint(0, 61, (2, 9))
+    results = []
+    for backend in ("cpu_kernel", "reference"):
+        torch.manual_seed(0)
+        model = randomize(AttnResLM(cfg).double())
+        with forced("merge_norm", backend), record() as found:
+            loss = model(x).logsumexp(-1).mean()
+            loss.backward()
+        assert ran(found, "merge_norm") == {("forward", backend)}
+        assert sum(c.op == "merge_norm" for c in found) == 6  # 2 groups of 4 reads, 3 inside each
+        results.append([loss.detach()] + [p.grad for p in model.parameters() if p.grad is not None])
+    assert len(results[0]) == len(results[1]) > 10
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, **F64)
 
 
 @pytest.mark.parametrize("backend", ["cpu_kernel", "reference"])

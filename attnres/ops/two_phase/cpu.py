@@ -40,7 +40,7 @@ from attnres.ops.two_phase.reference import check_queries, query_matrix
 SOURCE = Path(__file__).with_name("cpu_kernel.cpp")
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-Wno-psabi")
 NATIVE = ("-march=native",)  # dropped when the compiler refuses it
-ABI = 3
+ABI = 4
 # below this many source values per call one thread does the work: starting threads costs more
 PARALLEL_MIN_VALUES = 1 << 16
 ENV = "ATTNRES_CPU_KERNEL"
@@ -361,7 +361,7 @@ def _merge_function(name: str, dtype: torch.dtype):
     return getattr(lib, f"attnres_merge_norm_{name}_{'f64' if dtype == torch.float64 else 'f32'}")
 
 
-def _merge_operands(h1: Tensor, lse: Tensor | None, partial: Tensor, u: Tensor, weight: Tensor | None, cd):
+def _merge_operands(h1: Tensor, lse: Tensor | None, partial: Tensor, u: Tensor | None, weight: Tensor | None, cd):
     """The merge's inputs: h1 with its row stride, the rest contiguous ``cd`` tensors [N, D] / [N] / [D]."""
     d = partial.shape[-1]
     rows, stride = rows_of(h1, cd)
@@ -372,27 +372,31 @@ def merge_norm(
     h1: Tensor,
     lse: Tensor,
     partial: Tensor,
-    u: Tensor,
+    u: Tensor | None,
     key_eps: float,
     weight: Tensor | None = None,
     norm_eps: float | None = None,
+    lse2: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Phase 2 (one head, softmax, key norm) and, with ``norm_eps``, the RMSNorm after it, in one call.
 
     h1 [B, T, D] and lse [B, T] (or [B, T, 1]) are the Phase-1 result, ``partial`` [B, T, D] the partial sum,
     u [D] the query times the key-norm weight. Returns (out [B, T, D] in the compute dtype: h, or
-    RMSNorm(h) * weight when ``norm_eps`` is given; the [B*T, 4] scalars ``merge_norm_backward`` needs)."""
+    RMSNorm(h) * weight when ``norm_eps`` is given; the [B*T, 4] scalars ``merge_norm_backward`` needs).
+
+    With ``lse2`` [B, T], ``partial`` is another depth attention's result with that log-sum-exp (the sources
+    completed inside a Full AttnRes group): the merge is ``reference.merge``'s, and u and key_eps are unused."""
     cd = compute_dtype(partial.dtype)
-    ops = _merge_operands(h1, lse, partial, u, weight, cd)
-    n, d = ops[2].shape
+    (h1_rows, h1_stride), lse_c, p, u_c, w_c = _merge_operands(h1, lse, partial, u, weight, cd)
+    lse2_c = flat_rows(lse2, cd)  # held here: the kernel reads it after this line
+    n, d = p.shape
     out = torch.empty(n, d, dtype=cd)
     saved = torch.empty(n, _MERGE_SCALARS, dtype=cd)
     norm = norm_eps is not None
-    (h1_rows, h1_stride), *rest = ops
     _merge_function("forward", cd)(
         _pointer(h1_rows),
         ctypes.c_int64(h1_stride),
-        *[_pointer(t) for t in rest],
+        *[_pointer(t) for t in (lse_c, p, lse2_c, u_c, w_c)],
         ctypes.c_int64(n),
         ctypes.c_int64(d),
         ctypes.c_double(key_eps),
@@ -408,17 +412,20 @@ def merge_norm(
 def merge_norm_backward(
     h1: Tensor,
     partial: Tensor,
-    u: Tensor,
+    u: Tensor | None,
     key_eps: float,
     weight: Tensor | None,
     norm_eps: float | None,
     saved: Tensor,
     grad_out: Tensor,
+    lse2: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
     """(dh1, dlse [B, T], dpartial, du [D], dweight [D] or None) for ``merge_norm``'s output gradient, in the
-    compute dtype; ``saved`` is its second result."""
+    compute dtype; ``saved`` is its second result. With ``lse2`` (as in ``merge_norm``) du is zero and
+    dlse2 = -dlse."""
     cd = compute_dtype(partial.dtype)
     (h1_rows, h1_stride), _, p, u_c, w_c = _merge_operands(h1, None, partial, u, weight, cd)
+    lse2_c = flat_rows(lse2, cd)
     n, d = p.shape
     gx = grad_out.detach().to(cd).reshape(n, d).contiguous()
     gh1, gp = torch.empty(n, d, dtype=cd), torch.empty(n, d, dtype=cd)
@@ -430,6 +437,7 @@ def merge_norm_backward(
         ctypes.c_int64(h1_stride),
         None,
         _pointer(p),
+        _pointer(lse2_c),  # only whether it is there: the backward reads w from saved
         _pointer(u_c),
         _pointer(w_c),
         ctypes.c_int64(n),

@@ -390,6 +390,9 @@ struct DecodeBuffer {
 //   s = p . u, r = 1 / sqrt(key_eps + |p|^2 / D), w = sigmoid(r s - lse), h = h1 + w (p - h1)
 //   x = h rho g with rho = 1 / sqrt(norm_eps + |h|^2 / D) and g the norm's weight (null: ones); without norm x = h.
 // The math is fused._MergePartial's followed by nn.RMSNorm (read those first). One head, softmax, key norm.
+// With lse2 the second operand is not a raw partial sum but another depth attention's result (h2 = p, with its
+// log-sum-exp lse2: Full AttnRes' sources completed inside a Phase-1 group): w = sigmoid(lse2 - lse), no key norm
+// and no query (u unused, du untouched), reference.merge's math; the caller takes dlse2 = -dlse.
 // The forward keeps [N, 4] scalars (s, r, w, rho); the backward recomputes h from h1, p and w (two passes over a
 // token's row, which stays in cache) and writes dh1 and dp once each, with dlse [N], du [D] and dg [D].
 template <typename T>
@@ -398,16 +401,22 @@ struct MergeNorm {
   int64_t h1_stride, D;             // h1's rows are h1_stride apart (a query's slice of Phase 1's output)
   T key_eps, norm_eps;
   bool norm;
+  const T* lse2 = nullptr;  // set: p is a merged result with this log-sum-exp (see above)
 
   void forward(int64_t x0, int64_t x1, T* out, T* saved) const {
     constexpr int64_t W = WIDTH<T>;
     for (int64_t x = x0; x < x1; ++x) {
       const T *a = h1 + x * h1_stride, *b = p + x * D;
       T* o = out + x * D;
-      T s, pp;
-      dot2(b, u, b, D, s, pp);
-      const T r = T(1) / std::sqrt(key_eps + pp / T(D));
-      const T w = T(1) / (T(1) + std::exp(lse[x] - r * s));
+      T s = T(0), r = T(0), w;
+      if (lse2) {
+        w = T(1) / (T(1) + std::exp(lse[x] - lse2[x]));
+      } else {
+        T pp;
+        dot2(b, u, b, D, s, pp);
+        r = T(1) / std::sqrt(key_eps + pp / T(D));
+        w = T(1) / (T(1) + std::exp(lse[x] - r * s));
+      }
       vec<T> hh{};
       int64_t c = 0;
       for (; c + W <= D; c += W) {
@@ -463,7 +472,7 @@ struct MergeNorm {
       const T scale = norm ? rho : T(1);
       const T gw = scale * e1 - beta * e2;  // dL/dw = dL/dh . (p - h1)
       const T gz = gw * w * (T(1) - w), gs = gz * r;
-      const T kp = -(gz * s) * r * r * r / T(D);  // the key norm's term on p
+      const T kp = -(gz * s) * r * r * r / T(D);  // the key norm's term on p (zero with lse2: s = r = 0)
       glse[x] = -gz;
       // pass 2: dh1 = (1 - w) dh, dp = w dh + gs u + kp p; du += gs p, dg += gx h rho
       T *o1 = gh1 + x * D, *op = gp + x * D;
@@ -472,15 +481,19 @@ struct MergeNorm {
         const vec<T> av = load(a + c), bv = load(b + c), h = av + w * (bv - av), gv = load(gr + c);
         const vec<T> gh = scale * (g ? gv * load(g + c) : gv) - beta * h;
         store(o1 + c, (T(1) - w) * gh);
-        store(op + c, w * gh + gs * load(u + c) + kp * bv);
-        store(du + c, load(du + c) + gs * bv);
+        if (lse2) {
+          store(op + c, w * gh);
+        } else {
+          store(op + c, w * gh + gs * load(u + c) + kp * bv);
+          store(du + c, load(du + c) + gs * bv);
+        }
         if (norm && dg) store(dg + c, load(dg + c) + rho * gv * h);
       }
       for (; c < D; ++c) {
         const T h = a[c] + w * (b[c] - a[c]), gh = scale * (g ? gr[c] * g[c] : gr[c]) - beta * h;
         o1[c] = (T(1) - w) * gh;
-        op[c] = w * gh + gs * u[c] + kp * b[c];
-        du[c] += gs * b[c];
+        op[c] = lse2 ? w * gh : w * gh + gs * u[c] + kp * b[c];
+        if (!lse2) du[c] += gs * b[c];
         if (norm && dg) dg[c] += rho * gr[c] * h;
       }
     }
@@ -611,17 +624,17 @@ ATTNRES_DECODE(double, f64)
 
 #define ATTNRES_MERGE_NORM(T, SUFFIX)                                                                          \
   extern "C" void attnres_merge_norm_forward_##SUFFIX(const T* h1, int64_t h1_stride, const T* lse, const T* p, \
-                                                     const T* u, const T* g, int64_t N, int64_t D,            \
-                                                     double key_eps, double norm_eps, int norm, T* out,       \
-                                                     T* saved, int threads) {                                 \
-    const MergeNorm<T> op{h1, lse, p, u, g, h1_stride, D, T(key_eps), T(norm_eps), norm != 0};                   \
+                                                     const T* lse2, const T* u, const T* g, int64_t N,        \
+                                                     int64_t D, double key_eps, double norm_eps, int norm,    \
+                                                     T* out, T* saved, int threads) {                         \
+    const MergeNorm<T> op{h1, lse, p, u, g, h1_stride, D, T(key_eps), T(norm_eps), norm != 0, lse2};             \
     split_tokens(N, threads, [&](int64_t x0, int64_t x1, int64_t) { op.forward(x0, x1, out, saved); });        \
   }                                                                                                            \
   extern "C" void attnres_merge_norm_backward_##SUFFIX(                                                        \
-      const T* h1, int64_t h1_stride, const T* lse, const T* p, const T* u, const T* g, int64_t N, int64_t D,   \
-      double key_eps, double norm_eps, int norm, const T* gx, const T* saved, T* gh1, T* gp, T* glse, T* du,    \
-      T* dg, int threads) {                                                                                    \
-    const MergeNorm<T> op{h1, lse, p, u, g, h1_stride, D, T(key_eps), T(norm_eps), norm != 0};                   \
+      const T* h1, int64_t h1_stride, const T* lse, const T* p, const T* lse2, const T* u, const T* g,         \
+      int64_t N, int64_t D, double key_eps, double norm_eps, int norm, const T* gx, const T* saved, T* gh1,      \
+      T* gp, T* glse, T* du, T* dg, int threads) {                                                             \
+    const MergeNorm<T> op{h1, lse, p, u, g, h1_stride, D, T(key_eps), T(norm_eps), norm != 0, lse2};             \
     const int64_t t = std::max<int64_t>(1, std::min<int64_t>(threads, N));                                     \
     /* one [2, D] partial (du, dg) per range, summed in a fixed order: the result does not depend on scheduling */ \
     std::vector<T> parts(t * 2 * D, T(0));                                                                     \
@@ -666,4 +679,4 @@ ATTNRES_RMS_NORM(double, f64)
 ATTNRES_MERGE_NORM(float, f32)
 ATTNRES_MERGE_NORM(double, f64)
 
-extern "C" int attnres_phase1_abi() { return 3; }
+extern "C" int attnres_phase1_abi() { return 4; }

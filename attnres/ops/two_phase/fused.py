@@ -433,6 +433,66 @@ def merge(a: DepthStats, b: DepthStats, kernel: str = "softmax") -> DepthStats:
     return reference.merge(a, b, kernel)
 
 
+class _MergeNormStatsKernel(torch.autograd.Function):
+    """``reference.merge_norm`` (one head, softmax) as one C++ kernel call each way: the MergeNorm kernel with
+    its second operand a depth attention's result and log-sum-exp (``cpu.merge_norm(..., lse2=...)``), so
+    neither the merged h nor the merge's weights are written; the backward recomputes them."""
+
+    @staticmethod
+    def forward(ctx, h1, lse1, h2, lse2, weight, norm_eps, kernels):
+        out, saved = kernels.merge_norm(h1, lse1, h2, None, 0.0, weight, norm_eps, lse2=lse2)
+        ctx.save_for_backward(h1, lse1, h2, lse2, weight, saved)
+        ctx.norm_eps, ctx.kernels = norm_eps, kernels
+        return out.to(h2.dtype)
+
+    @staticmethod
+    @autocast_off
+    def backward(ctx, grad):
+        h1, lse1, h2, lse2, weight, saved = ctx.saved_tensors
+        if torch.is_grad_enabled():  # a graph of the gradient (create_graph): the reference's
+            inputs = (h1, lse1, h2, lse2, weight)
+            norm = RMSNormArgs(weight, ctx.norm_eps) if ctx.norm_eps is not None else None
+            with torch.enable_grad():
+                out = reference.merge_norm(DepthStats(h1, lse1), DepthStats(h2, lse2), "softmax", norm, h2.dtype)
+            needs = ctx.needs_input_grad[:5]
+            wanted = [x for x, need in zip(inputs, needs, strict=True) if need and x is not None]
+            grads = iter(torch.autograd.grad(out, wanted, grad, create_graph=True, allow_unused=True))
+            found = [next(grads) if need and x is not None else None for x, need in zip(inputs, needs, strict=True)]
+            return (*found, None, None)
+        gh1, glse, gh2, _, dw = ctx.kernels.merge_norm_backward(
+            h1, h2, None, 0.0, weight, ctx.norm_eps, saved, grad, lse2=lse2
+        )
+        return (
+            gh1.view(h1.shape).to(h1.dtype),
+            glse.view(lse1.shape).to(lse1.dtype),
+            gh2.view(h2.shape).to(h2.dtype),
+            (-glse).view(lse2.shape).to(lse2.dtype),
+            dw.to(weight.dtype) if dw is not None else None,
+            None,
+            None,
+        )
+
+
+def merge_norm(
+    a: DepthStats, b: DepthStats, kernel: str, norm: RMSNormArgs | None, dtype: torch.dtype | None = None
+) -> Tensor:
+    """The arguments and result of ``reference.merge_norm``: the merge of two depth attentions and the
+    sublayer's RMSNorm after it (Full AttnRes' reads inside a Phase-1 group), in one C++ kernel call each
+    way for one head and softmax on CPU float32/float64 tensors in eager mode, else the reference."""
+    check_kernel(kernel)
+    dtype = dtype if dtype is not None else a.h.dtype
+    case = backends.Case.like(b.h, a.h, norm.weight if norm is not None else None, heads=a.lse.shape[-1], kernel=kernel)
+    choice = backends.choose("merge_norm", "forward", case)
+    if choice.backend != "cpu_kernel":
+        return reference.merge_norm(a, b, kernel, norm, dtype)
+    # the norm in the same pass where it runs in the merge's dtype; under autocast, or rounding h to a lower
+    # dtype first, it runs after the merge, as in the reference
+    fused = norm if norm is not None and dtype == b.h.dtype and not torch.is_autocast_enabled(b.h.device.type) else None
+    weight, norm_eps = (fused.weight, fused.eps_for(dtype)) if fused is not None else (None, None)
+    h = apply_function(_MergeNormStatsKernel, a.h, a.lse, b.h, b.lse, weight, norm_eps, choice.kernels).to(dtype)
+    return h if norm is None or fused is not None else norm(h)
+
+
 def merge_partial(
     stats: DepthStats,
     partial: Tensor,

@@ -117,6 +117,16 @@ def merge(a: DepthStats, b: DepthStats, kernel: str = "softmax") -> DepthStats:
     return DepthStats(h, torch.logaddexp(a.lse, b.lse))
 
 
+def merge_norm(
+    a: DepthStats, b: DepthStats, kernel: str, norm: RMSNormArgs | None, dtype: torch.dtype | None = None
+) -> Tensor:
+    """The read of a sublayer whose depth attention is the merge of two (Full AttnRes: the group's Phase 1 and
+    the sources completed inside the group): ``merge(a, b).h`` in ``dtype`` (default a.h's), then ``norm``."""
+    h = merge(a, b, kernel).h
+    h = h.to(dtype) if dtype is not None else h
+    return h if norm is None else norm(h)
+
+
 def merge_partial(
     stats: DepthStats,
     partial: Tensor,
