@@ -161,6 +161,7 @@ def check_train(cfg) -> None:
         AUTOCAST,
         check_clock,
         model_config,
+        parse_forced,
         rows_of,
         split_compiled,
     )
@@ -170,6 +171,7 @@ def check_train(cfg) -> None:
     check_choice(cfg, "optimizer", OPTIMIZER_NAMES)
     check_choice(cfg, "activation_checkpointing", CHECKPOINTING)
     check_choice(cfg, "compile_granularity", GRANULARITIES)
+    parse_forced(cfg.forced)
     device = check_device(cfg)
     check_compiler(cfg.compile, device, "BenchConfig.compile")
     variants = ["prenorm"] + [v for v in cfg.variants if v != "prenorm"]  # the baseline run() adds

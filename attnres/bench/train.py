@@ -81,6 +81,9 @@ class BenchConfig:
     # process and round-robin, as the row "VARIANT compiled" (ratios: compiled to compiled prenorm)
     compile: bool | str = False
     compile_granularity: str = "model"  # or "sublayer" (attnres.model.compile): one graph per sublayer kind
+    # "OP=BACKEND[,OP=BACKEND...]": every row runs those ops with those backends (attnres.ops.backends.forced;
+    # `attnres doctor` lists them), e.g. merge_norm=reference for an A/B of one kernel
+    forced: str = ""
     activation_checkpointing: str = "none"  # none | block | sublayer, for every variant
     # "wall": elapsed time; "process": CPU time of this process, which other jobs on a shared machine
     # do not inflate (it counts every thread's CPU time, so it equals step time only at one thread)
@@ -361,10 +364,31 @@ def measure_memory(cfg: BenchConfig, variant: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def parse_forced(setting: str) -> list[tuple[str, str]]:
+    """'merge_norm=reference,rms_norm=reference' -> [(op, backend), ...], each checked against the table."""
+    from attnres.ops.backends import OPS
+
+    pairs = []
+    for item in filter(None, (part.strip() for part in setting.split(","))):
+        op, _, backend = item.partition("=")
+        if op not in OPS or backend not in OPS[op].backends:
+            choices = "; ".join(f"{name}: {'|'.join(o.backends)}" for name, o in OPS.items() if len(o.backends) > 1)
+            raise ValueError(
+                f"forced={setting!r}: {item!r} is not OP=BACKEND of the backend table; use a comma list of {choices}"
+            )
+        pairs.append((op, backend))
+    return pairs
+
+
 def run(cfg: BenchConfig) -> dict:
     if "prenorm" not in cfg.variants:
         cfg.variants = ["prenorm"] + list(cfg.variants)
-    times, warmup, breakdown = time_variants(cfg)
+    from attnres.ops.backends import forced
+
+    with contextlib.ExitStack() as stack:
+        for op, backend in parse_forced(cfg.forced):
+            stack.enter_context(forced(op, backend))
+        times, warmup, breakdown = time_variants(cfg)
 
     def baseline(v):  # the prenorm row a row is compared with: eager to eager, compiled to compiled
         return "prenorm" + (COMPILED if split_compiled(v)[1] else "")
@@ -417,7 +441,8 @@ def format_table(result: dict) -> str:
             if c.get("activation_checkpointing", "none") != "none"
             else ""
         )
-        + ("; step time is process CPU time" if c.get("clock") == "process" else ""),
+        + ("; step time is process CPU time" if c.get("clock") == "process" else "")
+        + (f"; backends forced: {c['forced']}" if c.get("forced") else ""),
         "",
         "| variant | step ms (median) | p25-p75 | min-max | vs prenorm | per repeat p25-p75 | vs eager | warm-up s | "
         "tokens/s | "

@@ -151,3 +151,36 @@ def test_bench_compile_without_a_cpp_compiler_is_one_line(monkeypatch, capsys, n
     err = one_line_error(capsys.readouterr().err)
     assert "BenchConfig.compile=True compiles with inductor, which on the CPU needs a C++ compiler" in err
     assert "install one" in err and "drop --compile" in err
+
+
+def test_forced_backends_are_checked_and_pinned_for_every_row():
+    """`--set forced=OP=BACKEND`: an A/B of one kernel through the same bench; a name outside the backend
+    table is one line naming the choices."""
+    from attnres.bench import train
+
+    assert train.parse_forced("merge_norm=reference, rms_norm=reference") == [
+        ("merge_norm", "reference"),
+        ("rms_norm", "reference"),
+    ]
+    assert train.parse_forced("") == []
+    with pytest.raises(ValueError, match=r"'merge_norm=triton' is not OP=BACKEND.*merge_norm: cpu_kernel\|reference"):
+        train.parse_forced("merge_norm=triton")
+    cfg = train.BenchConfig.quick()
+    cfg = dataclasses.replace(
+        cfg,
+        d_model=32,
+        n_layers=2,
+        seq_len=8,
+        batch_size=2,
+        repeats=1,
+        variants=["full"],
+        memory=False,
+        profile_rounds=0,
+        forced="merge_norm=reference",
+    )
+    from attnres.ops.backends import record
+
+    with record() as found:
+        result = train.run(cfg)
+    assert {c.backend for c in found if c.op == "merge_norm"} == {"reference"}
+    assert "backends forced: merge_norm=reference" in train.format_table(result)
