@@ -196,6 +196,24 @@ def test_merge_backends_equal_the_float64_reference(backend, kernel):
             assert torch.autograd.gradcheck(merged, leaves)
 
 
+def check_against_reference(op, backend, run, leaves, want, g, gradgrad):
+    """``run(*leaves)`` with ``op`` pinned to ``backend``: it ran that backend, passes gradcheck (and
+    gradgradcheck), and equals ``want`` in value and in the gradients of a random output gradient."""
+    with forced(op, backend), record() as found:
+        got = run(*leaves)
+        assert torch.autograd.gradcheck(run, leaves)
+        if gradgrad:
+            assert torch.autograd.gradgradcheck(run, leaves)
+    assert ran(found, op) == {("forward", backend)}
+    torch.testing.assert_close(got, want, **F64)
+    gx = torch.randn(got.shape, generator=g, dtype=torch.float64)
+    grads = [torch.autograd.grad(y, leaves, gx, allow_unused=True) for y in (got, want)]
+    for a, w in zip(*grads, strict=True):
+        assert (a is None) == (w is None)
+        if a is not None:
+            torch.testing.assert_close(a, w, **F64)
+
+
 @pytest.mark.parametrize("backend", ["cpu_kernel", "torch", "reference"])
 @pytest.mark.parametrize("norm", ["none", "weighted", "unweighted"])
 def test_merge_partial_backends_equal_the_float64_reference(backend, norm):
@@ -218,19 +236,8 @@ def test_merge_partial_backends_equal_the_float64_reference(backend, norm):
         return fused.merge_partial(DepthStats(h[:, :, 1], lse), partial, query, key_weight, EPS, norm=rms(w))
 
     want = two_phase_reference.merge_partial(DepthStats(h1[:, :, 1], leaves[1]), *leaves[2:5], EPS, norm=rms(leaves[5]))
-    with forced("merge_partial", backend), record() as found:
-        got = run(*leaves)
-        assert torch.autograd.gradcheck(run, leaves)
-        if backend == "cpu_kernel":  # a graph of the gradient: the kernel's Function hands over to torch's form
-            assert torch.autograd.gradgradcheck(run, leaves)
-    assert ran(found, "merge_partial") == {("forward", backend)}
-    torch.testing.assert_close(got, want, **F64)
-    gx = torch.randn(got.shape, generator=g, dtype=torch.float64)
-    grads = [torch.autograd.grad(y, leaves, gx, allow_unused=True) for y in (got, want)]
-    for a, w in zip(*grads, strict=True):
-        assert (a is None) == (w is None)
-        if a is not None:
-            torch.testing.assert_close(a, w, **F64)
+    # a graph of the gradient: the kernel's Function hands over to torch's form
+    check_against_reference("merge_partial", backend, run, leaves, want, g, gradgrad=backend == "cpu_kernel")
 
 
 @pytest.mark.parametrize("backend", ["cpu_kernel", "reference"])
@@ -259,18 +266,7 @@ def test_merge_norm_backends_equal_the_float64_reference(backend, norm):
         return impl.merge_norm(DepthStats(h1[:, :, 1], lse1), DepthStats(h2, lse2), "softmax", rms(w))
 
     want = run(*leaves, impl=two_phase_reference)
-    with forced("merge_norm", backend), record() as found:
-        got = run(*leaves)
-        assert torch.autograd.gradcheck(run, leaves)
-        assert torch.autograd.gradgradcheck(run, leaves)
-    assert ran(found, "merge_norm") == {("forward", backend)}
-    torch.testing.assert_close(got, want, **F64)
-    gx = torch.randn(got.shape, generator=g, dtype=torch.float64)
-    grads = [torch.autograd.grad(y, leaves, gx, allow_unused=True) for y in (got, want)]
-    for a, w in zip(*grads, strict=True):
-        assert (a is None) == (w is None)
-        if a is not None:
-            torch.testing.assert_close(a, w, **F64)
+    check_against_reference("merge_norm", backend, run, leaves, want, g, gradgrad=True)
 
 
 def test_full_attnres_reads_inside_a_group_run_one_merge_norm_kernel_call():
