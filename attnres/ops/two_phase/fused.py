@@ -371,6 +371,16 @@ class _MergePartial(torch.autograd.Function):
         )
 
 
+def _reference_backward(ctx, inputs: tuple, grad: Tensor, forward) -> list[Tensor | None]:
+    """The gradients of a kernel Function's ``inputs`` as a graph (create_graph: the kernels give none), taken
+    through ``forward()``, the same math in plain autograd; None where the input needs none."""
+    needs = ctx.needs_input_grad[: len(inputs)]
+    wanted = [x for x, need in zip(inputs, needs, strict=True) if need and x is not None]
+    out = forward()
+    grads = iter(torch.autograd.grad(out, wanted, grad, create_graph=True, allow_unused=True))
+    return [next(grads) if need and x is not None else None for x, need in zip(inputs, needs, strict=True)]
+
+
 class _MergeNormKernel(torch.autograd.Function):
     """_MergePartial's math, and with a norm the RMSNorm after it, as one kernel call each way: the C++
     kernel's (``cpu.merge_norm``, CPU float32/float64, eager) or the Triton one (``triton.merge_norm``,
@@ -410,15 +420,13 @@ class _MergeNormKernel(torch.autograd.Function):
     @staticmethod
     def _graph_backward(ctx, grad):
         h1, lse1, partial, query, key_weight, weight, _ = ctx.saved_tensors
-        inputs = (h1, lse1, partial, query, key_weight, weight)
         norm = RMSNormArgs(weight, ctx.norm_eps) if ctx.norm_eps is not None else None
-        out = reference.merge_partial(DepthStats(h1, lse1), partial, query, key_weight, ctx.eps, "softmax", norm)
-        wanted = [x for x, need in zip(inputs, ctx.needs_input_grad[:6], strict=True) if need and x is not None]
-        grads = iter(torch.autograd.grad(out, wanted, grad, create_graph=True, allow_unused=True))
-        found = [
-            next(grads) if need and x is not None else None
-            for x, need in zip(inputs, ctx.needs_input_grad[:6], strict=True)
-        ]
+        found = _reference_backward(
+            ctx,
+            (h1, lse1, partial, query, key_weight, weight),
+            grad,
+            lambda: reference.merge_partial(DepthStats(h1, lse1), partial, query, key_weight, ctx.eps, "softmax", norm),
+        )
         return (*found, None, None, None)
 
 
@@ -450,14 +458,13 @@ class _MergeNormStatsKernel(torch.autograd.Function):
     def backward(ctx, grad):
         h1, lse1, h2, lse2, weight, saved = ctx.saved_tensors
         if torch.is_grad_enabled():  # a graph of the gradient (create_graph): the reference's
-            inputs = (h1, lse1, h2, lse2, weight)
             norm = RMSNormArgs(weight, ctx.norm_eps) if ctx.norm_eps is not None else None
-            with torch.enable_grad():
-                out = reference.merge_norm(DepthStats(h1, lse1), DepthStats(h2, lse2), "softmax", norm, h2.dtype)
-            needs = ctx.needs_input_grad[:5]
-            wanted = [x for x, need in zip(inputs, needs, strict=True) if need and x is not None]
-            grads = iter(torch.autograd.grad(out, wanted, grad, create_graph=True, allow_unused=True))
-            found = [next(grads) if need and x is not None else None for x, need in zip(inputs, needs, strict=True)]
+            found = _reference_backward(
+                ctx,
+                (h1, lse1, h2, lse2, weight),
+                grad,
+                lambda: reference.merge_norm(DepthStats(h1, lse1), DepthStats(h2, lse2), "softmax", norm, h2.dtype),
+            )
             return (*found, None, None)
         gh1, glse, gh2, _, dw = ctx.kernels.merge_norm_backward(
             h1, h2, None, 0.0, weight, ctx.norm_eps, saved, grad, lse2=lse2
