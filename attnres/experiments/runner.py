@@ -102,34 +102,51 @@ def _checkpoint_step(run_dir: Path) -> int | None:
     return state.get("step") if isinstance(state, dict) else None
 
 
+def is_diverged(run_dir: Path, hash_: str) -> bool:
+    div = read_json(run_dir / DIVERGED_FILE)
+    return isinstance(div, dict) and div.get("config_hash") == hash_
+
+
 def _finished_index(exp_dir: Path) -> list[tuple]:
-    """(hashed payload, directory) of every finished run in an experiment directory."""
+    """(hashed payload, directory, outcome) of every run in an experiment directory that has one: "done",
+    or "diverged"."""
     out = []
     if exp_dir.is_dir():
         for d in sorted(exp_dir.iterdir()):
             info = read_json(d / RUN_FILE) if d.is_dir() else None
-            if info and is_done(d, d.name):
-                out.append((info.get("hashed_config"), d))
+            if not info:
+                continue
+            outcome = "done" if is_done(d, d.name) else "diverged" if is_diverged(d, d.name) else None
+            if outcome:
+                out.append((info.get("hashed_config"), d, outcome))
     return out
 
 
-def _compatible_run(exp_dir: Path, payload: dict, skip: str, indexes: dict[Path, list[tuple]] | None):
-    """A finished run in ``exp_dir`` (other than directory ``skip``) that computed what ``payload`` asks
-    for under an older hash (the library has since added config fields, at their defaults), or None.
-    ``indexes`` memoises each directory's index across the runs of one plan."""
+def _compatible_run(
+    exp_dir: Path,
+    payload: dict,
+    skip: str,
+    indexes: dict[Path, list[tuple]] | None,
+    outcome: str = "done",
+):
+    """A run in ``exp_dir`` (other than directory ``skip``) with this ``outcome`` that computed what
+    ``payload`` asks for under an older hash (the library has since added config fields, at their
+    defaults), or None. ``indexes`` memoises each directory's index across the runs of one plan."""
     index = indexes.get(exp_dir) if indexes is not None else None
     if index is None:
         index = _finished_index(exp_dir)
         if indexes is not None:
             indexes[exp_dir] = index
-    return next((d for stored, d in index if d.name != skip and payload_compatible(stored, payload)), None)
+    return next(
+        (d for stored, d, o in index if o == outcome and d.name != skip and payload_compatible(stored, payload)), None
+    )
 
 
 def status_of(
     run: PlannedRun, runs_root, name: str, indexes: dict[Path, list[tuple]] | None = None, *, reuse: bool = True
 ) -> RunStatus:
     """The state of one planned run. A finished run whose hash differs only because the library has
-    since added config fields (at their defaults) counts as done, in its own directory; one in another
+    since added config fields (at their defaults) counts as done (or diverged), in its own directory; one in another
     experiment is reusable (copied under its own name, which the first rule then finds) unless ``reuse``
     is off (the spec's ``reuse = false``)."""
     run_dir = planned_run_dir(runs_root, name, run)
@@ -140,9 +157,11 @@ def status_of(
         alias = _compatible_run(run_dir.parent, payload, run.hash, indexes)
         if alias is not None:
             return RunStatus(run, alias, "done", run.train.steps)
-    div = read_json(run_dir / DIVERGED_FILE)
-    if div and div.get("config_hash") == run.hash:
-        return RunStatus(run, run_dir, "diverged", int(div.get("step", 0)))
+        alias = _compatible_run(run_dir.parent, payload, run.hash, indexes, outcome="diverged")
+        if alias is not None:  # a divergence is an outcome too: the same config would diverge again
+            return RunStatus(run, alias, "diverged", int((read_json(alias / DIVERGED_FILE) or {}).get("step", 0)))
+    if is_diverged(run_dir, run.hash):
+        return RunStatus(run, run_dir, "diverged", int((read_json(run_dir / DIVERGED_FILE) or {}).get("step", 0)))
     step = _checkpoint_step(run_dir)
     if step is not None and (read_json(run_dir / RUN_FILE) or {}).get("config_hash", run.hash) == run.hash:
         return RunStatus(run, run_dir, "partial", int(step))

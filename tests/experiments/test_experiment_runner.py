@@ -272,6 +272,24 @@ def test_runs_stay_finished_when_the_library_adds_config_fields(two_by_two):
     assert plan_status(spec, root)[0].state == "missing"
 
 
+def test_a_run_that_diverged_under_an_older_hash_stays_diverged(two_by_two):
+    """A divergence is an outcome: recorded before the library added a config field (at its default), the
+    run still counts as diverged, so a report sees a rate that diverged and not one still to train."""
+    spec, root = two_by_two
+    run_experiment(spec, root, only="prenorm/seed=0", progress=False, log=quiet)
+    status = plan_status(spec, root)[0]
+    old_dir = status.dir.parent / "0123456789ab"
+    status.dir.rename(old_dir)
+    (old_dir / SUMMARY_FILE).unlink()
+    info = json.loads((old_dir / RUN_FILE).read_text())
+    del info["hashed_config"]["model"]["highway_rank"]  # None, the default: the same run
+    (old_dir / RUN_FILE).write_text(json.dumps(info))
+    (old_dir / DIVERGED_FILE).write_text(json.dumps({"config_hash": "0123456789ab", "step": 3, "error": "nan"}))
+    first = plan_status(spec, root)[0]
+    assert (first.state, first.dir, first.step) == ("diverged", old_dir, 3)
+    assert run_experiment(spec, root, only="prenorm/seed=0", progress=False, log=quiet)["skipped"] == 1
+
+
 def test_another_experiments_run_under_an_older_hash_is_reused(tmp_path, write_spec, tiny_base):
     """A run another experiment finished before a config field existed is copied, not trained again,
     and the copy keeps the older name under which the alias lookup finds it done."""

@@ -406,3 +406,32 @@ def test_specs_parse_without_tomllib_through_tomli(tmp_path, write_spec, tiny_ba
     (tmp_path / "bad.toml").write_text("[experiment\n")
     with pytest.raises(ExperimentError, match="not valid TOML"):
         parse_spec(tmp_path / "bad.toml")
+
+
+KIMI_DEMO_VARIANT = "backbone=kimi_linear:moe_experts=8:moe_top_k=2"  # the kimi-demo preset, as a bench variant
+
+
+@pytest.mark.parametrize(
+    "name, calibration, baseline",
+    [
+        ("equal-time", "equal_time_llama_calibration.json", "prenorm"),
+        ("equal-time-kimi", "equal_time_kimi_calibration.json", "prenorm:" + KIMI_DEMO_VARIANT),
+    ],
+)
+def test_equal_time_steps_follow_their_calibration(name, calibration, baseline):
+    """Each AttnRes arm trains prenorm's steps over its step-time ratio (the median over the calibration's
+    processes of each process's ratio of step medians), warm-up 10 % of them, rounded half up: the spec says what was
+    measured, and a new calibration cannot leave stale step counts behind."""
+    import json
+    import statistics
+
+    bench = json.loads((REPO_SPECS.parent / "reports" / "bench" / calibration).read_text())
+    runs = {r.labels["scheme"]: r for r in expand(load_spec(name, REPO_SPECS)) if r.seed == 0}
+    steps = runs["prenorm"].train.steps
+    for scheme in ("block", "full"):
+        variant = baseline.replace("prenorm", scheme, 1)
+        ratio = statistics.median(
+            p["rows"][variant]["step_ms_median"] / p["rows"][baseline]["step_ms_median"] for p in bench["runs"]
+        )
+        assert runs[scheme].train.steps == round(steps / ratio), (name, scheme, ratio)
+        assert runs[scheme].train.warmup_steps == int(runs[scheme].train.steps / 10 + 0.5), (name, scheme)

@@ -19,6 +19,7 @@ GAINS = {"llama": 1.0, "kimi_linear": 1.0, "kimi_dense": 0.5}  # dense keeps hal
 OFFSET = {"llama": 0.0, "kimi_linear": 0.1, "kimi_dense": 0.2}  # distinct losses: distinct comparisons
 SEEDS = [0, 1, 2]
 IMBALANCE = {"prenorm": 0.8, "block": 0.4, "full": 0.6}
+SCHEME_AXES = "\n".join(f'[[axis.scheme]]\nlabel = "{s}"\nresidual = "{s}"' for s in IMBALANCE)
 
 
 def _mean(backbone: str, scheme: str, lr: str) -> float:
@@ -68,17 +69,7 @@ def sweep(tmp_path, tiny_base, write_spec):
         label = "kimi_dense"
         d_ff = 128
 
-        [[axis.scheme]]
-        label = "prenorm"
-        residual = "prenorm"
-
-        [[axis.scheme]]
-        label = "block"
-        residual = "block"
-
-        [[axis.scheme]]
-        label = "full"
-        residual = "full"
+        {SCHEME_AXES}
     """,
     )
     spec = load_spec("lr-sweep", specs)
@@ -91,7 +82,7 @@ def _finish(statuses, keep=lambda labels, seed: True, loss=_loss) -> None:
         labels, seed = s.run.labels, s.run.seed
         if not keep(labels, seed):
             continue
-        value = loss(labels["backbone"], labels["scheme"], labels["lr"], seed)
+        value = loss(labels["backbone"], labels["scheme"], labels.get("lr", "0.003"), seed)
         s.dir.mkdir(parents=True, exist_ok=True)
         split = {"val_loss": value, "val_tokens": 4096, "split_tokens": 4096}
         summary = {"config_hash": s.run.hash, "val_loss": value, SPLIT_EVAL: split, "params": 1000}
@@ -177,3 +168,91 @@ def test_arms_choose_their_best_rates_from_one_grid_while_seeds_are_missing(swee
     assert _row(kimi, "| block |").endswith("| 0.006 (edge of the grid) |")
     assert _row(kimi, "| full |").endswith("| 0.001 (edge of the grid) |")
     assert "provisional" not in text.split("## Verdict")[1]
+
+
+def test_a_last_seed_finished_at_one_rate_does_not_shrink_the_grid(sweep, tmp_path):
+    """Seed 2 of Kimi Linear has finished at 0.001 for every scheme and nowhere else, as when a sweep trains
+    its last seed rate by rate: the grid stays all three rates on seeds 0 and 1, rather than shrinking to the
+    one rate where every seed has finished."""
+    spec, runs = sweep
+
+    def keep(labels, seed):
+        if labels["backbone"] == "kimi_dense":
+            return False
+        return labels["backbone"] != "kimi_linear" or seed < 2 or labels["lr"] == "0.001"
+
+    _finish(plan_status(spec, runs), keep)
+    text = write_report(spec, runs, tmp_path / "out", figures=False).read_text()
+    kimi = text.split("### Kimi Linear (KDA")[1].split("##")[0]
+    assert "only: the other rates are unfinished" not in kimi
+    assert _row(kimi, "| prenorm |").endswith("| 0.003 |")
+    assert _row(kimi, "| block |").endswith("| 0.006 (edge of the grid) |")
+    assert "provisional" not in text.split("## Verdict")[1]
+
+
+def test_the_kimi_linear_report_quotes_the_sweep_beside_it(sweep, tmp_path, tiny_base, write_spec):
+    """The untuned kimi-linear experiment's page carries the tuned comparison: every arm's best rate and
+    Δ with the lr-sweep's own Holm verdict, and the expert balance, the same cells as the sweep's page."""
+    spec, runs = sweep
+    specs = spec.path.parent
+    write_spec(
+        specs,
+        "kimi-linear",
+        f"""
+        [experiment]
+        name = "kimi-linear"
+        report = "kimi-linear"
+        seeds = [0, 1]
+        baseline = "prenorm"
+        {tiny_base(lr=0.002)}
+        [[axis.backbone]]
+        label = "kimi_linear"
+        d_ff = 96
+
+        {SCHEME_AXES}
+    """,
+    )
+    kimi = load_spec("kimi-linear", specs)
+    _finish(plan_status(kimi, runs))  # at one shared rate (the sweep's losses at 0.003)
+    before = write_report(kimi, runs, tmp_path / "kimi-before", figures=False).read_text()
+    assert "No lr-sweep run has finished beside these runs yet." in before
+
+    _finish(plan_status(spec, runs))
+    sweep_text = write_report(spec, runs, tmp_path / "sweep", figures=False).read_text()
+    text = write_report(kimi, runs, tmp_path / "kimi", figures=False).read_text()
+    tuned = text.split("## Tuned learning rates and dense MLPs")[1].split("\n## ")[0]
+    assert "untuned, over 2 seeds" in tuned and "m = 8;" in tuned
+    for backbone in ("Kimi Linear (KDA + MLA 3:1, mixture of experts)", "Kimi Linear with dense MLPs (no experts)"):
+        for scheme in ("prenorm", "block", "full"):
+            start = f"| {backbone} | {scheme} |"
+            assert _row(tuned, start).startswith(_row(sweep_text, start)[:-1]), start  # the sweep's cells
+    assert _row(tuned, "| Kimi Linear (KDA + MLA 3:1, mixture of experts) | block |").endswith("| 0.410 ± 0.010 |")
+    assert "| LLaMA" not in tuned
+    assert "- block: Δ -0.050 with experts, -0.025 with dense MLPs" in tuned
+
+
+def test_a_diverged_rate_stays_in_the_grid_but_cannot_be_an_arms_best(sweep, tmp_path):
+    """Block diverges at 0.006 on every seed, Full on one: the rate is finished, not missing, so the grid
+    keeps all three rates; Block's best falls back to 0.003 and Full's 0.006 is out of its running."""
+    from attnres.experiments.runner import DIVERGED_FILE
+
+    spec, runs = sweep
+    statuses = plan_status(spec, runs)
+
+    def diverges(labels, seed):
+        return labels["lr"] == "0.006" and (labels["scheme"] == "block" or (labels["scheme"] == "full" and seed == 1))
+
+    _finish(statuses, keep=lambda labels, seed: not diverges(labels, seed))
+    for s in statuses:
+        if diverges(s.run.labels, s.run.seed):
+            s.dir.mkdir(parents=True, exist_ok=True)
+            (s.dir / DIVERGED_FILE).write_text(json.dumps({"config_hash": s.run.hash, "step": 3, "error": "nan"}))
+    text = write_report(spec, runs, tmp_path / "out", figures=False).read_text()
+    assert "PARTIAL" not in text and "unfinished" not in text
+    per_lr = text.split("### LLaMA")[1].split("###")[0]
+    block = _row(per_lr, "| block |")
+    assert "| diverged (3 of 3 seeds) |" in block and block.endswith("| 0.003 |"), block
+    full = _row(per_lr, "| full |")
+    assert "(2 seeds); 1 diverged |" in full and full.endswith("| 0.001 (edge of the grid) |"), full
+    # Block now at 0.003 against prenorm at 0.003: +0.02, not the -0.05 it had at 0.006
+    assert "| +0.0200 [" in _row(text, "| LLaMA (GQA + RoPE, SwiGLU MLPs) | block |")

@@ -43,3 +43,14 @@ def test_the_table_is_replaced_between_its_markers_only():
     assert verdicts.committed_table(out) == "| new |"
     with pytest.raises(ValueError, match="no verdict-table markers"):
         verdicts.replace_table("no markers here", "| new |")
+
+
+def test_a_row_whose_report_has_no_finished_pair_is_an_error(monkeypatch, tmp_path):
+    """A claim whose runs are not there gives a clear error, not a row of nan: the equal-time rows read
+    runs of their own, absent from an empty runs directory."""
+    monkeypatch.chdir(ROOT)
+    (tmp_path / "runs").mkdir()
+    row = next(r for r in verdicts.ROWS if r.report == "equal-time-kimi")
+    rep = verdicts.corrected_report(row.report, tmp_path / "runs")
+    with pytest.raises(ValueError, match="equal-time-kimi report has no finished pair for block"):
+        verdicts._cells(row, rep)

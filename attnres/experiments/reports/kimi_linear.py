@@ -145,3 +145,70 @@ def kimi_linear_report(rep: Report) -> None:
         )
         if sentences:
             rep.add(*[f"- {line}" for line in sentences], "")
+    _tuned_section(rep)
+
+
+def _lr_sweep(rep: Report) -> Report | None:
+    """The lr-sweep report beside this one (same runs root, same specs directory), Holm-corrected in its
+    own family; None where it has no spec there or no finished run."""
+    from attnres.experiments.reports.page import corrected_report
+    from attnres.experiments.spec import ExperimentError, find_spec
+
+    done = [r for r in rep.col.results if r.done]
+    if not done:
+        return None
+    runs_root, specs_dir = done[0].dir.parent.parent, rep.col.spec.path.parent
+    try:
+        find_spec("lr-sweep", specs_dir)
+    except ExperimentError:  # a specs directory of its own, without the sweep
+        return None
+    sweep = corrected_report("lr-sweep", runs_root, specs_dir)
+    return sweep if sweep.col.n_done else None
+
+
+def _tuned_section(rep: Report) -> None:
+    """The same backbone tuned: this experiment trains every arm at one untuned rate over 3 seeds, so its
+    verdicts are not the headline; the lr-sweep retrains it at each arm's best rate over 5 seeds and with
+    dense MLPs in place of the experts. Its numbers are quoted here with its own Holm correction."""
+    from attnres.experiments.reports import lr_sweep
+
+    rates = sorted({r.config["train"]["lr"] for r in rep.col.results if r.done and r.config})
+    shared = f"lr {', '.join(f'{lr:g}' for lr in rates)}" if rates else "one shared rate"
+    rep.add(
+        "## Tuned learning rates and dense MLPs",
+        "",
+        f"Every arm above trains at {shared}, untuned, over {len(rep.col.spec.seeds)} seeds. The "
+        "learning-rate sweep ([`reports/lr-sweep/REPORT.md`](../lr-sweep/REPORT.md), `attnres experiment "
+        "lr-sweep`) retrains this backbone's prenorm, Block and Full AttnRes over a grid of rates and compares "
+        "every arm at its own best rate, on the whole validation split; beside them the same backbone with "
+        "dense MLPs in place of the experts, which has no expert load to balance, so what AttnRes gains there "
+        "is not a repaired router.",
+        "",
+    )
+    sweep = _lr_sweep(rep)
+    if sweep is None:
+        rep.add("No lr-sweep run has finished beside these runs yet.", "")
+        return
+    base = sweep.col.spec.baseline or "prenorm"
+    backbones = [bb for bb in (lr_sweep.MOE, lr_sweep.DENSE) if bb in sweep.col.points("backbone")]
+    rows = lr_sweep.at_best_rows(sweep, backbones)
+    _, lines = lr_sweep.dense_share(sweep)
+    rep.add(
+        f"From the lr-sweep's runs (grid lr {', '.join(sweep.col.points('lr'))}; its Holm family, m = "
+        f"{len(sweep.comparisons.tests)}; {sweep.col.n_done} of {len(sweep.col.unique)} planned runs finished). "
+        "Expert imbalance: max load / mean load − 1 at the last step, averaged over the MoE layers.",
+        "",
+        md_table(
+            [h.format(base=base) for h in lr_sweep.AT_BEST_HEADER] + ["expert imbalance at that lr"],
+            rows,
+            "lllrrlr",
+        ),
+        "",
+    )
+    if lines:
+        rep.add(
+            "How much of the gain stays without experts (dense − MoE, per seed; positive: less gain without them):",
+            "",
+            *lines,
+            "",
+        )

@@ -30,34 +30,77 @@ def _rate(label: str) -> float:
         return float("nan")
 
 
-def candidate_lrs(rep: Report, backbone: str) -> list[str]:
-    """The rates every arm of a backbone chooses its best rate from, one grid for all of them: the rates at
-    which the schemes with a finished run share the most finished seeds. So no arm picks from a wider grid
-    than the arm it is compared with (an unfinished rate is left out for all), and a rate with one lucky
-    seed does not win against rates averaged over more; the whole grid once every seed has finished."""
+def _diverged(rep: Report, **labels) -> set[int]:
+    """The seeds whose run with these labels diverged (the runner stops it at a non-finite loss)."""
+    return {r.run.seed for r in rep.col.select(**labels) if r.state == "diverged"}
+
+
+def _finished(rep: Report, **labels) -> set[int]:
+    """The seeds whose run with these labels has an outcome: a final loss, or a divergence."""
+    return set(rep.col.losses(**labels)) | _diverged(rep, **labels)
+
+
+def selection(rep: Report, backbone: str) -> tuple[list[str], list[int]]:
+    """The rates every arm of a backbone chooses its best rate from and the seeds it averages over: one grid
+    and one seed set for all arms, so no arm picks from a wider grid or on other seeds than the arm it is
+    compared with. The grid is the widest set of rates on which every scheme with a finished run shares at
+    least max(2, half the most) finished seeds (ties: more seeds, then the rates listed first); the seeds
+    are the ones shared there. A diverged run is finished: its rate stays in the grid, and ``best_lr``
+    rules the rate out for that arm. So a last seed finished at one rate does not shrink the grid to that
+    rate, and a rate just begun (one seed) waits until it has enough seeds to be averaged. The whole grid
+    on every seed once every run has finished."""
     col = rep.col
     schemes = [s for s in col.points("scheme") if col.losses(backbone=backbone, scheme=s)]
     if not schemes:
-        return []
+        return [], []
+    rates = col.points("lr")
     shared = {
-        lr: set.intersection(*(set(col.losses(lr=lr, backbone=backbone, scheme=s)) for s in schemes))
-        for lr in col.points("lr")
+        lr: set.intersection(*(_finished(rep, lr=lr, backbone=backbone, scheme=s) for s in schemes)) for lr in rates
     }
     most = max(len(seeds) for seeds in shared.values())
-    return [lr for lr, seeds in shared.items() if most and len(seeds) == most]
+    if not most:
+        return [], []
+    need = min(most, max(2, -(-most // 2)))
+    best: tuple[list[str], set[int]] = ([], set())
+    for mask in range(1, 1 << len(rates)):
+        subset = [lr for i, lr in enumerate(rates) if mask >> i & 1]
+        seeds = set.intersection(*(shared[lr] for lr in subset))
+        if len(seeds) >= need and (len(subset), len(seeds)) > (len(best[0]), len(best[1])):
+            best = (subset, seeds)
+    return best[0], sorted(best[1])
+
+
+def candidate_lrs(rep: Report, backbone: str) -> list[str]:
+    """The rates of ``selection``: the grid every arm of the backbone picks its best rate from."""
+    return selection(rep, backbone)[0]
 
 
 def best_lr(rep: Report, backbone: str, scheme: str) -> str | None:
-    """The learning rate (its label) with the lowest mean final loss over the finished seeds of one arm,
-    among ``candidate_lrs``; ties go to the rate listed first. None when no candidate rate has a finished run
-    of the arm."""
+    """The learning rate (its label) with the lowest mean final loss of one arm over the seeds of
+    ``selection``, among its rates; ties go to the rate listed first. A rate where the arm diverged on
+    any of those seeds is not a candidate (no one would train at it). None when the backbone has no
+    selection yet or the arm no run on it."""
     col = rep.col
+    rates, seeds = selection(rep, backbone)
     means = {}
-    for lr in candidate_lrs(rep, backbone):
-        m, _, n = mean_std(col.losses(lr=lr, backbone=backbone, scheme=scheme).values())
+    for lr in rates:
+        if _diverged(rep, lr=lr, backbone=backbone, scheme=scheme) & set(seeds):
+            continue
+        losses = col.losses(lr=lr, backbone=backbone, scheme=scheme)
+        m, _, n = mean_std(losses[seed] for seed in seeds if seed in losses)
         if n:
             means[lr] = m
     return min(means, key=means.__getitem__) if means else None
+
+
+def _loss_cell(rep: Report, **labels) -> str:
+    """Mean and interval of the finished runs, and how many seeds diverged."""
+    losses = list(rep.col.losses(**labels).values())
+    diverged = len(_diverged(rep, **labels))
+    if not diverged:
+        return fmt_mean_interval(losses)
+    n = len(losses) + diverged
+    return (fmt_mean_interval(losses) + f"; {diverged} diverged") if losses else f"diverged ({diverged} of {n} seeds)"
 
 
 def _best_label(rep: Report, backbone: str, scheme: str) -> str:
@@ -97,6 +140,66 @@ def _per_seed_delta(rep: Report, backbone: str, scheme: str, base: str) -> dict[
     return {s: ours[s] - ref[s] for s in sorted(set(ours) & set(ref))}
 
 
+def imbalance(rep: Report, backbone: str, scheme: str, lr: str | None) -> list[float]:
+    """The routers' final imbalance of each finished run of one arm at one rate ([]: no experts, no run)."""
+    if lr is None:
+        return []
+    runs = rep.col.select(lr=lr, backbone=backbone, scheme=scheme)
+    return [v for r in runs if r.done if (v := _final_moe_imbalance(r)) is not None]
+
+
+def at_best_rows(rep: Report, backbones: list[str]) -> list[list[str]]:
+    """Per backbone and scheme: the best rate, the seeds there, the loss, the Δ against the baseline at
+    its best rate (with the report's Holm verdict) and the expert-load imbalance at that rate."""
+    col, base = rep.col, rep.col.spec.baseline or "prenorm"
+    rows = []
+    for bb in backbones:
+        for s in col.points("scheme"):
+            lr = best_lr(rep, bb, s)
+            if lr is None:
+                rows.append([BACKBONE_NAMES.get(bb, bb), s, "—", "0", "—", "—", "—"])
+                continue
+            losses = col.losses(lr=lr, backbone=bb, scheme=s)
+            d = _delta(rep, bb, s, base)
+            moe = imbalance(rep, bb, s, lr)
+            rows.append(
+                [
+                    BACKBONE_NAMES.get(bb, bb),
+                    s,
+                    _best_label(rep, bb, s),
+                    str(len(losses)),
+                    fmt_mean_std(list(losses.values())),
+                    "—" if s == base else (d.describe() if d is not None else f"no {base} run"),
+                    fmt_mean_std(moe, 3) if moe else "—",
+                ]
+            )
+    return rows
+
+
+AT_BEST_HEADER = ["backbone", "scheme", "best lr", "seeds", "val loss (mean ± std)", "Δ vs {base} at its best lr"]
+
+
+def dense_share(rep: Report) -> tuple[list[list[str]], list[str]]:
+    """How much of each scheme's Kimi Linear gain stays with dense MLPs: table rows and one line each."""
+    base = rep.col.spec.baseline or "prenorm"
+    rows, lines = [], []
+    for s in rep.col.points("scheme"):
+        if s == base:
+            continue
+        moe, dense = _delta(rep, MOE, s, base), _delta(rep, DENSE, s, base)
+        if moe is None or dense is None:
+            rows.append([s, moe.describe() if moe else "—", dense.describe() if dense else "—", "—", "—"])
+            continue
+        diff = rep.paired(_per_seed_delta(rep, DENSE, s, base), _per_seed_delta(rep, MOE, s, base))
+        share = f"{dense.mean / moe.mean:.0%}" if moe.mean < 0 and moe.n and dense.n else "—"
+        rows.append([s, moe.describe(), dense.describe(), diff.describe(), share])
+        lines.append(
+            f"- {s}: Δ {moe.mean:+.3f} with experts, {dense.mean:+.3f} with dense MLPs; dense − MoE "
+            f"{diff.mean:+.3f}" + (f" {diff.interval(3)}, {diff.verdict_text()}" if diff.n > 1 else " (1 seed)")
+        )
+    return rows, lines
+
+
 def lr_sweep_report(rep: Report) -> None:
     col = rep.col
     base = col.spec.baseline or "prenorm"
@@ -113,16 +216,18 @@ def lr_sweep_report(rep: Report) -> None:
         "## Final loss per learning rate",
         "",
         "Mean final validation loss over seeds with its 95 % interval (mean ± t_{0.975, n−1}·std/√n). The "
-        "best rate of an arm is the one with the lowest mean, among the rates where the schemes of the "
-        "backbone share the most finished seeds (the whole grid once every seed has finished; the same grid "
-        "for each arm of a comparison); "
-        "a best rate at the edge of the grid means the arm's optimum may lie outside it.",
+        "best rate of an arm is the one with the lowest mean over the seeds every scheme of the backbone "
+        "finished at every rate of the grid (the whole grid and every seed once all runs have finished; "
+        "while some still train, the widest set of rates that at least half the seeds finished; the same "
+        "rates and seeds for each arm of a comparison); a rate where an arm diverged (a non-finite loss "
+        "stopped the run) on any of those seeds cannot be its best. "
+        "A best rate at the edge of the grid means the arm's optimum may lie outside it.",
         "",
     )
     for bb in started:
         rows = []
         for s in schemes:
-            cells = [fmt_mean_interval(list(col.losses(lr=lr, backbone=bb, scheme=s).values())) for lr in rates]
+            cells = [_loss_cell(rep, lr=lr, backbone=bb, scheme=s) for lr in rates]
             rows.append([s] + cells + [_best_label(rep, bb, s)])
         rep.add(
             f"### {BACKBONE_NAMES.get(bb, bb)}",
@@ -131,68 +236,33 @@ def lr_sweep_report(rep: Report) -> None:
             "",
         )
 
-    rows = []
-    for bb in started:
-        for s in schemes:
-            lr = best_lr(rep, bb, s)
-            if lr is None:
-                rows.append([BACKBONE_NAMES.get(bb, bb), s, "—", "0", "—", "—"])
-                continue
-            losses = col.losses(lr=lr, backbone=bb, scheme=s)
-            d = _delta(rep, bb, s, base)
-            rows.append(
-                [
-                    BACKBONE_NAMES.get(bb, bb),
-                    s,
-                    _best_label(rep, bb, s),
-                    str(len(losses)),
-                    fmt_mean_std(list(losses.values())),
-                    "—" if s == base else (d.describe() if d is not None else f"no {base} run"),
-                ]
-            )
+    rows = [row[:-1] for row in at_best_rows(rep, started)]  # the imbalance has its own section
     if rows:
         rep.add(
             "## Each arm at its own best learning rate",
             "",
             f"Block and Full AttnRes each at its best rate against {base} at {base}'s best rate, paired over "
-            f"the seeds both finished. The best rate is chosen on the same seeds the comparison uses, for "
-            f"every arm alike, so each arm's loss is optimistic by the selection, a bias every arm has and the "
-            f"pairing does not remove. "
+            f"the seeds both finished. The best rate is chosen on the seeds every arm finished at every rate of "
+            f"the grid (the comparison's seeds, or fewer while some still train), for every arm alike, so each "
+            f"arm's loss is optimistic by the selection, a bias every arm has and the pairing does not remove. "
             f"These comparisons and the dense-against-MoE ones below form the report's Holm family: "
             f"m = {len(rep.comparisons.tests)}.",
             "",
-            md_table(
-                ["backbone", "scheme", "best lr", "seeds", "val loss (mean ± std)", f"Δ vs {base} at its best lr"],
-                rows,
-                "lllrrl",
-            ),
+            md_table([h.format(base=base) for h in AT_BEST_HEADER], rows, "lllrrl"),
             "",
         )
 
     moe_rows = []
     for bb in started:
-        per_lr = []
         for s in schemes:
-            cells, any_moe = [], False
-            for lr in rates:
-                vals = [
-                    v
-                    for r in col.select(lr=lr, backbone=bb, scheme=s)
-                    if r.done
-                    if (v := _final_moe_imbalance(r)) is not None
-                ]
-                any_moe = any_moe or bool(vals)
-                cells.append(fmt_mean_std(vals, 3) if vals else "—")
-            if any_moe:
-                best = best_lr(rep, bb, s)
-                at_best = [
-                    v
-                    for r in col.select(lr=best, backbone=bb, scheme=s)
-                    if r.done
-                    if (v := _final_moe_imbalance(r)) is not None
-                ]
-                per_lr.append([BACKBONE_NAMES.get(bb, bb), s] + cells + [fmt_mean_std(at_best, 3) if at_best else "—"])
-        moe_rows += per_lr
+            per_lr = [imbalance(rep, bb, s, lr) for lr in rates]
+            if any(per_lr):
+                at_best = imbalance(rep, bb, s, best_lr(rep, bb, s))
+                moe_rows.append(
+                    [BACKBONE_NAMES.get(bb, bb), s]
+                    + [fmt_mean_std(v, 3) if v else "—" for v in per_lr]
+                    + [fmt_mean_std(at_best, 3) if at_best else "—"]
+                )
     if moe_rows:
         rep.add(
             "## Expert-load balance",
@@ -209,21 +279,7 @@ def lr_sweep_report(rep: Report) -> None:
         )
 
     if MOE in started and DENSE in started:
-        rows, lines = [], []
-        for s in schemes:
-            if s == base:
-                continue
-            moe, dense = _delta(rep, MOE, s, base), _delta(rep, DENSE, s, base)
-            if moe is None or dense is None:
-                rows.append([s, moe.describe() if moe else "—", dense.describe() if dense else "—", "—", "—"])
-                continue
-            diff = rep.paired(_per_seed_delta(rep, DENSE, s, base), _per_seed_delta(rep, MOE, s, base))
-            share = f"{dense.mean / moe.mean:.0%}" if moe.mean < 0 and moe.n and dense.n else "—"
-            rows.append([s, moe.describe(), dense.describe(), diff.describe(), share])
-            lines.append(
-                f"- {s}: Δ {moe.mean:+.3f} with experts, {dense.mean:+.3f} with dense MLPs; dense − MoE "
-                f"{diff.mean:+.3f}" + (f" {diff.interval(3)}, {diff.verdict_text()}" if diff.n > 1 else " (1 seed)")
-            )
+        rows, lines = dense_share(rep)
         rep.add(
             "## How much of the Kimi Linear gain remains with dense MLPs",
             "",

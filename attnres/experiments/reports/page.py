@@ -28,7 +28,7 @@ from attnres.experiments.reports.sections import (
     status,
 )
 from attnres.experiments.results import collect
-from attnres.experiments.spec import ExperimentSpec, experiment_command
+from attnres.experiments.spec import ExperimentSpec, experiment_command, load_spec
 from attnres.files import atomic_write_text
 
 REPORT_FILE = "REPORT.md"
@@ -51,6 +51,17 @@ BUILDERS: dict[str, Callable[[Report], None]] = {
     "additive": additive_report,
     "generic": generic_report,
 }
+
+
+def corrected_report(name: str, runs_root, specs_dir=None) -> Report:
+    """The report NAME as ``write_report`` builds it on its second pass: its comparisons Holm-corrected
+    over everything the report asks, for another page to quote. Nothing is drawn or written."""
+    spec = load_spec(name, specs_dir)
+    col = collect(spec, runs_root)
+    builder = BUILDERS.get(spec.report, generic_report)
+    first = Report(col, Path("."), draw=False)
+    builder(first)
+    return Report(col, Path("."), first.comparisons.corrected(), draw=False)
 
 
 def write_report(
