@@ -81,6 +81,15 @@ class Result:
             self._metrics = read_metrics(str(self.dir))
         return self._metrics
 
+    def final_moe_imbalance(self) -> float | None:
+        """Mean over MoE layers of max load / mean load - 1 at the last training step (None: no experts)."""
+        train = self.metrics().get("train", [])
+        if not train:
+            return None
+        last = max(train, key=lambda row: row["step"])
+        values = [float(v) for k, v in last.items() if k.startswith("moe_maxvio.") and v not in ("", None)]
+        return sum(values) / len(values) if values else None
+
     def eval_curve(self) -> dict[str, np.ndarray]:
         """Validation loss against step, tokens and cumulative training seconds (step times only)."""
         m = self.metrics()

@@ -172,3 +172,12 @@ def depth_weight_stats(scheme: str, M: np.ndarray, seeds: int) -> list[str]:
         fmt(np.mean(width["attn"]) if width["attn"] else float("nan"), 3),
         fmt(np.mean(width["mlp"]) if width["mlp"] else float("nan"), 3),
     ]
+
+
+def corrected(col: Collected, builder: Callable[[Report], None]) -> Report:
+    """The report ``builder`` makes of ``col`` as ``write_report`` builds it on its second pass: its
+    comparisons Holm-corrected over everything the report asks, for another page to quote. Nothing is
+    drawn or written."""
+    first = Report(col, Path("."), draw=False)
+    builder(first)
+    return Report(col, Path("."), first.comparisons.corrected(), draw=False)

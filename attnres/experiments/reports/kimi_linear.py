@@ -8,27 +8,20 @@ from functools import partial
 
 import numpy as np
 
+from attnres.experiments.reports import lr_sweep
 from attnres.experiments.reports.common import (
     DEPTH_WEIGHT_COLUMNS,
     Report,
+    corrected,
     depth_weight_stats,
     fmt,
     md_table,
 )
-from attnres.experiments.results import Result, finite, mean_matrix, nan_matrix
+from attnres.experiments.results import Result, collect, finite, mean_matrix, nan_matrix
+from attnres.experiments.spec import ExperimentError, load_spec
 from attnres.experiments.stats import Paired, fmt_mean_std
 
 BACKBONE_NAMES = {"kimi_linear": "Kimi Linear (KDA + MLA, MoE)", "llama": "LLaMA (GQA + RoPE, SwiGLU)"}
-
-
-def _final_moe_imbalance(r: Result) -> float | None:
-    """Mean over MoE layers of max load / mean load - 1 at the last training step (None: no experts)."""
-    train = r.metrics().get("train", [])
-    if not train:
-        return None
-    last = max(train, key=lambda row: row["step"])
-    values = [float(v) for k, v in last.items() if k.startswith("moe_maxvio.") and v not in ("", None)]
-    return sum(values) / len(values) if values else None
 
 
 def _median_step_seconds(r: Result) -> float:
@@ -53,7 +46,7 @@ def kimi_linear_report(rep: Report) -> None:
             done = [r for r in col.select(backbone=bb, scheme=s) if r.done]
             losses = col.losses(backbone=bb, scheme=s)
             step = float(np.mean([_median_step_seconds(r) for r in done])) if done else float("nan")
-            moe = [v for v in (_final_moe_imbalance(r) for r in done) if v is not None]
+            moe = [v for v in (r.final_moe_imbalance() for r in done) if v is not None]
             params = done[0].summary.get("params") if done else None
             rows.append(
                 [
@@ -151,18 +144,17 @@ def kimi_linear_report(rep: Report) -> None:
 def _lr_sweep(rep: Report) -> Report | None:
     """The lr-sweep report beside this one (same runs root, same specs directory), Holm-corrected in its
     own family; None where it has no spec there or no finished run."""
-    from attnres.experiments.reports.page import corrected_report
-    from attnres.experiments.spec import ExperimentError, find_spec
-
     done = [r for r in rep.col.results if r.done]
     if not done:
         return None
     runs_root, specs_dir = done[0].dir.parent.parent, rep.col.spec.path.parent
     try:
-        find_spec("lr-sweep", specs_dir)
-    except ExperimentError:  # a specs directory of its own, without the sweep
-        return None
-    sweep = corrected_report("lr-sweep", runs_root, specs_dir)
+        spec = load_spec("lr-sweep", specs_dir)
+    except ExperimentError as e:
+        if "unknown experiment" in str(e):  # a specs directory of its own, without the sweep
+            return None
+        raise
+    sweep = corrected(collect(spec, runs_root), lr_sweep.lr_sweep_report)
     return sweep if sweep.col.n_done else None
 
 

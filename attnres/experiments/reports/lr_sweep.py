@@ -11,7 +11,6 @@ share.
 from __future__ import annotations
 
 from attnres.experiments.reports.common import Report, md_table
-from attnres.experiments.reports.kimi_linear import _final_moe_imbalance
 from attnres.experiments.stats import Paired, fmt_mean_interval, fmt_mean_std, mean_std
 
 BACKBONE_NAMES = {
@@ -145,7 +144,7 @@ def imbalance(rep: Report, backbone: str, scheme: str, lr: str | None) -> list[f
     if lr is None:
         return []
     runs = rep.col.select(lr=lr, backbone=backbone, scheme=scheme)
-    return [v for r in runs if r.done if (v := _final_moe_imbalance(r)) is not None]
+    return [v for r in runs if r.done if (v := r.final_moe_imbalance()) is not None]
 
 
 def at_best_rows(rep: Report, backbones: list[str]) -> list[list[str]]:

@@ -10,7 +10,7 @@ from attnres.experiments.reports.additive import additive_report
 from attnres.experiments.reports.arch_sweep import arch_sweep_report
 from attnres.experiments.reports.arena import arena_report
 from attnres.experiments.reports.block_size import block_size_report
-from attnres.experiments.reports.common import Report
+from attnres.experiments.reports.common import Report, corrected
 from attnres.experiments.reports.demo import demo_page
 from attnres.experiments.reports.dynamics import dynamics_report
 from attnres.experiments.reports.generic import generic_report
@@ -57,11 +57,7 @@ def corrected_report(name: str, runs_root, specs_dir=None) -> Report:
     """The report NAME as ``write_report`` builds it on its second pass: its comparisons Holm-corrected
     over everything the report asks, for another page to quote. Nothing is drawn or written."""
     spec = load_spec(name, specs_dir)
-    col = collect(spec, runs_root)
-    builder = BUILDERS.get(spec.report, generic_report)
-    first = Report(col, Path("."), draw=False)
-    builder(first)
-    return Report(col, Path("."), first.comparisons.corrected(), draw=False)
+    return corrected(collect(spec, runs_root), BUILDERS.get(spec.report, generic_report))
 
 
 def write_report(
