@@ -107,6 +107,11 @@ def is_diverged(run_dir: Path, hash_: str) -> bool:
     return isinstance(div, dict) and div.get("config_hash") == hash_
 
 
+def _diverged_status(run: PlannedRun, run_dir: Path) -> RunStatus:
+    """A run that diverged in ``run_dir``, at the step its record names."""
+    return RunStatus(run, run_dir, "diverged", int((read_json(run_dir / DIVERGED_FILE) or {}).get("step", 0)))
+
+
 def _finished_index(exp_dir: Path) -> list[tuple]:
     """(hashed payload, directory, outcome) of every run in an experiment directory that has one: "done",
     or "diverged"."""
@@ -159,9 +164,9 @@ def status_of(
             return RunStatus(run, alias, "done", run.train.steps)
         alias = _compatible_run(run_dir.parent, payload, run.hash, indexes, outcome="diverged")
         if alias is not None:  # a divergence is an outcome too: the same config would diverge again
-            return RunStatus(run, alias, "diverged", int((read_json(alias / DIVERGED_FILE) or {}).get("step", 0)))
+            return _diverged_status(run, alias)
     if is_diverged(run_dir, run.hash):
-        return RunStatus(run, run_dir, "diverged", int((read_json(run_dir / DIVERGED_FILE) or {}).get("step", 0)))
+        return _diverged_status(run, run_dir)
     step = _checkpoint_step(run_dir)
     if step is not None and (read_json(run_dir / RUN_FILE) or {}).get("config_hash", run.hash) == run.hash:
         return RunStatus(run, run_dir, "partial", int(step))

@@ -162,8 +162,6 @@ def _tuned_section(rep: Report) -> None:
     """The same backbone tuned: this experiment trains every arm at one untuned rate over 3 seeds, so its
     verdicts are not the headline; the lr-sweep retrains it at each arm's best rate over 5 seeds and with
     dense MLPs in place of the experts. Its numbers are quoted here with its own Holm correction."""
-    from attnres.experiments.reports import lr_sweep
-
     rates = sorted({r.config["train"]["lr"] for r in rep.col.results if r.done and r.config})
     shared = f"lr {', '.join(f'{lr:g}' for lr in rates)}" if rates else "one shared rate"
     rep.add(
