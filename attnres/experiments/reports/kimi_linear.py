@@ -17,6 +17,7 @@ from attnres.experiments.reports.common import (
     fmt,
     md_table,
 )
+from attnres.experiments.reports.sections import progress
 from attnres.experiments.results import Result, collect, finite, mean_matrix, nan_matrix
 from attnres.experiments.spec import ExperimentError, load_spec
 from attnres.experiments.stats import Paired, fmt_mean_std
@@ -185,7 +186,7 @@ def _tuned_section(rep: Report) -> None:
     _, lines = lr_sweep.dense_share(sweep)
     rep.add(
         f"From the lr-sweep's runs (grid lr {', '.join(sweep.col.points('lr'))}; its Holm family, m = "
-        f"{len(sweep.comparisons.tests)}; {sweep.col.n_done} of {len(sweep.col.unique)} planned runs finished). "
+        f"{len(sweep.comparisons.tests)}; {progress(sweep.col)}). "
         "Expert imbalance: max load / mean load − 1 at the last step, averaged over the MoE layers.",
         "",
         md_table(

@@ -33,6 +33,15 @@ def _seed_statement(col: Collected, axes: list[str]) -> str:
     return "; ".join(parts) + head
 
 
+def progress(col: Collected) -> str:
+    """How far a collection is, in a phrase: "all 270 planned runs finished, 12 of them diverged" (a
+    diverged run is an outcome, not a missing one)."""
+    diverged = sum(r.state == "diverged" for r in col.unique)
+    finished = col.n_done + diverged
+    head = f"all {finished}" if col.complete else f"{finished} of {len(col.unique)}"
+    return f"{head} planned runs finished" + (f", {diverged} of them diverged" if diverged else "")
+
+
 def status(col: Collected) -> list[str]:
     uniq = col.unique
     counts: dict[str, int] = {}
