@@ -60,7 +60,7 @@ def at_best_rate(backbone: str) -> tuple[tuple[str, Pick], ...]:
 def equal_time_note(rep: Report) -> str:
     """'218 / 207 steps against 250 (lr: prenorm 0.01, block 0.006, full 0.01)', read from the runs the
     report holds, so the note cannot go stale when the spec is calibrated again."""
-    arms = {}
+    arms: dict[str, tuple[int, float]] = {}
     for r in rep.col.unique:
         arms.setdefault(r.run.labels["scheme"], (r.run.train.steps, r.run.train.lr))
     steps = " / ".join(str(arms[s][0]) for s in ("block", "full"))
