@@ -179,8 +179,8 @@ def replacement_note(backbone: str) -> Callable[[Report], str]:
 
 
 def gain_note(backbone: str) -> Callable[[Report], str]:
-    """'every run's gain stayed near 1 (RMS 1.00-1.02)': the learned gain from 1 at the end of training, so
-    the row says whether it tests additive routing by the report's rule."""
+    """'final gain RMS 1.01-1.02: every run a test of additive routing by the report's rule': the learned
+    gain from 1 at the end of training, so the row says whether it tests additive routing at all."""
 
     def note(rep: Report) -> str:
         rms = [
