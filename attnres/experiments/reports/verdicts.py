@@ -183,15 +183,17 @@ def gain_note(backbone: str) -> Callable[[Report], str]:
     gain from 1 at the end of training, so the row says whether it tests additive routing at all."""
 
     def note(rep: Report) -> str:
-        rms = [
-            float(g["gain_rms"])
-            for s in ("block", "full")
-            for r in rep.col.select(backbone=backbone, scheme=f"{s}-gain1")
-            if r.done and (g := additive.final_gain(r)) is not None
+        runs = [
+            (scheme, r)
+            for scheme in ("block-gain1", "full-gain1")
+            for r in rep.col.select(backbone=backbone, scheme=scheme)
+            if r.done
         ]
+        rms = [float(g["gain_rms"]) for _, r in runs if (g := additive.final_gain(r)) is not None]
         if not rms:
             return "no gain logged"
-        counts = "every run" if min(rms) >= additive.MIN_GAIN_RMS else "not every run"
+        every = all(additive.run_counts(rep.col, scheme, r) for scheme, r in runs)
+        counts = "every run" if every else "not every run"
         return f"final gain RMS {min(rms):.2f}-{max(rms):.2f}: {counts} a test of additive routing by the report's rule"
 
     return note
