@@ -1,8 +1,10 @@
 """Every committed reports/NAME/REPORT.md is what `attnres report NAME` writes from the committed runs,
-byte for byte (figures are not drawn: the page's text does not depend on them)."""
+byte for byte (figures are not drawn: the page's text does not depend on them), and the runs behind the
+README's headline rows trained at one clean commit on one machine class, as the README says."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,8 @@ ROOT = Path(__file__).resolve().parents[2]
 RUNS = Path("experiments") / "runs"
 # the demo page is written by `attnres demo`, which trains its own runs (not committed)
 COMMITTED = sorted(p.parent.name for p in (ROOT / "reports").glob(f"*/{REPORT_FILE}") if p.parent.name != "demo")
+# the experiments behind the README's headline rows, which it says trained at one commit on one machine class
+HEADLINE = ("lr-sweep", "equal-time", "equal-time-kimi", "additive")
 
 
 def test_the_committed_reports_are_found():
@@ -36,3 +40,23 @@ def test_a_committed_report_regenerates_byte_for_byte(name, tmp_path, monkeypatc
             f"difference at line {first + 1}:\n- {old[first] if first < len(old) else '<end>'}\n"
             f"+ {new[first] if first < len(new) else '<end>'}\nregenerate it with `attnres report {name}`"
         )
+
+
+def _where_trained(run_dir: Path) -> set[tuple[str, str]]:
+    """(commit, machine class) of every invocation that trained the run, or that trained the run it copies."""
+    info = json.loads((run_dir / "run.json").read_text())
+    trained = [i for i in info.get("source_invocations") or info["invocations"] if "reused_from" not in i]
+    assert trained, f"{run_dir}: run.json records no training invocation"
+    return {(i["commit"], i["machine"].split(",")[0]) for i in trained}
+
+
+def test_the_headline_runs_trained_at_one_clean_commit_on_one_machine_class():
+    seen: dict[tuple[str, str], list[str]] = {}
+    for name in HEADLINE:
+        for run_dir in sorted((ROOT / RUNS / name).iterdir()):
+            if (run_dir / "run.json").is_file():
+                for where in _where_trained(run_dir):
+                    seen.setdefault(where, []).append(f"{name}/{run_dir.name}")
+    assert len(seen) == 1, {where: f"{len(runs)} runs, e.g. {runs[0]}" for where, runs in seen.items()}
+    ((commit, _machine),) = seen
+    assert not commit.endswith("+dirty"), f"the headline runs trained at an uncommitted tree ({commit})"
