@@ -191,11 +191,17 @@ def status_of(
     return RunStatus(run, run_dir, "missing")
 
 
+def trained_invocations(info: dict) -> list[dict]:
+    """The invocations of a run.json that trained the run: its own, or for a copy those of the run it copies
+    (kept under ``source_invocations``), never the copying itself."""
+    return info.get("source_invocations") or [i for i in info.get("invocations", []) if "reused_from" not in i]
+
+
 def _trained_at(run_dir: Path) -> str:
     """When the run was first trained ('YYYY-MM-DD HH:MM:SS' of its first training invocation, through any
     copies), or '~' (after every date) where its run.json does not say."""
     info = read_json(run_dir / RUN_FILE) or {}
-    trained = info.get("source_invocations") or [i for i in info.get("invocations", []) if "reused_from" not in i]
+    trained = trained_invocations(info)
     starts = [i["started"] for i in trained if isinstance(i, dict) and isinstance(i.get("started"), str)]
     return min(starts, default="~")
 
@@ -434,7 +440,7 @@ def _reuse(s: RunStatus, spec: ExperimentSpec, log, command: str) -> None:
     shutil.copytree(s.source, s.dir, ignore=shutil.ignore_patterns(CHECKPOINT_DIR, ".*"))
     # the copy's own history is the copy; where and how the run was trained moves to source_invocations
     info = read_json(s.dir / RUN_FILE) or {}
-    origin = info.get("source_invocations") or [i for i in info.get("invocations", []) if "reused_from" not in i]
+    origin = trained_invocations(info)
     info.update(source_invocations=origin, invocations=[])
     atomic_write_json(s.dir / RUN_FILE, info)
     _record_invocation(

@@ -11,6 +11,7 @@ import pytest
 
 from attnres.experiments import load_spec
 from attnres.experiments.reports import REPORT_FILE, write_report
+from attnres.experiments.runner import trained_invocations
 
 ROOT = Path(__file__).resolve().parents[2]
 RUNS = Path("experiments") / "runs"
@@ -45,7 +46,7 @@ def test_a_committed_report_regenerates_byte_for_byte(name, tmp_path, monkeypatc
 def _where_trained(run_dir: Path) -> set[tuple[str, str]]:
     """(commit, machine class) of every invocation that trained the run, or that trained the run it copies."""
     info = json.loads((run_dir / "run.json").read_text())
-    trained = [i for i in info.get("source_invocations") or info["invocations"] if "reused_from" not in i]
+    trained = trained_invocations(info)
     assert trained, f"{run_dir}: run.json records no training invocation"
     return {(i["commit"], i["machine"].split(",")[0]) for i in trained}
 
