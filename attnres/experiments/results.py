@@ -157,6 +157,15 @@ class Collected:
         """seed -> final validation loss of the finished runs with these labels."""
         return {r.run.seed: r.loss for r in self.select(**labels) if r.done}
 
+    def split_losses(self, **labels) -> dict[int, float] | None:
+        """seed -> whole-split loss of the finished runs with these labels, or None unless every one of
+        them has it. A collection whose runs do not all have the whole-split evaluation reads the slice
+        (``scope``); the rows that do can still be compared on the split, among themselves."""
+        done = [r for r in self.select(**labels) if r.done]
+        if not done or not all(r.has_split_eval for r in done):
+            return None
+        return {r.run.seed: float(r.summary[SPLIT_EVAL]["val_loss"]) for r in done}
+
     def points(self, axis: str) -> list[str]:
         for name, points in self.spec.axes:
             if name == axis:

@@ -11,6 +11,7 @@ from attnres.experiments.reports.common import (
     shares_sublayer_init,
     variant_rows,
 )
+from attnres.experiments.reports.sections import split_section
 from attnres.experiments.results import finite
 from attnres.experiments.stats import (
     fmt_mean_std,
@@ -44,13 +45,16 @@ def ablations_report(rep: Report) -> None:
             strict=True,
         )
     )
+
+    def same_init(label: str) -> bool:
+        model = model_of(col, **{axis: label})
+        return model is None or base_model is None or label == base or shares_sublayer_init(model, base_model)
+
     rows, bars = [], []
     for label in labels:
         losses = col.losses(**{axis: label})
         div = [r for r in col.select(**{axis: label}) if r.state == "diverged"]
         p = rep.paired(losses, ref)
-        model = model_of(col, **{axis: label})
-        ok = True if (model is None or base_model is None or label == base) else shares_sublayer_init(model, base_model)
         pd = None if paper[label] is None or paper_base is None else paper[label] - paper_base
         rows.append(
             [
@@ -59,7 +63,7 @@ def ablations_report(rep: Report) -> None:
                 fmt(pd, 3, sign=True) if label != base else "—",
                 f"{paper_rank[label]:g}" if label in paper_rank else "—",
                 fmt_mean_std(list(losses.values())) + (f" ({len(div)} diverged)" if div else ""),
-                "—" if label == base else rep.paired_cell(losses, ref, ok),
+                "—" if label == base else rep.paired_cell(losses, ref, same_init(label)),
                 f"{ours_rank[label]:g}" if label in ours_rank else "—",
             ]
         )
@@ -99,6 +103,7 @@ def ablations_report(rep: Report) -> None:
         "distinguishable after the Holm correction).",
         "",
     )
+    rep.add(*split_section(rep, base, same_init))
     if bars:
         rep.figure(
             "ablations.png",

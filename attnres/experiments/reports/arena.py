@@ -15,6 +15,7 @@ from attnres.experiments.reports.common import (
     model_of,
     shares_sublayer_init,
 )
+from attnres.experiments.reports.sections import split_section
 from attnres.experiments.results import finite
 from attnres.experiments.stats import fmt_mean_std, mean_std
 
@@ -32,6 +33,11 @@ def arena_report(rep: Report) -> None:
         base_params = base_runs[0].summary["params"] if base_runs else None
         base_secs = mean_std([r.train_seconds for r in base_runs])[0]
         base_model = model_of(col, scheme=base, **sel)
+
+        def same_init(s: str, sel=sel, base_model=base_model) -> bool:
+            model = model_of(col, scheme=s, **sel)
+            return s == base or model is None or base_model is None or shares_sublayer_init(model, base_model)
+
         rows = []
         curves_tok: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # scheme -> (x, mean loss)
         curves_time: dict[str, tuple[np.ndarray, np.ndarray]] = {}
@@ -42,8 +48,6 @@ def arena_report(rep: Report) -> None:
             secs = mean_std([r.train_seconds for r in done])[0]
             tps = mean_std([r.summary["tokens_per_second"] for r in done])[0]
             params = done[0].summary["params"] if done else None
-            model = model_of(col, scheme=s, **sel)
-            ok = True if (s == base or model is None or base_model is None) else shares_sublayer_init(model, base_model)
             rows.append(
                 [
                     s,
@@ -54,7 +58,7 @@ def arena_report(rep: Report) -> None:
                     "—" if not finite(secs) or not finite(base_secs) else f"{secs / base_secs:.2f}",
                     fmt(tps, 0),
                     fmt_mean_std(list(losses.values())),
-                    "—" if s == base else rep.paired_cell(losses, ref, ok),
+                    "—" if s == base else rep.paired_cell(losses, ref, same_init(s)),
                 ]
             )
             for store, x in ((curves_tok, "tokens"), (curves_time, "seconds")):
@@ -82,6 +86,7 @@ def arena_report(rep: Report) -> None:
             ),
             "",
         )
+        rep.add(*split_section(rep, base, same_init, **sel))
         if budget and "time" in budget:
             rep.add(
                 "Equal wall-clock: each scheme's step count was set in the spec from its measured "

@@ -4,13 +4,26 @@ and the table of all runs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from attnres.experiments.env import machine
-from attnres.experiments.reports.common import fmt, group_label, md_table
+from attnres.experiments.reports.common import (
+    Report,
+    fmt,
+    group_label,
+    md_table,
+    variant_rows,
+)
 from attnres.experiments.results import Collected, Result, finite
+from attnres.experiments.runner import SPLIT_EVAL
 from attnres.experiments.spec import experiment_command
-from attnres.experiments.stats import STATS_RULE, Comparisons, seed_shortfall
+from attnres.experiments.stats import (
+    STATS_RULE,
+    Comparisons,
+    fmt_mean_std,
+    seed_shortfall,
+)
 
 
 def _seed_statement(col: Collected, axes: list[str]) -> str:
@@ -141,10 +154,52 @@ def eval_scope(col: Collected) -> str:
         return f"the whole validation split: {counts}" + (
             f" of {' or '.join(f'{t:,}' for t in split)}" if split and split != tokens else ""
         )
-    return (
-        f"the trainer's last evaluation, on the first eval_batches batches of the validation split only: {counts}, "
-        "not the whole split (these runs predate the whole-split evaluation)"
+    done = [r for r in col.unique if r.done]
+    with_split = sum(r.has_split_eval for r in done)
+    slice_only = (
+        f"the trainer's last evaluation, on the first eval_batches batches of the validation split only: {counts}"
     )
+    if with_split:
+        return (
+            f"{slice_only}, not the whole split ({with_split} of the {len(done)} finished runs also have it; where "
+            'whole rows do, "On the whole validation split" compares them there)'
+        )
+    return f"{slice_only}, not the whole split (these runs predate the whole-split evaluation)"
+
+
+def split_section(rep: Report, base: str, ok: Callable[[str], bool], **within: str) -> list[str]:
+    """'## On the whole validation split': in a report that reads the slice because some runs predate the
+    whole-split evaluation, the rows (labels of the first axis, among the runs labelled ``within``) whose
+    every run has it, the baseline ``base`` among them, compared there: paired against the baseline over
+    the seeds both have. The comparisons join the report's Holm family. ``ok(label)``: whether that row
+    shares the baseline's sublayer initialisation (else †)."""
+    col = rep.col
+    if col.scope == "split" or not col.spec.axes:
+        return []
+    axis, labels = variant_rows(col)
+    split = {label: v for label in labels if (v := col.split_losses(**{axis: label}, **within)) is not None}
+    if base not in split or len(split) < 2:
+        return []
+    rows = []
+    for label, losses in split.items():
+        cell = "—" if label == base else rep.paired_cell(losses, split[base], ok(label))
+        rows.append([label, str(len(losses)), fmt_mean_std(list(losses.values())), cell])
+    tokens = sorted(
+        {int(r.summary[SPLIT_EVAL]["val_tokens"]) for r in col.select(**within) if r.done and r.has_split_eval}
+    )
+    where = "".join(f", {k}: {v}" for k, v in within.items())
+    return [
+        f"## On the whole validation split{where}",
+        "",
+        f"Every run of these rows was also scored on the whole validation split "
+        f"({' or '.join(f'{t:,}' for t in tokens)} tokens per run), so they are compared there as well: a "
+        "larger evaluation, the same for every arm, than the slice the other tables read (they keep these "
+        "runs' slice losses beside the rows that have no other). These comparisons join the report's Holm "
+        "correction; the README quotes them.",
+        "",
+        md_table(["variant", "seeds", "loss, whole split", f"Δ vs {base}, whole split (paired)"], rows, "lrrl"),
+        "",
+    ]
 
 
 def _headline_seeds(col: Collected) -> str:
