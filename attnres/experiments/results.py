@@ -49,8 +49,18 @@ class Result:
         if not self.summary:
             return float("nan")
         if self.scope == "split":
-            return float(self.summary[SPLIT_EVAL]["val_loss"])
+            return self.split_loss
         return float(self.summary["val_loss"])
+
+    @property
+    def split_loss(self) -> float:
+        """The final model's loss on the whole validation split, whatever ``scope`` the report reads."""
+        return float(self.summary[SPLIT_EVAL]["val_loss"])
+
+    @property
+    def split_tokens(self) -> int:
+        """How many tokens ``split_loss`` averages over."""
+        return int(self.summary[SPLIT_EVAL]["val_tokens"])
 
     @property
     def eval_tokens(self) -> int | None:
@@ -59,7 +69,7 @@ class Result:
         if not self.summary:
             return None
         if self.scope == "split":
-            return int(self.summary[SPLIT_EVAL]["val_tokens"])
+            return self.split_tokens
         if "val_tokens" in self.summary:
             return int(self.summary["val_tokens"])
         t = self.run.train
@@ -164,7 +174,7 @@ class Collected:
         done = [r for r in self.select(**labels) if r.done]
         if not done or not all(r.has_split_eval for r in done):
             return None
-        return {r.run.seed: float(r.summary[SPLIT_EVAL]["val_loss"]) for r in done}
+        return {r.run.seed: r.split_loss for r in done}
 
     def points(self, axis: str) -> list[str]:
         for name, points in self.spec.axes:

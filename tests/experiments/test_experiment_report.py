@@ -425,17 +425,26 @@ def test_a_partial_suite_gives_a_marked_partial_report(suite, monkeypatch):
     assert "3 seeds for prenorm, full; 2 seeds for sigmoid" in text
 
 
+def _drop_split_eval(run_dir: Path) -> None:
+    """Make a finished run look as if it predated the whole-split evaluation."""
+    import json
+
+    from attnres.experiments.runner import SPLIT_EVAL, SUMMARY_FILE
+
+    summary = json.loads((run_dir / SUMMARY_FILE).read_text())
+    del summary[SPLIT_EVAL]
+    (run_dir / SUMMARY_FILE).write_text(json.dumps(summary))
+
+
 def test_rows_with_the_whole_split_are_compared_there_in_a_report_that_reads_the_slice(suite, monkeypatch, tmp_path):
     """Runs that predate the whole-split evaluation make the report read every row's slice; the rows whose
     every run has the split are compared there as well, in their own table, inside the Holm family, and
     the verdict table's split comparisons read that table. A row without it raises, naming the fix."""
-    import json
-
-    from attnres.experiments.reports.common import Report
+    from attnres.experiments.reports.ablations import ablations_report
+    from attnres.experiments.reports.common import corrected
     from attnres.experiments.reports.verdicts import split_pair
     from attnres.experiments.results import collect
-    from attnres.experiments.runner import SPLIT_EVAL, SUMMARY_FILE
-    from attnres.experiments.stats import Comparisons, paired
+    from attnres.experiments.stats import paired
 
     specs, runs, _ = suite
     copy = tmp_path / "runs"
@@ -446,9 +455,7 @@ def test_rows_with_the_whole_split_are_compared_there_in_a_report_that_reads_the
     assert before.scope == "split" and before.complete
     for r in before.results:  # the sigmoid row's runs predate the whole-split evaluation
         if r.done and r.run.labels["variant"] == "sigmoid":
-            summary = json.loads((r.dir / SUMMARY_FILE).read_text())
-            del summary[SPLIT_EVAL]
-            (r.dir / SUMMARY_FILE).write_text(json.dumps(summary))
+            _drop_split_eval(r.dir)
     col = collect(spec, copy)
     assert col.scope == "slice" and col.split_losses(variant="sigmoid") is None
     split_full, split_pre = col.split_losses(variant="full"), col.split_losses(variant="prenorm")
@@ -457,7 +464,7 @@ def test_rows_with_the_whole_split_are_compared_there_in_a_report_that_reads_the
     monkeypatch.setattr(Trainer, "run", lambda self: (_ for _ in ()).throw(AssertionError("must not train")))
     text = write_report(spec, copy, tmp_path / "out", command="x").read_text()
     section = text.split("## On the whole validation split", 1)[1].split("\n## ", 1)[0]
-    tokens = {r.summary[SPLIT_EVAL]["val_tokens"] for r in col.results if r.done and r.has_split_eval}
+    tokens = {r.split_tokens for r in col.results if r.done and r.has_split_eval}
     assert f"({' or '.join(f'{t:,}' for t in sorted(tokens))} tokens per run)" in section
     p = paired(split_full, split_pre)
     row = [line for line in section.splitlines() if line.startswith("| full |")]
@@ -466,25 +473,16 @@ def test_rows_with_the_whole_split_are_compared_there_in_a_report_that_reads_the
     with_split = sum(r.has_split_eval for r in col.unique if r.done)
     assert f"{with_split} of the {col.n_done} finished runs also have it" in text
     # the split comparison is one more of the report's family, and the verdict table reads it from there
-    rep = Report(col, tmp_path / "rep", Comparisons(), draw=False)
-    from attnres.experiments.reports.ablations import ablations_report
-
-    ablations_report(rep)
-    fam = rep.comparisons.corrected()
-    rep = Report(col, tmp_path / "rep", fam, draw=False)
-    ablations_report(rep)
+    rep = corrected(col, ablations_report)
     picked = split_pair({"variant": "full"}, {"variant": "prenorm"})(rep)
-    assert picked.mean == pytest.approx(p.mean) and picked.family == len(fam.tests)
+    assert picked.mean == pytest.approx(p.mean) and picked.family == len(rep.comparisons.tests)
     with pytest.raises(ValueError, match="sigmoid.*whole-split evaluation"):
         split_pair({"variant": "sigmoid"}, {"variant": "prenorm"})(rep)
 
 
 def test_the_arena_compares_the_rows_with_the_whole_split_there_per_budget(suite, monkeypatch, tmp_path):
     """The arena's section per budget: only the runs of that budget, and only rows whose every run has it."""
-    import json
-
     from attnres.experiments.results import collect
-    from attnres.experiments.runner import SPLIT_EVAL, SUMMARY_FILE
     from attnres.experiments.stats import paired
 
     specs, runs, _ = suite
@@ -499,9 +497,7 @@ def test_the_arena_compares_the_rows_with_the_whole_split_there_per_budget(suite
     col = collect(spec, copy)
     stripped = next(r for r in col.select(scheme="mudd", budget="equal-time") if r.done)
     assert stripped.run.train.steps == 3
-    summary = json.loads((stripped.dir / SUMMARY_FILE).read_text())
-    del summary[SPLIT_EVAL]
-    (stripped.dir / SUMMARY_FILE).write_text(json.dumps(summary))
+    _drop_split_eval(stripped.dir)
     col = collect(spec, copy)
     assert col.scope == "slice"
     monkeypatch.setattr(Trainer, "run", lambda self: (_ for _ in ()).throw(AssertionError("must not train")))

@@ -16,7 +16,6 @@ from attnres.experiments.reports.common import (
     variant_rows,
 )
 from attnres.experiments.results import Collected, Result, finite
-from attnres.experiments.runner import SPLIT_EVAL
 from attnres.experiments.spec import experiment_command
 from attnres.experiments.stats import (
     STATS_RULE,
@@ -184,9 +183,7 @@ def split_section(rep: Report, base: str, ok: Callable[[str], bool], **within: s
     for label, losses in split.items():
         cell = "—" if label == base else rep.paired_cell(losses, split[base], ok(label))
         rows.append([label, str(len(losses)), fmt_mean_std(list(losses.values())), cell])
-    tokens = sorted(
-        {int(r.summary[SPLIT_EVAL]["val_tokens"]) for r in col.select(**within) if r.done and r.has_split_eval}
-    )
+    tokens = sorted({r.split_tokens for r in col.select(**within) if r.done and r.has_split_eval})
     where = "".join(f", {k}: {v}" for k, v in within.items())
     return [
         f"## On the whole validation split{where}",
