@@ -1,5 +1,7 @@
-"""Shared fixtures: a small synthetic corpus, a private cache, and spec files written on the fly."""
+"""Shared fixtures: a small synthetic corpus, a private cache, spec files written on the fly, and a run
+stripped of its whole-split evaluation."""
 
+import json
 import textwrap
 
 import pytest
@@ -70,3 +72,16 @@ def write_spec():
         return path
 
     return write
+
+
+@pytest.fixture
+def drop_split_eval():
+    """drop_split_eval(run_dir): make a finished run look as if it predated the whole-split evaluation."""
+    from attnres.experiments.runner import SPLIT_EVAL, SUMMARY_FILE
+
+    def drop(run_dir):
+        summary = json.loads((run_dir / SUMMARY_FILE).read_text())
+        del summary[SPLIT_EVAL]
+        (run_dir / SUMMARY_FILE).write_text(json.dumps(summary))
+
+    return drop

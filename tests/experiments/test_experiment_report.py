@@ -425,18 +425,9 @@ def test_a_partial_suite_gives_a_marked_partial_report(suite, monkeypatch):
     assert "3 seeds for prenorm, full; 2 seeds for sigmoid" in text
 
 
-def _drop_split_eval(run_dir: Path) -> None:
-    """Make a finished run look as if it predated the whole-split evaluation."""
-    import json
-
-    from attnres.experiments.runner import SPLIT_EVAL, SUMMARY_FILE
-
-    summary = json.loads((run_dir / SUMMARY_FILE).read_text())
-    del summary[SPLIT_EVAL]
-    (run_dir / SUMMARY_FILE).write_text(json.dumps(summary))
-
-
-def test_rows_with_the_whole_split_are_compared_there_in_a_report_that_reads_the_slice(suite, monkeypatch, tmp_path):
+def test_rows_with_the_whole_split_are_compared_there_in_a_report_that_reads_the_slice(
+    suite, monkeypatch, tmp_path, drop_split_eval
+):
     """Runs that predate the whole-split evaluation make the report read every row's slice; the rows whose
     every run has the split are compared there as well, in their own table, inside the Holm family, and
     the verdict table's split comparisons read that table. A row without it raises, naming the fix."""
@@ -455,7 +446,7 @@ def test_rows_with_the_whole_split_are_compared_there_in_a_report_that_reads_the
     assert before.scope == "split" and before.complete
     for r in before.results:  # the sigmoid row's runs predate the whole-split evaluation
         if r.done and r.run.labels["variant"] == "sigmoid":
-            _drop_split_eval(r.dir)
+            drop_split_eval(r.dir)
     col = collect(spec, copy)
     assert col.scope == "slice" and col.split_losses(variant="sigmoid") is None
     split_full, split_pre = col.split_losses(variant="full"), col.split_losses(variant="prenorm")
@@ -471,7 +462,7 @@ def test_rows_with_the_whole_split_are_compared_there_in_a_report_that_reads_the
     assert row and f"{p.mean:+.4f}" in row[0] and "p_holm" in row[0], section
     assert "| sigmoid |" not in section and "| prenorm |" in section
     with_split = sum(r.has_split_eval for r in col.unique if r.done)
-    assert f"{with_split} of the {col.n_done} finished runs also have it" in text
+    assert f"{with_split} of the {col.n_done} finished runs also have the whole-split evaluation" in text
     # the split comparison is one more of the report's family, and the verdict table reads it from there
     rep = corrected(col, ablations_report)
     picked = split_pair({"variant": "full"}, {"variant": "prenorm"})(rep)
@@ -480,7 +471,9 @@ def test_rows_with_the_whole_split_are_compared_there_in_a_report_that_reads_the
         split_pair({"variant": "sigmoid"}, {"variant": "prenorm"})(rep)
 
 
-def test_the_arena_compares_the_rows_with_the_whole_split_there_per_budget(suite, monkeypatch, tmp_path):
+def test_the_arena_compares_the_rows_with_the_whole_split_there_per_budget(
+    suite, monkeypatch, tmp_path, drop_split_eval
+):
     """The arena's section per budget: only the runs of that budget, and only rows whose every run has it."""
     from attnres.experiments.results import collect
     from attnres.experiments.stats import paired
@@ -497,7 +490,7 @@ def test_the_arena_compares_the_rows_with_the_whole_split_there_per_budget(suite
     col = collect(spec, copy)
     stripped = next(r for r in col.select(scheme="mudd", budget="equal-time") if r.done)
     assert stripped.run.train.steps == 3
-    _drop_split_eval(stripped.dir)
+    drop_split_eval(stripped.dir)
     col = collect(spec, copy)
     assert col.scope == "slice"
     monkeypatch.setattr(Trainer, "run", lambda self: (_ for _ in ()).throw(AssertionError("must not train")))

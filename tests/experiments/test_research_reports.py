@@ -240,3 +240,61 @@ def test_step_costs_are_measured_once_then_read_from_the_cache(tmp_path):
     assert calls == [1, 1] and set(json.loads((tmp_path / step_cost.STEP_COST_FILE).read_text())) == {"k1", "k2"}
     with pytest.raises(ValueError, match="baseline 'prenorm' is not among the schemes"):
         step_cost.measure_step_costs({}, "prenorm")
+
+
+def test_the_routing_report_compares_the_cells_with_the_whole_split_there(suite, tmp_path, drop_split_eval):
+    """A cell whose runs predate the whole-split evaluation makes the report read the slice; per backbone the
+    cells whose every run has the split are compared there, against PreNorm and against the paper's cell
+    of their family, inside the Holm family that the verdict table reads. The verdict says what the additive
+    cells' logged gain did."""
+    from attnres.experiments.reports.common import corrected
+    from attnres.experiments.reports.routing import routing_report
+    from attnres.experiments.reports.verdicts import split_pair
+    from attnres.experiments.results import collect
+    from attnres.experiments.stats import paired
+
+    specs, runs, _ = suite
+    copy, spec_dir = tmp_path / "runs", tmp_path / "specs"
+    shutil.copytree(runs, copy)
+    spec_dir.mkdir()
+    (spec_dir / "routing.toml").write_text(  # block-states: Block's family (a tag), but not the headline row
+        (specs / "routing.toml")
+        .read_text()
+        .replace('baseline = "prenorm"', 'baseline = "prenorm"\nheadline = ["block"]')
+        + textwrap.dedent(
+            """
+            [[axis.scheme]]
+            label = "block-states"
+            seeds = [0]
+            residual = "block"
+            attnres_block_size = 2
+            attnres_sources = "states"
+            tags = { family = "block", source = "states", routing = "replacement" }
+            """
+        )
+    )
+    spec = load_spec("routing", spec_dir)
+    run_experiment(spec, copy, progress=False, log=quiet)
+    for r in collect(spec, copy).select(scheme="block-states"):
+        drop_split_eval(r.dir)
+    col = collect(spec, copy)
+    assert col.scope == "slice" and col.split_losses(scheme="block-states") is None
+
+    text = write_report(spec, copy, tmp_path / "out", command="x").read_text()
+    assert "Headline rows block: 2 seeds: below the 5" in text  # its own runs, not its family's
+    assert "2 seeds for prenorm/llama, block/llama, block-additive/llama; 1 seed for block-states/llama" in text
+    section = text.split("## On the whole validation split, backbone: llama", 1)[1].split("\n## ", 1)[0]
+    assert "Δ vs the paper's cell of its family, whole split (paired)" in section
+    assert "| block-states |" not in section
+    additive, block, prenorm = (col.split_losses(scheme=s) for s in ("block-additive", "block", "prenorm"))
+    row = next(line for line in section.splitlines() if line.startswith("| block-additive |"))
+    vs_base, vs_paper = row.split(" | ")[3:5]
+    assert f"{paired(additive, prenorm).mean:+.4f}" in vs_base and f"{paired(additive, block).mean:+.4f}" in vs_paper
+    assert next(line for line in section.splitlines() if line.startswith("| block |")).endswith("| — |")
+
+    rep = corrected(col, routing_report)
+    picked = split_pair({"scheme": "block-additive"}, {"scheme": "block"})(rep)
+    assert picked.mean == pytest.approx(paired(additive, block).mean)
+    assert picked.family == len(rep.comparisons.tests)
+    gains = [r for r in col.select(scheme="block-additive") if r.done and r.probes.get("routing_gain")]
+    assert gains and f"{len(gains)} of their {len(gains)} runs record it" in text

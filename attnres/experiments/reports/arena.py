@@ -86,7 +86,7 @@ def arena_report(rep: Report) -> None:
             ),
             "",
         )
-        rep.add(*split_section(rep, base, same_init, **sel))
+        rep.add(*split_section(rep, base, same_init, within=sel))
         if budget and "time" in budget:
             rep.add(
                 "Equal wall-clock: each scheme's step count was set in the spec from its measured "

@@ -107,7 +107,7 @@ def bootstrap_laws(col: Collected, C_of: dict[str, float], C: float) -> dict[str
 
     Each replicate redraws, per size, the finished seeds with replacement (one draw per size for every
     scheme, so the pairing of schemes within a seed is kept), refits the per-size means and recomputes α
-    and the multiplier at C. With three seeds a size has only ten distinct draws, and the bootstrap
+    and the multiplier at C. With three seeds, for example, a size has only ten distinct draws, and the bootstrap
     understates the spread of a mean by the factor sqrt((n - 1) / n): the interval is a lower bound on
     the seed uncertainty, and it leaves out the uncertainty of the power-law form itself."""
     base = col.spec.baseline or "prenorm"
@@ -139,6 +139,15 @@ def _interval(iv: tuple[float, float] | None, fmt_: str) -> str:
     if iv is None or not (finite(iv[0]) and finite(iv[1])):
         return "—"
     return f"[{iv[0]:{fmt_}}, {iv[1]:{fmt_}}]"
+
+
+def _seeds_per_size(col: Collected) -> str:
+    """'3' or '3-5': the finished seeds per size and scheme, as the bootstrap redraws them."""
+    counts = {len(col.losses(size=z, scheme=s)) for z in col.points("size") for s in col.points("scheme")} - {0}
+    if not counts:
+        return "no"
+    lo, hi = min(counts), max(counts)
+    return str(lo) if lo == hi else f"{lo}-{hi}"
 
 
 def step_confound(col: Collected) -> str:
@@ -240,8 +249,8 @@ def scaling_report(rep: Report) -> None:
         "compute multiplier rather than A. The interval is a seed bootstrap "
         f"({BOOTSTRAP_REPLICATES} replicates, fixed RNG seed {BOOTSTRAP_SEED}: per size the finished seeds "
         "redrawn with replacement, the same draw for every scheme, the fits redone): the central 95 % of "
-        "the replicates' α. With three seeds per size it understates the seed spread, and it does not "
-        f"cover the choice of the power-law form; the fit without {largest} shows how much rests on the "
+        f"the replicates' α. With {_seeds_per_size(col)} seeds per size it understates the seed spread, and "
+        f"it does not cover the choice of the power-law form; the fit without {largest} shows how much rests on the "
         "largest size.",
         "",
         md_table(

@@ -11,7 +11,6 @@ from attnres.experiments.env import machine
 from attnres.experiments.reports.common import (
     Report,
     fmt,
-    group_label,
     md_table,
     variant_rows,
 )
@@ -28,8 +27,8 @@ from attnres.experiments.stats import (
 def _seed_statement(col: Collected, axes: list[str]) -> str:
     """'3 seeds for a, b (headline); 2 seeds for the other rows'."""
     per: dict[str, set] = {}
-    for r in col.results:
-        per.setdefault(group_label(r.run.labels, axes), set()).add(r.run.seed)
+    for r in col.results:  # a group of several axes reads 'block/kimi_linear', so the list stays readable
+        per.setdefault("/".join(r.run.labels[a] for a in axes if a in r.run.labels), set()).add(r.run.seed)
     by_n: dict[int, list[str]] = {}
     for g, seeds in per.items():
         by_n.setdefault(len(seeds), []).append(g)
@@ -160,19 +159,27 @@ def eval_scope(col: Collected) -> str:
     )
     if with_split:
         return (
-            f"{slice_only}, not the whole split ({with_split} of the {len(done)} finished runs also have it; where "
-            'whole rows do, "On the whole validation split" compares them there)'
+            f"{slice_only}, not the whole split: {with_split} of the {len(done)} finished runs also have the "
+            "whole-split evaluation, the others predate it"
         )
     return f"{slice_only}, not the whole split (these runs predate the whole-split evaluation)"
 
 
-def split_section(rep: Report, base: str, ok: Callable[[str], bool], **within: str) -> list[str]:
+def split_section(
+    rep: Report,
+    base: str,
+    ok: Callable[[str], bool],
+    partner: tuple[str, Callable[[str], str | None]] | None = None,
+    within: dict[str, str] | None = None,
+) -> list[str]:
     """'## On the whole validation split': in a report that reads the slice because some runs predate the
-    whole-split evaluation, the rows (labels of the first axis, among the runs labelled ``within``) whose
+    whole-split evaluation, the rows (labels of the first axis, among the runs with the labels ``within``) whose
     every run has it, the baseline ``base`` among them, compared there: paired against the baseline over
     the seeds both have. The comparisons join the report's Holm family. ``ok(label)``: whether that row
-    shares the baseline's sublayer initialisation (else †)."""
-    col = rep.col
+    shares the baseline's sublayer initialisation (else †). ``partner``: (column header, label -> the row
+    it is also compared with, or None) for a report whose rows have a second reference (the routing
+    report's paper cell of a family); a partner that lacks the whole-split loss leaves the cell empty."""
+    col, within = rep.col, within or {}
     if col.scope == "split" or not col.spec.axes:
         return []
     axis, labels = variant_rows(col)
@@ -182,9 +189,16 @@ def split_section(rep: Report, base: str, ok: Callable[[str], bool], **within: s
     rows = []
     for label, losses in split.items():
         cell = "—" if label == base else rep.paired_cell(losses, split[base], ok(label))
-        rows.append([label, str(len(losses)), fmt_mean_std(list(losses.values())), cell])
+        row = [label, str(len(losses)), fmt_mean_std(list(losses.values())), cell]
+        if partner is not None:
+            other = partner[1](label)
+            row.append(rep.paired_cell(losses, split[other]) if other is not None and other in split else "—")
+        rows.append(row)
     tokens = sorted({r.split_tokens for r in col.select(**within) if r.done and r.has_split_eval})
     where = "".join(f", {k}: {v}" for k, v in within.items())
+    headers = ["variant", "seeds", "loss, whole split", f"Δ vs {base}, whole split (paired)"]
+    if partner is not None:
+        headers.append(f"{partner[0]}, whole split (paired)")
     return [
         f"## On the whole validation split{where}",
         "",
@@ -194,7 +208,7 @@ def split_section(rep: Report, base: str, ok: Callable[[str], bool], **within: s
         "runs' slice losses beside the rows that have no other). These comparisons join the report's Holm "
         "correction; the README quotes them.",
         "",
-        md_table(["variant", "seeds", "loss, whole split", f"Δ vs {base}, whole split (paired)"], rows, "lrrl"),
+        md_table(headers, rows, "lrrl" + "l" * (partner is not None)),
         "",
     ]
 
@@ -204,12 +218,14 @@ def _headline_seeds(col: Collected) -> str:
     fewest finished seeds it has in any group of the other axes)."""
     if not col.spec.headline:
         return ""
+    axis_of = {p.label: name for name, points in col.spec.axes for p in points}
     by_n: dict[int, list[str]] = {}
     for label in col.spec.headline:
+        axis = axis_of.get(label)
         groups: dict[tuple, set[int]] = {}
-        for r in col.results:
-            if label in r.run.labels.values() and r.done:
-                others = tuple(sorted((k, v) for k, v in r.run.labels.items() if v != label))
+        for r in col.results:  # the row's runs, by the points of the other axes (a tag is not a row)
+            if r.done and axis is not None and r.run.labels.get(axis) == label:
+                others = tuple((a, r.run.labels.get(a)) for a, _ in col.spec.axes if a != axis)
                 groups.setdefault(others, set()).add(r.run.seed)
         by_n.setdefault(min((len(s) for s in groups.values()), default=0), []).append(label)
     parts = [f"{', '.join(labels)}: {seed_shortfall(n) or f'{n} seeds'}" for n, labels in sorted(by_n.items())]
