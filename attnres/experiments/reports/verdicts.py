@@ -214,6 +214,15 @@ def gain_note(schemes: tuple[str, ...], **labels: str) -> Callable[[Report], str
     return note
 
 
+def states_vs_outputs(backbone: str) -> tuple[tuple[str, Pick], ...]:
+    """The routing report's Block and Full with state sources against their output-sourced cells on
+    ``backbone``, on the whole validation split."""
+    return tuple(
+        (s, split_pair({"backbone": backbone, "scheme": f"{s}-states"}, {"backbone": backbone, "scheme": s}))
+        for s in ("block", "full")
+    )
+
+
 def additive_rows(backbone: str, name: str) -> tuple[Row, ...]:
     """The additive report's headline rows on one backbone: Delta AttnRes' unit gain against the replacement
     routing of its family and against PreNorm, and a learned per-channel gain from 1 against PreNorm."""
@@ -416,15 +425,13 @@ ROWS: tuple[Row, ...] = (
         "states instead of outputs as sources (replacement routing), Kimi Linear (whole validation split)",
         "–",
         "routing",
-        tuple(
-            (
-                s,
-                split_pair(
-                    {"backbone": "kimi_linear", "scheme": f"{s}-states"}, {"backbone": "kimi_linear", "scheme": s}
-                ),
-            )
-            for s in ("block", "full")
-        ),
+        states_vs_outputs("kimi_linear"),
+    ),
+    Row(
+        "the same on the LLaMA model of that size (16 sublayers, d 64)",
+        "–",
+        "routing",
+        states_vs_outputs("llama"),
     ),
     Row(
         "the Kimi-backbone advantage grows with scale (equal tokens per parameter): Block, k1 → k4",
