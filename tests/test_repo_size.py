@@ -1,8 +1,10 @@
 """The repository stays lean: no tracked file over 2 MiB; the code, docs, reports and data together at most
-8 MiB; the committed experiment runs at most 14 MiB, each run's folder at most 48 KiB. The runs have a
+8 MiB; the committed experiment runs at most 16 MiB, each run's folder at most 48 KiB. The runs have a
 budget of their own because the evidence grows with them (several hundred runs of 10-40 KB each, thinned),
 while everything else should not grow much: 10 MiB held until the 5-seed learning-rate sweep (270 runs)
-and the additive experiment (130) came in, about 17 KB a run.
+and the additive experiment (130) came in, about 17 KB a run; 14 MiB until the routing 2 x 2's 5-seed
+cells (70 runs, 50 of them copies of additive runs: an experiment holds the runs its report reads); the
+last 2 MiB leave room for the scaling experiments' 5 seeds (48 more runs).
 
 Tracked means ``git ls-files``; a file's size is its size in the working tree (what a checkout holds,
 a symlink counted as the link). Outside a git checkout of this repository (an sdist, an installed
@@ -23,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MiB = 1 << 20
 MAX_FILE = 2 * MiB
 MAX_OTHER = 8 * MiB
-MAX_RUNS = 14 * MiB
+MAX_RUNS = 16 * MiB
 MAX_RUN = 48 * 1024
 RUNS = "experiments/runs/"
 
@@ -94,7 +96,7 @@ def test_tracked_files_outside_the_runs_total_at_most_8_mib(sizes):
     )
 
 
-def test_committed_runs_total_at_most_14_mib_and_each_is_thinned(sizes):
+def test_committed_runs_total_at_most_16_mib_and_each_is_thinned(sizes):
     runs = Counter()
     for name, size in sizes.items():
         if name.startswith(RUNS):
