@@ -7,8 +7,7 @@ from attnres.experiments.reports.common import (
     Report,
     fmt,
     md_table,
-    model_of,
-    shares_sublayer_init,
+    same_init_as,
     variant_rows,
 )
 from attnres.experiments.reports.sections import split_section
@@ -27,7 +26,6 @@ def ablations_report(rep: Report) -> None:
     axis, labels = variant_rows(col)
     base = col.spec.baseline or labels[0]
     ref = col.losses(**{axis: base})
-    base_model = model_of(col, **{axis: base})
     paper_base = col.point(axis, base).paper_loss
     means = {label: mean_std(col.losses(**{axis: label}).values())[0] for label in labels}
     paper = {label: col.point(axis, label).paper_loss for label in labels}
@@ -45,10 +43,7 @@ def ablations_report(rep: Report) -> None:
             strict=True,
         )
     )
-
-    def same_init(label: str) -> bool:
-        model = model_of(col, **{axis: label})
-        return model is None or base_model is None or label == base or shares_sublayer_init(model, base_model)
+    same_init = same_init_as(col, axis, base)
 
     rows, bars = [], []
     for label in labels:

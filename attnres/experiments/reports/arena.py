@@ -12,8 +12,7 @@ from attnres.experiments.reports.common import (
     fmt,
     md_table,
     mean_curve,
-    model_of,
-    shares_sublayer_init,
+    same_init_as,
 )
 from attnres.experiments.reports.sections import split_section
 from attnres.experiments.results import finite
@@ -32,11 +31,7 @@ def arena_report(rep: Report) -> None:
         base_runs = [r for r in col.select(scheme=base, **sel) if r.done]
         base_params = base_runs[0].summary["params"] if base_runs else None
         base_secs = mean_std([r.train_seconds for r in base_runs])[0]
-        base_model = model_of(col, scheme=base, **sel)
-
-        def same_init(s: str, sel=sel, base_model=base_model) -> bool:
-            model = model_of(col, scheme=s, **sel)
-            return s == base or model is None or base_model is None or shares_sublayer_init(model, base_model)
+        same_init = same_init_as(col, "scheme", base, **sel)
 
         rows = []
         curves_tok: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # scheme -> (x, mean loss)

@@ -62,6 +62,19 @@ def model_of(col: Collected, **labels) -> dict | None:
     return None
 
 
+def same_init_as(col: Collected, axis: str, base: str, **within: str) -> Callable[[str], bool]:
+    """label -> whether the row ``axis = label`` (among the runs labelled ``within``) starts from the sublayer
+    initialisation of the row ``axis = base`` (``shares_sublayer_init``); the base itself, and a row
+    without a model, count as sharing it. A report marks the pairs that do not with †."""
+    base_model = model_of(col, **{axis: base}, **within)
+
+    def check(label: str) -> bool:
+        model = model_of(col, **{axis: label}, **within)
+        return label == base or model is None or base_model is None or shares_sublayer_init(model, base_model)
+
+    return check
+
+
 def planned_model(col: Collected, axis: str, label: str):
     for r in col.results:
         if r.run.labels.get(axis) == label:

@@ -18,8 +18,7 @@ from attnres.experiments.reports.common import (
     Report,
     fmt,
     md_table,
-    model_of,
-    shares_sublayer_init,
+    same_init_as,
 )
 from attnres.experiments.reports.kimi_linear import BACKBONE_NAMES, _median_step_seconds
 from attnres.experiments.reports.sections import split_section
@@ -104,11 +103,7 @@ def routing_report(rep: Report) -> None:
     schemes = col.points("scheme")
     for bb in col.points("backbone"):
         ref = col.losses(backbone=bb, scheme=base)
-        base_model = model_of(col, backbone=bb, scheme=base)
-
-        def same_init(s: str, bb=bb, base_model=base_model) -> bool:
-            model = model_of(col, backbone=bb, scheme=s)
-            return s == base or model is None or base_model is None or shares_sublayer_init(model, base_model)
+        same_init = same_init_as(col, "scheme", base, backbone=bb)
 
         def paper_partner(s: str) -> str | None:
             paper = _paper_cell(col, _tags(col, s)[0])
