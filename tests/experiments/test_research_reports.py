@@ -113,7 +113,8 @@ def test_the_routing_report_pairs_each_cell_and_states_a_verdict(suite):
     assert "Δ vs the paper's cell of its family" in text
     assert "| block | outputs | -" in text  # the 2 x 2 grid row of Block's outputs source
     assert "Winner on llama:" in text
-    assert "Verdict on the cells as trained (Δ, 95 % interval, Holm-corrected verdict): llama: block additive" in text
+    assert "Holm-corrected verdict; on the whole validation split where a backbone's cells have it, among the " in text
+    assert "cells scored there): llama: block additive" in text  # every run has the split: the report reads it
     assert "nothing here refutes it" in text and "refuted" not in text
 
 
@@ -296,5 +297,10 @@ def test_the_routing_report_compares_the_cells_with_the_whole_split_there(suite,
     picked = split_pair({"scheme": "block-additive"}, {"scheme": "block"})(rep)
     assert picked.mean == pytest.approx(paired(additive, block).mean)
     assert picked.family == len(rep.comparisons.tests)
+    # the verdict reads the split too, among the cells scored there (block-states, on the slice only, is out)
+    verdict = text.split("## Verdict", 1)[1]
+    assert f"llama (whole split): block additive {paired(additive, block).mean:+.3f}" in verdict
+    best = min(("block", "block-additive"), key=lambda s: sum(col.split_losses(scheme=s).values()))
+    assert f"best cell {best} {paired(col.split_losses(scheme=best), prenorm).mean:+.3f}" in verdict
     gains = [r for r in col.select(scheme="block-additive") if r.done and r.probes.get("routing_gain")]
     assert gains and f"{len(gains)} of their {len(gains)} runs record it" in text

@@ -39,35 +39,41 @@ def _paper_cell(col: Collected, family: str) -> str | None:
 
 
 def routing_verdict(rep: Report) -> str:
-    """One line: per backbone and family, additive against replacement (outputs source) and the winner."""
+    """One line: per backbone and family, additive against replacement (outputs source) and the winner.
+    Where the baseline and some cells of a backbone have the whole-split evaluation, the line reads those
+    cells there (the comparisons of the section "On the whole validation split"), not the slice."""
     col = rep.col
     base = col.spec.baseline or "prenorm"
     parts = []
     for bb in col.points("backbone"):
-        ref = col.losses(backbone=bb, scheme=base)
         cells = [s for s in col.points("scheme") if s != base and col.losses(backbone=bb, scheme=s)]
+        split = {
+            s: v for s in [base, *cells] if col.scope != "split" and (v := col.split_losses(backbone=bb, scheme=s))
+        }
+        if base in split and len(split) > 1:
+            losses, cells, where = split, [s for s in cells if s in split], " (whole split)"
+        else:
+            losses, where = {s: col.losses(backbone=bb, scheme=s) for s in [base, *cells]}, ""
         if not cells:
             continue
         claims = []
         for family in ("block", "full"):
             paper = _paper_cell(col, family)
-            additive = next(
-                (s for s in cells if _tags(col, s) == (family, "outputs", "additive")),
-                None,
-            )
-            if paper is None or additive is None:
+            additive = next((s for s in cells if _tags(col, s) == (family, "outputs", "additive")), None)
+            if paper not in cells or additive is None:
                 continue
-            p = rep.paired(col.losses(backbone=bb, scheme=additive), col.losses(backbone=bb, scheme=paper))
+            p = rep.paired(losses[additive], losses[paper])
             if p.n:
                 claims.append(f"{family} additive {p.mean:+.3f} {p.interval(3)} vs replacement ({p.verdict_text()})")
-        best = min(cells, key=lambda s: float(np.mean(list(col.losses(backbone=bb, scheme=s).values()))))
-        win = rep.paired(col.losses(backbone=bb, scheme=best), ref)
+        best = min(cells, key=lambda s: float(np.mean(list(losses[s].values()))))
+        win = rep.paired(losses[best], losses[base])
         claims.append(f"best cell {best} {win.mean:+.3f} {win.interval(3)} vs {base} ({win.verdict_text()})")
-        parts.append(f"{bb}: " + ", ".join(claims))
+        parts.append(f"{bb}{where}: " + ", ".join(claims))
     if not parts:
         return "Verdict: no runs yet."
     return (
-        "Verdict on the cells as trained (Δ, 95 % interval, Holm-corrected verdict): "
+        "Verdict on the cells as trained (Δ, 95 % interval, Holm-corrected verdict; on the whole validation "
+        "split where a backbone's cells have it, among the cells scored there): "
         + "; ".join(parts)
         + ". "
         + _additive_gain(col)
@@ -189,7 +195,7 @@ def routing_report(rep: Report) -> None:
                 lines.append(f"; against the runner-up {runner}: {p.describe()}.")
             rep.add("".join(lines), "")
         partner = ("Δ vs the paper's cell of its family", paper_partner)
-        rep.add(*split_section(rep, base, same_init, partner, within={"backbone": bb}))
+        rep.add(*split_section(rep, base, same_init, partner, within={"backbone": bb}, row_name="cell"))
     rep.add("## Verdict", "", routing_verdict(rep), "")
 
 

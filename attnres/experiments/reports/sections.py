@@ -171,6 +171,7 @@ def split_section(
     ok: Callable[[str], bool],
     partner: tuple[str, Callable[[str], str | None]] | None = None,
     within: dict[str, str] | None = None,
+    row_name: str = "variant",
 ) -> list[str]:
     """'## On the whole validation split': in a report that reads the slice because some runs predate the
     whole-split evaluation, the rows (labels of the first axis, among the runs with the labels ``within``) whose
@@ -178,7 +179,8 @@ def split_section(
     the seeds both have. The comparisons join the report's Holm family. ``ok(label)``: whether that row
     shares the baseline's sublayer initialisation (else †). ``partner``: (column header, label -> the row
     it is also compared with, or None) for a report whose rows have a second reference (the routing
-    report's paper cell of a family); a partner that lacks the whole-split loss leaves the cell empty."""
+    report's paper cell of a family); a partner that lacks the whole-split loss leaves the cell empty.
+    ``row_name``: the first column's header, the word the report's other tables use for a row."""
     col, within = rep.col, within or {}
     if col.scope == "split" or not col.spec.axes:
         return []
@@ -196,7 +198,7 @@ def split_section(
         rows.append(row)
     tokens = sorted({r.split_tokens for r in col.select(**within) if r.done and r.has_split_eval})
     where = "".join(f", {k}: {v}" for k, v in within.items())
-    headers = ["variant", "seeds", "loss, whole split", f"Δ vs {base}, whole split (paired)"]
+    headers = [row_name, "seeds", "loss, whole split", f"Δ vs {base}, whole split (paired)"]
     if partner is not None:
         headers.append(f"{partner[0]}, whole split (paired)")
     return [
