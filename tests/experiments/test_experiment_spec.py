@@ -276,9 +276,10 @@ def test_the_shipped_specs_parse_expand_and_fit_the_suite_budget():
         assert min(len(s) for s in groups.values()) >= (1 if name == "dynamics" else 2), name
         for label in spec.headline:
             assert all(len(s) >= 3 for g, s in groups.items() if label in dict(g).values()), (name, label)
-    # "about 6 CPU-hours" plus at most 3 for the rows beyond the paper; the arena's share is at one-thread
-    # throughput, the threads its equal-time calibration has to match, the others' at two threads
-    assert 5.0 <= total_budget <= 10.0, total_budget
+    # "about 6 CPU-hours" plus at most 3 for the rows beyond the paper, plus the 5-seed whole-split runs
+    # of the headline rows (scaling's 60 runs alone measured 5.6 CPU-hours at one thread); the arena's share
+    # is at one-thread throughput, the threads its equal-time calibration has to match
+    assert 5.0 <= total_budget <= 15.0, total_budget
 
 
 def test_issue_18_rows_of_the_shipped_specs():
