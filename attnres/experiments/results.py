@@ -176,6 +176,17 @@ class Collected:
             return None
         return {r.run.seed: r.split_loss for r in done}
 
+    def split_rows(
+        self, axis: str, labels: list[str], within: dict[str, str] | None = None
+    ) -> dict[str, dict[int, float]]:
+        """label -> its whole-split losses (``split_losses``), for the labels of ``axis`` (among the runs
+        with the labels ``within``) whose every run has them; empty for a collection that already reads
+        the split (``scope``), whose other tables compare there."""
+        if self.scope == "split":
+            return {}
+        within = within or {}
+        return {label: v for label in labels if (v := self.split_losses(**{axis: label}, **within)) is not None}
+
     def points(self, axis: str) -> list[str]:
         for name, points in self.spec.axes:
             if name == axis:

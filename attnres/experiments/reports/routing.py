@@ -47,9 +47,7 @@ def routing_verdict(rep: Report) -> str:
     parts = []
     for bb in col.points("backbone"):
         cells = [s for s in col.points("scheme") if s != base and col.losses(backbone=bb, scheme=s)]
-        split = {
-            s: v for s in [base, *cells] if col.scope != "split" and (v := col.split_losses(backbone=bb, scheme=s))
-        }
+        split = col.split_rows("scheme", [base, *cells], {"backbone": bb})
         if base in split and len(split) > 1:
             losses, cells, where = split, [s for s in cells if s in split], " (whole split)"
         else:

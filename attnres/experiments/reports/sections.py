@@ -182,10 +182,9 @@ def split_section(
     report's paper cell of a family); a partner that lacks the whole-split loss leaves the cell empty.
     ``row_name``: the first column's header, the word the report's other tables use for a row."""
     col, within = rep.col, within or {}
-    if col.scope == "split" or not col.spec.axes:
+    if not col.spec.axes:
         return []
-    axis, labels = variant_rows(col)
-    split = {label: v for label in labels if (v := col.split_losses(**{axis: label}, **within)) is not None}
+    split = col.split_rows(*variant_rows(col), within)
     if base not in split or len(split) < 2:
         return []
     rows = []
