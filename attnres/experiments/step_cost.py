@@ -4,7 +4,8 @@ A run's own step times (``metrics.jsonl``) say how fast it trained on a shared m
 runs trained hours apart under different loads give step-time ratios that measure the machine, not the
 scheme (0.25 to 1.28 for the same code in the kimi-scaling experiment). Here the runs of one group (one
 size of a scaling experiment) are rebuilt from their configs, seed 0, as the trainer builds them (model,
-optimizer, data, schedule), and their ``Trainer.train_step`` timed in the same process, round-robin: each
+optimizer, data, schedule), and their ``Trainer.train_step`` timed in the same process, at the thread count
+the runs trained with (the process's own when their configs leave it unset), round-robin: each
 round runs every scheme's steps in turn, the order rotated from round to round, and a scheme's ratio is
 the median over rounds of its round time over the baseline's in the same round, so that drifts of the
 machine hit all alike. The result is cached as JSON in the experiment's runs directory
@@ -48,7 +49,11 @@ def measure_step_costs(
 
     if baseline not in runs:
         raise ValueError(f"measure_step_costs: baseline {baseline!r} is not among the schemes {sorted(runs)}")
-    threads = torch.get_num_threads()
+    # time the steps at the thread count the runs trained with: the schemes' ops need not gain alike from
+    # more threads, so a ratio timed at another count is not the runs' ratio
+    trained = {run.train.threads for run in runs.values()}
+    threads = trained.pop() if len(trained) == 1 and None not in trained else torch.get_num_threads()
+    previous = torch.get_num_threads()
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     with tempfile.TemporaryDirectory(prefix="attnres-step-cost-") as tmp:
         trainers = {}
@@ -72,6 +77,7 @@ def measure_step_costs(
         finally:
             for t in trainers.values():
                 t.close()
+            torch.set_num_threads(previous)
     out = {}
     for label, times in seconds.items():
         ratios = [a / b for a, b in zip(times, seconds[baseline], strict=True)]
