@@ -14,7 +14,8 @@
 # (PYTHONPATH) with the machine's torch and triton.
 #
 #   scripts/gpu_check.sh [--out DIR] [--force]      on the GPU machine (about 6-8 minutes on an H200)
-#   scripts/gpu_check.sh --dry-run [--out DIR]       every step on the CPU at a tiny config (CI runs it)
+#   scripts/gpu_check.sh --dry-run [--out DIR]       every step on the CPU at a tiny config (CI runs it;
+#                                                    the tests step only collects, the suite runs them)
 #
 # PYTHON selects the interpreter (default: python3). A step that fails stops the script with its
 # name; the files of the steps before it stay.
@@ -29,7 +30,7 @@ while [ $# -gt 0 ]; do
         --dry-run) dry_run=1 ;;
         --force) force=1 ;;
         --out) out="$2"; shift ;;
-        -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+        -h|--help) awk 'NR > 1 && !/^#/ { exit } NR > 1' "$0"; exit 0 ;;  # the comment block above
         *) echo "gpu_check.sh: error: unknown argument '$1' (--dry-run, --force, --out DIR)" >&2; exit 2 ;;
     esac
     shift
@@ -43,6 +44,9 @@ if [ "$dry_run" = 1 ]; then
     device=cpu
     # the interpreter runs the Triton kernels on the CPU; the CUDA-only tests skip themselves
     export TRITON_INTERPRET=1
+    # the test suite runs these files in the interpreter already: the dry run only checks that the step
+    # finds and imports them (a renamed file or a broken import would cost a GPU session)
+    test_mode=(--collect-only)
     op=(--quick --set repeats=2)
     sizes=(--set d_model=64 --set n_layers=2 --set seq_len=32 --set batch_size=2 --set blocks=2)
     train=("${sizes[@]}" --set repeats=2 --set warmup=1 --set profile_rounds=0 --no-memory)
@@ -50,6 +54,7 @@ if [ "$dry_run" = 1 ]; then
             --set repeats=1 --set profile_rounds=0)
 else
     device=cuda
+    test_mode=()
     if ! "$py" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
         echo "gpu_check.sh: error: no CUDA device visible to $py (use --dry-run on a CPU machine)" >&2
         exit 1
@@ -98,7 +103,7 @@ EOF
 }
 
 tests() {
-    "$py" -m pytest -p no:cacheprovider -q -o addopts="" --junitxml="$out/tests.xml" \
+    "$py" -m pytest -p no:cacheprovider -q -o addopts="" "${test_mode[@]}" --junitxml="$out/tests.xml" \
         tests/ops/depth_attention/test_depth_attention_triton.py tests/ops/two_phase/test_two_phase_triton.py \
         tests/ops/two_phase/test_two_phase_library.py tests/model/test_cuda.py
 }
