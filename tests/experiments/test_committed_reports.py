@@ -18,7 +18,7 @@ RUNS = Path("experiments") / "runs"
 # the demo page is written by `attnres demo`, which trains its own runs (not committed)
 COMMITTED = sorted(p.parent.name for p in (ROOT / "reports").glob(f"*/{REPORT_FILE}") if p.parent.name != "demo")
 # the experiments behind the README's headline rows, which it says trained at one commit on one machine class
-HEADLINE = ("lr-sweep", "equal-time", "equal-time-kimi", "additive", "scaling")
+HEADLINE = ("lr-sweep", "equal-time", "equal-time-kimi", "additive", "scaling", "kimi-scaling")
 # experiments of which only the runs of the spec's headline rows are the README's (the other rows are older)
 HEADLINE_ROWS = ("ablations", "arena", "routing")
 
