@@ -2,7 +2,7 @@
 
 A run's own step times (``metrics.jsonl``) say how fast it trained on a shared machine at the hour it ran:
 runs trained hours apart under different loads give step-time ratios that measure the machine, not the
-scheme (0.25 to 1.28 for the same code in the kimi-scaling experiment). Here the runs of one group (one
+scheme (0.78 to 1.37 for the same code in the kimi-scaling experiment). Here the runs of one group (one
 size of a scaling experiment) are rebuilt from their configs, seed 0, as the trainer builds them (model,
 optimizer, data, schedule), and their ``Trainer.train_step`` timed in the same process, at the thread count
 the runs trained with (the process's own when their configs leave it unset), round-robin: each
